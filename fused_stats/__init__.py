@@ -1,0 +1,27 @@
+"""fused_stats: exact streaming statistics of activation gradients at residual insertion points.
+
+See README.md and DESIGN.md. Public names only; everything else lives in submodules.
+"""
+
+from .errors import FusedStatsError
+from .accumulators import (
+    Certificate,
+    Estimate,
+    GradStats,
+    Misalignment,
+    misalignment_probability,
+    realized_alignment,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FusedStatsError",
+    "GradStats",
+    "Estimate",
+    "Certificate",
+    "Misalignment",
+    "misalignment_probability",
+    "realized_alignment",
+    "__version__",
+]

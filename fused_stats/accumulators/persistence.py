@@ -1,0 +1,137 @@
+"""Saving and loading accumulator state: safetensors, versioned, checksummed, written atomically.
+
+A file holds only tensors and string metadata (no pickle, so loading never runs code). The
+metadata carries ``format``, ``version``, the constructor arguments, ``n`` and a SHA-256 over the
+tensors' bytes (in sorted name order); loading recomputes it, so a truncated or edited file is
+reported as damaged instead of silently giving wrong statistics. Writes go to a temporary file in
+the same folder, are fsync'ed, then renamed over the target (atomic on POSIX).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import FusedStatsError
+
+FORMAT = "fused_stats.GradStats"
+VERSION = 1
+TENSOR_KEYS = ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram")
+
+
+def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        value = tensors[key].detach().to("cpu").contiguous().reshape(-1)
+        digest.update(key.encode())
+        digest.update(str(value.dtype).encode())
+        digest.update(str(tuple(value.shape)).encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+def write_atomic(path: Path, payload: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def state_to_tensors(acc) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The state as CPU tensors plus string metadata (no checksum yet)."""
+    tensors = {}
+    if acc.n:
+        for key in TENSOR_KEYS:
+            value = getattr(acc, key)
+            if value is not None:
+                tensors[key] = value.detach().to("cpu").contiguous()
+    meta = {
+        "format": FORMAT,
+        "version": str(VERSION),
+        "config": json.dumps({
+            "dim": acc.dim, "second_moment": acc.second_moment,
+            "pool_capacity": acc.pool_capacity, "nonfinite": acc.nonfinite, "name": acc.name,
+        }),
+        "state": json.dumps({"n": acc.n, "mode": acc.mode, "unit": acc.unit,
+                             "skipped_batches": acc.skipped_batches}),
+    }
+    return tensors, meta
+
+
+def save_grad_stats(acc, path) -> None:
+    from safetensors.torch import save
+
+    tensors, meta = state_to_tensors(acc)
+    meta["sha256"] = tensors_checksum(tensors)
+    write_atomic(Path(path), save(tensors, metadata=meta))
+
+
+def read_checked(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a state file, after format, version and checksum checks."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FusedStatsError(f"no state file at {str(path)!r}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            meta = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    except FusedStatsError:
+        raise
+    except Exception as exc:  # safetensors raises several types for damaged headers/data
+        raise FusedStatsError(f"state file {str(path)!r} is damaged or not a safetensors file: {exc}") from exc
+    if meta.get("format") != FORMAT:
+        raise FusedStatsError(f"{str(path)!r} is not a {FORMAT} state (format={meta.get('format')!r})")
+    if meta.get("version") != str(VERSION):
+        raise FusedStatsError(
+            f"{str(path)!r} has state version {meta.get('version')!r}; this fused_stats reads "
+            f"version {VERSION}")
+    if tensors_checksum(tensors) != meta.get("sha256"):
+        raise FusedStatsError(f"state file {str(path)!r} failed its checksum (damaged or edited)")
+    return tensors, meta
+
+
+def load_grad_stats(path, device=None, backend="auto"):
+    from .grad_stats import GradStats
+
+    tensors, meta = read_checked(path)
+    try:
+        config = json.loads(meta["config"])
+        state = json.loads(meta["state"])
+    except (KeyError, ValueError) as exc:
+        raise FusedStatsError(f"state file {str(path)!r} has unreadable metadata: {exc}") from exc
+    acc = GradStats(config["dim"], config["second_moment"], config["pool_capacity"], device,
+                    backend, config["nonfinite"], config["name"])
+    acc.skipped_batches = int(state["skipped_batches"])
+    acc.unit = state["unit"]
+    if state["n"]:
+        target = torch.device(device) if device is not None else torch.device("cpu")
+        acc.mode = state["mode"]
+        acc.n = int(state["n"])
+        acc.device = target
+        for key, value in tensors.items():
+            setattr(acc, key, value.to(target))
+        needed = ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum") + (
+            ("S",) if acc.mode == "dense" else ("pool", "gram"))
+        missing = [key for key in needed if getattr(acc, key) is None]
+        if missing:
+            raise FusedStatsError(f"state file {str(path)!r} lacks tensors {missing}")
+        if acc.centre.shape != (acc.dim,):
+            raise FusedStatsError(
+                f"state file {str(path)!r}: centre has shape {tuple(acc.centre.shape)}, dim={acc.dim}")
+    return acc

@@ -1,0 +1,1 @@
+"""Python API over models: probe driver, insertion points, reports (filled by later modules)."""

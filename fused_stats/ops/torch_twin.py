@@ -1,0 +1,91 @@
+"""Torch twins of the Triton kernels: the CPU path and the test oracle.
+
+Each function here has exactly the signature of its kernel launcher in ``fused_stats.kernels``.
+The twins compute in float64, so on CPU they are exact up to fp64 rounding; the kernels compute
+per-batch products in fp32 (``ieee`` precision) and return fp64 sums.
+
+Capture-reduce (DESIGN section 6.1), for one batch of gradients ``g`` of shape (B, T, d):
+
+* ``unit="sample"``: ``q_b = sum_t mask[b,t] g[b,t]`` (a sample with no unmasked position is not a
+  sample); ``unit="position"``: each unmasked ``g[b,t]`` is a sample ``q``.
+* ``y = q - centre`` for every sample (rows that are not samples are exactly zero), and the sums
+  ``n``, ``s = sum y``, ``t = sum |y|^2 y``, ``a1 = sum |y|^2``, ``a2 = sum |y|^4``,
+  ``norm_max = max |q|``, ``norm_sum = sum |q|`` (norms of the uncentred ``q``).
+
+Second moment (6.2): ``S += Y^T Y``. Gram rows (6.2): ``Y_new Y_pool^T``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+UNITS_CAPTURED = ("sample", "position")
+
+
+@dataclass
+class BatchSums:
+    """What one capture-reduce pass returns; all sums are float64 on the input's device."""
+
+    rows: torch.Tensor  # (R, d) centred vectors; R = B ("sample") or B*T ("position")
+    valid: torch.Tensor  # (R,) bool: which rows are samples
+    n: int
+    s: torch.Tensor  # (d,)
+    t: torch.Tensor  # (d,)
+    a1: torch.Tensor  # ()
+    a2: torch.Tensor  # ()
+    norm_max: torch.Tensor  # ()
+    norm_sum: torch.Tensor  # ()
+
+    def valid_rows(self) -> torch.Tensor:
+        """The sample rows only, as float64 (what a pool stores)."""
+        return self.rows[self.valid].to(torch.float64)
+
+
+def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor,
+                   unit: str) -> BatchSums:
+    """One pass over ``grad`` (B, T, d), any float dtype and strides; ``mask`` (B, T) bool or None;
+    ``centre`` (d,) float64. Returns :class:`BatchSums` (see module docstring)."""
+    g = grad.to(torch.float64)
+    B, T, d = g.shape
+    if mask is None:
+        keep = torch.ones(B, T, dtype=torch.bool, device=g.device)
+    else:
+        keep = mask.to(device=g.device, dtype=torch.bool)
+    # where(), not multiply: a NaN at a masked (padding) position must not leak into the sums
+    g = torch.where(keep.unsqueeze(-1), g, torch.zeros((), dtype=g.dtype, device=g.device))
+    if unit == "sample":
+        q = g.sum(dim=1)
+        valid = keep.any(dim=1)
+    elif unit == "position":
+        q = g.reshape(B * T, d)
+        valid = keep.reshape(B * T)
+    else:
+        raise ValueError(f"unit must be one of {UNITS_CAPTURED}, got {unit!r}")
+    zero = torch.zeros((), dtype=torch.float64, device=g.device)
+    y = torch.where(valid.unsqueeze(-1), q - centre.to(device=g.device, dtype=torch.float64), zero)
+    q_norm = torch.where(valid, q.norm(dim=1), zero)
+    y_sq = (y * y).sum(dim=1)
+    return BatchSums(
+        rows=y,
+        valid=valid,
+        n=int(valid.sum().item()),
+        s=y.sum(dim=0),
+        t=(y_sq.unsqueeze(1) * y).sum(dim=0),
+        a1=y_sq.sum(),
+        a2=(y_sq * y_sq).sum(),
+        norm_max=q_norm.max() if q_norm.numel() else zero.clone(),
+        norm_sum=q_norm.sum(),
+    )
+
+
+def second_moment_update(S: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place ``S += rows^T rows``; ``S`` (d, d) float64, ``rows`` (R, d) any float dtype."""
+    r = rows.to(torch.float64)
+    S.addmm_(r.T, r)
+
+
+def gram_rows(new_rows: torch.Tensor, pool_rows: torch.Tensor) -> torch.Tensor:
+    """``new_rows @ pool_rows^T`` as float64: (B, d) x (N, d) -> (B, N)."""
+    return new_rows.to(torch.float64) @ pool_rows.to(torch.float64).T
