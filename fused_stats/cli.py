@@ -1,57 +1,24 @@
-"""The ``fused-stats`` command line: ``synthetic`` (estimates vs known population values)."""
+"""The ``fused-stats`` command line; each sub-command lives in :mod:`fused_stats.commands`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from . import __version__
-
-
-def cmd_synthetic(args) -> int:
-    """Feed a spiked Gaussian population with known μ and Σ through GradStats; print both."""
-    import torch
-
-    from .accumulators import GradStats
-
-    gen = torch.Generator().manual_seed(args.seed)
-    d = args.dim
-    mu = torch.zeros(d, dtype=torch.float64)
-    mu[0] = args.mean
-    spike = torch.randn(d, generator=gen, dtype=torch.float64)
-    spike /= spike.norm()
-    # Σ = I + 4 v vᵀ: q = μ + z + 2 w v
-    sigma = torch.eye(d, dtype=torch.float64) + 4 * torch.outer(spike, spike)
-    acc = GradStats(d, second_moment=args.second_moment)
-    for _ in range(args.batches):
-        z = torch.randn(args.batch_size, d, generator=gen, dtype=torch.float64)
-        w = torch.randn(args.batch_size, 1, generator=gen, dtype=torch.float64)
-        acc.update(mu + z + 2 * w * spike)
-    est = acc.estimate()
-    truth = {
-        "mu_norm2": float(mu @ mu), "mu_norm4": float(mu @ mu) ** 2,
-        "mu_sigma_mu": float(mu @ sigma @ mu), "trace_sigma2": float((sigma @ sigma).trace()),
-    }
-    print(f"n={est.n} d={est.dim} second_moment={acc.mode}")
-    print(f"{'target':<14}{'estimate':>14}{'population':>14}")
-    for key, value in truth.items():
-        print(f"{key:<14}{getattr(est, key):>14.6g}{value:>14.6g}")
-    print(f"d_align={est.d_align:.4g}  certificate(M=K=100): {est.certificate(100, 100)}")
-    return 0
+from .commands import COMMANDS
+from .errors import FusedStatsError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fused-stats", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="fused-stats",
+        description="Exact streaming activation-gradient statistics (d_align, certificate, saturation).")
     parser.add_argument("--version", action="version", version=f"fused-stats {__version__}")
     sub = parser.add_subparsers(dest="command")
-    syn = sub.add_parser("synthetic", help="estimates on a synthetic population with known values")
-    syn.add_argument("--dim", type=int, default=64)
-    syn.add_argument("--mean", type=float, default=1.0)
-    syn.add_argument("--batches", type=int, default=50)
-    syn.add_argument("--batch-size", type=int, default=200)
-    syn.add_argument("--second-moment", default="auto", choices=["auto", "dense", "pool"])
-    syn.add_argument("--seed", type=int, default=0)
-    syn.set_defaults(func=cmd_synthetic)
+    for name in COMMANDS:
+        importlib.import_module(f"fused_stats.commands.{name}").register(sub)
     return parser
 
 
@@ -61,7 +28,11 @@ def main(argv=None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return int(args.func(args) or 0)
+    except FusedStatsError as exc:
+        print(f"fused-stats: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
