@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 
 from ..backend import resolve_backend
-from . import torch_twin
+from . import cross_twin, torch_twin
+from .cross_twin import CrossBatch
 from .torch_twin import BatchSums
 
-__all__ = ["BatchSums", "capture_reduce", "second_moment_update", "gram_rows", "implementation"]
+__all__ = ["BatchSums", "CrossBatch", "cross_reduce", "capture_reduce", "second_moment_update", "gram_rows", "implementation"]
 
 
 def implementation(backend: str, device: torch.device | str):
@@ -35,3 +36,12 @@ def second_moment_update(S, rows, backend="auto") -> None:
 
 def gram_rows(new_rows, pool_rows, backend="auto") -> torch.Tensor:
     return implementation(backend, new_rows.device).gram_rows(new_rows, pool_rows)
+
+
+def cross_reduce(grad, act, mask, w_in, activation, unit, group_size=cross_twin.DEFAULT_GROUP_SIZE,
+                 backend="auto") -> CrossBatch:
+    if resolve_backend(backend, grad.device) == "torch":
+        return cross_twin.cross_reduce(grad, act, mask, w_in, activation, unit, group_size)
+    from .. import kernels  # lazy: imports triton
+
+    return kernels.cross_reduce(grad, act, mask, w_in, activation, unit, group_size)

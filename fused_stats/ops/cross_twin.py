@@ -1,0 +1,130 @@
+"""Torch twin of the cross-gradient kernel (depth paper; DESIGN sections 2 and 6.3).
+
+A zero-output residual block ``h(z) = W_out φ(W_in z)`` with ``W_out = 0`` inserted at a point has
+one first-order signal, the cross-gradient ``C = E[c_i]`` with ``c_i = Σ_{t∈i} q_t φ_tᵀ`` (d × r),
+``φ_t = φ(W_in z_t)``, ``q_t = dℓ_i/dz_t``. Per batch this op returns
+
+* ``n`` samples, ``c_sum = Σ_i c_i`` (fp64),
+* ``sq_norm_sum = Σ_i |c_i|_F²`` (the per-sample "ghost" norms), and
+* sums over ordered tuples of distinct samples *inside groups* of at most ``group_size``
+  consecutive samples of ``k_ij = <c_i, c_j>_F``: ``u2 = Σ k_ij²``, ``u3 = Σ k_ij k_jk``,
+  ``u4 = Σ k_ij k_kl`` with their tuple counts — these give the standard error of the unbiased
+  ``|C|_F²`` (see :mod:`fused_stats.accumulators.cross_stats`).
+
+``unit="sample"`` materialises ``c_i`` per sample (a batched GEMM; cheaper than the T×T ghost
+Gram whenever T > r). ``unit="position"``: each unmasked position is a sample with the rank-one
+``c = q φᵀ``, so ``k_ij = (q_iᵀq_j)(φ_iᵀφ_j)`` and nothing d × r is formed per sample.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+F64 = torch.float64
+ACTIVATIONS = ("gelu", "relu", "silu", "tanh", "identity", "constant")
+DEFAULT_GROUP_SIZE = 256
+
+
+@dataclass
+class CrossBatch:
+    n: int
+    c_sum: torch.Tensor  # (d, r) fp64
+    sq_norm_sum: torch.Tensor  # () fp64
+    u2: torch.Tensor  # () fp64: Σ_{i≠j} k_ij² within groups
+    u3: torch.Tensor  # () fp64: Σ_{i,j,k distinct} k_ij k_jk
+    u4: torch.Tensor  # () fp64: Σ_{i,j,k,l distinct} k_ij k_kl
+    p2: int
+    p3: int
+    p4: int
+
+
+def apply_activation(pre: torch.Tensor, activation: str) -> torch.Tensor:
+    """φ applied to pre-activations; ``constant`` is φ ≡ 1 (the bias-only block, C = μ)."""
+    if activation == "gelu":
+        return torch.nn.functional.gelu(pre)  # exact erf form
+    if activation == "relu":
+        return torch.relu(pre)
+    if activation == "silu":
+        return torch.nn.functional.silu(pre)
+    if activation == "tanh":
+        return torch.tanh(pre)
+    if activation == "identity":
+        return pre
+    if activation == "constant":
+        return torch.ones_like(pre)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def tuple_sums(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    """Sums of ``k_ij²``, ``k_ij k_jk``, ``k_ij k_kl`` over ordered distinct tuples of one group.
+
+    With ``H`` = ``k`` with its diagonal zeroed: ``Σ_{i≠j} h² = |H|_F²``;
+    ``Σ_{distinct i,j,k} h_ij h_jk = |H1|² − |H|_F²``; and, expanding ``(1ᵀH1)²`` by how two
+    ordered pairs overlap, ``Σ_{distinct i,j,k,l} h_ij h_kl = (1ᵀH1)² − 4·u3 − 2·u2``.
+    """
+    m = k.shape[0]
+    h = k.to(F64) - torch.diag(torch.diagonal(k).to(F64))
+    u2 = (h * h).sum()
+    row = h.sum(dim=1)
+    u3 = (row * row).sum() - u2
+    total = row.sum()
+    u4 = total * total - 4 * u3 - 2 * u2
+    return u2, u3, u4, m * (m - 1), m * (m - 1) * (m - 2), m * (m - 1) * (m - 2) * (m - 3)
+
+
+def fold_groups(k_blocks, d: int, r: int, n: int, c_sum: torch.Tensor) -> CrossBatch:
+    """Assemble a :class:`CrossBatch` from the within-group Gram blocks of the ``c_i``."""
+    zero = torch.zeros((), dtype=F64, device=c_sum.device)
+    u2 = u3 = u4 = zero
+    sq = zero
+    p2 = p3 = p4 = 0
+    for k in k_blocks:
+        a, b, c, q2, q3, q4 = tuple_sums(k)
+        u2, u3, u4 = u2 + a, u3 + b, u4 + c
+        p2, p3, p4 = p2 + q2, p3 + q3, p4 + q4
+        sq = sq + torch.diagonal(k).to(F64).sum()
+    return CrossBatch(n=n, c_sum=c_sum, sq_norm_sum=sq, u2=u2, u3=u3, u4=u4, p2=p2, p3=p3, p4=p4)
+
+
+def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None,
+                 w_in: torch.Tensor, activation: str, unit: str,
+                 group_size: int = DEFAULT_GROUP_SIZE) -> CrossBatch:
+    """One batch: ``grad`` (B, T, d) and ``act`` (B, T, d_in) (the point's output z), ``mask``
+    (B, T) or None, ``w_in`` (r, d_in). Returns a :class:`CrossBatch` (module docstring)."""
+    B, T, d = grad.shape
+    r = w_in.shape[0]
+    keep = (torch.ones(B, T, dtype=torch.bool, device=grad.device) if mask is None
+            else mask.to(device=grad.device, dtype=torch.bool))
+    zero = torch.zeros((), dtype=F64, device=grad.device)
+    q = torch.where(keep.unsqueeze(-1), grad.to(F64), zero)
+    z = torch.where(keep.unsqueeze(-1), act.to(F64), zero)
+    phi = torch.where(keep.unsqueeze(-1), apply_activation(z @ w_in.to(F64).T, activation), zero)
+    if unit == "sample":
+        valid = keep.any(dim=1)
+        c = torch.einsum("btd,btr->bdr", q, phi)[valid]  # (n, d, r)
+        n = c.shape[0]
+        flat = c.reshape(n, d * r)
+        blocks = [flat[i:i + group_size] @ flat[i:i + group_size].T
+                  for i in range(0, n, group_size)]
+        c_sum = c.sum(dim=0) if n else torch.zeros(d, r, dtype=F64, device=grad.device)
+    elif unit == "position":
+        sel = keep.reshape(B * T)
+        qs, ps = q.reshape(B * T, d)[sel], phi.reshape(B * T, r)[sel]
+        n = qs.shape[0]
+        blocks = [(qs[i:i + group_size] @ qs[i:i + group_size].T)
+                  * (ps[i:i + group_size] @ ps[i:i + group_size].T)
+                  for i in range(0, n, group_size)]
+        c_sum = qs.T @ ps
+    else:
+        raise ValueError(f"unit must be 'sample' or 'position', got {unit!r}")
+    return fold_groups(blocks, d, r, n, c_sum)
+
+
+def seeded_w_in(rank: int, dim: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """The default random projection: iid N(0, 1/dim) entries from a seeded CPU generator, so
+    pre-activations are O(|z|/sqrt(dim)) (the usual fan-in initialisation)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rank, dim, generator=gen, dtype=F64) / math.sqrt(dim)).to(dtype)
