@@ -1,0 +1,148 @@
+"""Growth operations at a residual point: the depth probe's block spec and zero-block insertion.
+
+* :class:`CrossSpec` describes the zero-output block ``h(z) = W_out φ(W_in z)`` whose cross-gradient
+  ``C = E[Σ_t q_t φ(W_in z_t)ᵀ]`` the probe measures (depth paper; DESIGN section 2).
+* :func:`insert_zero_block` adds such a block (``W_out = 0``) or a zero bias at a point: the point's
+  output ``z`` becomes ``z + h(z)``, which equals ``z`` exactly while ``W_out = 0`` (function
+  preserving). The block is registered as a child module of the point, so it appears in
+  ``model.parameters()`` and can be trained; :func:`remove_inserted_block` undoes the insertion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import FusedStatsError
+from ..ops.cross_twin import ACTIVATIONS, apply_activation, seeded_w_in
+
+INSERTED_NAME = "fused_stats_inserted"
+
+
+@dataclass(frozen=True)
+class CrossSpec:
+    """The zero-output block probed for depth saturation.
+
+    ``rank`` features ``φ(W_in z)`` with ``W_in`` (rank, d) drawn from N(0, 1/d) with ``seed``
+    unless ``w_in`` is given; ``activation`` in ``gelu, relu, silu, tanh, identity, constant``
+    (``constant``: φ ≡ 1, i.e. a bias-only block, for which ``C = μ``).
+    """
+
+    rank: int = 64
+    activation: str = "gelu"
+    seed: int = 0
+    w_in: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise FusedStatsError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.w_in is None and (not isinstance(self.rank, int) or self.rank < 1):
+            raise FusedStatsError(f"rank must be a positive int, got {self.rank!r}")
+        if self.w_in is not None and self.w_in.dim() != 2:
+            raise FusedStatsError(f"w_in must have shape (rank, d), got {tuple(self.w_in.shape)}")
+
+    def projection(self, dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
+        """``W_in`` for a stream of width ``dim``."""
+        if self.w_in is not None:
+            if self.w_in.shape[1] != dim:
+                raise FusedStatsError(
+                    f"CrossSpec.w_in has shape {tuple(self.w_in.shape)}, the point's width is {dim}")
+            return self.w_in.detach().to(dtype=dtype, device=device)
+        return seeded_w_in(self.rank, dim, self.seed, dtype).to(device)
+
+
+class ZeroBlock(nn.Module):
+    """``h(z) = W_out φ(W_in z)`` with ``W_out = 0`` (or, ``kind="bias"``, ``h(z) = b`` with b = 0)."""
+
+    def __init__(self, dim: int, kind: str = "block", spec: CrossSpec | None = None,
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        if kind not in ("bias", "block"):
+            raise FusedStatsError(f"kind must be 'bias' or 'block', got {kind!r}")
+        self.kind = kind
+        if kind == "bias":
+            self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
+        else:
+            spec = spec or CrossSpec()
+            self.activation = spec.activation
+            w_in = spec.projection(dim, dtype=dtype, device=device)
+            self.register_buffer("w_in", w_in)
+            self.w_out = nn.Parameter(torch.zeros(dim, w_in.shape[0], dtype=dtype, device=device))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        if self.kind == "bias":
+            return self.bias.expand_as(z)
+        phi = apply_activation(z @ self.w_in.T, self.activation)
+        return phi @ self.w_out.T
+
+
+def _stream(out):
+    """The residual-stream tensor inside a module output (a tensor or a tuple whose first item is)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise FusedStatsError(f"cannot find the residual stream in a module output of type {type(out).__name__}")
+
+
+def _replace_stream(out, new):
+    if isinstance(out, torch.Tensor):
+        return new
+    return type(out)((new, *out[1:])) if isinstance(out, tuple) else [new, *out[1:]]
+
+
+def insert_zero_block(model: nn.Module, point: str, kind: str = "block",
+                      spec: CrossSpec | None = None, feature_dim: int = -1,
+                      dim: int | None = None) -> ZeroBlock:
+    """Insert a zero-output residual block (or zero bias) after module ``point``; returns it.
+
+    The point's output ``z`` becomes ``z + h(z)``; since ``W_out = 0`` (``b = 0``) the model's
+    outputs are unchanged. ``feature_dim`` is the stream's feature axis (1 for NCHW maps); ``dim``
+    its width (read from the model config or the point's layers when omitted).
+    """
+    try:
+        module = model.get_submodule(point)
+    except AttributeError as exc:
+        raise FusedStatsError(f"no module named {point!r} in {type(model).__name__}") from exc
+    if hasattr(module, INSERTED_NAME):
+        raise FusedStatsError(f"point {point!r} already has an inserted block; remove it first")
+    param = next(model.parameters(), None)
+    dtype = param.dtype if param is not None else torch.float32
+    device = param.device if param is not None else None
+    dim = dim or _point_width(model, module, point)
+    block = ZeroBlock(dim, kind, spec, dtype=dtype, device=device)
+    module.add_module(INSERTED_NAME, block)
+
+    def hook(mod, args, out):
+        z = _stream(out)
+        zz = z.movedim(feature_dim, -1)
+        added = (zz + block(zz)).movedim(-1, feature_dim)
+        return _replace_stream(out, added)
+
+    block._fused_stats_handle = module.register_forward_hook(hook)
+    return block
+
+
+def remove_inserted_block(model: nn.Module, point: str) -> None:
+    """Undo :func:`insert_zero_block` at ``point``."""
+    module = model.get_submodule(point)
+    block = getattr(module, INSERTED_NAME, None)
+    if block is None:
+        raise FusedStatsError(f"point {point!r} has no inserted block")
+    block._fused_stats_handle.remove()
+    delattr(module, INSERTED_NAME)
+
+
+def _point_width(model: nn.Module, module: nn.Module, point: str) -> int:
+    """The stream width at ``point``, read from a model config or the module's parameters."""
+    config = getattr(model, "config", None)
+    for key in ("hidden_size", "n_embd", "d_model"):
+        if config is not None and getattr(config, key, None):
+            return int(getattr(config, key))
+    for name in ("out_channels", "num_features", "out_features"):
+        for sub in reversed(list(module.modules())):
+            if hasattr(sub, name):
+                return int(getattr(sub, name))
+    raise FusedStatsError(f"cannot infer the width of the stream at {point!r}; pass a CrossSpec with w_in")
