@@ -12,6 +12,7 @@ from .accumulators import (
     misalignment_probability,
     realized_alignment,
 )
+from .api.report import Report
 
 __version__ = "0.1.0"
 
@@ -23,5 +24,6 @@ __all__ = [
     "Misalignment",
     "misalignment_probability",
     "realized_alignment",
+    "Report",
     "__version__",
 ]

@@ -1,0 +1,600 @@
+"""Probe reports: a versioned JSON document, a markdown rendering and PNG plots.
+
+Role: the one exchange format between :class:`fused_stats.Probe` (which fills it), the
+``fused-stats`` CLI (which prints, stores and re-renders it) and users' own analysis. A
+:class:`Report` wraps exactly this dict (version 1)::
+
+    {"format": "fused_stats.report", "version": 1, "fused_stats_version": str,
+     "created": ISO 8601 str,
+     "model": {"class": str, "num_parameters": int, "config": dict},
+     "unit": str, "second_moment": str,
+     "points": [{"name": str, "index": int, "dim": int,
+                 "train": Estimate dict | None, "test": Estimate dict | None,
+                 "certificate": Certificate dict | None, "misalignment": Misalignment dict | None,
+                 "realized_alignment": float | None, "saturation": dict | None}],
+     "meta": dict}
+
+The Estimate / Certificate / Misalignment dicts are the ``to_dict()`` of the classes in
+:mod:`fused_stats.accumulators`. No numbers are computed here; the report only shows what the
+accumulators finalised: ``|μ|²`` (``mu_norm2``), ``d_par = |μ|⁴/μᵀΣμ``, ``d_2 = |μ|⁴/tr(Σ²)``,
+``d_align = min(d_par, d_2)``, the certificate bounds ``B_align = 1/(1 + n_eff d_align)`` and
+``B_exact = Var/(Var + |μ|⁴)`` with ``n_eff = MK/(M+K+1)`` (width paper, Theorem 1; DESIGN
+section 2), the empirical misalignment ``Pr(μ_Mᵀg_K ≤ 0)`` over random splits of a pool, the
+realized alignment ``s_trainᵀ s_test/(MK)`` and the depth paper's ``AG_max = max_i |q_i|``.
+
+JSON has no infinity or NaN (``d_par`` is ``inf`` when the ``μᵀΣμ`` estimate is ≤ 0), so
+non-finite floats are written as the strings ``"Infinity"``, ``"-Infinity"`` and ``"NaN"`` and
+turned back into floats on reading; the file itself is strict JSON (``allow_nan=False``).
+
+Plots use matplotlib's object-oriented API on an Agg canvas (no pyplot, so the user's interactive
+backend is never switched); matplotlib is imported only when plotting.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable
+
+from ..errors import FusedStatsError
+
+FORMAT = "fused_stats.report"
+VERSION = 1
+
+# Keys a point's sub-dicts must carry; extra keys (e.g. ``effective_rank``) are kept as they are.
+ESTIMATE_KEYS = ("n", "dim", "mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "d_par",
+                 "d_2", "d_align", "ag_max", "ag_mean")
+CERTIFICATE_KEYS = ("M", "K", "n_eff", "b_align", "b_exact")
+MISALIGNMENT_KEYS = ("probability", "stderr", "trials", "M", "K")
+TOP_KEYS = ("format", "version", "fused_stats_version", "created", "model", "unit",
+            "second_moment", "points", "meta")
+POINT_KEYS = ("name", "index", "dim", "train", "test", "certificate", "misalignment",
+              "realized_alignment", "saturation")
+
+_NONFINITE_OUT = {math.inf: "Infinity", -math.inf: "-Infinity"}
+_NONFINITE_IN = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+# ---------------------------------------------------------------------------- JSON encoding
+def _encode(value):
+    """Replace non-finite floats by strings, recursively (JSON cannot hold them)."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return _NONFINITE_OUT[value]
+        return value
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars in user meta
+        try:
+            return _encode(value.item())
+        except (TypeError, ValueError):
+            pass
+    return value
+
+
+def _decode(value):
+    """Inverse of :func:`_encode`: the three marker strings become floats again."""
+    if isinstance(value, str):
+        return _NONFINITE_IN.get(value, value)
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Temp file in the target folder, fsync, rename: a reader never sees a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------- validation
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_sub(where: str, value, keys: tuple[str, ...]) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise FusedStatsError(f"report: {where} must be a dict or null, got {type(value).__name__}")
+    missing = [k for k in keys if k not in value]
+    if missing:
+        raise FusedStatsError(f"report: {where} lacks keys {missing} (has {sorted(value)})")
+    for k in keys:
+        if not _is_number(value[k]):
+            raise FusedStatsError(
+                f"report: {where}[{k!r}] must be a number, got {value[k]!r}")
+
+
+def validate(data) -> None:
+    """Raise :class:`FusedStatsError` naming the first problem in a report dict."""
+    if not isinstance(data, dict):
+        raise FusedStatsError(f"report: expected a JSON object (dict), got {type(data).__name__}")
+    if data.get("format") != FORMAT:
+        raise FusedStatsError(
+            f"report: format is {data.get('format')!r}, expected {FORMAT!r} (not a fused_stats report)")
+    if data.get("version") != VERSION:
+        raise FusedStatsError(
+            f"report: unsupported version {data.get('version')!r}; this fused_stats reads version "
+            f"{VERSION} (written by a newer or older release?)")
+    missing = [k for k in TOP_KEYS if k not in data]
+    if missing:
+        raise FusedStatsError(f"report: missing top-level keys {missing}")
+    for key in ("fused_stats_version", "created", "unit", "second_moment"):
+        if not isinstance(data[key], str):
+            raise FusedStatsError(f"report: {key} must be a string, got {data[key]!r}")
+    model = data["model"]
+    if not isinstance(model, dict):
+        raise FusedStatsError(f"report: model must be a dict, got {type(model).__name__}")
+    if not isinstance(model.get("class"), str):
+        raise FusedStatsError(f"report: model['class'] must be a string, got {model.get('class')!r}")
+    if not _is_int(model.get("num_parameters")):
+        raise FusedStatsError(
+            f"report: model['num_parameters'] must be an int, got {model.get('num_parameters')!r}")
+    if not isinstance(model.get("config"), dict):
+        raise FusedStatsError(f"report: model['config'] must be a dict, got {model.get('config')!r}")
+    if not isinstance(data["meta"], dict):
+        raise FusedStatsError(f"report: meta must be a dict, got {type(data['meta']).__name__}")
+    points = data["points"]
+    if not isinstance(points, list):
+        raise FusedStatsError(f"report: points must be a list, got {type(points).__name__}")
+    seen = set()
+    for i, point in enumerate(points):
+        if not isinstance(point, dict):
+            raise FusedStatsError(f"report: points[{i}] must be a dict, got {type(point).__name__}")
+        missing = [k for k in POINT_KEYS if k not in point]
+        if missing:
+            raise FusedStatsError(f"report: points[{i}] lacks keys {missing}")
+        name = point["name"]
+        if not isinstance(name, str):
+            raise FusedStatsError(f"report: points[{i}]['name'] must be a string, got {name!r}")
+        if name in seen:
+            raise FusedStatsError(f"report: point name {name!r} appears twice")
+        seen.add(name)
+        for key in ("index", "dim"):
+            if not _is_int(point[key]):
+                raise FusedStatsError(f"report: point {name!r}: {key} must be an int, got {point[key]!r}")
+        _check_sub(f"point {name!r} train", point["train"], ESTIMATE_KEYS)
+        _check_sub(f"point {name!r} test", point["test"], ESTIMATE_KEYS)
+        _check_sub(f"point {name!r} certificate", point["certificate"], CERTIFICATE_KEYS)
+        _check_sub(f"point {name!r} misalignment", point["misalignment"], MISALIGNMENT_KEYS)
+        ra = point["realized_alignment"]
+        if ra is not None and not _is_number(ra):
+            raise FusedStatsError(
+                f"report: point {name!r}: realized_alignment must be a number or null, got {ra!r}")
+        if point["saturation"] is not None and not isinstance(point["saturation"], dict):
+            raise FusedStatsError(
+                f"report: point {name!r}: saturation must be a dict or null, "
+                f"got {type(point['saturation']).__name__}")
+
+
+# ---------------------------------------------------------------------------- formatting
+def fmt(value, spec: str = ".4g") -> str:
+    """A number as the markdown shows it; ``—`` for missing values."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if _is_int(value):
+        return str(value)
+    if _is_number(value):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return format(value, spec)
+    return str(value)
+
+
+def _cell(sub: dict | None, key: str):
+    return None if sub is None else sub.get(key)
+
+
+class Report:
+    """A probe report (module docstring has the dict layout).
+
+    Parameters
+    ----------
+    data : dict
+        The version-1 report dict; validated on construction (a bad dict raises
+        :class:`FusedStatsError` naming the offending key).
+
+    Examples
+    --------
+    >>> report = probe.report(meta={"width": 64, "seed": 0})      # doctest: +SKIP
+    >>> report.to_json("out/report.json"); print(report.to_markdown())  # doctest: +SKIP
+    >>> Report.from_json("out/report.json").plot("out/report.png")      # doctest: +SKIP
+    """
+
+    def __init__(self, data: dict):
+        validate(data)
+        self.data = data
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def now() -> str:
+        """Current time as the ISO 8601 string used in ``created``."""
+        return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+    # ------------------------------------------------------------------ access
+    @property
+    def points(self) -> list[dict]:
+        return sorted(self.data["points"], key=lambda p: p["index"])
+
+    @property
+    def meta(self) -> dict:
+        return self.data["meta"]
+
+    @property
+    def model(self) -> dict:
+        return self.data["model"]
+
+    def point(self, name: str) -> dict:
+        for p in self.data["points"]:
+            if p["name"] == name:
+                return p
+        raise FusedStatsError(
+            f"report has no point {name!r}; points: {[p['name'] for p in self.points]}")
+
+    def __repr__(self) -> str:
+        return (f"Report(model={self.model['class']!r}, points={len(self.data['points'])}, "
+                f"unit={self.data['unit']!r}, meta={self.meta!r})")
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Report):
+            return NotImplemented
+        return _same(self.data, other.data)
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self, path) -> Path:
+        """Write strict JSON atomically (non-finite floats as strings); returns the path."""
+        path = Path(path)
+        text = json.dumps(_encode(self.data), indent=1, allow_nan=False, sort_keys=False)
+        _write_atomic(path, text + "\n")
+        return path
+
+    @classmethod
+    def from_json(cls, path) -> "Report":
+        """Read and validate a report file; any problem raises :class:`FusedStatsError`."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise FusedStatsError(f"report file {str(path)!r} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise FusedStatsError(f"cannot read report file {str(path)!r}: {exc}") from None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise FusedStatsError(
+                f"report file {str(path)!r} is not valid JSON ({exc.msg} at line {exc.lineno}, "
+                f"column {exc.colno})") from None
+        try:
+            return cls(_decode(raw))
+        except FusedStatsError as exc:
+            raise FusedStatsError(f"{path}: {exc}") from None
+
+    # ------------------------------------------------------------------ markdown
+    def to_markdown(self) -> str:
+        """A header, one summary row per point, then one table per point (train and test)."""
+        d, model, meta = self.data, self.model, self.meta
+        lines = [f"# fused_stats report: {model['class']}", ""]
+        lines.append(f"- parameters: {model['num_parameters']:,}; unit: `{d['unit']}`; "
+                     f"second moment: `{d['second_moment']}`")
+        if model["config"]:
+            lines.append("- config: " + ", ".join(f"{k}={v}" for k, v in model["config"].items()))
+        if meta:
+            lines.append("- meta: " + ", ".join(f"{k}={fmt(v)}" for k, v in meta.items()
+                                                if not isinstance(v, (dict, list))))
+        lines.append(f"- created {d['created']} by fused_stats {d['fused_stats_version']}")
+        lines += ["", "## Summary (train stream; certificate and misalignment at the sizes shown)", "",
+                  "| point | index | dim | n | d_align | B_align | B_exact | misalignment | "
+                  "realized alignment | AG_max |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for p in self.points:
+            tr, cert, mis = p["train"], p["certificate"], p["misalignment"]
+            lines.append(
+                f"| `{p['name']}` | {p['index']} | {p['dim']} | {fmt(_cell(tr, 'n'))} | "
+                f"{fmt(_cell(tr, 'd_align'))} | {fmt(_cell(cert, 'b_align'))} | "
+                f"{fmt(_cell(cert, 'b_exact'))} | {fmt(_cell(mis, 'probability'))} | "
+                f"{fmt(p['realized_alignment'])} | {fmt(_cell(tr, 'ag_max'))} |")
+        for p in self.points:
+            lines += ["", f"## Point `{p['name']}` (index {p['index']}, dim {p['dim']})", "",
+                      "| quantity | train | test |", "|---|---|---|"]
+            rows = (("n", "n"), ("‖μ‖²", "mu_norm2"), ("‖μ‖⁴", "mu_norm4"),
+                    ("μᵀΣμ", "mu_sigma_mu"), ("tr(Σ²)", "trace_sigma2"),
+                    ("d_par", "d_par"), ("d_2", "d_2"), ("d_align", "d_align"),
+                    ("AG_max", "ag_max"), ("AG_mean", "ag_mean"))
+            for label, key in rows:
+                lines.append(f"| {label} | {fmt(_cell(p['train'], key))} | "
+                             f"{fmt(_cell(p['test'], key))} |")
+            cert = p["certificate"]
+            if cert is None:
+                lines.append("\n- certificate: not computed")
+            else:
+                status = "" if cert.get("certified", True) else f" ({cert.get('reason') or 'no signal'})"
+                lines.append(f"\n- certificate (M={cert['M']}, K={cert['K']}, n_eff={fmt(cert['n_eff'])}): "
+                             f"b_align={fmt(cert['b_align'])}, b_exact={fmt(cert['b_exact'])}{status}")
+            mis = p["misalignment"]
+            if mis is None:
+                lines.append("- empirical misalignment: not computed (needs a sample pool)")
+            else:
+                lines.append(f"- empirical misalignment (M={mis['M']}, K={mis['K']}, "
+                             f"{mis['trials']} splits): {fmt(mis['probability'])} "
+                             f"± {fmt(mis['stderr'])}")
+            lines.append(f"- realized alignment (train mean · test mean): "
+                         f"{fmt(p['realized_alignment'])}")
+            sat = p["saturation"]
+            if sat is not None:
+                parts = [f"{k}={fmt(v)}" for k, v in sat.items() if not isinstance(v, (dict, list))]
+                lines.append("- saturation: " + ", ".join(parts))
+        return "\n".join(lines) + "\n"
+
+    def to_markdown_file(self, path) -> Path:
+        path = Path(path)
+        _write_atomic(path, self.to_markdown())
+        return path
+
+    # ------------------------------------------------------------------ plots
+    def plot(self, path) -> Path:
+        """PNG: d_align (train, test) and AG_max per point; certificate bounds vs empirical
+        misalignment per point."""
+        Figure, FigureCanvasAgg = _matplotlib()
+        pts = self.points
+        xs = [p["index"] for p in pts]
+        labels = [p["name"] for p in pts]
+        fig = Figure(figsize=(13, 4.2), dpi=100)
+        FigureCanvasAgg(fig)
+        ax1, ax2, ax3 = fig.subplots(1, 3)
+        for stream, marker in (("train", "o"), ("test", "s")):
+            ys = [_finite(_cell(p[stream], "d_align")) for p in pts]
+            if any(y is not None for y in ys):
+                _line(ax1, xs, ys, marker=marker, label=stream)
+        ax1.set_title("d_align per point")
+        ax1.set_ylabel("d_align = min(d_par, d_2)")
+        for stream, marker in (("train", "o"), ("test", "s")):
+            ys = [_finite(_cell(p[stream], "ag_max")) for p in pts]
+            if any(y is not None for y in ys):
+                _line(ax2, xs, ys, marker=marker, label=stream)
+        ax2.set_title("AG_max = max_i |q_i| per point")
+        ys = [_finite(_cell(p["certificate"], "b_align")) for p in pts]
+        _line(ax3, xs, ys, marker="^", label="B_align (certificate)")
+        ys = [_finite(_cell(p["certificate"], "b_exact")) for p in pts]
+        _line(ax3, xs, ys, marker="v", label="B_exact (Cantelli)")
+        ys = [_finite(_cell(p["misalignment"], "probability")) for p in pts]
+        es = [_finite(_cell(p["misalignment"], "stderr")) for p in pts]
+        _errorbar(ax3, xs, ys, es, marker="o", label="empirical Pr(misaligned)")
+        ax3.set_ylim(-0.02, 1.02)
+        ax3.set_title("certificate bound vs empirical misalignment")
+        for ax in (ax1, ax2, ax3):
+            ax.set_xticks(xs)
+            ax.set_xticklabels([_short(n) for n in labels], rotation=45, ha="right", fontsize=7)
+            ax.set_xlabel("insertion point")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+        fig.suptitle(f"{self.model['class']} ({self.model['num_parameters']:,} params)"
+                     + _meta_title(self.meta), fontsize=9)
+        fig.tight_layout()
+        return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------- sweeps
+def plot_sweep(reports: Iterable[Report], x: str, path, point: str | int = "last") -> Path:
+    """PNG of a sweep over several reports (several seeds per x value are shown as a spread).
+
+    ``x="width"``: d_align (train) vs ``meta["width"]`` at the chosen point (default: the last,
+    i.e. highest-index, point), median over seeds with min-max band and every seed as a dot; and
+    the certificate bound and empirical misalignment vs width.
+    ``x="depth"``: AG_max (train) at the chosen point vs ``meta["depth"]``, the same spread; the
+    saturation signal ``cross_frob2`` when present; ``meta["test_loss"]`` when present.
+    ``point`` is "last", "first", an index or a point name.
+    """
+    if x not in ("width", "depth"):
+        raise FusedStatsError(f"plot_sweep: x must be 'width' or 'depth', got {x!r}")
+    reports = list(reports)
+    if not reports:
+        raise FusedStatsError("plot_sweep needs at least one report")
+    rows = sweep_rows(reports, x, point)
+    Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(12, 4.2), dpi=100)
+    FigureCanvasAgg(fig)
+    if x == "width":
+        ax1, ax2 = fig.subplots(1, 2)
+        _spread(ax1, rows, "d_align", "d_align (train)")
+        ax1.set_ylabel("d_align")
+        ax1.set_title("d_align vs width (spread over seeds)")
+        _spread(ax2, rows, "misalignment", "empirical Pr(misaligned)")
+        _spread(ax2, rows, "b_align", "B_align (certificate)")
+        _spread(ax2, rows, "b_exact", "B_exact (Cantelli)")
+        ax2.set_ylim(-0.02, 1.02)
+        ax2.set_title("transfer: certificate vs empirical misalignment")
+        axes = (ax1, ax2)
+        for ax in axes:
+            ax.set_xscale("log", base=2)
+    else:
+        has_sat = any(r.get("cross_frob2") is not None for r in rows)
+        has_loss = any(r.get("test_loss") is not None for r in rows)
+        n_ax = 1 + has_sat + has_loss
+        axes = fig.subplots(1, n_ax) if n_ax > 1 else [fig.subplots(1, 1)]
+        axes = list(axes)
+        _spread(axes[0], rows, "ag_max", "AG_max (train)")
+        _spread(axes[0], rows, "ag_mean", "AG_mean (train)")
+        axes[0].set_ylabel("|q|")
+        axes[0].set_title("AG_max vs depth (spread over seeds)")
+        k = 1
+        if has_sat:
+            _spread(axes[k], rows, "cross_frob2", "|C|_F^2 (saturation signal)")
+            axes[k].set_title("cross-gradient vs depth")
+            k += 1
+        if has_loss:
+            _spread(axes[k], rows, "test_loss", "held-out loss")
+            axes[k].set_title("held-out loss vs depth")
+    for ax in axes:
+        ax.set_xlabel(x)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        xs = sorted({r["x"] for r in rows})
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(v) for v in xs])
+    fig.suptitle(f"sweep over {x}: {len(reports)} reports, point={point!r}", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def sweep_rows(reports: list[Report], x: str, point: str | int = "last") -> list[dict]:
+    """One flat row per report: x value, seed and the chosen point's numbers (for tables/plots)."""
+    rows = []
+    for r in reports:
+        if not isinstance(r, Report):
+            raise FusedStatsError(f"plot_sweep takes Report objects, got {type(r).__name__}")
+        if x not in r.meta:
+            raise FusedStatsError(
+                f"report of {r.model['class']} has no meta[{x!r}] (meta keys: {sorted(r.meta)}); "
+                f"a {x} sweep needs it in every report")
+        p = _pick(r, point)
+        tr, cert, mis, sat = p["train"], p["certificate"], p["misalignment"], p["saturation"]
+        rows.append({
+            "x": r.meta[x], "seed": r.meta.get("seed"), "point": p["name"],
+            "d_align": _finite(_cell(tr, "d_align")), "ag_max": _finite(_cell(tr, "ag_max")),
+            "ag_mean": _finite(_cell(tr, "ag_mean")),
+            "b_align": _finite(_cell(cert, "b_align")), "b_exact": _finite(_cell(cert, "b_exact")),
+            "misalignment": _finite(_cell(mis, "probability")),
+            "realized_alignment": _finite(p["realized_alignment"]),
+            "cross_frob2": _finite(_cell(sat, "cross_frob2")),
+            "test_loss": _finite(r.meta.get("test_loss")),
+        })
+    return rows
+
+
+def _pick(report: Report, point) -> dict:
+    pts = report.points
+    if not pts:
+        raise FusedStatsError(f"report of {report.model['class']} has no points")
+    if point == "last":
+        return pts[-1]
+    if point == "first":
+        return pts[0]
+    if _is_int(point):
+        for p in pts:
+            if p["index"] == point:
+                return p
+        raise FusedStatsError(f"report has no point with index {point}; indices: "
+                              f"{[p['index'] for p in pts]}")
+    return report.point(point)
+
+
+# ---------------------------------------------------------------------------- plot helpers
+def _matplotlib():
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise FusedStatsError(
+            "plots need matplotlib, which is not installed: pip install 'fused-stats[plot]' "
+            "(or pip install matplotlib)") from None
+    return Figure, FigureCanvasAgg
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # render to a temp name then rename, as for the JSON: a viewer never reads half a PNG
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _finite(value):
+    if value is None or not _is_number(value) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _line(ax, xs, ys, **kw):
+    pairs = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    if pairs:
+        ax.plot([p[0] for p in pairs], [p[1] for p in pairs], **kw)
+
+
+def _errorbar(ax, xs, ys, es, **kw):
+    trip = [(x, y, e or 0.0) for x, y, e in zip(xs, ys, es) if y is not None]
+    if trip:
+        ax.errorbar([t[0] for t in trip], [t[1] for t in trip], yerr=[t[2] for t in trip],
+                    capsize=3, **kw)
+
+
+def _spread(ax, rows, key, label):
+    """Every seed as a dot, the median as a line and the min-max range as a band."""
+    groups = defaultdict(list)
+    for r in rows:
+        if r.get(key) is not None:
+            groups[r["x"]].append(r[key])
+    if not groups:
+        return
+    xs = sorted(groups)
+    med = [_median(groups[x]) for x in xs]
+    lo = [min(groups[x]) for x in xs]
+    hi = [max(groups[x]) for x in xs]
+    (line,) = ax.plot(xs, med, marker="o", label=f"{label} (median)")
+    ax.fill_between(xs, lo, hi, alpha=0.2, color=line.get_color())
+    dots = [(x, v) for x in xs for v in groups[x]]
+    ax.scatter([d[0] for d in dots], [d[1] for d in dots], s=10, color=line.get_color(), alpha=0.6)
+
+
+def _median(values):
+    v = sorted(values)
+    m = len(v) // 2
+    return v[m] if len(v) % 2 else 0.5 * (v[m - 1] + v[m])
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 24 else "…" + name[-23:]
+
+
+def _meta_title(meta: dict) -> str:
+    keys = [k for k in ("width", "depth", "seed", "tokens") if k in meta]
+    return ("  " + ", ".join(f"{k}={meta[k]}" for k in keys)) if keys else ""
+
+
+def _same(a, b) -> bool:
+    """Structural equality that treats NaN as equal to NaN (for round-trip checks)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b

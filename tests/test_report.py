@@ -1,0 +1,299 @@
+"""Tests of fused_stats.api.report: JSON round trip (with inf/nan), markdown numbers, PNG plots,
+sweep plots and rejection of bad files.
+
+References: the report's numbers are checked against brute-force U-statistics over ordered tuples
+of distinct indices (written here, independent of the package's centred streaming formulas) and
+against the certificate/Cantelli formulas evaluated directly from those brute-force values.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import sys
+
+import pytest
+import torch
+
+import fused_stats as fs
+from fused_stats.api.report import Report, plot_sweep, sweep_rows
+
+
+# ---------------------------------------------------------------------------- references
+def brute_force(q: torch.Tensor) -> dict:
+    """U1..U4 by explicit loops over ordered tuples of distinct indices (fp64, small n)."""
+    q = q.double()
+    n = q.shape[0]
+    g = q @ q.T
+    u1 = sum(g[i, j] for i, j in itertools.permutations(range(n), 2)) / (n * (n - 1))
+    u2 = sum(g[i, j] ** 2 for i, j in itertools.permutations(range(n), 2)) / (n * (n - 1))
+    u3 = sum(g[i, j] * g[j, k] for i, j, k in itertools.permutations(range(n), 3)) / (
+        n * (n - 1) * (n - 2))
+    u4 = sum(g[i, j] * g[k, l] for i, j, k, l in itertools.permutations(range(n), 4)) / (
+        n * (n - 1) * (n - 2) * (n - 3))
+    mu4, msm, tr2 = float(u4), float(u3 - u4), float(u2 - 2 * u3 + u4)
+    norms = q.norm(dim=1)
+    # DESIGN section 2 conventions: |mu|^4 <= 0 means no signal (dimensions 0); a variance
+    # estimate <= 0 makes that bound vacuous (infinite dimension)
+    if mu4 > 0:
+        d_par = mu4 / msm if msm > 0 else math.inf
+        d_2 = mu4 / tr2 if tr2 > 0 else math.inf
+    else:
+        d_par = d_2 = 0.0
+    return {"n": n, "mu_norm2": float(u1), "mu_norm4": mu4, "mu_sigma_mu": msm,
+            "trace_sigma2": tr2, "d_par": d_par, "d_2": d_2,
+            "d_align": min(d_par, d_2), "ag_max": float(norms.max()),
+            "ag_mean": float(norms.mean())}
+
+
+def samples(n: int, d: int, seed: int, shift: float = 0.3) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    mean = torch.randn(d, generator=gen, dtype=torch.float64) * shift
+    return mean + torch.randn(n, d, generator=gen, dtype=torch.float64)
+
+
+def make_data(n_train=9, n_test=8, d=5, seed=0, points=2) -> tuple[dict, list]:
+    """A report dict built from GradStats fed seeded data; also returns the raw samples."""
+    entries, raw = [], []
+    for index in range(points):
+        qa = samples(n_train, d, seed + 10 * index)
+        qb = samples(n_test, d, seed + 10 * index + 1) * 0.5 + qa.mean(0)
+        train = fs.GradStats(d, second_moment="pool", name=f"layers.{index}")
+        test = fs.GradStats(d, second_moment="pool", name=f"layers.{index}")
+        train.update(qa[:4])
+        train.update(qa[4:])
+        test.update(qb)
+        est = train.estimate()
+        entries.append({
+            "name": f"model.layers.{index}", "index": index, "dim": d,
+            "train": est.to_dict(), "test": test.estimate().to_dict(),
+            "certificate": est.certificate(3, 4).to_dict(),
+            "misalignment": fs.misalignment_probability(train, 3, 4, trials=500, seed=1).to_dict(),
+            "realized_alignment": fs.realized_alignment(train, test),
+            "saturation": None,
+        })
+        raw.append((qa, qb))
+    data = {"format": "fused_stats.report", "version": 1,
+            "fused_stats_version": fs.__version__, "created": Report.now(),
+            "model": {"class": "TinyModel", "num_parameters": 1234,
+                      "config": {"hidden_size": d, "num_layers": points}},
+            "unit": "sample", "second_moment": "pool", "points": entries,
+            "meta": {"width": d, "depth": points, "seed": seed}}
+    return data, raw
+
+
+# ---------------------------------------------------------------------------- the dict itself
+def test_report_numbers_equal_brute_force_u_statistics():
+    data, raw = make_data()
+    for entry, (qa, qb) in zip(data["points"], raw):
+        for stream, q in (("train", qa), ("test", qb)):
+            ref = brute_force(q)
+            for key, value in ref.items():
+                assert entry[stream][key] == pytest.approx(value, rel=1e-9, abs=1e-12), (stream, key)
+        ref = brute_force(qa)
+        M, K = 3, 4
+        # both variance components are >= 0 in the population: a negative estimate counts as 0
+        var = (1 / M + 1 / K) * max(ref["mu_sigma_mu"], 0) + max(ref["trace_sigma2"], 0) / (M * K)
+        assert entry["certificate"]["b_exact"] == pytest.approx(var / (var + ref["mu_norm4"]), rel=1e-9)
+        n_eff = M * K / (M + K + 1)
+        assert entry["certificate"]["b_align"] == pytest.approx(
+            1 / (1 + n_eff * ref["d_align"]), rel=1e-9)
+        assert entry["realized_alignment"] == pytest.approx(
+            float(qa.mean(0) @ qb.mean(0)), rel=1e-9)
+
+
+# ---------------------------------------------------------------------------- JSON
+def test_json_round_trip_keeps_inf_and_nan(tmp_path):
+    data, _ = make_data()
+    data["points"][0]["train"]["d_par"] = math.inf
+    data["points"][0]["test"]["mu_sigma_mu"] = -math.inf
+    data["points"][1]["realized_alignment"] = math.nan
+    data["points"][1]["saturation"] = {"cross_frob2": 0.25, "cross_frob2_se": math.nan,
+                                       "saturated": False}
+    data["meta"]["test_loss"] = math.nan
+    report = Report(data)
+    path = report.to_json(tmp_path / "sub" / "r.json")
+    text = path.read_text()
+
+    def reject(token):
+        raise AssertionError(f"non-standard JSON constant {token} in the file")
+
+    json.loads(text, parse_constant=reject)  # strict JSON: no bare NaN / Infinity
+    assert '"Infinity"' in text and '"-Infinity"' in text and '"NaN"' in text
+    back = Report.from_json(path)
+    assert back == report
+    assert back.data["points"][0]["train"]["d_par"] == math.inf
+    assert back.data["points"][0]["test"]["mu_sigma_mu"] == -math.inf
+    assert math.isnan(back.data["points"][1]["realized_alignment"])
+    assert math.isnan(back.meta["test_loss"])
+    assert back.data["points"][1]["saturation"]["saturated"] is False
+    # a finite value survives bit-exactly (json writes repr, which round-trips floats)
+    assert back.data["points"][0]["train"]["mu_norm2"] == data["points"][0]["train"]["mu_norm2"]
+    assert not list(tmp_path.joinpath("sub").glob(".*tmp"))  # no temp file left behind
+
+
+def test_equality_detects_a_changed_number():
+    a, _ = make_data()
+    b, _ = make_data()
+    b["created"] = a["created"]
+    assert Report(a) == Report(b)
+    b["points"][1]["train"]["mu_norm2"] += 1e-12
+    assert Report(a) != Report(b)
+
+
+# ---------------------------------------------------------------------------- markdown
+def _table_after(markdown: str, heading: str) -> dict[str, list[str]]:
+    block = markdown.split(heading, 1)[1]
+    rows = {}
+    for line in block.splitlines()[1:]:
+        if line.startswith("## "):
+            break
+        if line.startswith("| ") and not line.startswith(("| quantity", "| point")) \
+                and "---" not in line:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_markdown_shows_brute_force_values():
+    data, raw = make_data()
+    md = Report(data).to_markdown()
+    labels = {"n": "n", "‖μ‖²": "mu_norm2", "‖μ‖⁴": "mu_norm4", "μᵀΣμ": "mu_sigma_mu",
+              "tr(Σ²)": "trace_sigma2", "d_par": "d_par", "d_2": "d_2",
+              "d_align": "d_align", "AG_max": "ag_max", "AG_mean": "ag_mean"}
+    for entry, (qa, qb) in zip(data["points"], raw):
+        table = _table_after(md, f"## Point `{entry['name']}`")
+        for label, key in labels.items():
+            for col, q in enumerate((qa, qb)):
+                shown = float(table[label][col])
+                # 4 significant digits are printed
+                assert shown == pytest.approx(brute_force(q)[key], rel=1e-3), (label, col)
+        section = md.split(f"## Point `{entry['name']}`", 1)[1].split("## Point", 1)[0]
+        cert = entry["certificate"]
+        m = re.search(r"b_align=([-\d.e+]+), b_exact=([-\d.e+]+)", section)
+        assert float(m.group(1)) == pytest.approx(cert["b_align"], rel=1e-3)
+        assert float(m.group(2)) == pytest.approx(cert["b_exact"], rel=1e-3)
+        m = re.search(r"splits\): ([-\d.e+]+) ± ([-\d.e+]+)", section)
+        assert float(m.group(1)) == pytest.approx(entry["misalignment"]["probability"], abs=1e-4)
+        m = re.search(r"realized alignment \(train mean · test mean\): ([-\d.e+]+)", section)
+        assert float(m.group(1)) == pytest.approx(float(qa.mean(0) @ qb.mean(0)), rel=1e-3)
+    summary = _table_after(md, "## Summary")
+    assert set(summary) == {f"`{p['name']}`" for p in data["points"]}
+
+
+def test_markdown_marks_missing_and_nonfinite_values():
+    data, _ = make_data(points=1)
+    data["points"][0]["test"] = None
+    data["points"][0]["misalignment"] = None
+    data["points"][0]["train"]["d_par"] = math.inf
+    md = Report(data).to_markdown()
+    table = _table_after(md, "## Point `model.layers.0`")
+    assert table["d_par"] == ["inf", "—"]
+    assert "empirical misalignment: not computed" in md
+
+
+# ---------------------------------------------------------------------------- plots
+def _read_png(path):
+    import matplotlib.image as mpimg
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    # not a blank canvas: something was drawn
+    assert float(img[..., :3].std()) > 0.01
+    return img
+
+
+def test_plot_writes_readable_png(tmp_path):
+    data, _ = make_data(points=3)
+    data["points"][1]["train"]["d_align"] = math.inf  # skipped, not a crash
+    data["points"][2]["misalignment"] = None
+    _read_png(Report(data).plot(tmp_path / "r.png"))
+
+
+def test_plot_sweeps_and_rows(tmp_path):
+    reports = []
+    for width in (4, 6, 8):
+        for seed in (0, 1):
+            data, _ = make_data(d=width, seed=seed + width)
+            data["meta"] = {"width": width, "depth": width // 2, "seed": seed,
+                            "test_loss": 1.0 / width}
+            data["points"][-1]["saturation"] = {"cross_frob2": 0.1 * width, "cross_frob2_se": 0.01}
+            reports.append(Report(data))
+    rows = sweep_rows(reports, "width")
+    assert [(r["x"], r["seed"]) for r in rows] == [(w, s) for w in (4, 6, 8) for s in (0, 1)]
+    for r, rep in zip(rows, reports):
+        last = rep.points[-1]
+        assert r["point"] == last["name"] and r["d_align"] == last["train"]["d_align"]
+    _read_png(plot_sweep(reports, "width", tmp_path / "w.png"))
+    _read_png(plot_sweep(reports, "depth", tmp_path / "d.png", point="first"))
+    with pytest.raises(fs.FusedStatsError, match="x must be"):
+        plot_sweep(reports, "height", tmp_path / "x.png")
+    del reports[0].data["meta"]["width"]
+    with pytest.raises(fs.FusedStatsError, match="meta\\['width'\\]"):
+        plot_sweep(reports, "width", tmp_path / "x.png")
+
+
+def test_missing_matplotlib_gives_clear_error(tmp_path, monkeypatch):
+    data, _ = make_data(points=1)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now raises ImportError
+    with pytest.raises(fs.FusedStatsError, match="pip install"):
+        Report(data).plot(tmp_path / "r.png")
+    assert not (tmp_path / "r.png").exists()
+
+
+# ---------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(format="something.else"), "not a fused_stats report"),
+    (lambda d: d.update(version=2), "unsupported version 2"),
+    (lambda d: d.pop("meta"), "missing top-level keys \\['meta'\\]"),
+    (lambda d: d["model"].update(num_parameters="many"), "num_parameters"),
+    (lambda d: d["points"][0]["train"].pop("d_align"), "lacks keys \\['d_align'\\]"),
+    (lambda d: d["points"][0]["certificate"].update(b_exact="high"), "b_exact"),
+    (lambda d: d["points"][1].update(name="model.layers.0"), "appears twice"),
+    (lambda d: d["points"][0].update(realized_alignment=[1.0]), "realized_alignment"),
+    (lambda d: d["points"][0].update(index=1.5), "index must be an int"),
+])
+def test_bad_report_dicts_raise(mutate, message):
+    data, _ = make_data()
+    mutate(data)
+    with pytest.raises(fs.FusedStatsError, match=message):
+        Report(data)
+
+
+def test_bad_files_raise(tmp_path):
+    with pytest.raises(fs.FusedStatsError, match="does not exist"):
+        Report.from_json(tmp_path / "missing.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"format": "fused_stats.report", "version": ')
+    with pytest.raises(fs.FusedStatsError, match="not valid JSON"):
+        Report.from_json(broken)
+    data, _ = make_data()
+    data["version"] = 99
+    future = tmp_path / "future.json"
+    future.write_text(json.dumps(data))
+    with pytest.raises(fs.FusedStatsError, match="future.json.*unsupported version 99"):
+        Report.from_json(future)
+    listing = tmp_path / "list.json"
+    listing.write_text("[1, 2]")
+    with pytest.raises(fs.FusedStatsError, match="JSON object"):
+        Report.from_json(listing)
+
+
+def test_failed_write_keeps_existing_file(tmp_path, monkeypatch):
+    data, _ = make_data()
+    path = Report(data).to_json(tmp_path / "r.json")
+    before = path.read_bytes()
+    import fused_stats.api.report as report_mod
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report_mod.os, "fsync", boom)
+    data2, _ = make_data(seed=5)
+    with pytest.raises(OSError, match="disk full"):
+        Report(data2).to_json(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
