@@ -1,11 +1,32 @@
 """All-reduce of accumulators over ``torch.distributed`` (NCCL on GPUs, gloo on CPU).
 
-Every rank moves its state to one common centre (broadcast from the lowest rank that has data),
-after which the centred sums add (DESIGN section 2: with a shared centre a plain SUM is a valid
-merge); ``max |q|`` is a MAX. Pools are gathered and their Gram matrix rebuilt from the rows.
+Each rank holds a :class:`~fused_stats.accumulators.grad_stats.GradStats` fed with its own share of
+the samples. After :func:`all_reduce_grad_stats` every rank holds the state of one accumulator fed
+with all of them. The merge is the one of DESIGN section 2 ("with a shared centre, a plain
+all-reduce SUM is a valid merge"):
+
+1. every rank publishes ``(dim, n, mode, second_moment, unit, pool_capacity, skipped)`` with one
+   ``all_gather``; a disagreement (or a pool that would overflow its capacity) raises the same
+   :class:`FusedStatsError` on every rank, before any state changes, instead of a hang;
+2. the centre ``c`` of the lowest rank that has data is broadcast, and every rank moves its sums to
+   ``c`` with the exact shift of DESIGN section 2 (``s' = s − nδ``, ``S' = S − δsᵀ − sδᵀ + nδδᵀ``,
+   ``A1'``, ``t'``, ``A2'``; for a pool ``Y' = Y − 1δᵀ``);
+3. ``n, s, t, A1, A2, Σ|q|`` and a dense ``S`` are summed (``ReduceOp.SUM``), ``max |q|`` is a
+   ``ReduceOp.MAX``; pools are all-gathered (padded to the longest) in rank order and their Gram
+   matrix ``G = Y Yᵀ`` is rebuilt in fp64 from the gathered rows.
+
+The representation after the reduce is the one a single accumulator fed with all samples would
+have: a pool only if every rank with data holds a pool and (for ``auto``) the total still fits
+under the switch point, dense otherwise. All totals stay in fp64. Communication runs on the device
+the backend needs (CUDA for NCCL, CPU for gloo); the state stays on its own device.
+
+:func:`all_reduce_many` does the same for a named set of accumulators (e.g. every point and stream of
+a probe) after checking that all ranks hold the same names.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -13,60 +34,188 @@ import torch.distributed as dist
 from ..errors import FusedStatsError
 
 F64 = torch.float64
+_SECOND_MOMENTS = ("auto", "dense", "pool")
+_UNITS = ("sample", "position", "flat")
+# columns of the per-rank info row exchanged before any state moves
+_DIM, _N, _IS_POOL, _SECOND, _UNIT, _CAPACITY, _SKIPPED, _NINFO = range(8)
+
+
+def _require_initialised() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise FusedStatsError(
+            "all_reduce needs an initialised torch.distributed process group "
+            "(torch.distributed.init_process_group('nccl' or 'gloo', ...))")
+
+
+def comm_device(group, state_device: torch.device | None) -> torch.device:
+    """Device the collectives run on: CUDA for NCCL, CPU for gloo (whatever the state's device)."""
+    backend = str(dist.get_backend(group)).lower()
+    on_cuda = state_device is not None and state_device.type == "cuda"
+    if backend == "nccl" or ("nccl" in backend and (on_cuda or "gloo" not in backend)):
+        return (state_device if on_cuda else torch.device("cuda", torch.cuda.current_device()))
+    if "gloo" in backend or backend == "mpi":
+        return torch.device("cpu")
+    return state_device if state_device is not None else torch.device("cpu")
+
+
+def _global_rank(group, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _info_row(acc) -> list[int]:
+    row = [0] * _NINFO
+    row[_DIM] = acc.dim
+    row[_N] = acc.n
+    row[_IS_POOL] = 1 if acc.mode == "pool" else 0
+    row[_SECOND] = _SECOND_MOMENTS.index(acc.second_moment)
+    row[_UNIT] = -1 if acc.unit is None else _UNITS.index(acc.unit)
+    row[_CAPACITY] = -1 if acc.pool_capacity is None else acc.pool_capacity
+    row[_SKIPPED] = acc.skipped_batches
+    return row
+
+
+def _gather_info(acc, group, device) -> torch.Tensor:
+    """(world, _NINFO) int64 table of every rank's info row, on CPU."""
+    world = dist.get_world_size(group)
+    info = torch.tensor(_info_row(acc), dtype=torch.int64, device=device)
+    table = [torch.empty_like(info) for _ in range(world)]
+    dist.all_gather(table, info, group=group)
+    return torch.stack(table).cpu()
+
+
+def _check_agreement(acc, infos: torch.Tensor) -> None:
+    """Raise (identically on every rank) unless the ranks' accumulators can be summed."""
+    where = acc._where()
+    for col, what in ((_DIM, "dim"), (_SECOND, "second_moment"), (_CAPACITY, "pool_capacity")):
+        values = infos[:, col].tolist()
+        if len(set(values)) > 1:
+            if col == _SECOND:
+                values = [_SECOND_MOMENTS[v] for v in values]
+            raise FusedStatsError(f"all_reduce{where}: ranks disagree on {what}: {values} (by rank)")
+    units = {int(u) for u, n in zip(infos[:, _UNIT], infos[:, _N]) if n > 0}
+    if len(units) > 1:
+        raise FusedStatsError(
+            f"all_reduce{where}: ranks were fed different units: "
+            f"{[None if u < 0 else _UNITS[u] for u in infos[:, _UNIT].tolist()]} (by rank)")
+    total = int(infos[:, _N].sum())
+    if acc.second_moment == "pool" and acc.pool_capacity is not None and total > acc.pool_capacity:
+        raise FusedStatsError(
+            f"all_reduce{where}: the ranks hold {infos[:, _N].tolist()} samples, {total} in all, "
+            f"more than pool_capacity={acc.pool_capacity}. Use second_moment='auto' or 'dense'")
+
+
+def _target_mode(acc, infos: torch.Tensor) -> str:
+    """The representation one accumulator fed with every rank's samples would end in."""
+    if acc.second_moment == "dense":
+        return "dense"
+    with_data = infos[:, _N] > 0
+    if not bool((infos[with_data, _IS_POOL] == 1).all()):
+        return "dense"  # an auto accumulator that switched somewhere never switches back
+    limit = acc.pool_limit
+    if acc.second_moment == "auto" and limit is not None and int(infos[:, _N].sum()) > limit:
+        return "dense"
+    return "pool"
 
 
 def all_reduce_grad_stats(acc, group=None) -> None:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise FusedStatsError("all_reduce needs an initialised torch.distributed process group")
+    """Replace ``acc`` on every rank of ``group`` by the merge of all ranks' accumulators.
+
+    A collective: every rank of ``group`` must call it, in the same order for several accumulators.
+    Errors found in the exchanged configuration are raised on every rank and leave ``acc`` as it was.
+    """
+    from .grad_stats import GradStats
+
+    _require_initialised()
     world = dist.get_world_size(group)
-    device = acc.device if acc.device is not None else (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend(group) == "nccl" else torch.device("cpu"))
-    # agree on shape and mode first so a mismatch is an error on every rank, not a hang
-    info = torch.tensor([acc.dim, acc.n, 1 if acc.mode == "pool" else 0], dtype=torch.int64,
-                        device=device)
-    infos = [torch.empty_like(info) for _ in range(world)]
-    dist.all_gather(infos, info, group=group)
-    infos = torch.stack(infos).cpu()
-    if (infos[:, 0] != acc.dim).any():
-        raise FusedStatsError(f"all_reduce: ranks disagree on dim: {infos[:, 0].tolist()}")
-    counts = infos[:, 1]
-    if int(counts.sum()) == 0:
+    rank = dist.get_rank(group)
+    device = comm_device(group, acc.device)
+    infos = _gather_info(acc, group, device)
+    _check_agreement(acc, infos)
+    counts = infos[:, _N]
+    total = int(counts.sum())
+    skipped = int(infos[:, _SKIPPED].sum())
+    if total == 0:
+        acc.skipped_batches = skipped
         return
+    state_device = acc.device if acc.device is not None else device
+    units = [int(u) for u, n in zip(infos[:, _UNIT], counts) if n > 0]
+    target = _target_mode(acc, infos)
+
     source = int(torch.nonzero(counts > 0)[0, 0])
-    centre = acc.centre.clone() if acc.n else torch.zeros(acc.dim, dtype=F64, device=device)
-    dist.broadcast(centre, src=dist.get_global_rank(group, source) if group is not None else source,
-                   group=group)
-    all_pool = bool((infos[counts > 0, 2] == 1).all()) and acc.second_moment != "dense"
+    centre = (acc.centre.to(device=device, dtype=F64, copy=True) if rank == source
+              else torch.zeros(acc.dim, dtype=F64, device=device))
+    dist.broadcast(centre, src=_global_rank(group, source), group=group)
+    centre = centre.to(state_device)
+
+    # Work on a shallow twin: shifting the centre builds new tensors, so ``acc`` keeps its state
+    # until the commit at the end (a failed collective leaves it untouched).
+    work = GradStats(acc.dim, acc.second_moment, acc.pool_capacity, state_device, acc.backend,
+                     acc.nonfinite, acc.name)
     if acc.n == 0:
-        acc._init_state(centre)
-        if not all_pool and acc.mode == "pool":
-            acc._to_dense()
+        if target == "dense":
+            work.mode = "dense"
+        work._init_state(centre)
     else:
-        acc._recentre(centre)
-        if not all_pool and acc.mode == "pool":
-            acc._to_dense()
-    stacked = torch.cat([acc.s, acc.t, acc.a1.reshape(1), acc.a2.reshape(1),
-                         acc.norm_sum.reshape(1),
-                         torch.tensor([float(acc.n)], dtype=F64, device=device)])
-    dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
+        work._adopt(acc)
+        work._recentre(centre)
+        if target == "dense" and work.mode == "pool":
+            work._to_dense()
+
     d = acc.dim
-    acc.s, acc.t = stacked[:d].clone(), stacked[d:2 * d].clone()
-    acc.a1, acc.a2, acc.norm_sum = (stacked[2 * d + k].clone() for k in range(3))
-    acc.n = int(round(float(stacked[2 * d + 3])))
-    dist.all_reduce(acc.norm_max, op=dist.ReduceOp.MAX, group=group)
-    if acc.mode == "dense":
-        dist.all_reduce(acc.S, op=dist.ReduceOp.SUM, group=group)
-        return
-    # pools: gather every rank's rows (padded to the longest), rebuild the Gram matrix
-    longest = int(counts.max())
-    padded = torch.zeros(longest, d, dtype=F64, device=device)
-    padded[: acc.pool.shape[0]] = acc.pool
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
-    rows = torch.cat([g[: int(c)] for g, c in zip(gathered, counts)], dim=0)
-    acc.pool = rows
-    acc.gram = rows @ rows.T
-    limit = acc.pool_limit
-    if acc.second_moment == "auto" and limit is not None and acc.n > limit:
-        acc._to_dense()
+    sums = torch.cat([work.s, work.t, work.a1.reshape(1), work.a2.reshape(1),
+                      work.norm_sum.reshape(1)]).to(device=device, dtype=F64)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    norm_max = work.norm_max.to(device=device, dtype=F64, copy=True).reshape(1)
+    dist.all_reduce(norm_max, op=dist.ReduceOp.MAX, group=group)
+
+    if target == "dense":
+        S = work.S.to(device=device, dtype=F64, copy=True)
+        dist.all_reduce(S, op=dist.ReduceOp.SUM, group=group)
+        work.S = S.to(state_device)
+    else:
+        longest = int(counts.max())
+        padded = torch.zeros(longest, d, dtype=F64, device=device)
+        padded[: work.pool.shape[0]] = work.pool.to(device)
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded, group=group)
+        rows = torch.cat([g[: int(c)] for g, c in zip(gathered, counts)], dim=0).to(state_device)
+        work.pool = rows
+        # fp64 GEMM on purpose: the recentred rows are not fp32-representable any more
+        work.gram = rows @ rows.T
+
+    sums = sums.to(state_device)
+    work.s, work.t = sums[:d].clone(), sums[d:2 * d].clone()
+    work.a1, work.a2, work.norm_sum = (sums[2 * d + k].clone() for k in range(3))
+    work.norm_max = norm_max.to(state_device).reshape(())
+    work.n = total
+    work.unit = _UNITS[units[0]]
+    work.skipped_batches = skipped
+    acc._adopt(work)
+
+
+def names_digest(names) -> int:
+    """A 63-bit digest of an ordered list of names (to check that ranks agree, without pickle)."""
+    digest = hashlib.sha256("\n".join(names).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def all_reduce_many(accs: dict, group=None) -> None:
+    """:func:`all_reduce_grad_stats` for every accumulator of ``accs`` (name -> GradStats).
+
+    The names are visited in sorted order; all ranks must hold the same names (checked first with
+    one all_gather of a digest, so a mismatch raises on every rank rather than deadlocking).
+    """
+    _require_initialised()
+    names = sorted(accs)
+    some = next(iter(accs.values()), None)
+    device = comm_device(group, None if some is None else some.device)
+    mine = torch.tensor([names_digest(names), len(names)], dtype=torch.int64, device=device)
+    table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(table, mine, group=group)
+    table = torch.stack(table).cpu()
+    if bool((table != table[0]).any()):
+        raise FusedStatsError(
+            f"all_reduce: ranks hold different sets of accumulators (counts by rank "
+            f"{table[:, 1].tolist()}); this rank has {names}")
+    for name in names:
+        all_reduce_grad_stats(accs[name], group)

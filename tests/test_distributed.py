@@ -1,0 +1,290 @@
+"""GradStats.all_reduce and all_reduce_probe over two gloo processes on CPU (issue 5, must-show 1).
+
+One ``torch.multiprocessing.spawn`` of two ranks runs every case (a spawn costs seconds). Each rank
+is fed its half of a seeded data set; after the all-reduce, both ranks must hold the estimates of
+ONE accumulator fed with all the data in one process (the reference, built in the parent), to
+<= 1e-10 relative. The halves have different means, so the ranks' centres differ. Cases: dense,
+pool, auto (staying a pool / switching to dense only through the reduce / one rank already dense),
+one rank with no data, no data anywhere, position unit with masks, an explicit process group,
+a whole probe (stand-in with ``stats`` / ``test_stats`` dicts), and configuration mismatches,
+which must raise FusedStatsError on both ranks and leave the state bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import fused_stats as fs
+from fused_stats.accumulators import auto_pool_limit
+
+FIELDS = ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "trace_sigma", "ag_max", "ag_mean")
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------- data
+def batches(seed: int, sizes, dim: int, mean: float, dtype=F64, positions: int = 0):
+    """Seeded batches with a per-seed mean direction (so shards have different centres)."""
+    gen = torch.Generator().manual_seed(seed)
+    mu = mean * torch.randn(dim, generator=gen, dtype=F64)
+    out = []
+    for size in sizes:
+        shape = (size, positions, dim) if positions else (size, dim)
+        x = mu + torch.randn(*shape, generator=gen, dtype=F64)
+        mask = None
+        if positions:
+            mask = torch.rand(size, positions, generator=gen) < 0.7
+            mask[0, :] = False  # a sample with no counted position is no sample
+        out.append((x.to(dtype), mask))
+    return out
+
+
+# case name -> (constructor kwargs, rank 0 batches, rank 1 batches, update kwargs)
+def cases():
+    d_auto = 16
+    limit = auto_pool_limit(d_auto)  # 9
+    return {
+        "dense": (dict(dim=6, second_moment="dense"),
+                  batches(1, [7, 5], 6, 3.0), batches(2, [4, 9, 3], 6, -2.0), {}),
+        "pool": (dict(dim=5, second_moment="pool"),
+                 batches(3, [6, 3], 5, 10.0), batches(4, [5], 5, 1.0), {}),
+        "pool_capacity": (dict(dim=5, second_moment="pool", pool_capacity=30),
+                          batches(5, [6], 5, 0.5), batches(6, [7], 5, 0.5), {}),
+        # 4 + 4 <= limit: stays a pool on both ranks
+        "auto_pool": (dict(dim=d_auto, second_moment="auto"),
+                      batches(7, [4], d_auto, 2.0), batches(8, [2, 2], d_auto, 2.0), {}),
+        # each rank below the limit, the total above it: must become dense through the reduce
+        "auto_switch": (dict(dim=d_auto, second_moment="auto"),
+                        batches(9, [limit - 2], d_auto, 1.0), batches(10, [limit - 3], d_auto, 4.0), {}),
+        # rank 1 already switched to dense, rank 0 still a pool
+        "auto_mixed": (dict(dim=d_auto, second_moment="auto"),
+                       batches(11, [3], d_auto, 1.0), batches(12, [limit, 4], d_auto, 1.0), {}),
+        "dense_empty_rank1": (dict(dim=6, second_moment="dense"),
+                              batches(13, [8], 6, 5.0), [], {}),
+        "pool_empty_rank0": (dict(dim=6, second_moment="pool"),
+                             [], batches(14, [3, 4], 6, 5.0), {}),
+        "auto_empty_rank0": (dict(dim=d_auto, second_moment="auto"),
+                             [], batches(15, [5], d_auto, 1.0), {}),
+        "position_masked": (dict(dim=4, second_moment="dense"),
+                            batches(16, [3, 2], 4, 1.0, positions=5),
+                            batches(17, [4], 4, -1.0, positions=5), dict(unit="position")),
+        "sample_masked_fp32": (dict(dim=4, second_moment="auto"),
+                               batches(18, [5], 4, 30.0, torch.float32, positions=3),
+                               batches(19, [6], 4, 30.0, torch.float32, positions=3), {}),
+    }
+
+
+def feed(acc, items, kwargs):
+    for x, mask in items:
+        acc.update(x, mask=mask, **kwargs)
+    return acc
+
+
+def summary(acc) -> dict:
+    out = {"n": acc.n, "mode": acc.mode, "unit": acc.unit, "skipped": acc.skipped_batches}
+    if acc.n >= 4:
+        est = acc.estimate()
+        out.update({key: getattr(est, key) for key in FIELDS})
+    if acc.mode == "pool" and acc.n:
+        out["pool_rows"] = acc.pool_rows().tolist()
+        if acc.n >= 4:
+            out["misalignment"] = fs.misalignment_probability(acc, 2, 2, trials=200, seed=3).probability
+    return out
+
+
+def state_tensors(acc) -> dict:
+    return {key: getattr(acc, key).clone() for key in
+            ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram")
+            if getattr(acc, key) is not None}
+
+
+def same_state(acc, saved: dict) -> bool:
+    now = state_tensors(acc)
+    return now.keys() == saved.keys() and all(torch.equal(now[k], saved[k]) for k in now)
+
+
+class StandInProbe:
+    """The two dicts of GradStats a Probe holds (``stats``, ``test_stats``)."""
+
+    def __init__(self, dims: dict):
+        self.stats = {name: fs.GradStats(d, second_moment="auto", name=name) for name, d in dims.items()}
+        self.test_stats = {name: fs.GradStats(d, second_moment="dense", name=name)
+                           for name, d in dims.items()}
+
+
+PROBE_DIMS = {"layers.0": 5, "layers.1": 7}
+
+
+def probe_data(rank: int):
+    return {(stream, name): batches(100 + 10 * rank + 3 * i + (stream == "test"), [6, 3], d,
+                                    1.0 + rank)
+            for i, (name, d) in enumerate(PROBE_DIMS.items()) for stream in ("train", "test")}
+
+
+def feed_probe(probe, data):
+    for (stream, name), items in data.items():
+        feed((probe.stats if stream == "train" else probe.test_stats)[name], items, {})
+
+
+# ----------------------------------------------------------------------------- worker
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    import torch.distributed as dist
+
+    from fused_stats.api.distributed_probe import all_reduce_probe
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        results = {}
+        for name, (kwargs, items0, items1, upd) in cases().items():
+            acc = feed(fs.GradStats(**kwargs), items0 if rank == 0 else items1, upd)
+            acc.all_reduce()
+            results[name] = summary(acc)
+
+        # an explicit group (both ranks, listed in reverse order)
+        group = dist.new_group([1, 0])
+        kwargs, items0, items1, upd = cases()["dense"]
+        acc = feed(fs.GradStats(**kwargs), items0 if rank == 0 else items1, upd)
+        acc.all_reduce(group)
+        results["dense_group"] = summary(acc)
+
+        # nobody has data: stays empty, skipped batches are summed
+        acc = fs.GradStats(3, nonfinite="skip")
+        acc.update(torch.full((2, 3), math.nan))
+        acc.all_reduce()
+        results["all_empty"] = summary(acc)
+
+        # mismatches must raise on BOTH ranks and leave the state untouched
+        errors = {}
+        for case, kwargs in {
+            "dim": dict(dim=4 + rank, second_moment="dense"),
+            "second_moment": dict(dim=4, second_moment=("dense", "pool")[rank]),
+            "capacity": dict(dim=4, second_moment="pool", pool_capacity=9),
+        }.items():
+            acc = feed(fs.GradStats(**kwargs), batches(200 + rank, [5], kwargs["dim"], 1.0), {})
+            before = state_tensors(acc)
+            try:
+                acc.all_reduce()
+                errors[case] = None
+            except fs.FusedStatsError as exc:
+                errors[case] = {"message": str(exc), "unchanged": same_state(acc, before),
+                                "n": acc.n}
+        acc = fs.GradStats(4, second_moment="dense")
+        acc.update(torch.randn(5, 3, 4), unit=("sample", "position")[rank])
+        before = state_tensors(acc)
+        try:
+            acc.all_reduce()
+            errors["unit"] = None
+        except fs.FusedStatsError as exc:
+            errors["unit"] = {"message": str(exc), "unchanged": same_state(acc, before), "n": acc.n}
+        results["errors"] = errors
+
+        # a whole probe
+        probe = StandInProbe(PROBE_DIMS)
+        feed_probe(probe, probe_data(rank))
+        all_reduce_probe(probe)
+        results["probe"] = {f"{stream}/{name}": summary(accs[name])
+                            for stream, accs in (("train", probe.stats), ("test", probe.test_stats))
+                            for name in PROBE_DIMS}
+        # ranks with different points: an error on both ranks, not a hang
+        other = StandInProbe({"layers.0": 5} if rank == 0 else {"layers.9": 5})
+        try:
+            all_reduce_probe(other)
+            results["probe_mismatch"] = None
+        except fs.FusedStatsError as exc:
+            results["probe_mismatch"] = str(exc)
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as handle:
+            json.dump(results, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("gloo")
+    mp.spawn(_worker, args=(2, free_port(), str(outdir)), nprocs=2, join=True)
+    return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+# ----------------------------------------------------------------------------- checks
+def assert_same(got: dict, ref: dict, rel: float = 1e-10) -> None:
+    assert got["n"] == ref["n"]
+    assert got["mode"] == ref["mode"]
+    assert got["unit"] == ref["unit"]
+    for key in FIELDS:
+        if key in ref:
+            # the scale of the four targets: differences of terms of size ~|q|^2 / |q|^4
+            assert math.isclose(got[key], ref[key], rel_tol=rel, abs_tol=1e-300), (key, got[key], ref[key])
+    if "pool_rows" in ref:
+        assert torch.allclose(torch.tensor(got["pool_rows"], dtype=F64),
+                              torch.tensor(ref["pool_rows"], dtype=F64), rtol=1e-12, atol=1e-12)
+    if "misalignment" in ref:
+        assert got["misalignment"] == ref["misalignment"]
+
+
+@pytest.mark.parametrize("case", list(cases()))
+def test_all_reduce_equals_one_stream(ranks, case):
+    kwargs, items0, items1, upd = cases()[case]
+    ref = summary(feed(fs.GradStats(**kwargs), items0 + items1, upd))
+    assert ref["n"] >= 4
+    for rank in range(2):
+        assert_same(ranks[rank][case], ref)
+
+
+def test_auto_modes_follow_one_stream(ranks):
+    # the representation after the reduce is the one a single stream would have reached
+    assert ranks[0]["auto_pool"]["mode"] == "pool"
+    assert ranks[0]["auto_switch"]["mode"] == "dense"
+    assert ranks[0]["auto_mixed"]["mode"] == "dense"
+    assert ranks[0]["pool_empty_rank0"]["mode"] == "pool"
+
+
+def test_explicit_group(ranks):
+    kwargs, items0, items1, upd = cases()["dense"]
+    ref = summary(feed(fs.GradStats(**kwargs), items0 + items1, upd))
+    for rank in range(2):
+        assert_same(ranks[rank]["dense_group"], ref)
+
+
+def test_no_data_anywhere(ranks):
+    for rank in range(2):
+        assert ranks[rank]["all_empty"]["n"] == 0
+        assert ranks[rank]["all_empty"]["skipped"] == 2  # one skipped batch per rank
+
+
+@pytest.mark.parametrize("case,words", [("dim", ["dim", "[4, 5]"]),
+                                        ("second_moment", ["second_moment", "dense", "pool"]),
+                                        ("capacity", ["pool_capacity=9", "10"]),
+                                        ("unit", ["unit", "sample", "position"])])
+def test_mismatch_raises_on_every_rank(ranks, case, words):
+    for rank in range(2):
+        err = ranks[rank]["errors"][case]
+        assert err is not None, f"rank {rank} accepted a {case} mismatch"
+        for word in words:
+            assert word in err["message"], (word, err["message"])
+        assert err["unchanged"]
+
+
+def test_probe_all_reduce(ranks):
+    data0, data1 = probe_data(0), probe_data(1)
+    ref = StandInProbe(PROBE_DIMS)
+    feed_probe(ref, data0)
+    feed_probe(ref, data1)
+    for rank in range(2):
+        for stream, accs in (("train", ref.stats), ("test", ref.test_stats)):
+            for name in PROBE_DIMS:
+                assert_same(ranks[rank]["probe"][f"{stream}/{name}"], summary(accs[name]))
+    for rank in range(2):
+        assert "different sets of accumulators" in ranks[rank]["probe_mismatch"]
