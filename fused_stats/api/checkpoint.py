@@ -35,7 +35,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .. import __version__
 from ..accumulators import GradStats
 from ..accumulators.persistence import write_atomic
 from ..errors import FusedStatsError
@@ -111,8 +110,10 @@ def has_checkpoint(directory) -> bool:
 
 # ---------------------------------------------------------------------------- writing
 def write_snapshot(directory, accs: dict[tuple[str, str], GradStats], consumed: dict | None = None,
-                   probe_steps: int | None = None, extra: dict | None = None) -> Path:
+                   extra: dict | None = None) -> Path:
     """Write ``accs`` as a new snapshot of ``directory`` and point ``LATEST`` at it (module doc)."""
+    from .. import __version__
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     previous = latest_snapshot(directory)
@@ -137,7 +138,6 @@ def write_snapshot(directory, accs: dict[tuple[str, str], GradStats], consumed: 
             "format": FORMAT, "version": VERSION, "fused_stats_version": __version__,
             "serial": serial,
             "consumed": dict(consumed or {}),
-            "probe_steps": probe_steps,
             "streams": sorted({stream for stream, _ in accs}),
             "point_names": sorted({name for _, name in accs}),
             "points": points,
@@ -161,22 +161,31 @@ def write_snapshot(directory, accs: dict[tuple[str, str], GradStats], consumed: 
     return final
 
 
-def _probe_steps(probe) -> int | None:
-    for attr in ("steps", "num_steps", "step_count"):
+# plain per-probe bookkeeping (dicts of ints keyed by stream or point) saved with the states
+PROBE_COUNTERS = ("steps", "skipped_steps", "dims", "feature_dims")
+
+
+def _probe_counters(probe) -> dict:
+    out = {}
+    for attr in PROBE_COUNTERS:
         value = getattr(probe, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
+        if isinstance(value, dict) and all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                for k, v in value.items()):
+            out[attr] = dict(value)
+    return out
 
 
 def save_probe_state(probe, directory, consumed: dict | None = None) -> Path:
     """Checkpoint every accumulator of ``probe`` into ``directory``; returns the snapshot folder.
 
     ``consumed``: batches already fed per stream (``{"train": k, "test": j}``), used by
-    :func:`run_with_checkpoints` to resume; stored in the manifest.
+    :func:`run_with_checkpoints` to resume; stored in the manifest with the probe's step counters.
     """
     accs = probe_accumulators(probe)
-    return write_snapshot(directory, accs, consumed=consumed, probe_steps=_probe_steps(probe))
+    counters = _probe_counters(probe)
+    return write_snapshot(directory, accs, consumed=consumed, extra={"probe": counters,
+                                 "probe_points": list(getattr(probe, "points", []) or [])})
 
 
 # ---------------------------------------------------------------------------- reading
@@ -232,11 +241,16 @@ def read_snapshot(directory, device=None, backend: str = "auto"):
     return manifest, accs
 
 
-def _install(probe, accs: dict[tuple[str, str], GradStats]) -> None:
+def _install(probe, accs: dict[tuple[str, str], GradStats], manifest: dict) -> None:
     """Put loaded accumulators into the probe, after checking all of them (all or nothing)."""
     current = probe_accumulators(probe)
+    points = getattr(probe, "points", None)
     for key, loaded in accs.items():
         stream, name = key
+        if points is not None and name not in points:
+            raise FusedStatsError(
+                f"checkpoint point {name!r} ({stream}) is not a point of this probe; its points: "
+                f"{list(points)}")
         if stream not in STREAMS:
             raise FusedStatsError(f"checkpoint stream {stream!r} is not one of {tuple(STREAMS)}")
         if getattr(probe, STREAMS[stream], None) is None:
@@ -254,14 +268,28 @@ def _install(probe, accs: dict[tuple[str, str], GradStats]) -> None:
         raise FusedStatsError(
             f"the probe holds data at {[f'{s}:{n}' for s, n in extra if current[(s, n)].n]}, which "
             "the checkpoint does not have (was it written by a probe with other points?)")
+    counters = manifest.get("probe") or {}
+    if not isinstance(counters, dict):
+        raise FusedStatsError(f"checkpoint manifest has a malformed 'probe' entry: {counters!r}")
+    # ---- commit: nothing below rejects the checkpoint
+    backend = getattr(probe, "backend", None)
     for key, loaded in accs.items():
         stream, name = key
         mine = current.get(key)
         if mine is None:
+            if backend is not None:
+                loaded.backend = backend
             getattr(probe, STREAMS[stream])[name] = loaded
         else:
             # in place, so references the probe keeps to its accumulators stay valid
             mine._adopt(loaded)
+    for key in extra:  # empty accumulators the checkpoint does not know
+        getattr(probe, STREAMS[key[0]]).pop(key[1])
+    for attr, value in counters.items():
+        mine = getattr(probe, attr, None)
+        if attr in PROBE_COUNTERS and isinstance(mine, dict) and isinstance(value, dict):
+            mine.clear()
+            mine.update({str(k): int(v) for k, v in value.items()})
 
 
 def _probe_device(probe):
@@ -280,8 +308,8 @@ def load_probe_state(probe, directory, device=None) -> dict:
     """Restore every accumulator of ``probe`` from the newest snapshot in ``directory``.
 
     Each state goes to the device of the probe's accumulator it replaces (else ``device``, else
-    the probe's model's device, else CPU). Returns the manifest (``consumed``, ``probe_steps``,
-    point names, ...). The probe is changed only if the whole snapshot reads and checks correctly.
+    the probe's model's device, else CPU). Returns the manifest (``consumed``, the probe's
+    counters under ``probe``, point names, ...). The probe is changed only if the whole snapshot reads and checks correctly.
     """
     current = probe_accumulators(probe)
     fallback = device if device is not None else _probe_device(probe)
@@ -291,32 +319,19 @@ def load_probe_state(probe, directory, device=None) -> dict:
         return mine.device if mine is not None and mine.device is not None else fallback
 
     manifest, accs = read_snapshot(directory, device=where)
-    _install(probe, accs)
-    steps = manifest.get("probe_steps")
-    if steps is not None:
-        for attr in ("steps", "num_steps", "step_count"):
-            if isinstance(getattr(probe, attr, None), int):
-                setattr(probe, attr, steps)
-                break
+    _install(probe, accs, manifest)
     return manifest
 
 
 # ---------------------------------------------------------------------------- driver
-def _step(probe, batch, loss_fn, stream: str) -> None:
-    if stream == "train":
-        probe.step(batch, loss_fn)
-    else:
-        probe.step(batch, loss_fn, stream=stream)
-
-
 def run_with_checkpoints(probe, batches, loss_fn, directory, every: int = 100,
-                         stream: str = "train") -> int:
+                         stream: str = "train", **step_kwargs) -> int:
     """Feed ``batches`` to ``probe.step`` with a checkpoint every ``every`` batches; resumable.
 
     If ``directory`` already holds a checkpoint, the probe is restored from it and the number of
     ``stream`` batches it holds is skipped from the start of ``batches`` (which must therefore
     yield the same batches in the same order as in the interrupted run). A final checkpoint is
-    written at the end. Calling it once per stream on the same directory (``"train"`` then
+    written at the end. ``step_kwargs`` (e.g. ``mask=``) go to ``probe.step``. Calling it once per stream on the same directory (``"train"`` then
     ``"test"``) keeps both streams' progress. Returns the number of ``stream`` batches consumed.
     """
     if stream not in STREAMS:
@@ -338,7 +353,7 @@ def run_with_checkpoints(probe, batches, loss_fn, directory, every: int = 100,
                 f"iterable ended after {skipped}: not the same data as the checkpointed run") from None
     since_save = 0
     for batch in iterator:
-        _step(probe, batch, loss_fn, stream)
+        probe.step(batch, loss_fn, stream=stream, **step_kwargs)
         done += 1
         since_save += 1
         if since_save == every:
@@ -379,8 +394,16 @@ def merge_checkpoints(out_directory, directories) -> Path:
             acc.merge(accs[key])
         merged[key] = acc
     consumed: dict[str, int] = {}
+    counters = dict(loaded[0][0].get("probe") or {})
+    for key in ("steps", "skipped_steps"):
+        counters.pop(key, None)
     for manifest, _ in loaded:
         for stream, count in (manifest.get("consumed") or {}).items():
             consumed[stream] = consumed.get(stream, 0) + int(count)
+        for key in ("steps", "skipped_steps"):  # step counts add up like the samples do
+            for stream, count in ((manifest.get("probe") or {}).get(key) or {}).items():
+                table = counters.setdefault(key, {})
+                table[stream] = table.get(stream, 0) + int(count)
     return write_snapshot(out_directory, merged, consumed=consumed, extra={
+        "probe": counters, "probe_points": loaded[0][0].get("probe_points", []),
         "merged_from": [str(d.resolve()) for d in directories]})

@@ -5,4 +5,6 @@ Add a command by writing a module here and naming it in ``COMMANDS``.
 
 COMMANDS = (
     "synthetic",
+    "merge",
+    "plan",
 )

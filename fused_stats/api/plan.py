@@ -1,0 +1,182 @@
+"""Memory plan: accumulator bytes per insertion point before a probe run starts.
+
+One :class:`~fused_stats.GradStats` of dimension ``d`` holds (fp64, 8 bytes a number)
+
+* always: the centre ``c``, ``s`` and ``t`` (``3 d`` numbers) and four scalars
+  (``A1, A2, max|q|, Σ|q|``);
+* ``dense``: ``S`` (``d²`` numbers), whatever the number of samples;
+* ``pool`` with ``N`` samples: the rows ``Y`` (``N d``) and their Gram matrix (``N²``);
+* ``auto``: the pool while ``N d + N² ≤ d²`` (``N ≤ N* ≈ 0.618 d``), the dense ``S`` after, so never
+  more than dense.
+
+These are :meth:`GradStats.planned_nbytes` (the same count :meth:`GradStats.state_nbytes` reports for
+a live accumulator). A probe keeps one accumulator per point and stream (train and held-out test),
+so a run needs ``points × streams`` of them. Not included: the model, the batch's activations and
+gradients, and transients while a batch is folded in (one accumulator at a time: a pool append
+briefly holds the old and the new Gram matrix; ``auto`` crossing ``N*`` briefly holds the pool and
+``S``; per-batch centred rows ``B × d``).
+
+Shapes come from ``dim`` and ``points`` or from a model config with ``hidden_size`` and
+``num_hidden_layers`` (HF LLaMA / GPT-NeoX; GPT-2's ``n_embd`` / ``n_layer`` also work), one point
+per block (the residual stream after each block).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..accumulators import GradStats, auto_pool_limit
+from ..errors import FusedStatsError
+
+# (hidden size, number of blocks) of common model shapes, for sizing without a config file
+PRESETS = {
+    "gpt2": (768, 12),
+    "pythia-1b": (2048, 16),
+    "llama-7b": (4096, 32),
+    "llama-13b": (5120, 40),
+    "llama-70b": (8192, 80),
+}
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Accumulator bytes for one probe configuration (all byte counts are exact, not rounded)."""
+
+    label: str
+    dim: int
+    points: int
+    streams: int
+    pool_size: int | None  # samples per accumulator assumed for pool / auto (None: not given)
+    auto_switch: int  # auto turns dense above this many samples
+    dense: int  # bytes per accumulator
+    pool: int | None  # bytes per accumulator holding pool_size samples
+    auto: int  # bytes per accumulator (the dense bound when pool_size is not given)
+    auto_mode: str  # what auto holds at pool_size: "pool" or "dense"
+
+    @property
+    def accumulators(self) -> int:
+        return self.points * self.streams
+
+    def per_point(self, mode: str) -> int | None:
+        """Bytes per insertion point (all streams) for ``mode`` in dense / pool / auto."""
+        value = self._per_accumulator(mode)
+        return None if value is None else value * self.streams
+
+    def total(self, mode: str) -> int | None:
+        """Bytes for the whole probe (every point and stream)."""
+        value = self._per_accumulator(mode)
+        return None if value is None else value * self.accumulators
+
+    def _per_accumulator(self, mode: str) -> int | None:
+        if mode not in ("dense", "pool", "auto"):
+            raise FusedStatsError(f"mode must be 'dense', 'pool' or 'auto', got {mode!r}")
+        return getattr(self, mode)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for mode in ("dense", "pool", "auto"):
+            out[f"per_point_{mode}"] = self.per_point(mode)
+            out[f"total_{mode}"] = self.total(mode)
+        return out
+
+
+def model_shape(model) -> tuple[int, int]:
+    """``(hidden size, number of blocks)`` from a config dict, a JSON path or a config object."""
+    if isinstance(model, (str, Path)):
+        path = Path(model)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise FusedStatsError(f"cannot read a model config from {str(model)!r}: {exc}") from exc
+    elif isinstance(model, dict):
+        config = model
+    else:
+        config = {key: getattr(model, key) for key in _HIDDEN_KEYS + _LAYER_KEYS
+                  if hasattr(model, key)}
+    if isinstance(config.get("text_config"), dict) and not any(k in config for k in _HIDDEN_KEYS):
+        config = config["text_config"]  # multimodal configs nest the language model's
+    hidden = next((config[k] for k in _HIDDEN_KEYS if isinstance(config.get(k), int)), None)
+    layers = next((config[k] for k in _LAYER_KEYS if isinstance(config.get(k), int)), None)
+    if hidden is None or layers is None:
+        raise FusedStatsError(
+            f"model config needs a hidden size (one of {_HIDDEN_KEYS}) and a block count (one of "
+            f"{_LAYER_KEYS}); got keys {sorted(config)[:20]}")
+    return int(hidden), int(layers)
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> int:
+    low = 0 if allow_zero else 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise FusedStatsError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def plan_memory(dim: int | None = None, points: int | None = None, pool_size: int | None = None,
+                model=None, streams: int = 2, label: str | None = None) -> MemoryPlan:
+    """Bytes per accumulator, per point and in total for the dense, pool and auto modes.
+
+    Give ``dim`` and ``points``, or ``model`` (a config dict / JSON path / config object, see
+    :func:`model_shape`; ``dim`` or ``points`` given too override it) or a preset name from
+    :data:`PRESETS`. ``pool_size``: the number of samples each accumulator will see (for
+    ``pool`` and ``auto``); without it ``pool`` is unknown and ``auto`` is its dense bound.
+    ``streams``: 2 for a probe with train and test streams, 1 for one stream.
+    """
+    if model is not None:
+        if isinstance(model, str) and model in PRESETS:
+            hidden, layers = PRESETS[model]
+            label = label or model
+        else:
+            hidden, layers = model_shape(model)
+            label = label or (Path(model).stem if isinstance(model, (str, Path)) else "model")
+        dim = hidden if dim is None else dim
+        points = layers if points is None else points
+    if dim is None or points is None:
+        raise FusedStatsError("plan_memory needs dim and points, or a model config")
+    dim = _positive("dim", dim)
+    points = _positive("points", points)
+    streams = _positive("streams", streams)
+    if pool_size is not None:
+        pool_size = _positive("pool_size", pool_size, allow_zero=True)
+    switch = auto_pool_limit(dim)
+    dense = GradStats.planned_nbytes(dim, "dense")
+    pool = None if pool_size is None else GradStats.planned_nbytes(dim, "pool", pool_size)
+    if pool_size is not None and pool_size <= switch:
+        auto, auto_mode = pool, "pool"
+    else:
+        auto, auto_mode = dense, "dense"
+    return MemoryPlan(label=label or f"d={dim}", dim=dim, points=points, streams=streams,
+                      pool_size=pool_size, auto_switch=switch, dense=dense, pool=pool, auto=auto,
+                      auto_mode=auto_mode)
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def format_table(plans) -> str:
+    """A plain-text table: bytes per accumulator and for the whole probe, per mode."""
+    header = (f"{'shape':<12}{'d':>6}{'points':>7}{'streams':>8}{'pool N':>8}{'auto N*':>8}"
+              f"{'dense/acc':>12}{'pool/acc':>12}{'auto/acc':>12}"
+              f"{'dense total':>13}{'pool total':>13}{'auto total':>13}")
+    lines = [header, "-" * len(header)]
+    for p in plans:
+        lines.append(
+            f"{p.label:<12}{p.dim:>6}{p.points:>7}{p.streams:>8}"
+            f"{'-' if p.pool_size is None else p.pool_size:>8}{p.auto_switch:>8}"
+            f"{human_bytes(p.dense):>12}{human_bytes(p.pool):>12}{human_bytes(p.auto):>12}"
+            f"{human_bytes(p.total('dense')):>13}{human_bytes(p.total('pool')):>13}"
+            f"{human_bytes(p.total('auto')):>13}")
+    return "\n".join(lines)

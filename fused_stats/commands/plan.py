@@ -1,0 +1,52 @@
+"""``fused-stats plan``: accumulator memory per insertion point before a probe run.
+
+``fused-stats plan --dim D --points P [--pool N] [--streams 2]`` or ``--model CONFIG_JSON`` (HF
+config with ``hidden_size`` and ``num_hidden_layers``) or ``--preset llama-70b``; with no shape at
+all it prints the LLaMA-7B and LLaMA-70B shapes. Bytes are exact counts of the fp64 state
+(:func:`fused_stats.api.plan.plan_memory`).
+"""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    from ..api.plan import PRESETS
+
+    cmd = sub.add_parser(
+        "plan", help="accumulator memory per point (dense / pool / auto) for a model shape",
+        description="Bytes of accumulator state per point and for the whole probe, per second-moment "
+                    "mode, before a run starts.")
+    cmd.add_argument("--dim", type=int, help="feature dimension d (hidden size)")
+    cmd.add_argument("--points", type=int, help="number of insertion points")
+    cmd.add_argument("--pool", type=int, default=None,
+                     help="samples per accumulator (pool size N) for the pool and auto modes")
+    cmd.add_argument("--model", help="model config JSON (or a model directory holding config.json)")
+    cmd.add_argument("--preset", action="append", choices=sorted(PRESETS),
+                     help="a named shape (repeatable)")
+    cmd.add_argument("--streams", type=int, default=2,
+                     help="accumulators per point: 2 = train + test streams (default), 1 = one")
+    cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    cmd.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    import json
+
+    from ..api.plan import format_table, plan_memory
+
+    plans = []
+    if args.model is not None:
+        plans.append(plan_memory(dim=args.dim, points=args.points, pool_size=args.pool,
+                                 model=args.model, streams=args.streams))
+    elif args.dim is not None or args.points is not None:
+        plans.append(plan_memory(dim=args.dim, points=args.points, pool_size=args.pool,
+                                 streams=args.streams))
+    for preset in args.preset or ([] if plans else ["llama-7b", "llama-70b"]):
+        plans.append(plan_memory(model=preset, pool_size=args.pool, streams=args.streams))
+    if args.json:
+        print(json.dumps([p.to_dict() for p in plans], indent=1))
+        return 0
+    print(format_table(plans))
+    print("bytes of fp64 accumulator state (acc = one point, one stream; total = points x streams). "
+          "auto is a pool up to N* samples, dense after; without --pool it is shown at its dense bound.")
+    return 0
