@@ -60,7 +60,8 @@ class GradStats:
         Representation of ``Σ y yᵀ`` (module docstring).
     pool_capacity : int, optional
         ``pool``: the most samples the pool may hold (a batch beyond it is rejected).
-        ``auto``: the pool size at which it switches to dense (default: the memory crossover).
+        ``auto``: the pool size at which it switches to dense (default, and at most: the memory
+        crossover ``N d + N² ≤ d²``, so ``auto`` never holds more than the smaller representation).
     device : torch.device or str, optional
         Where the state lives; ``None`` adopts the first batch's device.
     backend : {"auto", "triton", "torch"}
@@ -419,7 +420,11 @@ class GradStats:
         if self.n == 0:
             skipped = self.skipped_batches
             self._adopt(theirs)
-            if self.second_moment == "dense" and self.mode == "pool":
+            limit = self.pool_limit
+            # the adopted state keeps THIS accumulator's representation rules: a pool too large for
+            # 'auto' (or any pool for 'dense') is folded into S at once
+            if self.mode == "pool" and (self.second_moment == "dense" or (
+                    self.second_moment == "auto" and limit is not None and self.n > limit)):
                 self._to_dense()
             self.skipped_batches += skipped
             return self
