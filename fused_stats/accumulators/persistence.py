@@ -2,8 +2,10 @@
 
 A file holds only tensors and string metadata (no pickle, so loading never runs code). The
 metadata carries ``format``, ``version``, the constructor arguments, ``n`` and a SHA-256 over the
-tensors' bytes (in sorted name order); loading recomputes it, so a truncated or edited file is
-reported as damaged instead of silently giving wrong statistics. Writes go to a temporary file in
+tensors' bytes (in sorted name order) and every other metadata entry (so an edit of, say, ``n`` in
+the header is caught too); loading recomputes it, and checks every tensor's shape against ``dim``,
+``n`` and the mode, so a truncated or edited file is reported as damaged instead of silently giving
+wrong statistics. Writes go to a temporary file in
 the same folder, are fsync'ed, then renamed over the target (atomic on POSIX).
 """
 
@@ -24,8 +26,12 @@ VERSION = 1
 TENSOR_KEYS = ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram")
 
 
-def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+def tensors_checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> str:
+    """SHA-256 over the tensors (sorted by name) and the metadata entries other than ``sha256``."""
     digest = hashlib.sha256()
+    if meta is not None:
+        digest.update(json.dumps({k: v for k, v in meta.items() if k != "sha256"},
+                                 sort_keys=True).encode())
     for key in sorted(tensors):
         value = tensors[key].detach().to("cpu").contiguous().reshape(-1)
         digest.update(key.encode())
@@ -76,7 +82,7 @@ def save_grad_stats(acc, path) -> None:
     from safetensors.torch import save
 
     tensors, meta = state_to_tensors(acc)
-    meta["sha256"] = tensors_checksum(tensors)
+    meta["sha256"] = tensors_checksum(tensors, meta)
     write_atomic(Path(path), save(tensors, metadata=meta))
 
 
@@ -101,7 +107,7 @@ def read_checked(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise FusedStatsError(
             f"{str(path)!r} has state version {meta.get('version')!r}; this fused_stats reads "
             f"version {VERSION}")
-    if tensors_checksum(tensors) != meta.get("sha256"):
+    if tensors_checksum(tensors, meta) != meta.get("sha256"):
         raise FusedStatsError(f"state file {str(path)!r} failed its checksum (damaged or edited)")
     return tensors, meta
 
@@ -110,28 +116,43 @@ def load_grad_stats(path, device=None, backend="auto"):
     from .grad_stats import GradStats
 
     tensors, meta = read_checked(path)
+    where = f"state file {str(path)!r}"
     try:
         config = json.loads(meta["config"])
         state = json.loads(meta["state"])
-    except (KeyError, ValueError) as exc:
-        raise FusedStatsError(f"state file {str(path)!r} has unreadable metadata: {exc}") from exc
-    acc = GradStats(config["dim"], config["second_moment"], config["pool_capacity"], device,
-                    backend, config["nonfinite"], config["name"])
-    acc.skipped_batches = int(state["skipped_batches"])
-    acc.unit = state["unit"]
-    if state["n"]:
+        acc = GradStats(config["dim"], config["second_moment"], config["pool_capacity"], device,
+                        backend, config["nonfinite"], config["name"])
+        skipped, unit, n, mode = (int(state["skipped_batches"]), state["unit"], int(state["n"]),
+                                  state["mode"])
+    except (KeyError, ValueError, TypeError) as exc:  # FusedStatsError is a ValueError too
+        raise FusedStatsError(f"{where} has unreadable or invalid metadata: {exc}") from exc
+    unknown = sorted(set(tensors) - set(TENSOR_KEYS))
+    if unknown:
+        raise FusedStatsError(f"{where} holds unexpected tensors {unknown}")
+    allowed_modes = {"dense": ("dense",), "pool": ("pool",), "auto": ("pool", "dense")}
+    if n < 0 or mode not in allowed_modes[acc.second_moment] or unit not in (None, "sample", "position", "flat"):
+        raise FusedStatsError(
+            f"{where} is inconsistent: n={n}, mode={mode!r}, unit={unit!r} for "
+            f"second_moment={acc.second_moment!r}")
+    acc.skipped_batches = skipped
+    acc.unit = unit
+    if n:
         target = torch.device(device) if device is not None else torch.device("cpu")
-        acc.mode = state["mode"]
-        acc.n = int(state["n"])
-        acc.device = target
-        for key, value in tensors.items():
-            setattr(acc, key, value.to(target))
         needed = ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum") + (
-            ("S",) if acc.mode == "dense" else ("pool", "gram"))
-        missing = [key for key in needed if getattr(acc, key) is None]
+            ("S",) if mode == "dense" else ("pool", "gram"))
+        missing = [key for key in needed if key not in tensors]
         if missing:
-            raise FusedStatsError(f"state file {str(path)!r} lacks tensors {missing}")
-        if acc.centre.shape != (acc.dim,):
-            raise FusedStatsError(
-                f"state file {str(path)!r}: centre has shape {tuple(acc.centre.shape)}, dim={acc.dim}")
+            raise FusedStatsError(f"{where} lacks tensors {missing}")
+        d = acc.dim
+        shapes = {"centre": (d,), "s": (d,), "t": (d,), "a1": (), "a2": (), "norm_max": (),
+                  "norm_sum": (), "S": (d, d), "pool": (n, d), "gram": (n, n)}
+        for key in needed:
+            value = tensors[key]
+            if tuple(value.shape) != shapes[key] or value.dtype != torch.float64:
+                raise FusedStatsError(
+                    f"{where} is inconsistent: {key} has shape {tuple(value.shape)} and dtype "
+                    f"{value.dtype}, expected {shapes[key]} float64 for dim={d}, n={n}, mode={mode!r}")
+        acc.mode, acc.n, acc.device = mode, n, target
+        for key in needed:
+            setattr(acc, key, tensors[key].to(target))
     return acc
