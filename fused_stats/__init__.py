@@ -13,6 +13,9 @@ from .accumulators import (
     realized_alignment,
 )
 from .api.report import Report
+from .api.probe import Probe
+from .api.points import residual_points
+from .api.losses import causal_lm_loss, classification_loss
 
 __version__ = "0.1.0"
 
@@ -25,5 +28,9 @@ __all__ = [
     "misalignment_probability",
     "realized_alignment",
     "Report",
+    "Probe",
+    "residual_points",
+    "causal_lm_loss",
+    "classification_loss",
     "__version__",
 ]

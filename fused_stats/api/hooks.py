@@ -1,0 +1,112 @@
+"""Forward hooks that capture insertion-point activations as differentiable tensors.
+
+Role: during one forward pass, :class:`ActivationCapture` records each point's output ``z`` and
+substitutes it so that one ``torch.autograd.grad(Σ_b ℓ_b, [z_1, …, z_L])`` returns
+``q = ∂(Σ_b ℓ_b)/∂z`` at every point (DESIGN section 5, activation-only backward):
+
+* the **first point to run** is replaced by ``z.detach().requires_grad_()``: a fresh leaf, so no
+  graph is kept below it (and, with frozen parameters, nothing below it is differentiated);
+* a later point whose output already requires grad stays in the graph unchanged — the gradient
+  with respect to an intermediate tensor is the total derivative through everything downstream,
+  which is what a bias inserted at that point would receive;
+* a later point whose output does not require grad (it does not depend on an earlier point, e.g.
+  a parallel branch) is made a leaf as well.
+
+Tuple or list outputs (some HF versions return ``(hidden_states, ...)`` from decoder layers) are
+captured at element 0 and re-emitted with the same structure (tuple, namedtuple or list). The other
+elements are passed on untouched, so they must not be computed from element 0 inside the module
+(true of HF layers: attention weights and caches come from the layer's input): for a point that
+becomes a leaf, a path from element 0 through another element would not reach the leaf.
+A point that runs twice in one forward (a reused module) is rejected: its per-sample gradient
+would be ambiguous. Each captured tensor's version counter is recorded so that an in-place change
+made downstream (which would make the gradient refer to the modified tensor) is detected instead
+of silently giving wrong statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import FusedStatsError
+
+
+def _split(output):
+    """``(tensor, rebuild)``: the captured tensor and a function re-emitting the structure."""
+    if isinstance(output, torch.Tensor):
+        return output, lambda t: t
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        rest = list(output[1:])
+        if isinstance(output, tuple) and hasattr(output, "_fields"):  # namedtuple
+            return output[0], lambda t: type(output)(t, *rest)
+        kind = type(output) if type(output) in (tuple, list) else tuple
+        return output[0], lambda t: kind([t, *rest])
+    return None, None
+
+
+class ActivationCapture:
+    """Context manager: forward hooks on ``names`` that capture and substitute the outputs.
+
+    After the forward, :attr:`captured` maps each point name to the tensor to differentiate with
+    respect to, and :attr:`order` lists the points in the order they ran. Hooks are removed by
+    ``__exit__`` and by :meth:`remove` (idempotent), whatever happened in between.
+    """
+
+    def __init__(self, model: nn.Module, names: list[str], cut_graph: bool = True):
+        self.model = model
+        self.names = list(names)
+        self.cut_graph = cut_graph
+        self.captured: dict[str, torch.Tensor] = {}
+        self.versions: dict[str, int] = {}
+        self.order: list[str] = []
+        self._handles: list = []
+
+    def __enter__(self) -> "ActivationCapture":
+        try:
+            for name in self.names:
+                module = self.model.get_submodule(name)
+                self._handles.append(module.register_forward_hook(self._make_hook(name)))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def _make_hook(self, name: str):
+        def hook(module, args, output):
+            if name in self.captured:
+                raise FusedStatsError(
+                    f"point {name!r} ({type(module).__name__}) ran more than once in one forward "
+                    "pass; a reused module has no single per-sample gradient. Probe a module that "
+                    "runs once instead")
+            tensor, rebuild = _split(output)
+            if tensor is None:
+                raise FusedStatsError(
+                    f"point {name!r} ({type(module).__name__}) returned {type(output).__name__}; "
+                    "expected a tensor or a tuple/list whose first element is a tensor")
+            if not tensor.is_floating_point():
+                raise FusedStatsError(
+                    f"point {name!r} returned a {tensor.dtype} tensor of shape "
+                    f"{tuple(tensor.shape)}; expected a floating-point activation")
+            first = not self.captured
+            if (first and self.cut_graph) or not tensor.requires_grad:
+                tensor = tensor.detach().requires_grad_()
+                replaced = True
+            else:
+                replaced = False
+            self.captured[name] = tensor
+            self.versions[name] = tensor._version
+            self.order.append(name)
+            return rebuild(tensor) if replaced else None
+
+        return hook
+
+    def modified_in_place(self) -> list[str]:
+        """Points whose captured tensor was changed in place after it was captured."""
+        return [n for n, t in self.captured.items() if t._version != self.versions[n]]

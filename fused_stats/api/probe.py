@@ -1,0 +1,560 @@
+"""The probe driver: per-sample activation gradients at insertion points of any ``nn.Module``.
+
+Role: :class:`Probe` runs the user's per-sample loss, takes ONE activation-only backward for all
+points and folds the gradients into one :class:`~fused_stats.GradStats` per point and stream
+(DESIGN sections 4 and 5). What one step computes, for per-sample losses ``ℓ_1..ℓ_B``::
+
+    L = Σ_b ℓ_b                       (a sum, never a mean: a mean would scale every q by 1/B)
+    G_p = ∂L/∂z_p                     (z_p: the output of point p, e.g. (B, T, d) or (B, C, H, W))
+
+and, because sample ``b``'s activations influence only ``ℓ_b`` (eval mode: no batch statistics,
+no dropout), ``G_p[b] = ∂ℓ_b/∂z_p[b]``: the per-sample activation gradient. The accumulator then
+forms, with the counted positions ``P_b`` of sample ``b`` (see *Masks*):
+
+* ``unit="sample"``: ``q_b = Σ_{t∈P_b} G_p[b, t]`` — the gradient of ``ℓ_b`` with respect to a bias
+  added to the stream at the counted positions (the width paper's direct residual intervention);
+  for conv maps the positions are the H×W pixels, so ``q_b ∈ R^C``;
+* ``unit="position"``: every counted ``G_p[b, t]`` is a sample;
+* ``unit="flat"``: ``q_b`` is the whole ``G_p[b]`` flattened (uncounted positions set to 0).
+
+**Activation-only backward.** Parameters get ``requires_grad=False`` for the step, the first point
+to run becomes a fresh leaf (nothing below it is kept or differentiated), and
+``torch.autograd.grad(L, [z_1..z_L])`` returns every point's gradient in one pass without any
+weight-gradient product (:mod:`fused_stats.api.hooks`). The model runs in ``eval()``; hooks,
+``requires_grad`` flags and every module's ``training`` flag are restored on every exit path.
+
+**Masks** (what counts as a position). ``mask=None`` (default): the batch's ``attention_mask``
+(B, T) if the batch is a mapping holding one, else every position. ``mask="labels"``: positions
+with ``attention_mask ≠ 0`` *and* ``labels[b, t] ≠ −100`` (HF convention: ``labels`` aligned with
+``input_ids``, so position ``t`` counts when token ``t`` itself is a supervised token; gradients at
+position ``t`` still include all later losses, as attention lets them depend on ``z_t``).
+``mask="none"``: every position. A (B, T) or (B,) tensor, or a callable ``batch -> tensor``:
+nonzero = counted; a (B,) mask selects whole samples. A sample with no counted position is not a
+sample.
+
+**Train and test streams.** :attr:`stats` (train) and :attr:`test_stats` (held-out) hold one
+accumulator per point. :meth:`realized_alignment` is ``s_trainᵀ s_test/(M K)``;
+:meth:`certificate` evaluates the width paper's Theorem 1 at ``M`` = train n, ``K`` = test n with
+the moments estimated from the *pooled* train + test samples (both streams sample the same
+population, so pooling gives the lower-variance unbiased estimate); :meth:`misalignment` draws
+random disjoint (M, K) splits of that pooled pool.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..accumulators import (Certificate, Estimate, GradStats, Misalignment,
+                            misalignment_probability, realized_alignment)
+from ..accumulators.grad_stats import NONFINITE_POLICIES, SECOND_MOMENTS, UNITS
+from ..backend import validate_backend
+from ..errors import FusedStatsError
+from .hooks import ActivationCapture
+from .points import resolve_points, residual_points
+
+STREAMS = ("train", "test")
+MASK_MODES = ("attention", "labels", "none")
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PointCapture:
+    """What one step saw at one point; handed to callbacks registered with :meth:`Probe.add_callback`.
+
+    ``activation``: the point's forward output ``z`` (detached), ``grad``: ``∂L/∂z`` (same shape),
+    ``mask``: the counted positions (B, *positions) bool or None, ``feature_dim``: the feature axis
+    of both tensors. Extension point for statistics that need ``z`` as well as ``q`` (the depth
+    probe's cross-gradient ``Σ_t q_t φ(W_in z_t)ᵀ``).
+    """
+
+    point: str
+    stream: str
+    activation: torch.Tensor
+    grad: torch.Tensor
+    mask: torch.Tensor | None
+    unit: str
+    feature_dim: int
+
+
+def _is_conv_stack(module: nn.Module) -> bool:
+    mods = list(module.modules())
+    return (any(isinstance(m, nn.modules.conv._ConvNd) for m in mods)
+            and not any(isinstance(m, nn.Linear) for m in mods))
+
+
+def model_summary(model: nn.Module, points: list[str] | None = None) -> dict:
+    """``{"class", "num_parameters", "config"}`` for a report; ``config`` holds a few plain sizes."""
+    num = sum(p.numel() for p in model.parameters())
+    config: dict = {}
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        for key in ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size",
+                    "num_attention_heads", "vocab_size", "max_position_embeddings"):
+            try:
+                value = getattr(cfg, key)
+            except AttributeError:
+                continue
+            if isinstance(value, (int, float, str, bool)):
+                config[key] = value
+    width = getattr(model, "width", None)
+    if isinstance(width, int):
+        config["width"] = width
+    if "hidden_size" in config:
+        config.setdefault("width", config["hidden_size"])
+    try:
+        config["depth"] = len(residual_points(model))
+    except FusedStatsError:
+        pass
+    if points is not None:
+        config["num_points"] = len(points)
+    return {"class": type(model).__name__, "num_parameters": int(num), "config": config}
+
+
+class Probe:
+    """Activation-gradient statistics at insertion points of ``model`` (module docstring).
+
+    Parameters
+    ----------
+    model : nn.Module
+    points : "residual", str or list of str
+        ``"residual"`` = :func:`fused_stats.residual_points`; otherwise module names (any module).
+    unit : {"sample", "position", "flat"}
+    second_moment : {"auto", "dense", "pool"}
+        Passed to every :class:`GradStats`; ``"pool"`` keeps per-sample vectors (needed by
+        :meth:`misalignment`).
+    cross : None
+        Reserved for the depth probe's ``fs.CrossSpec`` (not available in this version).
+    pool_capacity : int, optional
+    backend : {"auto", "triton", "torch"}
+    feature_dim : None, int or dict
+        The feature axis of each point's output. ``None``: -1 for (B, T, d) / (B, d) streams, 1 for
+        (B, C, H, W) maps (and for 3-d outputs of conv-only modules). An int applies to every point;
+        a dict maps point names to ints (others auto).
+    nonfinite : {"raise", "skip"}
+        A step whose gradient is NaN/Inf at a counted position raises (default) or is skipped and
+        counted in :attr:`skipped_steps`; either way no accumulator changes.
+
+    Examples
+    --------
+    >>> import torch, fused_stats as fs
+    >>> from fused_stats.api.resnet import cifar_resnet20
+    >>> model = cifar_resnet20(width=4, seed=0)
+    >>> probe = fs.Probe(model, second_moment="dense")
+    >>> x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+    >>> probe.step((x, y), fs.classification_loss)
+    >>> probe.stats["layer3.2"].n
+    8
+    """
+
+    def __init__(self, model: nn.Module, points="residual", unit: str = "sample",
+                 second_moment: str = "auto", cross=None, pool_capacity: int | None = None,
+                 backend: str = "auto", feature_dim=None, nonfinite: str = "raise"):
+        if not isinstance(model, nn.Module):
+            raise FusedStatsError(f"Probe needs a torch.nn.Module, got {type(model).__name__}")
+        if unit not in UNITS:
+            raise FusedStatsError(f"unit must be one of {UNITS}, got {unit!r}")
+        if second_moment not in SECOND_MOMENTS:
+            raise FusedStatsError(f"second_moment must be one of {SECOND_MOMENTS}, got {second_moment!r}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise FusedStatsError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        if pool_capacity is not None and (not isinstance(pool_capacity, int) or pool_capacity < 1):
+            raise FusedStatsError(f"pool_capacity must be a positive int or None, got {pool_capacity!r}")
+        if cross is not None:
+            raise FusedStatsError(
+                "cross= (the depth probe's CrossSpec) is not available in this version; "
+                "use Probe.add_callback to receive each point's activation and gradient")
+        self.model = model
+        self.points = resolve_points(model, points)
+        self.unit = unit
+        self.second_moment = second_moment
+        self.pool_capacity = pool_capacity
+        self.backend = validate_backend(backend)
+        self.nonfinite = nonfinite
+        self.cross = cross
+        self._feature_dim_arg = self._check_feature_dim(feature_dim)
+        self.feature_dims: dict[str, int] = {}  # resolved at the first step
+        self.dims: dict[str, int] = {}
+        self.stats: dict[str, GradStats] = {}
+        self.test_stats: dict[str, GradStats] = {}
+        self.steps = {s: 0 for s in STREAMS}
+        self.skipped_steps = {s: 0 for s in STREAMS}
+        self._callbacks: list = []
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _check_feature_dim(self, feature_dim):
+        if feature_dim is None or (isinstance(feature_dim, int) and not isinstance(feature_dim, bool)):
+            return feature_dim
+        if isinstance(feature_dim, Mapping):
+            unknown = [k for k in feature_dim if k not in self.points]
+            if unknown:
+                raise FusedStatsError(f"feature_dim names {unknown} that are not points; points: {self.points}")
+            bad = {k: v for k, v in feature_dim.items() if not isinstance(v, int) or isinstance(v, bool)}
+            if bad:
+                raise FusedStatsError(f"feature_dim values must be ints, got {bad}")
+            return dict(feature_dim)
+        raise FusedStatsError(f"feature_dim must be None, an int or a dict point -> int, got {feature_dim!r}")
+
+    def _resolve_feature_dim(self, name: str, activation: torch.Tensor) -> int:
+        arg = self._feature_dim_arg
+        fd = arg.get(name) if isinstance(arg, dict) else arg
+        if fd is None:
+            nd = activation.dim()
+            conv = nd >= 4 or (nd == 3 and _is_conv_stack(self.model.get_submodule(name)))
+            fd = 1 if conv else -1
+        if activation.dim() < 2 or not -activation.dim() <= fd < activation.dim() \
+                or fd % activation.dim() == 0:
+            raise FusedStatsError(
+                f"feature_dim={fd} is not a non-batch axis of point {name!r}'s output of shape "
+                f"{tuple(activation.shape)}")
+        return fd
+
+    def add_callback(self, fn) -> None:
+        """Call ``fn(PointCapture)`` for every point after each successful step (e.g. extra
+        statistics that need the forward activation ``z`` as well as its gradient)."""
+        if not callable(fn):
+            raise FusedStatsError(f"callback must be callable, got {type(fn).__name__}")
+        self._callbacks.append(fn)
+
+    def _stream(self, stream: str) -> dict[str, GradStats]:
+        if stream == "train":
+            return self.stats
+        if stream == "test":
+            return self.test_stats
+        raise FusedStatsError(f"stream must be one of {STREAMS}, got {stream!r}")
+
+    # ------------------------------------------------------------------ masks
+    def _mask_for(self, batch, mask) -> torch.Tensor | None:
+        """The counted-position mask of ``batch`` (module docstring), or None = everything."""
+        if callable(mask) and not isinstance(mask, torch.Tensor):
+            mask = mask(batch)
+            if mask is None:
+                return None
+            if not isinstance(mask, torch.Tensor):
+                raise FusedStatsError(f"the mask callable returned {type(mask).__name__}; expected a tensor")
+        if isinstance(mask, torch.Tensor):
+            return mask
+        if mask is None:
+            mask = "attention"
+        if mask not in MASK_MODES:
+            raise FusedStatsError(
+                f"mask must be None, one of {MASK_MODES}, a tensor or a callable, got {mask!r}")
+        if mask == "none":
+            return None
+        attn = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if mask == "attention":
+            return attn
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        if labels is None:
+            raise FusedStatsError("mask='labels' needs a mapping batch with 'labels' (B, T)")
+        keep = labels != IGNORE_INDEX
+        if attn is not None:
+            if tuple(attn.shape) != tuple(labels.shape):
+                raise FusedStatsError(
+                    f"attention_mask {tuple(attn.shape)} and labels {tuple(labels.shape)} differ in shape")
+            keep = keep & (attn != 0)
+        return keep
+
+    # ------------------------------------------------------------------ the step
+    def step(self, batch, loss_fn, stream: str = "train", mask=None) -> None:
+        """Fold one batch into ``stream``'s accumulators.
+
+        ``loss_fn(model, batch)`` must return per-sample losses of shape (B,) (e.g.
+        :func:`fused_stats.causal_lm_loss`). ``mask``: see the module docstring. The model,
+        its parameters, their ``requires_grad`` flags and its modules' training flags are left as
+        they were, also when ``loss_fn`` raises. A rejected step changes no accumulator.
+        """
+        accs = self._stream(stream)
+        if torch.is_inference_mode_enabled():
+            raise FusedStatsError("Probe.step cannot run inside torch.inference_mode(): it needs autograd")
+        positions_mask = self._mask_for(batch, mask)
+        model = self.model
+        params = list(model.parameters())
+        flags = [p.requires_grad for p in params]
+        modes = [(m, m.training) for m in model.modules()]
+        capture = ActivationCapture(model, self.points)
+        try:
+            for p in params:
+                p.requires_grad_(False)
+            model.eval()
+            with capture, torch.enable_grad():
+                losses = loss_fn(model, batch)
+            grads = self._activation_grads(losses, capture)
+        finally:
+            capture.remove()
+            for p, flag in zip(params, flags):
+                p.requires_grad_(flag)
+            for m, training in modes:
+                m.training = training
+        self._fold(accs, stream, capture, grads, positions_mask)
+
+    def _activation_grads(self, losses, capture: ActivationCapture) -> dict[str, torch.Tensor]:
+        missing = [p for p in self.points if p not in capture.captured]
+        if missing:
+            raise FusedStatsError(
+                f"points {missing} did not run during loss_fn (modules never called); "
+                f"ran: {capture.order}")
+        acts = capture.captured
+        B = acts[self.points[0]].shape[0]
+        if not isinstance(losses, torch.Tensor):
+            raise FusedStatsError(f"loss_fn must return a tensor of per-sample losses, got {type(losses).__name__}")
+        if tuple(losses.shape) != (B,):
+            hint = " (a scalar: return per-sample losses, not their mean or sum)" if losses.dim() == 0 else ""
+            raise FusedStatsError(
+                f"loss_fn returned shape {tuple(losses.shape)}{hint}; expected ({B},), one loss per "
+                f"sample of the batch (point {self.points[0]!r} has output shape "
+                f"{tuple(acts[self.points[0]].shape)})")
+        if not losses.is_floating_point():
+            raise FusedStatsError(f"loss_fn returned dtype {losses.dtype}; expected a floating-point tensor")
+        bad = (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
+        if bad:
+            raise FusedStatsError(
+                f"loss_fn returned non-finite losses for samples {bad[:10]} of {B}: "
+                f"{losses.detach()[bad[:5]].tolist()}")
+        for name in self.points:
+            if acts[name].shape[0] != B:
+                raise FusedStatsError(
+                    f"point {name!r} has output shape {tuple(acts[name].shape)}; every point needs "
+                    f"the batch size {B} on dim 0")
+        changed = capture.modified_in_place()
+        if changed:
+            raise FusedStatsError(
+                f"the outputs of points {changed} were modified in place after capture (e.g. an "
+                "in-place activation downstream); their gradients would be wrong. Probe another "
+                "module or make that operation out of place")
+        if not losses.requires_grad:
+            raise FusedStatsError(
+                "the losses do not depend on any probed point (no graph); was the loss computed "
+                "under torch.no_grad() or from detached outputs?")
+        tensors = [acts[name] for name in self.points]
+        # sum, never mean: each sample's gradient must be that of its own loss (DESIGN section 5)
+        grads = torch.autograd.grad(losses.sum(), tensors, allow_unused=True, materialize_grads=True)
+        return dict(zip(self.points, grads))
+
+    def _fold(self, accs, stream, capture, grads, positions_mask) -> None:
+        """Validate every point, then update all accumulators (all or nothing)."""
+        unit = self.unit
+        fresh: dict[str, GradStats] = {}
+        plan = []
+        for name in self.points:
+            act, grad = capture.captured[name], grads[name]
+            fd = self.feature_dims.get(name)
+            if fd is None:
+                fd = self._resolve_feature_dim(name, act)
+            m = self._point_mask(name, act, fd, positions_mask)
+            g = grad
+            if unit == "flat" and m is not None:
+                g, m = self._flat_masked(g, m, fd), None
+            acc = accs.get(name)
+            if acc is None:
+                dim = math.prod(act.shape[1:]) if unit == "flat" else act.shape[fd]
+                if name in self.dims and self.dims[name] != dim:
+                    raise FusedStatsError(
+                        f"point {name!r}: output shape {tuple(act.shape)} gives dim {dim}, but the "
+                        f"other stream has dim {self.dims[name]}")
+                acc = GradStats(int(dim), self.second_moment, self.pool_capacity, backend=self.backend,
+                                nonfinite="raise",
+                                name=name if stream == "train" else f"{name} [test]")
+                fresh[name] = acc
+            # the accumulator's own validation, run before any accumulator changes
+            gv, mv = acc._as_batch(g, m, unit, fd if unit != "flat" else -1)
+            counted = gv if mv is None else gv[mv]
+            if not bool(torch.isfinite(counted).all()):
+                if self.nonfinite == "skip":
+                    self.skipped_steps[stream] += 1
+                    return
+                raise FusedStatsError(
+                    f"non-finite activation gradient at point {name!r} ({stream} stream, grad shape "
+                    f"{tuple(grad.shape)}, dtype {grad.dtype}); nothing was accumulated. Pass "
+                    "nonfinite='skip' to skip such steps and count them")
+            limit = acc.pool_limit if self.second_moment == "pool" else None
+            if limit is not None:
+                if unit == "position":
+                    count = int(mv.sum()) if mv is not None else gv.shape[0] * gv.shape[1]
+                else:
+                    count = int(mv.any(dim=1).sum()) if mv is not None else gv.shape[0]
+                if acc.n + count > limit:
+                    raise FusedStatsError(
+                        f"pool at point {name!r} ({stream}) holds {acc.n} samples; {count} more "
+                        f"exceed pool_capacity={limit}; nothing was accumulated")
+            plan.append((name, acc, g, m, fd, act))
+        # ---- commit
+        for name, acc, g, m, fd, act in plan:
+            acc.update(g, m, unit=unit, feature_dim=fd if unit != "flat" else -1)
+            accs.setdefault(name, acc)
+            self.feature_dims[name] = fd
+            self.dims[name] = acc.dim
+        self.steps[stream] += 1
+        for name, acc, g, m, fd, act in plan:
+            for fn in self._callbacks:
+                fn(PointCapture(name, stream, act.detach(), g, m, unit, fd))
+
+    def _point_mask(self, name, act, fd, positions_mask):
+        if positions_mask is None:
+            return None
+        m = positions_mask
+        if m.device != act.device:
+            m = m.to(act.device)
+        positions = tuple(s for i, s in enumerate(act.shape) if i not in (0, fd % act.dim()))
+        B = act.shape[0]
+        if tuple(m.shape) not in ((B,), (B, *positions)):
+            raise FusedStatsError(
+                f"mask of shape {tuple(m.shape)} does not fit point {name!r} with output shape "
+                f"{tuple(act.shape)} (feature_dim={fd}); expected {(B, *positions)} or {(B,)}. Pass "
+                "mask='none' or a mask per point shape")
+        if m.dtype != torch.bool:
+            if m.is_floating_point() and not bool(torch.isfinite(m).all()):
+                raise FusedStatsError(f"mask for point {name!r} contains NaN/Inf")
+            m = m != 0
+        return m
+
+    @staticmethod
+    def _flat_masked(grad, m, fd):
+        """unit='flat': drop samples a (B,) mask excludes, zero uncounted positions."""
+        if m.dim() == 1:
+            return grad[m]
+        keep = m.unsqueeze(fd % grad.dim())
+        return torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+    def run(self, batches, loss_fn, stream: str = "train", max_batches: int | None = None,
+            mask=None, progress: bool = True) -> int:
+        """:meth:`step` over an iterable of batches (at most ``max_batches``), with a tqdm bar.
+
+        Returns the number of batches folded in.
+        """
+        self._stream(stream)
+        total = max_batches
+        if total is None:
+            try:
+                total = len(batches)
+            except TypeError:
+                total = None
+        elif hasattr(batches, "__len__"):
+            total = min(total, len(batches))
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc=f"probe {stream}", unit="batch", leave=False)
+        done = 0
+        try:
+            for batch in batches:
+                if max_batches is not None and done >= max_batches:
+                    break
+                self.step(batch, loss_fn, stream=stream, mask=mask)
+                done += 1
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return done
+
+    # ------------------------------------------------------------------ results
+    def _acc(self, point: str, stream: str = "train") -> GradStats:
+        if point not in self.points:
+            raise FusedStatsError(f"{point!r} is not a point of this probe; points: {self.points}")
+        accs = self._stream(stream)
+        if point not in accs or accs[point].n == 0:
+            raise FusedStatsError(f"point {point!r} has no samples in the {stream} stream yet")
+        return accs[point]
+
+    def estimates(self, stream: str = "train") -> dict[str, Estimate]:
+        """Point name -> :class:`Estimate` for ``stream`` (raises for a point with n < 4)."""
+        return {p: self._acc(p, stream).estimate() for p in self.points}
+
+    def pooled(self, point: str) -> GradStats:
+        """A new accumulator holding the train and test samples of ``point`` (exact merge)."""
+        train = self._acc(point, "train")
+        out = train.copy()
+        test = self.test_stats.get(point)
+        if test is not None and test.n:
+            out.merge(test)
+        return out
+
+    def realized_alignment(self, point: str) -> float:
+        """``μ_Mᵀ g_K = s_trainᵀ s_test / (M K)`` at ``point`` (needs both streams)."""
+        return realized_alignment(self._acc(point, "train"), self._acc(point, "test"))
+
+    def _sizes(self, point, M, K):
+        M = self._acc(point, "train").n if M is None else M
+        if K is None:
+            test = self.test_stats.get(point)
+            if test is None or test.n == 0:
+                raise FusedStatsError(
+                    f"point {point!r}: K defaults to the test stream's n, which is empty; "
+                    "run test batches (stream='test') or pass K")
+            K = test.n
+        return M, K
+
+    def certificate(self, point: str, M: int | None = None, K: int | None = None,
+                    pooled: bool = True) -> Certificate:
+        """Theorem 1 at ``(M, K)`` (default: train n, test n), moments from the pooled
+        train + test estimate (``pooled=False``: the train stream alone)."""
+        M, K = self._sizes(point, M, K)
+        acc = self.pooled(point) if pooled else self._acc(point, "train")
+        return acc.estimate().certificate(M, K)
+
+    def misalignment(self, point: str, M: int | None = None, K: int | None = None,
+                     trials: int = 10_000, seed: int = 0) -> Misalignment:
+        """Fraction of random disjoint (M, K) splits of the pooled pool with ``μ_Mᵀg_K ≤ 0``.
+
+        Defaults ``M`` = train n, ``K`` = test n: each split then partitions the whole pooled
+        sample (a permutation estimate at the certificate's sizes). Needs a pool
+        (``second_moment="pool"``, or ``"auto"`` before it turned dense).
+        """
+        M, K = self._sizes(point, M, K)
+        return misalignment_probability(self.pooled(point), M, K, trials=trials, seed=seed)
+
+    # ------------------------------------------------------------------ report
+    def _report_data(self, meta: dict | None = None, misalignment_trials: int = 2000) -> dict:
+        """The version-1 report dict (see :mod:`fused_stats.api.report`); weak points get None."""
+        from .. import __version__
+
+        if not self.dims:
+            raise FusedStatsError("nothing probed yet: run Probe.step (or run) before a report")
+
+        def attempt(fn):
+            try:
+                return fn()
+            except FusedStatsError:
+                return None
+
+        points = []
+        for index, name in enumerate(self.points):
+            train = attempt(lambda: self._acc(name, "train").estimate().to_dict())
+            test = attempt(lambda: self._acc(name, "test").estimate().to_dict())
+            cert = attempt(lambda: self.certificate(name).to_dict())
+            mis = None
+            if misalignment_trials:
+                mis = attempt(lambda: self.misalignment(name, trials=misalignment_trials).to_dict())
+            points.append({
+                "name": name, "index": index, "dim": self.dims[name],
+                "train": train, "test": test, "certificate": cert, "misalignment": mis,
+                "realized_alignment": attempt(lambda: self.realized_alignment(name)),
+                "saturation": None,
+            })
+        return {
+            "format": "fused_stats.report", "version": 1, "fused_stats_version": __version__,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "model": model_summary(self.model, self.points),
+            "unit": self.unit, "second_moment": self.second_moment,
+            "points": points, "meta": dict(meta or {}),
+        }
+
+    def report(self, meta: dict | None = None, misalignment_trials: int = 2000):
+        """A :class:`fused_stats.api.report.Report` of every point (train, test, certificate,
+        misalignment when a pool exists, realized alignment). ``meta``: free-form, e.g. width."""
+        from .report import Report
+
+        return Report(self._report_data(meta, misalignment_trials))
+
+    def __repr__(self) -> str:
+        n = {s: (next(iter(self._stream(s).values())).n if self._stream(s) else 0) for s in STREAMS}
+        return (f"Probe({type(self.model).__name__}, points={len(self.points)}, unit={self.unit!r}, "
+                f"second_moment={self.second_moment!r}, n_train={n['train']}, n_test={n['test']})")
