@@ -1,10 +1,24 @@
-"""Triton kernels and their launchers (imported lazily; each has a torch twin in ``fused_stats.ops``)."""
+"""Triton kernels and their launchers (DESIGN section 6); each mirrors a torch twin.
 
-from ..errors import FusedStatsError
+=========================  =================================================  ==========================
+launcher                   torch twin (oracle and CPU path)                   module
+=========================  =================================================  ==========================
+``capture_reduce``         :func:`fused_stats.ops.torch_twin.capture_reduce`   :mod:`.capture`
+``second_moment_update``   :func:`...torch_twin.second_moment_update`          :mod:`.second_moment`
+``gram_rows``              :func:`...torch_twin.gram_rows`                     :mod:`.gram`
+``cross_reduce``           :func:`fused_stats.ops.cross_twin.cross_reduce`     :mod:`.cross` (no fused
+                                                                               kernel yet: issue 4)
+=========================  =================================================  ==========================
 
+Launchers take CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter; see
+:mod:`._common` for why this works whatever the import order). Importing this package imports
+Triton, so the ops layer imports it lazily. :mod:`.aot` compiles every kernel ahead of time for
+Hopper (sm_90a) and reads registers, spills and SASS without a GPU.
+"""
 
-def _missing(*args, **kwargs):
-    raise FusedStatsError("the Triton kernels are not built yet in this version")
+from .capture import capture_reduce
+from .cross import cross_reduce
+from .gram import gram_rows
+from .second_moment import second_moment_update
 
-
-capture_reduce = second_moment_update = gram_rows = _missing
+__all__ = ["capture_reduce", "second_moment_update", "gram_rows", "cross_reduce"]

@@ -1,0 +1,164 @@
+"""Shared machinery of the Triton kernels: one kernel object for the GPU and the CPU interpreter,
+launch helpers, block configurations and input checks.
+
+Why a kernel object of our own
+------------------------------
+Triton decides at *decoration* time whether ``@triton.jit`` yields a compiled ``JITFunction`` or an
+``InterpretedFunction`` (the ``TRITON_INTERPRET`` knob is read when the decorator runs; its standard
+library, ``tl.sum`` and friends, is decorated when ``triton`` is imported). A process that imported
+Triton without the flag can therefore not interpret kernels written with ``tl.sum``, and one that set
+it can not compile them ahead of time. :class:`DualKernel` is a ``JITFunction`` (so the compiler, the
+AOT gate and CUDA launches see an ordinary Triton kernel) that also owns an ``InterpretedFunction``
+built from the same Python source, used for CPU tensors. Kernels here call only Triton *builtins*
+(``tl.load``, ``tl.dot``, ``tl.where``, ``tl.full``, ``tl.reduce`` ...) plus the combine functions
+:data:`SUM` and :data:`MAX`, which the interpreter recognises by identity and runs as numpy
+reductions; so the same kernels run under both whatever the import order was.
+
+Launch-time choices (block sizes, warps, pipelining depth) are fixed per kernel and dtype: nothing
+here autotunes, because the second-moment kernel adds into state (an autotuner would run it several
+times on the same ``S``). Small blocks are used under the interpreter so that tests exercise every
+tail and chunk loop at tiny shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from ..errors import FusedStatsError
+
+
+TORCH_TO_TL = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+}
+KERNEL_DTYPES = tuple(TORCH_TO_TL)
+
+
+class DualKernel(JITFunction):
+    """A Triton kernel usable both compiled (CUDA, AOT) and through the CPU interpreter."""
+
+    _interpreted = None
+
+    @property
+    def interpreted(self):
+        if self._interpreted is None:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            self._interpreted = InterpretedFunction(self.fn)
+        return self._interpreted
+
+    def __call__(self, *args, **kwargs):
+        # The compiler inlines calls between JITFunctions without calling __call__; reaching it
+        # means an interpreted kernel called this function as a device helper.
+        return self.interpreted(*args, **kwargs)
+
+    def on(self, device: torch.device):
+        """The launchable object for tensors on ``device``."""
+        return self if device.type == "cuda" else self.interpreted
+
+
+def kernel(fn) -> DualKernel:
+    """Decorator: make ``fn`` a :class:`DualKernel`."""
+    return DualKernel(fn)
+
+
+# Combine functions for ``tl.reduce``: Triton's own, which the interpreter recognises by identity and
+# runs as numpy sum / nanmax (a combine function of ours would be interpreted element by element).
+try:
+    from triton.language.standard import _sum_combine as SUM
+except ImportError:  # pragma: no cover - other Triton versions
+    @kernel
+    def SUM(a, b):
+        return a + b
+try:
+    from triton.language.standard import _elementwise_max as MAX
+except ImportError:  # pragma: no cover - other Triton versions
+    @kernel
+    def MAX(a, b):
+        return tl.maximum(a, b)
+
+
+def launch(kern: DualKernel, grid, device: torch.device, *args, **meta):
+    """Launch ``kern`` on ``grid``; ``meta`` holds constexprs plus num_warps/num_stages (ignored by
+    the interpreter)."""
+    if device.type == "cuda":
+        # FMA contraction on explicitly (more accurate, and Triton 3.9 warns when left implicit)
+        meta.setdefault("enable_fp_fusion", True)
+        with torch.cuda.device(device):
+            return kern[grid](*args, **meta)
+    meta = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages", "enable_fp_fusion")}
+    return kern.interpreted[grid](*args, **meta)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors on ``device``; under the interpreter a small number keeps grids tiny."""
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 2
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------- configurations
+_OVERRIDES: dict = {}
+
+
+@contextlib.contextmanager
+def override_config(**values):
+    """Temporarily force configuration values (tests use it to hit every code path at tiny shapes)."""
+    old = dict(_OVERRIDES)
+    _OVERRIDES.update(values)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(old)
+
+
+def config_value(name: str, default):
+    return _OVERRIDES.get(name, default)
+
+
+# ---------------------------------------------------------------------------- input checks
+def check_tensor(x, name: str, ndim: int, device: torch.device | None = None) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise FusedStatsError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise FusedStatsError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise FusedStatsError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if device is not None and x.device != device:
+        raise FusedStatsError(f"{name} is on {x.device}, expected {device}")
+    if x.device.type != "cuda":
+        from ..backend import interpreter_enabled
+
+        if x.device.type != "cpu":
+            raise FusedStatsError(f"{name} is on {x.device}; the Triton kernels take CUDA tensors "
+                                  "(or CPU tensors under TRITON_INTERPRET=1)")
+        if not interpreter_enabled():
+            raise FusedStatsError(f"{name} is a CPU tensor: the Triton kernels need a CUDA device "
+                                  "or Triton's interpreter (set TRITON_INTERPRET=1)")
+
+
+def kernel_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when the kernels read its dtype natively, else an fp32 copy (e.g. fp8)."""
+    return x if x.dtype in KERNEL_DTYPES else x.to(torch.float32)
