@@ -168,6 +168,10 @@ class GradStats:
             raise FusedStatsError(f"grad{w} must be a torch.Tensor, got {type(grad).__name__}")
         if not grad.is_floating_point():
             raise FusedStatsError(f"grad{w} must be a floating-point tensor, got dtype {grad.dtype}")
+        if grad.device.type == "meta":  # shapes only: there are no values to accumulate
+            raise FusedStatsError(
+                f"grad{w} is on the meta device (shape {tuple(grad.shape)}, no data); expected a "
+                f"tensor on {self.device or 'a real device'}")
         if unit not in UNITS:
             raise FusedStatsError(f"unit must be one of {UNITS}, got {unit!r}")
         if self.unit is not None and unit != self.unit:
@@ -200,7 +204,7 @@ class GradStats:
         g = grad.movedim(fd, -1)
         positions = tuple(g.shape[1:-1])
         B = g.shape[0]
-        g = g.reshape(B, -1, self.dim)
+        g = g.reshape(B, math.prod(positions), self.dim)  # not -1: B or a position may be 0
         if mask is None:
             return g, None
         if not isinstance(mask, torch.Tensor):
