@@ -6,7 +6,8 @@ ONE accumulator fed with all the data in one process (the reference, built in th
 <= 1e-10 relative. The halves have different means, so the ranks' centres differ. Cases: dense,
 pool, auto (staying a pool / switching to dense only through the reduce / one rank already dense),
 one rank with no data, no data anywhere, position unit with masks, an explicit process group,
-a whole probe (stand-in with ``stats`` / ``test_stats`` dicts), and configuration mismatches,
+a whole ``fs.Probe`` (one rank without any test batch, so its test accumulators do not exist until
+the reduce creates them), and configuration mismatches,
 which must raise FusedStatsError on both ranks and leave the state bit-identical.
 """
 
@@ -109,27 +110,57 @@ def same_state(acc, saved: dict) -> bool:
     return now.keys() == saved.keys() and all(torch.equal(now[k], saved[k]) for k in now)
 
 
-class StandInProbe:
-    """The two dicts of GradStats a Probe holds (``stats``, ``test_stats``)."""
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
 
-    def __init__(self, dims: dict):
-        self.stats = {name: fs.GradStats(d, second_moment="auto", name=name) for name, d in dims.items()}
-        self.test_stats = {name: fs.GradStats(d, second_moment="dense", name=name)
-                           for name, d in dims.items()}
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
 
 
-PROBE_DIMS = {"layers.0": 5, "layers.1": 7}
+class TinyNet(torch.nn.Module):
+    """Two residual blocks (the probed points) between an input and a 3-class output layer."""
+
+    def __init__(self, d=5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(4, d)
+        self.blocks = torch.nn.ModuleList([Block(d), Block(d)])
+        self.out = torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+PROBE_POINTS = ["blocks.0", "blocks.1"]
+
+
+def probe_loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+
+
+def probe_batches(seed: int, count: int):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(5, 4, generator=gen) + 0.3, torch.randint(0, 3, (5,), generator=gen))
+            for _ in range(count)]
 
 
 def probe_data(rank: int):
-    return {(stream, name): batches(100 + 10 * rank + 3 * i + (stream == "test"), [6, 3], d,
-                                    1.0 + rank)
-            for i, (name, d) in enumerate(PROBE_DIMS.items()) for stream in ("train", "test")}
+    """(train, test) batches of a rank; rank 1 has no test batch (its test accumulators never exist)."""
+    return probe_batches(300 + rank, 3), (probe_batches(400, 2) if rank == 0 else [])
 
 
-def feed_probe(probe, data):
-    for (stream, name), items in data.items():
-        feed((probe.stats if stream == "train" else probe.test_stats)[name], items, {})
+def run_probe(probe, train, test):
+    for batch in train:
+        probe.step(batch, probe_loss)
+    for batch in test:
+        probe.step(batch, probe_loss, stream="test")
+    return probe
 
 
 # ----------------------------------------------------------------------------- worker
@@ -185,20 +216,33 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
             errors["unit"] = {"message": str(exc), "unchanged": same_state(acc, before), "n": acc.n}
         results["errors"] = errors
 
-        # a whole probe
-        probe = StandInProbe(PROBE_DIMS)
-        feed_probe(probe, probe_data(rank))
+        # a whole probe, each rank on its own batches
+        probe = run_probe(fs.Probe(TinyNet(), points=PROBE_POINTS, second_moment="pool"),
+                          *probe_data(rank))
         all_reduce_probe(probe)
         results["probe"] = {f"{stream}/{name}": summary(accs[name])
                             for stream, accs in (("train", probe.stats), ("test", probe.test_stats))
-                            for name in PROBE_DIMS}
-        # ranks with different points: an error on both ranks, not a hang
-        other = StandInProbe({"layers.0": 5} if rank == 0 else {"layers.9": 5})
+                            for name in PROBE_POINTS}
+        results["probe_steps"] = probe.steps
+        # ranks probing different points (also different numbers of them): an error on both
+        # ranks, not a hang
+        mismatch = []
+        for points in (PROBE_POINTS[rank:rank + 1], PROBE_POINTS[rank:]):
+            other = run_probe(fs.Probe(TinyNet(), points=points), *probe_data(0))
+            try:
+                all_reduce_probe(other)
+                mismatch.append(None)
+            except fs.FusedStatsError as exc:
+                mismatch.append(str(exc))
+        results["probe_mismatch"] = mismatch
+        from fused_stats.accumulators.distributed import all_reduce_many
+
+        named = {("h.0" if rank == 0 else "h.9"): fs.GradStats(3)}
         try:
-            all_reduce_probe(other)
-            results["probe_mismatch"] = None
+            all_reduce_many(named)
+            results["many_mismatch"] = None
         except fs.FusedStatsError as exc:
-            results["probe_mismatch"] = str(exc)
+            results["many_mismatch"] = str(exc)
         with open(os.path.join(outdir, f"rank{rank}.json"), "w") as handle:
             json.dump(results, handle)
     finally:
@@ -278,13 +322,15 @@ def test_mismatch_raises_on_every_rank(ranks, case, words):
 
 
 def test_probe_all_reduce(ranks):
-    data0, data1 = probe_data(0), probe_data(1)
-    ref = StandInProbe(PROBE_DIMS)
-    feed_probe(ref, data0)
-    feed_probe(ref, data1)
+    (train0, test0), (train1, test1) = probe_data(0), probe_data(1)
+    ref = run_probe(fs.Probe(TinyNet(), points=PROBE_POINTS, second_moment="pool"),
+                    train0 + train1, test0 + test1)
     for rank in range(2):
+        assert ranks[rank]["probe_steps"] == ref.steps == {"train": 6, "test": 2}
         for stream, accs in (("train", ref.stats), ("test", ref.test_stats)):
-            for name in PROBE_DIMS:
+            for name in PROBE_POINTS:
                 assert_same(ranks[rank]["probe"][f"{stream}/{name}"], summary(accs[name]))
     for rank in range(2):
-        assert "different sets of accumulators" in ranks[rank]["probe_mismatch"]
+        for message in ranks[rank]["probe_mismatch"]:
+            assert message is not None and "different points" in message, message
+        assert "different sets of accumulators" in ranks[rank]["many_mismatch"]

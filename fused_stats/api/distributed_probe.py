@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ..accumulators import GradStats
-from ..accumulators.distributed import _require_initialised, all_reduce_many, comm_device
+from ..accumulators.distributed import (_require_initialised, all_reduce_many, comm_device,
+                                         names_digest)
 from ..errors import FusedStatsError
 from .checkpoint import STREAMS, probe_accumulators
 
@@ -31,8 +32,21 @@ def _new_accumulator(probe, stream: str, name: str, dim: int) -> GradStats:
                      name=name if stream == "train" else f"{name} [test]")
 
 
+def _check_points(points: list[str], group, device) -> None:
+    # before any collective whose size depends on the points: unequal sizes would hang, not fail
+    mine = torch.tensor([names_digest(points), len(points)], dtype=torch.int64, device=device)
+    table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(table, mine, group=group)
+    table = torch.stack(table).cpu()
+    if bool((table != table[0]).any()):
+        raise FusedStatsError(
+            f"all_reduce_probe: ranks probe different points (counts by rank {table[:, 1].tolist()}); "
+            f"this rank has different sets of accumulators at points {points}")
+
+
 def _fill_missing(probe, group, device) -> None:
     points = list(getattr(probe, "points", None) or [])
+    _check_points(points, group, device)
     if not points:
         return
     keys = [(stream, name) for stream in STREAMS for name in points]
