@@ -47,34 +47,39 @@ def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.
                    unit: str) -> BatchSums:
     """One pass over ``grad`` (B, T, d), any float dtype and strides; ``mask`` (B, T) bool or None;
     ``centre`` (d,) float64. Returns :class:`BatchSums` (see module docstring)."""
+    if unit not in UNITS_CAPTURED:
+        raise ValueError(f"unit must be one of {UNITS_CAPTURED}, got {unit!r}")
     g = grad.to(torch.float64)
     B, T, d = g.shape
-    if mask is None:
-        keep = torch.ones(B, T, dtype=torch.bool, device=g.device)
-    else:
-        keep = mask.to(device=g.device, dtype=torch.bool)
-    # where(), not multiply: a NaN at a masked (padding) position must not leak into the sums
-    g = torch.where(keep.unsqueeze(-1), g, torch.zeros((), dtype=g.dtype, device=g.device))
-    if unit == "sample":
-        q = g.sum(dim=1)
-        valid = keep.any(dim=1)
-    elif unit == "position":
-        q = g.reshape(B * T, d)
-        valid = keep.reshape(B * T)
-    else:
-        raise ValueError(f"unit must be one of {UNITS_CAPTURED}, got {unit!r}")
     zero = torch.zeros((), dtype=torch.float64, device=g.device)
-    y = torch.where(valid.unsqueeze(-1), q - centre.to(device=g.device, dtype=torch.float64), zero)
-    q_norm = torch.where(valid, q.norm(dim=1), zero)
+    keep = None if mask is None else mask.to(device=g.device, dtype=torch.bool)
+    if keep is not None and bool(keep.all()):
+        keep = None  # nothing masked: skip the masking passes (the common case on CPU)
+    if keep is not None:
+        # where(), not multiply: a NaN at a masked (padding) position must not leak into the sums
+        g = torch.where(keep.unsqueeze(-1), g, zero)
+    if unit == "sample":
+        q = g[:, 0] if T == 1 else g.sum(dim=1)
+        valid = None if keep is None else keep.any(dim=1)
+    else:
+        q = g.reshape(B * T, d)
+        valid = None if keep is None else keep.reshape(B * T)
+    y = q - centre.to(device=g.device, dtype=torch.float64)
+    if valid is not None:
+        # rows that are not samples must be exactly zero (q is already 0 there, y would be -centre)
+        y = torch.where(valid.unsqueeze(-1), y, zero)
+    else:
+        valid = torch.ones(q.shape[0], dtype=torch.bool, device=g.device)
+    q_norm = torch.linalg.vector_norm(q, dim=1)  # 0 on rows that are not samples
     y_sq = (y * y).sum(dim=1)
     return BatchSums(
         rows=y,
         valid=valid,
         n=int(valid.sum().item()),
         s=y.sum(dim=0),
-        t=(y_sq.unsqueeze(1) * y).sum(dim=0),
+        t=y_sq @ y,
         a1=y_sq.sum(),
-        a2=(y_sq * y_sq).sum(),
+        a2=y_sq @ y_sq,
         norm_max=q_norm.max() if q_norm.numel() else zero.clone(),
         norm_sum=q_norm.sum(),
     )
