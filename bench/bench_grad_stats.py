@@ -1,0 +1,203 @@
+"""Benchmark (issue 2): GradStats update throughput and peak memory vs a naive store-everything baseline.
+
+* ``GradStats``: ``second_moment="dense"``, fp32 batches of 1000 per-sample vectors, streaming
+  centred sums with fp64 totals (``S += Y^T Y`` per batch), one ``estimate()`` at the end.
+* naive baseline: keep every per-sample vector (as fp64 numpy), then at the end centre at the mean
+  and plug the centred sums into the same unbiased formulas (DESIGN section 2), Gram-free:
+  ``y = q - q_bar``, ``S = Y^T Y``, ``F = |S|_F^2``, ``A1 = sum|y|^2``, ``A2 = sum|y|^4``,
+  ``t = sum |y|^2 y``, ``kappa = |q_bar|^2``, ``beta = q_bar^T S q_bar``, ``tau = q_bar^T t``.
+
+Both see the same fp32 batches (a few pre-generated batches, cycled, so data generation is not
+timed). Time = all updates + the final estimate. Peak memory = growth of the process's peak RSS
+(``VmHWM``, reset through ``/proc/self/clear_refs``) over its RSS before the run; each case runs in
+a fresh subprocess so allocator caches of one case do not hide another's peak (tracemalloc does not
+see torch allocations). "held" = bytes of the state each approach keeps between batches.
+
+Run the table (n = 1e4, 1e5; d = 256, 1024; both approaches, ratios side by side)::
+
+    python bench/bench_grad_stats.py            # --quick: n = 1e4 only; --threads 1: steadier
+
+The pytest-benchmark version (small: n = 1e4, d = 256) is not part of the test suite::
+
+    python -m pytest bench/bench_grad_stats.py --benchmark-only -q
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BATCH = 1000
+N_DISTINCT_BATCHES = 8
+
+
+def make_batches(d: int, seed: int = 0) -> list[torch.Tensor]:
+    """A few fp32 batches with mean ~ noise (cycled through by both approaches)."""
+    gen = torch.Generator().manual_seed(seed)
+    mean = torch.randn(d, generator=gen) / d**0.5
+    return [(mean + torch.randn(BATCH, d, generator=gen) / d**0.5).contiguous()
+            for _ in range(N_DISTINCT_BATCHES)]
+
+
+def run_gradstats(n: int, batches: list[torch.Tensor]) -> tuple[dict, int]:
+    import fused_stats as fs
+
+    d = batches[0].shape[1]
+    acc = fs.GradStats(d, second_moment="dense", backend="torch")
+    for k in range(n // BATCH):
+        acc.update(batches[k % len(batches)])
+    est = acc.estimate()
+    return ({key: getattr(est, key) for key in ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2")},
+            acc.state_nbytes())
+
+
+def run_naive(n: int, batches: list[torch.Tensor]) -> tuple[dict, int]:
+    d = batches[0].shape[1]
+    q = np.empty((n, d), dtype=np.float64)  # every per-sample vector, kept to the end
+    for k in range(n // BATCH):
+        q[k * BATCH:(k + 1) * BATCH] = batches[k % len(batches)].numpy()
+    held = q.nbytes
+    mean = q.mean(axis=0)
+    q -= mean  # in place: y = q - q_bar (the baseline does not double its own footprint)
+    sq = np.einsum("ij,ij->i", q, q)
+    S = q.T @ q
+    t = sq @ q
+    a1, a2, F = sq.sum(), (sq * sq).sum(), (S * S).sum()
+    kappa, beta, tau = mean @ mean, mean @ S @ mean, mean @ t
+    n2, n3, n4 = n * (n - 1.0), n * (n - 1.0) * (n - 2.0), n * (n - 1.0) * (n - 2.0) * (n - 3.0)
+    est = {
+        "mu_norm2": kappa - a1 / n2,
+        "mu_norm4": kappa**2 - 2 * kappa * a1 / n2 - 4 * beta / n2 + 8 * tau / n3 + (a1**2 - 6 * a2 + 2 * F) / n4,
+        "mu_sigma_mu": beta / (n - 1) - 2 * tau / ((n - 1) * (n - 2)) + (2 * n * a2 - (n - 1) * F - a1**2) / n4,
+        "trace_sigma2": ((n - 1) * (n - 2) * F - n * (n - 1) * a2 + a1**2) / n4,
+    }
+    return {k: float(v) for k, v in est.items()}, held
+
+
+APPROACHES = {"gradstats": run_gradstats, "naive": run_naive}
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measure(approach: str, n: int, d: int) -> dict:
+    """Time and peak-RSS growth of one approach (meant to run in a fresh process)."""
+    batches = make_batches(d)
+    APPROACHES[approach](2 * BATCH, batches)  # warm-up: imports, BLAS threads, allocator
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        reset = True
+    except OSError:
+        reset = False
+    rss0 = _status_kib("VmRSS")
+    start = time.perf_counter()
+    est, held = APPROACHES[approach](n, batches)
+    seconds = time.perf_counter() - start
+    peak = _status_kib("VmHWM")
+    return {"approach": approach, "n": n, "d": d, "seconds": seconds,
+            "samples_per_s": n / seconds, "peak_rss_growth_bytes": (peak - rss0) * 1024 if reset else None,
+            "held_bytes": held, "estimates": est, "threads": torch.get_num_threads()}
+
+
+def measure_in_subprocess(approach: str, n: int, d: int, threads: int | None = None) -> dict:
+    env = dict(os.environ)
+    if threads:  # the same thread count for torch (OpenMP) and numpy's BLAS
+        for key in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[key] = str(threads)
+    out = subprocess.run([sys.executable, __file__, "--one", approach, str(n), str(d)],
+                         check=True, capture_output=True, text=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def table(ns, ds, threads: int | None = None) -> list[dict]:
+    rows = []
+    header = (f"{'n':>7} {'d':>5} | {'GradStats s':>11} {'naive s':>8} {'speed x':>7} | "
+              f"{'GS peak MB':>10} {'naive peak MB':>13} {'mem x':>6} | {'GS held MB':>10} "
+              f"{'naive held MB':>13} | {'max rel diff':>12}")
+    print(header)
+    print("-" * len(header))
+    for n in ns:
+        for d in ds:
+            gs = measure_in_subprocess("gradstats", n, d, threads)
+            nv = measure_in_subprocess("naive", n, d, threads)
+            diff = max(abs(gs["estimates"][k] - nv["estimates"][k]) / abs(nv["estimates"][k])
+                       for k in nv["estimates"])
+            mb = 1 / 2**20
+            peak_ratio = (nv["peak_rss_growth_bytes"] / max(gs["peak_rss_growth_bytes"], 1)
+                          if gs["peak_rss_growth_bytes"] is not None else float("nan"))
+            print(f"{n:>7} {d:>5} | {gs['seconds']:>11.3f} {nv['seconds']:>8.3f} "
+                  f"{nv['seconds'] / gs['seconds']:>7.2f} | {gs['peak_rss_growth_bytes'] * mb:>10.1f} "
+                  f"{nv['peak_rss_growth_bytes'] * mb:>13.1f} {peak_ratio:>6.1f} | "
+                  f"{gs['held_bytes'] * mb:>10.2f} {nv['held_bytes'] * mb:>13.1f} | {diff:>12.1e}",
+                  flush=True)
+            rows.append({"gradstats": gs, "naive": nv, "speed_ratio_naive_over_gradstats":
+                         nv["seconds"] / gs["seconds"], "peak_ratio_naive_over_gradstats": peak_ratio,
+                         "max_rel_diff": diff})
+    print("speed x > 1: GradStats faster; mem x: naive peak RSS growth / GradStats peak RSS growth")
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="n = 1e4 only")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for both approaches (default: torch/BLAS defaults); 1 is steadier "
+                             "on a shared machine")
+    parser.add_argument("--one", nargs=3, metavar=("APPROACH", "N", "D"), help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "bench_grad_stats.json")
+    args = parser.parse_args(argv)
+    if args.one:
+        approach, n, d = args.one[0], int(args.one[1]), int(args.one[2])
+        print(json.dumps(measure(approach, n, d)))
+        return
+    print(f"torch {torch.__version__}, {args.threads or torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} CPUs, fp32 batches of {BATCH}")
+    rows = table([10_000] if args.quick else [10_000, 100_000], [256, 1024], args.threads)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {args.json}")
+
+
+# ----------------------------------------------------------------------------- pytest-benchmark
+def _bench(benchmark, approach: str) -> None:
+    n, d = 10_000, 256
+    batches = make_batches(d)
+    est, held = benchmark.pedantic(APPROACHES[approach], args=(n, batches), rounds=3, iterations=1,
+                                   warmup_rounds=1)
+    benchmark.extra_info.update({"n": n, "d": d, "held_bytes": held})
+    assert all(np.isfinite(v) for v in est.values())
+
+
+def test_update_throughput_gradstats(benchmark):
+    benchmark.group = "grad_stats n=1e4 d=256"
+    _bench(benchmark, "gradstats")
+
+
+def test_update_throughput_naive(benchmark):
+    benchmark.group = "grad_stats n=1e4 d=256"
+    _bench(benchmark, "naive")
+
+
+def test_ratio_side_by_side(capsys):
+    """Both approaches in one run (fresh subprocesses), printing the speed and memory ratios."""
+    rows = table([10_000], [256])
+    assert rows[0]["max_rel_diff"] < 1e-8
+    with capsys.disabled():
+        print(f"\nnaive/GradStats time {rows[0]['speed_ratio_naive_over_gradstats']:.2f}x, "
+              f"peak RSS {rows[0]['peak_ratio_naive_over_gradstats']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
