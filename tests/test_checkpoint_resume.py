@@ -306,3 +306,31 @@ def test_merged_shard_checkpoints_equal_one_run(tmp_path):
             assert torch.allclose(a.pool_rows(), b.pool_rows(), rtol=1e-12, atol=1e-12)
     for name in POINTS:
         assert math.isclose(merged.realized_alignment(name), one.realized_alignment(name), rel_tol=1e-10)
+
+
+def test_crash_between_snapshot_rename_and_pointer_update(tmp_path, uninterrupted, monkeypatch):
+    # the writer dies after its snapshot folder is in place but before LATEST names it: the
+    # resumed run must use the previous snapshot and still be able to write new ones
+    import fused_stats.api.checkpoint as ckpt_mod
+
+    real = ckpt_mod.write_atomic
+    calls = {"latest": 0}
+
+    def dying(path, payload):
+        if path.name == LATEST:
+            calls["latest"] += 1
+            if calls["latest"] == 3:
+                raise Interrupted("killed before publishing snapshot 3")
+        real(path, payload)
+
+    monkeypatch.setattr(ckpt_mod, "write_atomic", dying)
+    with pytest.raises(Interrupted):
+        run_with_checkpoints(new_probe(), TRAIN, loss_fn, tmp_path, every=2)
+    monkeypatch.setattr(ckpt_mod, "write_atomic", real)
+    assert (tmp_path / LATEST).read_text() == "ckpt-00000002"
+    assert (tmp_path / "ckpt-00000003" / "manifest.json").is_file()  # complete, unpublished
+    resumed = new_probe()
+    run_with_checkpoints(resumed, TRAIN, loss_fn, tmp_path, every=2)
+    run_with_checkpoints(resumed, TEST, loss_fn, tmp_path, every=2, stream="test")
+    assert_same_state(state_of(resumed), state_of(uninterrupted))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, (tmp_path / LATEST).read_text()]

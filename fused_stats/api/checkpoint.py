@@ -116,8 +116,12 @@ def write_snapshot(directory, accs: dict[tuple[str, str], GradStats], consumed: 
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    previous = latest_snapshot(directory)
-    serial = int(previous.name[len(PREFIX):]) + 1 if previous is not None else 1
+    latest_snapshot(directory)  # a damaged pointer is reported, not silently replaced
+    # past every snapshot folder, also one renamed into place by a writer killed before it could
+    # update LATEST (that folder is complete but was never published; it is removed below)
+    serials = [int(e.name[len(PREFIX):]) for e in directory.iterdir()
+               if e.is_dir() and e.name.startswith(PREFIX) and e.name[len(PREFIX):].isdigit()]
+    serial = max(serials, default=0) + 1
     final = directory / f"{PREFIX}{serial:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=directory))
     try:
@@ -184,8 +188,9 @@ def save_probe_state(probe, directory, consumed: dict | None = None) -> Path:
     """
     accs = probe_accumulators(probe)
     counters = _probe_counters(probe)
-    return write_snapshot(directory, accs, consumed=consumed, extra={"probe": counters,
-                                 "probe_points": list(getattr(probe, "points", []) or [])})
+    points = list(getattr(probe, "points", None) or [])
+    return write_snapshot(directory, accs, consumed=consumed,
+                          extra={"probe": counters, "probe_points": points})
 
 
 # ---------------------------------------------------------------------------- reading
@@ -268,9 +273,14 @@ def _install(probe, accs: dict[tuple[str, str], GradStats], manifest: dict) -> N
         raise FusedStatsError(
             f"the probe holds data at {[f'{s}:{n}' for s, n in extra if current[(s, n)].n]}, which "
             "the checkpoint does not have (was it written by a probe with other points?)")
-    counters = manifest.get("probe") or {}
-    if not isinstance(counters, dict):
-        raise FusedStatsError(f"checkpoint manifest has a malformed 'probe' entry: {counters!r}")
+    counters = {}
+    raw = manifest.get("probe") or {}
+    try:
+        for attr in PROBE_COUNTERS:
+            if attr in raw:
+                counters[attr] = {str(k): int(v) for k, v in dict(raw[attr]).items()}
+    except (TypeError, ValueError) as exc:
+        raise FusedStatsError(f"checkpoint manifest has a malformed 'probe' entry {raw!r}: {exc}") from exc
     # ---- commit: nothing below rejects the checkpoint
     backend = getattr(probe, "backend", None)
     for key, loaded in accs.items():
@@ -287,9 +297,9 @@ def _install(probe, accs: dict[tuple[str, str], GradStats], manifest: dict) -> N
         getattr(probe, STREAMS[key[0]]).pop(key[1])
     for attr, value in counters.items():
         mine = getattr(probe, attr, None)
-        if attr in PROBE_COUNTERS and isinstance(mine, dict) and isinstance(value, dict):
+        if isinstance(mine, dict):
             mine.clear()
-            mine.update({str(k): int(v) for k, v in value.items()})
+            mine.update(value)
 
 
 def _probe_device(probe):
@@ -309,7 +319,8 @@ def load_probe_state(probe, directory, device=None) -> dict:
 
     Each state goes to the device of the probe's accumulator it replaces (else ``device``, else
     the probe's model's device, else CPU). Returns the manifest (``consumed``, the probe's
-    counters under ``probe``, point names, ...). The probe is changed only if the whole snapshot reads and checks correctly.
+    counters under ``probe``, point names, ...). The probe is changed only if the whole snapshot
+    reads and checks correctly.
     """
     current = probe_accumulators(probe)
     fallback = device if device is not None else _probe_device(probe)
