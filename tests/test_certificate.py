@@ -121,7 +121,7 @@ def test_non_positive_mu_norm4_means_no_certificate(gen):
 
 
 def test_split_alignments_against_exhaustive_enumeration(gen):
-    d, N, M, K = 3, 6, 2, 2
+    d, N, M, K = 3, 7, 2, 3  # M != K: a swapped M, K would show
     mu, L = gaussian(d, 0.15, gen)
     q = draw((N,), mu, L, gen)
     acc = fs.GradStats(d, second_moment="pool")
