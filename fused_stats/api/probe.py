@@ -363,8 +363,10 @@ class Probe:
                 fresh[name] = acc
             # the accumulator's own validation, run before any accumulator changes
             gv, mv = acc._as_batch(g, m, unit, fd if unit != "flat" else -1)
-            counted = gv if mv is None else gv[mv]
-            if not bool(torch.isfinite(counted).all()):
+            finite = torch.isfinite(gv).all(dim=-1)
+            if mv is not None:
+                finite = finite | ~mv  # a NaN at an uncounted (padding) position does not matter
+            if not bool(finite.all()):
                 if self.nonfinite == "skip":
                     self.skipped_steps[stream] += 1
                     return
