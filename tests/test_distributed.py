@@ -334,3 +334,46 @@ def test_probe_all_reduce(ranks):
         for message in ranks[rank]["probe_mismatch"]:
             assert message is not None and "different points" in message, message
         assert "different sets of accumulators" in ranks[rank]["many_mismatch"]
+
+
+# ----------------------------------------------------------------------------- NCCL (GPU only)
+NCCL_CASES = ("dense", "pool", "auto_switch", "auto_mixed", "dense_empty_rank1", "position_masked")
+
+
+def _nccl_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        results = {}
+        for name in NCCL_CASES:
+            kwargs, items0, items1, upd = cases()[name]
+            mine = (items0 if rank == 0 else items1) if world == 2 else items0 + items1
+            for where in ("cuda", "cpu"):  # state on the GPU, and CPU state over an NCCL group
+                device = torch.device("cuda", rank) if where == "cuda" else torch.device("cpu")
+                # the torch twin on CUDA too: this checks the communication, not the kernels
+                acc = fs.GradStats(**kwargs, device=device, backend="torch")
+                feed(acc, [(x.to(device), None if m is None else m.to(device)) for x, m in mine], upd)
+                acc.all_reduce()
+                assert acc.device == device and acc.centre.device == device
+                results[f"{name}/{where}"] = summary(acc)
+        with open(os.path.join(outdir, f"nccl{rank}.json"), "w") as handle:
+            json.dump(results, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for NCCL")
+def test_nccl_all_reduce_equals_one_stream(tmp_path):
+    world = min(2, torch.cuda.device_count())
+    mp.spawn(_nccl_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    for rank in range(world):
+        got = json.loads((tmp_path / f"nccl{rank}.json").read_text())
+        for name in NCCL_CASES:
+            kwargs, items0, items1, upd = cases()[name]
+            ref = summary(feed(fs.GradStats(**kwargs), items0 + items1, upd))
+            for where in ("cuda", "cpu"):
+                assert_same(got[f"{name}/{where}"], ref)
