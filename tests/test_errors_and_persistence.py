@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import fused_stats as fs
-from reference import TARGETS, assert_state_identical, draw, population, snapshot, state_tensors
+from reference import assert_state_identical, draw, population, snapshot, state_tensors
 
 D = 6
 F64 = torch.float64
