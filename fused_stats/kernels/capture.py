@@ -37,6 +37,8 @@ up in ``a1`` and ``sum |q|`` (which is what the accumulator checks).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton.language as tl
 
@@ -296,10 +298,45 @@ def _mask_view(mask: torch.Tensor | None, grad: torch.Tensor):
     return mask != 0  # floats: nonzero (NaN included, as in the twin's .to(bool)) counts
 
 
+@dataclass
+class Partials:
+    """What the kernels leave on the device before the final fp64 reduction (no host sync yet)."""
+
+    rows: torch.Tensor  # (R, d) fp32 (fp64 for fp64 inputs)
+    valid: torch.Tensor  # (R,) int8
+    s_part: torch.Tensor  # (P, d)
+    t_part: torch.Tensor  # (P, d)
+    a_part: torch.Tensor  # (P, 4) fp64: a1, a2, sum |q|, max |q|
+
+
+def finish(p: Partials) -> BatchSums:
+    """Stage 3: fp64 sums over the per-program partials (deterministic torch reductions)."""
+    valid = p.valid.view(torch.bool)
+    zero = torch.zeros((), dtype=F64, device=p.rows.device)
+    empty = p.a_part.shape[0] == 0
+    return BatchSums(
+        rows=p.rows,
+        valid=valid,
+        n=int(valid.sum().item()),
+        s=p.s_part.sum(dim=0, dtype=F64),
+        t=p.t_part.sum(dim=0, dtype=F64),
+        a1=zero.clone() if empty else p.a_part[:, 0].sum(),
+        a2=zero.clone() if empty else p.a_part[:, 1].sum(),
+        norm_max=zero.clone() if empty else p.a_part[:, 3].max(),
+        norm_sum=zero.clone() if empty else p.a_part[:, 2].sum(),
+    )
+
+
 def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor,
                    unit: str) -> BatchSums:
     """Triton twin of :func:`fused_stats.ops.torch_twin.capture_reduce` (same signature and result;
     rows in fp32, or fp64 for fp64 gradients; sums in fp64)."""
+    return finish(capture_partials(grad, mask, centre, unit))
+
+
+def capture_partials(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor,
+                     unit: str) -> Partials:
+    """Validate and launch the kernels (stages 1 and 2); :func:`finish` does stage 3."""
     check_tensor(grad, "grad", 3)
     if unit not in UNITS_CAPTURED:
         raise FusedStatsError(f"unit must be one of {UNITS_CAPTURED}, got {unit!r}")
@@ -317,13 +354,12 @@ def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.
     c = centre.to(device=device, dtype=ct).contiguous()
     R = B * T if unit == "position" else B
 
-    zero = torch.zeros((), dtype=F64, device=device)
     if R == 0 or T == 0 or d == 0:
-        rows = torch.zeros(R, d, dtype=ct, device=device)
-        return BatchSums(rows=rows, valid=torch.zeros(R, dtype=torch.bool, device=device), n=0,
-                         s=torch.zeros(d, dtype=F64, device=device),
-                         t=torch.zeros(d, dtype=F64, device=device), a1=zero, a2=zero.clone(),
-                         norm_max=zero.clone(), norm_sum=zero.clone())
+        return Partials(rows=torch.zeros(R, d, dtype=ct, device=device),
+                        valid=torch.zeros(R, dtype=torch.int8, device=device),
+                        s_part=torch.zeros(0, d, dtype=ct, device=device),
+                        t_part=torch.zeros(0, d, dtype=ct, device=device),
+                        a_part=torch.zeros(0, 4, dtype=F64, device=device))
 
     has_mask = m is not None
     dummy = g  # any valid pointer for an unused argument
@@ -378,15 +414,4 @@ def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.
            R, R2, L, d, n_iters, *sx, *sm,
            HAS_MASK=has_mask, F64_IN=f64_in, BLOCK_R=block_r, BLOCK_D=block_d, SINGLE_CHUNK=single,
            num_warps=warps, num_stages=2)
-    valid_b = valid.view(torch.bool)
-    return BatchSums(
-        rows=rows,
-        valid=valid_b,
-        n=int(valid_b.sum().item()),
-        s=s_part.sum(dim=0, dtype=F64),
-        t=t_part.sum(dim=0, dtype=F64),
-        a1=a_part[:, 0].sum(),
-        a2=a_part[:, 1].sum(),
-        norm_max=a_part[:, 3].max(),
-        norm_sum=a_part[:, 2].sum(),
-    )
+    return Partials(rows=rows, valid=valid, s_part=s_part, t_part=t_part, a_part=a_part)

@@ -29,6 +29,8 @@ No autotuning: the kernel adds into ``S``, so one fixed configuration per dtype 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton.language as tl
 
@@ -124,8 +126,10 @@ def _config(dtype: torch.dtype, device: torch.device):
     return config_value("syrk_config", cfg)
 
 
+@functools.lru_cache(maxsize=64)
 def upper_tiles(n_t: int, device: torch.device) -> torch.Tensor:
-    """int32 table of the (i, j) tile pairs with i <= j, row by row."""
+    """int32 table of the (i, j) tile pairs with i <= j, row by row (cached: no host-to-device
+    copy per update)."""
     idx = torch.triu_indices(n_t, n_t)
     return idx.T.contiguous().to(device=device, dtype=torch.int32)
 
