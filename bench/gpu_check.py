@@ -354,6 +354,32 @@ def section_capture_sweep(run, ctx):
     return {"GBps": out, "best": best[1]}
 
 
+def section_syrk_sweep(run, ctx):
+    """Alternative (BM, BK, warps, stages) of the second-moment kernel, bf16 rows, on a scratch S."""
+    torch = ctx.torch
+    if not ctx.cuda:
+        return {"_status": "skipped", "reason": "no CUDA"}
+    from fused_stats.kernels import second_moment
+    from fused_stats.kernels._common import override_config
+
+    rows = _rows(ctx, torch.bfloat16)
+    S = torch.zeros(ctx.d, ctx.d, dtype=torch.float64, device=ctx.device)
+    flops = ctx.d * (ctx.d + 1) * ctx.tokens
+    out = {}
+    for cfg in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (128, 64, 4, 3), (64, 64, 4, 4)):
+        key = "bm{}_bk{}_w{}_s{}".format(*cfg)
+        try:
+            with override_config(syrk_config=cfg, syrk_splits=1):
+                ms = bench(lambda: second_moment.second_moment_update(S, rows), run)
+            out[key] = flops / (ms * 1e-3) / 1e12
+        except Exception as exc:  # e.g. out of shared memory
+            out[key] = f"{type(exc).__name__}: {exc}"[:200]
+    best = max((v, k) for k, v in out.items() if isinstance(v, float))
+    run.row("second moment sweep", f"best {best[1]} (bf16 rows)", best[0], "TFLOP/s",
+            reference=ctx.peers.get("bf16_TFLOPs"), target=0.60)
+    return {"TFLOPs": out, "best": best[1]}
+
+
 def _rows(ctx, dtype):
     return ctx.randn(ctx.tokens, ctx.d, dtype=dtype, shift=0.01)
 
@@ -509,6 +535,7 @@ SECTIONS = [
     ("grad_stats", section_grad_stats, False),
     ("cross", section_cross, False),
     ("capture_sweep", section_capture_sweep, True),
+    ("syrk_sweep", section_syrk_sweep, True),
     ("compile_peers", section_compile_peers, True),
 ]
 
