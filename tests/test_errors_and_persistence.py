@@ -331,3 +331,17 @@ def test_foreign_files_are_refused_and_never_unpickled(tmp_path, monkeypatch):
     save_file({"w": torch.zeros(3)}, str(other))
     with pytest.raises(fs.FusedStatsError, match="format"):
         fs.GradStats.load(other)
+
+
+def test_overflowing_fourth_power_is_rejected_and_state_unchanged():
+    # finite inputs whose |y|^4 overflows fp64 would make every later estimate inf/nan
+    gen = torch.Generator().manual_seed(11)
+    acc = fs.GradStats(4, second_moment="dense")
+    acc.update(torch.randn(6, 4, generator=gen, dtype=torch.float64))
+    before = {k: getattr(acc, k).clone() for k in ("s", "t", "a1", "a2", "S")}
+    huge = torch.randn(5, 4, generator=gen, dtype=torch.float64) * 1e90
+    with pytest.raises(fs.FusedStatsError, match="overflow"):
+        acc.update(huge)
+    assert acc.n == 6
+    for key, value in before.items():
+        assert torch.equal(getattr(acc, key), value), key

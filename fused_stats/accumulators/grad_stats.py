@@ -280,14 +280,17 @@ class GradStats:
             self._pool_append(new_rows)
 
     def _finite(self, batch) -> bool:
-        # a NaN/Inf anywhere in a counted position makes A1 = Σ|y|² non-finite
-        if bool(torch.isfinite(batch.a1)) and bool(torch.isfinite(batch.norm_sum)):
+        # a NaN/Inf anywhere in a counted position makes A1 = Σ|y|² non-finite; values so large
+        # that Σ|y|⁴ overflows would poison every later estimate just the same
+        sums = torch.stack([batch.a1, batch.a2, batch.norm_sum])
+        if bool(torch.isfinite(sums).all()):
             return True
         if self.nonfinite == "skip":
             self.skipped_batches += 1
             return False
         raise FusedStatsError(
-            f"non-finite gradient (NaN or Inf){self._where()} in a batch of {batch.n} samples; "
+            f"non-finite gradient (NaN or Inf, or so large that |y|^4 overflows){self._where()} "
+            f"in a batch of {batch.n} samples; "
             "nothing was accumulated. Pass nonfinite='skip' to skip such batches and count them")
 
     def _pool_append(self, rows: torch.Tensor) -> None:
