@@ -7,14 +7,17 @@ bytes, the plan's predicted bytes and their ratio; writes ``bench/results/memory
 Cases: ``GradStats`` dense and auto (d = 256) over 1e5 samples (200 batches of 500); a pool of
 2 000 samples, where the state grows by design (RSS growth against the planned pool bytes); and a
 :class:`~fused_stats.Probe` on a small residual MLP over 1e5 samples (train stream, 3 points).
-RSS is ``VmRSS`` from ``/proc/self/status`` after every batch. "Flat" means the growth after
-warm-up is a small fraction of one accumulator's state, where any per-batch leak of rows or of a
-d x d matrix would grow without bound (200 batches x 1 MiB for S at d = 256).
+RSS is ``VmRSS`` from ``/proc/self/status`` after every batch. "Growth after warm-up" is the median
+RSS of the last fifth of the batches minus that of the first fifth after warm-up (single samples
+move up and down by the per-batch workspace, a few MiB at B = 500, d = 256, also printed as the
+largest spike); "flat" means it stays below 1 MiB, where a per-batch leak of rows or of a d x d
+matrix would grow without bound (1 MiB a batch for S at d = 256).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -43,8 +46,14 @@ def stream(update, batches: int, warm: int) -> dict:
     for i in range(batches):
         update(i)
         samples.append(rss_bytes())
+    # the trend, not single samples: RSS moves by the per-batch workspace from batch to batch
+    # (freed buffers are not always returned to the OS at once), while a leak grows steadily
+    window = max(1, (batches - warm) // 5)
+    early = statistics.median(samples[warm:warm + window])
+    late = statistics.median(samples[-window:])
     return {"rss_warm": samples[warm - 1], "rss_final": samples[-1],
-            "growth_after_warm": max(samples[warm:]) - samples[warm - 1],
+            "growth_after_warm": late - early,
+            "max_spike_after_warm": max(samples[warm:]) - samples[warm - 1],
             "seconds": time.perf_counter() - start}
 
 
@@ -53,7 +62,8 @@ def record(case: str, result: dict, state: int, planned: int) -> dict:
            "plan_ratio": planned / state}
     ROWS.append(row)
     print(f"\n{case:<28} RSS warm {human_bytes(row['rss_warm']):>11}  growth after warm-up "
-          f"{human_bytes(row['growth_after_warm']):>11}  state {human_bytes(state):>11}  plan "
+          f"{human_bytes(row['growth_after_warm']):>11} (largest spike "
+          f"{human_bytes(row['max_spike_after_warm'])})  state {human_bytes(state):>11}  plan "
           f"{human_bytes(planned):>11}  plan/state {row['plan_ratio']:.3f}  ({row['seconds']:.1f} s)")
     return row
 
@@ -75,7 +85,7 @@ def test_grad_stats_1e5_samples_flat(benchmark, second_moment):
                  getattr(plan, second_moment))
     assert acc.n == 100_000
     assert abs(row["plan_ratio"] - 1) <= 0.10
-    assert row["growth_after_warm"] < 0.5 * acc.state_nbytes() + 2**20
+    assert row["growth_after_warm"] < 2**20
 
 
 def test_pool_grows_as_planned(benchmark):
