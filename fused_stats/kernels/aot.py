@@ -104,6 +104,16 @@ def production_specs(d: int = 4096, tokens: int = 65536) -> list[Spec]:
                             SINGLE_CHUNK=single),
             num_warps=warps, num_stages=2, expect=("LDG.E.128",),
             note="memory-bound: 16-byte loads of the bf16 gradient"))
+    # capture-reduce of an fp64 gradient (computed in fp64), whole row in registers
+    specs.append(Spec(
+        name=f"capture_rows_fp64_d{d}", kernel=capture._capture_rows_kernel,
+        args=dict(X=Ptr(f64), MASK=Ptr(torch.uint8), CENTRE=Ptr(f64), ROWS=Ptr(f64),
+                  VALID=Ptr(torch.int8), S_PART=Ptr(f64), T_PART=Ptr(f64), A_PART=Ptr(f64),
+                  R=tokens, R2=T, L=1, D=d, n_iters=7, sx_i=T * d, sx_j=d, sx_l=0, sx_d=1,
+                  sm_i=T, sm_j=1, sm_l=0),
+        constexprs=dict(HAS_MASK=True, F64_IN=True, BLOCK_R=block_r, BLOCK_D=block_d,
+                        SINGLE_CHUNK=single),
+        num_warps=warps, num_stages=2, expect=("LDG.E.128",)))
     # capture-reduce, two-pass path for wide rows (d > 8192), fp32 gradient
     wide = 3 * 8192
     block_r, block_d, single, warps = capture._row_config(wide, dev)
@@ -141,6 +151,15 @@ def production_specs(d: int = 4096, tokens: int = 65536) -> list[Spec]:
             constexprs=dict(ACCUMULATE=True, DOT_DTYPE=TORCH_TO_TL[dtype], BM=BM, BK=BK,
                             PRECISION=second_moment.dot_precision(dtype)),
             num_warps=warps, num_stages=stages, expect=expect, note=note))
+    # split-K variant (few tiles, many rows: d = 512): tiles stored to the fp32 workspace
+    BM, BK, warps, stages = second_moment.GPU_CONFIGS[bf16]
+    specs.append(Spec(
+        name="syrk_upper_bf16_d512_splitk", kernel=second_moment._syrk_upper_kernel,
+        args=dict(Y=Ptr(bf16), S=Ptr(f64), W=Ptr(f32), TILES=Ptr(torch.int32), R=tokens, D=512,
+                  k_per_split=tokens // 16, sy_r=512, sy_d=1, ss_0=512, ss_1=1),
+        constexprs=dict(ACCUMULATE=False, DOT_DTYPE=TORCH_TO_TL[bf16], BM=BM, BK=BK,
+                        PRECISION="ieee"),
+        num_warps=warps, num_stages=stages, expect=("HGMMA",)))
     # Gram rows: new rows (64, d) x pool (N, d)^T
     for dtype, expect in ((bf16, ("HGMMA",)), (f32, ("HGMMA",)), (f64, ("DMMA",))):
         BM, BN, BK, warps, stages = gram.GPU_CONFIGS[dtype]
