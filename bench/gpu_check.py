@@ -23,7 +23,8 @@ rewritten after each section (``$OUT/gpu_check.json`` when ``OUT`` is set, else
 ``bench/results/gpu_check.json``, or ``--out DIR``) and a table is printed last. Sections that only
 add peers (torch.compile, configuration sweep) are skipped once ``--budget-s`` seconds (default
 420, i.e. 7 minutes) have passed, so the whole run stays under 8 minutes.
-The cross-gradient kernel (issue 4) has a section that reports "not built" until it exists.
+The cross-gradient kernel (issue 4) is checked against its twin when it exists (``cross`` section).
+``--skip a,b`` leaves sections out.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="directory for gpu_check.json")
     p.add_argument("--tokens", type=int, default=65536, help="B x T of the capture/GEMM problems")
     p.add_argument("--d", type=int, default=4096, help="feature dimension")
+    p.add_argument("--skip", default="", help="comma-separated sections to leave out")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="skip optional sections (compile peers, sweep) after this many seconds")
     return p.parse_args(argv)
@@ -516,13 +518,43 @@ def section_grad_stats(run, ctx):
 
 
 def section_cross(run, ctx):
-    """Placeholder for the cross-gradient kernel of issue 4."""
+    """Cross-gradient kernel (issue 4) against its twin, both units, and its speed."""
+    torch = ctx.torch
     from fused_stats.kernels import cross
+    from fused_stats.ops import cross_twin
 
     if not getattr(cross, "IS_FUSED_KERNEL", False):
         return {"_status": "skipped", "reason": "no fused cross-gradient kernel yet (issue 4); "
                 "fused_stats.kernels.cross_reduce runs the torch twin"}
-    raise NotImplementedError("add the cross-gradient checks here together with the kernel")
+    d = ctx.d
+    r = 8 if run.args.dry_run else 64
+    tokens = max(24, ctx.tokens // 4)
+    T = min(512, max(1, tokens // 8))
+    B = max(1, tokens // T)
+    grad = ctx.randn(B, T, d, dtype=torch.bfloat16, shift=0.2)
+    act = ctx.randn(B, T, d, dtype=torch.bfloat16)
+    w_in = ctx.randn(r, d, scale=d ** -0.5)
+    mask = torch.rand(B, T, generator=ctx.gen, device=ctx.device) > 0.1
+    out = {"shape": [B, T, d, r]}
+    for unit in ("sample", "position"):
+        args = (grad, act, mask, w_in, "gelu", unit)
+        got = cross.cross_reduce(*args)
+        want = cross_twin.cross_reduce(*args)
+        errs = {k: rel_err(getattr(got, k), getattr(want, k))
+                for k in ("c_sum", "sq_norm_sum", "u2", "u3", "u4")}
+        counts = all(getattr(got, k) == getattr(want, k) for k in ("n", "p2", "p3", "p4"))
+        worst = max(errs.values())
+        entry = {**errs, "counts_equal": counts, "ok": counts and worst < 1e-4}
+        run.row("cross correctness", f"{unit} max rel err", worst, ok=entry["ok"],
+                note="tol 1e-4 (fp32 products), counts equal" if counts else "COUNTS DIFFER")
+        if ctx.cuda:
+            ms = bench(lambda: cross.cross_reduce(*args), run)
+            ms_twin = bench(lambda: cross_twin.cross_reduce(*args), run)
+            entry.update(ms=ms, twin_eager_ms=ms_twin)
+            run.row("cross speed", f"{unit} ms", ms, "ms", note=f"twin eager {ms_twin:.3f} ms")
+        out[unit] = entry
+    out["all_ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
+    return out
 
 
 SECTIONS = [
@@ -560,7 +592,15 @@ def main(argv=None) -> int:
         print("dry run: tiny sizes" + ("" if torch.cuda.is_available() else
                                        ", no CUDA: kernels through Triton's interpreter, no timing"))
     ctx = Ctx(args)
+    skip = {x for x in args.skip.split(",") if x}
+    unknown = skip - {name for name, _, _ in SECTIONS}
+    if unknown:
+        print(f"unknown sections in --skip: {sorted(unknown)}")
+        return 2
     for name, fn, optional in SECTIONS:
+        if name in skip:
+            run.sections[name] = {"status": "skipped", "reason": "--skip"}
+            continue
         run.section(name, lambda r, fn=fn: fn(r, ctx), optional=optional)
     run.meta["elapsed_s"] = round(time.time() - T0, 1)
     run.write()

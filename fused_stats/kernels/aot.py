@@ -100,7 +100,7 @@ def production_specs(d: int = 4096, tokens: int = 65536) -> list[Spec]:
                       VALID=Ptr(torch.int8), S_PART=Ptr(f32), T_PART=Ptr(f32), A_PART=Ptr(f64),
                       R=tokens, R2=T, L=1, D=d, n_iters=7, sx_i=T * d, sx_j=d, sx_l=0, sx_d=1,
                       sm_i=T, sm_j=1, sm_l=0),
-            constexprs=dict(HAS_MASK=has_mask, F64_IN=False, BLOCK_R=block_r, BLOCK_D=block_d,
+            constexprs=dict(HAS_MASK=has_mask, BLOCK_R=block_r, BLOCK_D=block_d,
                             SINGLE_CHUNK=single),
             num_warps=warps, num_stages=2, expect=("LDG.E.128",),
             note="memory-bound: 16-byte loads of the bf16 gradient"))
@@ -111,7 +111,7 @@ def production_specs(d: int = 4096, tokens: int = 65536) -> list[Spec]:
                   VALID=Ptr(torch.int8), S_PART=Ptr(f64), T_PART=Ptr(f64), A_PART=Ptr(f64),
                   R=tokens, R2=T, L=1, D=d, n_iters=7, sx_i=T * d, sx_j=d, sx_l=0, sx_d=1,
                   sm_i=T, sm_j=1, sm_l=0),
-        constexprs=dict(HAS_MASK=True, F64_IN=True, BLOCK_R=block_r, BLOCK_D=block_d,
+        constexprs=dict(HAS_MASK=True, BLOCK_R=block_r, BLOCK_D=block_d,
                         SINGLE_CHUNK=single),
         num_warps=warps, num_stages=2, expect=("LDG.E.128",)))
     # capture-reduce, two-pass path for wide rows (d > 8192), fp32 gradient
@@ -123,7 +123,7 @@ def production_specs(d: int = 4096, tokens: int = 65536) -> list[Spec]:
                   VALID=Ptr(torch.int8), S_PART=Ptr(f32), T_PART=Ptr(f32), A_PART=Ptr(f64),
                   R=4096, R2=1, L=16, D=wide, n_iters=3, sx_i=16 * wide, sx_j=0, sx_l=wide, sx_d=1,
                   sm_i=16, sm_j=0, sm_l=1),
-        constexprs=dict(HAS_MASK=True, F64_IN=False, BLOCK_R=block_r, BLOCK_D=block_d,
+        constexprs=dict(HAS_MASK=True, BLOCK_R=block_r, BLOCK_D=block_d,
                         SINGLE_CHUNK=single),
         num_warps=warps, num_stages=2, expect=("LDG.E.128",)))
     # stage 1 of unit="sample" with few samples: sums over a slice of positions

@@ -27,8 +27,8 @@ Structure (two launches at most, then a small fp64 reduction in torch):
    atomics anywhere, so results are bitwise reproducible.
 
 Everything is computed in fp32 right after the load (fp64 when the gradient is fp64). The centre is
-expected to be fp32-representable for non-fp64 inputs (the accumulator rounds it), so ``q - c`` is
-computed exactly. Every load is masked; padding positions are never read, so a NaN stored there
+expected to be fp32-representable for non-fp64 inputs (the accumulator rounds it), so passing it to
+the kernel in fp32 loses nothing and ``q - c`` is a single fp32 rounding. Every load is masked; padding positions are never read, so a NaN stored there
 cannot leak into the sums. Offsets are int64 (``program_id(0).to(tl.int64)``).
 
 Note: ``max |q|`` uses ``tl.maximum`` which, like ``fmax``, ignores NaN; non-finite inputs still show
@@ -70,10 +70,11 @@ SUM_POSITIONS_MIN_T = 16  # unit="sample": from this many positions on, stage 1 
 
 @kernel
 def _load_q(X, MASK, x_row, m_row, r_in, dd, d_in, L, sx_l, sx_d, sm_l,
-            HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Sum over the L inner positions of the (BLOCK_R, BLOCK_D) tile, in the compute dtype of
-    nothing but fp32/fp64 (the caller casts); masked positions are not loaded at all."""
-    q = tl.full((BLOCK_R, BLOCK_D), 0.0, tl.float32)
+            HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    """The (BLOCK_R, BLOCK_D) tile summed over the L inner positions, in ``ACC`` (fp32, or fp64 for
+    fp64 gradients); masked positions are not loaded at all (whatever is stored there, NaN
+    included, never enters)."""
+    q = tl.full((BLOCK_R, BLOCK_D), 0.0, ACC)
     for l in range(0, L):
         if HAS_MASK:
             mv = tl.load(MASK + m_row + l * sm_l, mask=r_in, other=0)
@@ -82,24 +83,7 @@ def _load_q(X, MASK, x_row, m_row, r_in, dd, d_in, L, sx_l, sx_d, sm_l,
             take = r_in
         x = tl.load(X + (x_row + l * sx_l)[:, None] + dd[None, :] * sx_d,
                     mask=take[:, None] & d_in[None, :], other=0.0)
-        q += x.to(tl.float32)
-    return q
-
-
-@kernel
-def _load_q64(X, MASK, x_row, m_row, r_in, dd, d_in, L, sx_l, sx_d, sm_l,
-              HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """:func:`_load_q` for fp64 gradients (summed in fp64)."""
-    q = tl.full((BLOCK_R, BLOCK_D), 0.0, tl.float64)
-    for l in range(0, L):
-        if HAS_MASK:
-            mv = tl.load(MASK + m_row + l * sm_l, mask=r_in, other=0)
-            take = r_in & (mv != 0)
-        else:
-            take = r_in
-        x = tl.load(X + (x_row + l * sx_l)[:, None] + dd[None, :] * sx_d,
-                    mask=take[:, None] & d_in[None, :], other=0.0)
-        q += x.to(tl.float64)
+        q += x.to(ACC)
     return q
 
 
@@ -111,7 +95,7 @@ def _capture_rows_kernel(
     R, R2, L, D, n_iters,  # rows; row r -> (i, j) = (r // R2, r % R2); L inner positions summed
     sx_i, sx_j, sx_l, sx_d,  # element strides of X for i, j, the inner position l, the feature
     sm_i, sm_j, sm_l,  # element strides of MASK for i, j, l
-    HAS_MASK: tl.constexpr, F64_IN: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -143,12 +127,8 @@ def _capture_rows_kernel(
             valid = r_in
         if SINGLE_CHUNK:
             d_in = offs_d < D
-            if F64_IN:
-                q = _load_q64(X, MASK, x_row, m_row, r_in, offs_d, d_in, L, sx_l, sx_d, sm_l,
-                              HAS_MASK, BLOCK_R, BLOCK_D)
-            else:
-                q = _load_q(X, MASK, x_row, m_row, r_in, offs_d, d_in, L, sx_l, sx_d, sm_l,
-                            HAS_MASK, BLOCK_R, BLOCK_D)
+            q = _load_q(X, MASK, x_row, m_row, r_in, offs_d, d_in, L, sx_l, sx_d, sm_l,
+                        HAS_MASK, BLOCK_R, BLOCK_D, ROWS.dtype.element_ty)
             y = tl.where(valid[:, None] & d_in[None, :], q - c_row[None, :], 0.0)
             tl.store(ROWS + r[:, None] * D + offs_d[None, :], y, mask=r_in[:, None] & d_in[None, :])
             qsq = tl.reduce(q * q, 1, SUM)
@@ -161,12 +141,8 @@ def _capture_rows_kernel(
             for d0 in range(0, D, BLOCK_D):
                 dd = d0 + offs_d
                 d_in = dd < D
-                if F64_IN:
-                    q = _load_q64(X, MASK, x_row, m_row, r_in, dd, d_in, L, sx_l, sx_d, sm_l,
-                                  HAS_MASK, BLOCK_R, BLOCK_D)
-                else:
-                    q = _load_q(X, MASK, x_row, m_row, r_in, dd, d_in, L, sx_l, sx_d, sm_l,
-                                HAS_MASK, BLOCK_R, BLOCK_D)
+                q = _load_q(X, MASK, x_row, m_row, r_in, dd, d_in, L, sx_l, sx_d, sm_l,
+                            HAS_MASK, BLOCK_R, BLOCK_D, ROWS.dtype.element_ty)
                 c = tl.load(CENTRE + dd, mask=d_in, other=0.0)
                 y = tl.where(valid[:, None] & d_in[None, :], q - c[None, :], 0.0)
                 tl.store(ROWS + r[:, None] * D + dd[None, :], y, mask=r_in[:, None] & d_in[None, :])
@@ -412,6 +388,6 @@ def capture_partials(grad: torch.Tensor, mask: torch.Tensor | None, centre: torc
     launch(_capture_rows_kernel, (P,), device,
            X, M, c, rows, valid, s_part, t_part, a_part,
            R, R2, L, d, n_iters, *sx, *sm,
-           HAS_MASK=has_mask, F64_IN=f64_in, BLOCK_R=block_r, BLOCK_D=block_d, SINGLE_CHUNK=single,
+           HAS_MASK=has_mask, BLOCK_R=block_r, BLOCK_D=block_d, SINGLE_CHUNK=single,
            num_warps=warps, num_stages=2)
     return Partials(rows=rows, valid=valid, s_part=s_part, t_part=t_part, a_part=a_part)

@@ -83,7 +83,7 @@ def _syrk_upper_kernel(
     ACCUMULATE: tl.constexpr,  # True: S += tile (fp64); False: W[split] = tile
     DOT_DTYPE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    tile = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
     ti = tl.load(TILES + 2 * tile).to(tl.int64)
     tj = tl.load(TILES + 2 * tile + 1).to(tl.int64)
