@@ -297,3 +297,61 @@ def test_failed_write_keeps_existing_file(tmp_path, monkeypatch):
         Report(data2).to_json(path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+# ---------------------------------------------------------------------------- sweep summaries
+def _exact_spearman(xs, ys):
+    """Reference: ρ from the textbook formula on average ranks, p by enumerating every
+    permutation (small n only)."""
+    def ranks(v):
+        return [sum(1 for w in v if w < a) + (sum(1 for w in v if w == a) + 1) / 2 for a in v]
+
+    def corr(a, b):
+        ma, mb = sum(a) / len(a), sum(b) / len(b)
+        num = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+        return num / math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
+
+    rx, ry = ranks(xs), ranks(ys)
+    rho = corr(rx, ry)
+    perms = list(itertools.permutations(ry))
+    p = sum(abs(corr(rx, list(q))) >= abs(rho) - 1e-12 for q in perms) / len(perms)
+    return rho, p
+
+
+@pytest.mark.parametrize("xs, ys", [
+    ([1, 2, 3, 4, 5, 6], [0.1, 0.3, 0.2, 0.5, 0.4, 0.9]),
+    ([32, 32, 64, 64, 128, 128], [0.01, 0.03, 0.02, 0.02, 0.05, 0.04]),   # ties
+    ([1, 2, 3, 4, 5], [5.0, 3.0, 4.0, 1.0, 2.0]),
+])
+def test_rank_correlation_matches_exact_permutation_test(xs, ys):
+    from fused_stats.api.report import rank_correlation
+
+    rho, p = rank_correlation(xs, ys, permutations=20_000, seed=3)
+    ref_rho, ref_p = _exact_spearman(xs, ys)
+    assert rho == pytest.approx(ref_rho, abs=1e-12)
+    # Monte Carlo p-value: within 4 binomial standard errors of the exact one
+    assert abs(p - ref_p) <= 4 * math.sqrt(ref_p * (1 - ref_p) / 20_000) + 1e-4
+
+
+def test_sweep_summary_medians_and_trend_words():
+    from fused_stats.api.report import sweep_summary
+
+    reports = []
+    for width, values in ((16, (0.010, 0.020, 0.015)), (32, (0.030, 0.050, 0.040)),
+                          (64, (0.070, 0.060, 0.080))):
+        for seed, value in enumerate(values):
+            data, _ = make_data(points=2, seed=seed)
+            data["meta"] = {"width": width, "seed": seed}
+            data["points"][-1]["train"]["d_align"] = value
+            data["points"][-1]["misalignment"]["probability"] = 0.3  # constant: no trend
+            reports.append(Report(data))
+    text = sweep_summary(reports, "width")
+    rows = {line.split()[0]: line for line in text.splitlines() if line.split()[0].isdigit()}
+    assert rows["16"].split()[2] == "0.015" and rows["64"].split()[2] == "0.07"
+    assert "[0.01," in rows["16"] and "0.02]" in rows["16"]
+    assert "d_align vs width: increases with width" in text
+    assert "misalignment vs width: rank correlation undefined" in text
+    for r, v in zip(reports, [0.03, 0.01, 0.02, 0.02, 0.03, 0.01, 0.01, 0.03, 0.02]):
+        r.data["points"][-1]["train"]["d_align"] = v
+    assert "d_align vs width: no clear monotone trend" in sweep_summary(reports, "width")
+    assert "too few runs" in sweep_summary(reports[:3], "width")

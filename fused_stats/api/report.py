@@ -486,10 +486,143 @@ def sweep_rows(reports: list[Report], x: str, point: str | int = "last") -> list
             "b_align": _finite(_cell(cert, "b_align")), "b_exact": _finite(_cell(cert, "b_exact")),
             "misalignment": _finite(_cell(mis, "probability")),
             "realized_alignment": _finite(p["realized_alignment"]),
+            "cosine": _finite(cosine(p)),
+            "d_par": _finite(_cell(tr, "d_par")), "d_2": _finite(_cell(tr, "d_2")),
             "cross_frob2": _finite(_cell(sat, "cross_frob2")),
             "test_loss": _finite(r.meta.get("test_loss")),
         })
     return rows
+
+
+def rank_correlation(xs, ys, permutations: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """Spearman's ρ of paired values and a two-sided permutation p-value.
+
+    ρ is Pearson's correlation of the ranks (ties get their average rank). The p-value is the
+    fraction of random re-pairings (``ys`` shuffled, ``permutations`` times, seeded) with
+    ``|ρ| ≥`` the observed ``|ρ|`` (the +1 correction keeps it > 0). nan when undefined (fewer
+    than 3 pairs, or a constant side).
+    """
+    import random
+
+    pairs = [(float(a), float(b)) for a, b in zip(xs, ys)
+             if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    if len(pairs) < 3:
+        return math.nan, math.nan
+    rx = _ranks([a for a, _ in pairs])
+    ry = _ranks([b for _, b in pairs])
+    rho = _pearson(rx, ry)
+    if math.isnan(rho):
+        return math.nan, math.nan
+    rng = random.Random(seed)
+    shuffled = list(ry)
+    hits = 0
+    for _ in range(permutations):
+        rng.shuffle(shuffled)
+        if abs(_pearson(rx, shuffled)) >= abs(rho) - 1e-12:
+            hits += 1
+    return rho, (hits + 1) / (permutations + 1)
+
+
+def _ranks(values):
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def _pearson(a, b):
+    n = len(a)
+    ma, mb = sum(a) / n, sum(b) / n
+    va = sum((x - ma) ** 2 for x in a)
+    vb = sum((y - mb) ** 2 for y in b)
+    if va == 0 or vb == 0:
+        return math.nan
+    return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / math.sqrt(va * vb)
+
+
+def cosine(point: dict) -> float | None:
+    """Estimated cosine of the train and test mean gradients at a report point:
+    realized alignment / sqrt(|μ_train|² |μ_test|²) with the unbiased |μ|² of each stream
+    (plain |q̄|² would include the noise tr(Σ)/n and bias the cosine towards 0)."""
+    ra, tr, te = point["realized_alignment"], point["train"], point["test"]
+    if ra is None or tr is None or te is None:
+        return None
+    a, b = tr["mu_norm2"], te["mu_norm2"]
+    if not (_is_number(ra) and math.isfinite(ra)) or a <= 0 or b <= 0:
+        return None
+    return ra / math.sqrt(a * b)
+
+
+# what a sweep table shows per x value: (column title, row key), and the trend checked
+SWEEP_COLUMNS = {
+    "width": (("d_align", "d_align"), ("d_par", "d_par"), ("d_2", "d_2"),
+              ("cos(train,test)", "cosine"), ("B_exact", "b_exact"),
+              ("misalignment", "misalignment"), ("test loss", "test_loss")),
+    "depth": (("AG_max", "ag_max"), ("AG_mean", "ag_mean"), ("|C|_F^2", "cross_frob2"),
+              ("test loss", "test_loss")),
+}
+SWEEP_TRENDS = {"width": ("d_align", "misalignment"), "depth": ("ag_max", "test_loss")}
+
+
+def sweep_summary(reports: Iterable[Report], x: str, point: str | int = "last",
+                  permutations: int = 10_000) -> str:
+    """A text table of a sweep (median [min, max] over the reports at each x value) and, for the
+    sweep's key quantities, Spearman's ρ against x over all reports with a permutation p-value
+    and a plain-words reading that says when no trend is visible."""
+    if x not in SWEEP_COLUMNS:
+        raise FusedStatsError(f"sweep_summary: x must be 'width' or 'depth', got {x!r}")
+    rows = sweep_rows(list(reports), x, point)
+    columns = [(t, k) for t, k in SWEEP_COLUMNS[x] if any(r.get(k) is not None for r in rows)]
+    groups = defaultdict(list)
+    for r in rows:
+        groups[r["x"]].append(r)
+    head = [x, "runs"] + [t for t, _ in columns]
+    table = [head]
+    for xv in sorted(groups):
+        line = [str(xv), str(len(groups[xv]))]
+        for _, key in columns:
+            vals = [r[key] for r in groups[xv] if r.get(key) is not None]
+            if not vals:
+                line.append("—")
+            elif len(vals) == 1:
+                line.append(fmt(vals[0], ".3g"))
+            else:
+                line.append(f"{fmt(_median(vals), '.3g')} [{fmt(min(vals), '.3g')}, "
+                            f"{fmt(max(vals), '.3g')}]")
+        table.append(line)
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    out = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+    where = (f"the {point} residual point of each model" if point in ("last", "first")
+             else f"point {point!r}")
+    out.append(f"(median [min, max] over the runs at each {x}, at {where}; {len(rows)} runs)")
+    for key in SWEEP_TRENDS[x]:
+        out.append(trend_sentence(rows, x, key, permutations))
+    return "\n".join(out)
+
+
+def trend_sentence(rows: list[dict], x: str, key: str, permutations: int = 10_000) -> str:
+    """Spearman's ρ of ``key`` against ``x`` with its permutation p-value, in words."""
+    pairs = [(r["x"], r[key]) for r in rows if r.get(key) is not None]
+    distinct = len({a for a, _ in pairs})
+    if len(pairs) < 4 or distinct < 2:
+        return (f"{key} vs {x}: too few runs ({len(pairs)} at {distinct} {x} values) to speak "
+                "of a trend")
+    rho, p = rank_correlation([a for a, _ in pairs], [b for _, b in pairs], permutations)
+    if math.isnan(rho):
+        return f"{key} vs {x}: rank correlation undefined (a constant column)"
+    stat = f"Spearman rho = {rho:+.2f}, permutation p = {p:.3g}, {len(pairs)} runs"
+    if p < 0.05:
+        word = "increases" if rho > 0 else "decreases"
+        return f"{key} vs {x}: {word} with {x} in these runs ({stat})"
+    return (f"{key} vs {x}: no clear monotone trend in these runs ({stat}); with this many "
+            "runs and this seed scatter that is not evidence either way")
 
 
 def _pick(report: Report, point) -> dict:

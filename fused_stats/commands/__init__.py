@@ -7,4 +7,7 @@ COMMANDS = (
     "synthetic",
     "merge",
     "plan",
+    "demo",
+    "probe",
+    "report",
 )

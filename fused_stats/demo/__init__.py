@@ -1,0 +1,6 @@
+"""The ``fused-stats demo``: the width and depth papers' trend experiments in miniature.
+
+Submodules: :mod:`.corpus` (stdlib source as bytes, split by file), :mod:`.models` (small
+LLaMA-style decoders and single-pass training), :mod:`.experiment` (sweeps, probing, tables,
+reports and plots).
+"""
