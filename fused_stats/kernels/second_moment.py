@@ -109,9 +109,9 @@ def _syrk_upper_kernel(
     if ACCUMULATE:
         # add into S one half-tile (BM x BM/2 columns) at a time: a whole fp64 tile next to the
         # fp32 accumulator does not fit in registers (spills at 128 x 128)
-        halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BM // 2)), (0, 2, 1)))
-        _add_half(S, halves[0], rm, tj * BM + tl.arange(0, BM // 2), m_in, D, ss_0, ss_1, ti != tj)
-        _add_half(S, halves[1], rm, tj * BM + BM // 2 + tl.arange(0, BM // 2), m_in, D, ss_0, ss_1,
+        left, right = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BM // 2)), (0, 2, 1)))
+        _add_half(S, left, rm, tj * BM + tl.arange(0, BM // 2), m_in, D, ss_0, ss_1, ti != tj)
+        _add_half(S, right, rm, tj * BM + BM // 2 + tl.arange(0, BM // 2), m_in, D, ss_0, ss_1,
                   ti != tj)
     else:
         out_mask = m_in[:, None] & n_in[None, :]
