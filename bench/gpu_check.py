@@ -222,7 +222,6 @@ def section_ceilings(run, ctx):
     y = torch.empty_like(x)
     ms_copy = bench(lambda: y.copy_(x), run)
     copy_ = 2 * x.numel() * x.element_size() / (ms_copy * 1e-3) / 1e9
-    del x, y
     ctx.peers["copy_GBps"] = copy
     run.row("ceilings", "clone GB/s (read+write)", copy, "GB/s", note=f"{n * 2 / 1e9:.2f} GB tensor")
     run.row("ceilings", "copy_ GB/s (read+write)", copy_, "GB/s")
@@ -242,7 +241,6 @@ def section_ceilings(run, ctx):
         ctx.peers[f"{name}_TFLOPs"] = rate
         out[f"matmul_{name}_TFLOPs"] = rate
         run.row("ceilings", f"{name} matmul {size}^3", rate, "TFLOP/s")
-        del a, b
     torch.cuda.empty_cache()
     return out
 
@@ -290,7 +288,6 @@ def section_capture_correctness(run, ctx):
         out[name] = {**errs, "shape": list(g.shape), "ok": ok}
         run.row("capture correctness", f"{name} max rel err", e, note="tol 2e-5, n and valid equal",
                 ok=ok)
-        del got, want
         if ctx.cuda:
             torch.cuda.empty_cache()
     out["all_ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
@@ -330,7 +327,6 @@ def section_capture_speed(run, ctx):
 
 def section_capture_sweep(run, ctx):
     """Block-size alternatives of the row kernel (capture adds into nothing: safe to re-run)."""
-    torch = ctx.torch
     if not ctx.cuda:
         return {"_status": "skipped", "reason": "no CUDA"}
     from fused_stats.kernels import capture
@@ -425,7 +421,6 @@ def section_second_moment(run, ctx):
                         reference=ceiling, note=f"reference = TF32 matmul / 3; {ms:.3f} ms")
                 entry["tf32x3_ceiling_TFLOPs"] = ceiling
         out[label] = entry
-        del rows, S, S0, want
         if ctx.cuda:
             torch.cuda.empty_cache()
     out["all_ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
@@ -475,7 +470,6 @@ def section_compile_peers(run, ctx):
     out["capture_compile_s"] = time.time() - t
     out["capture_compiled_ms"] = bench(lambda: cap(g, mask, c, unit), run)
     run.row("peers", f"capture {name}: torch.compile(twin) ms", out["capture_compiled_ms"], "ms")
-    del g, mask
     rows = _rows(ctx, torch.bfloat16)
     S = torch.zeros(ctx.d, ctx.d, dtype=torch.float64, device=ctx.device)
     sm = torch.compile(torch_twin.second_moment_update)

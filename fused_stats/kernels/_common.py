@@ -26,7 +26,6 @@ import contextlib
 import functools
 
 import torch
-import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
