@@ -632,3 +632,22 @@ def test_graph_below_the_lowest_point_is_cut(gen):
     probe.step((x, y), loss_fn)
     assert alive == [True, False]
     assert x.grad is None and all(p.grad is None for p in model.parameters())
+
+
+def test_fp32_model_and_no_grad_context(gen):
+    """An fp32 model under the caller's torch.no_grad(): the step still differentiates, and the
+    fp32 gradients match fp32 per-sample loops upcast to fp64 (quantities without cancellation)."""
+    net = cifar_resnet20(width=4, seed=2, random_batchnorm=True)  # float32
+    x = torch.randn(8, 3, 8, 8, generator=gen)
+    y = torch.randint(0, 10, (8,), generator=gen)
+    probe = fs.Probe(net, points=["layer1.2", "layer3.0"], second_moment="pool")
+    with torch.no_grad():
+        probe.step((x, y), fs.classification_loss)
+    ref = R.conv_reference(net, x, y, probe.points, "sample")
+    for p in probe.points:
+        est, q = probe.stats[p].estimate(), ref[p]
+        r = q.norm(dim=1)
+        assert est.n == 8
+        assert est.ag_max == pytest.approx(float(r.max()), rel=1e-4)
+        assert est.ag_mean == pytest.approx(float(r.mean()), rel=1e-4)
+        assert est.trace_sigma == pytest.approx(R.u_targets(q)["trace_sigma"], rel=1e-4)

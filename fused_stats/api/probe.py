@@ -282,9 +282,10 @@ class Probe:
             for p in params:
                 p.requires_grad_(False)
             model.eval()
-            with capture, torch.enable_grad():
-                losses = loss_fn(model, batch)
-            grads = self._activation_grads(losses, capture)
+            with torch.enable_grad():  # also under a caller's no_grad(): losses.sum() needs a graph
+                with capture:
+                    losses = loss_fn(model, batch)
+                grads = self._activation_grads(losses, capture)
         finally:
             capture.remove()
             for p, flag in zip(params, flags):
