@@ -6,8 +6,7 @@ launcher                   torch twin (oracle and CPU path)                   mo
 ``capture_reduce``         :func:`fused_stats.ops.torch_twin.capture_reduce`   :mod:`.capture`
 ``second_moment_update``   :func:`...torch_twin.second_moment_update`          :mod:`.second_moment`
 ``gram_rows``              :func:`...torch_twin.gram_rows`                     :mod:`.gram`
-``cross_reduce``           :func:`fused_stats.ops.cross_twin.cross_reduce`     :mod:`.cross` (no fused
-                                                                               kernel yet: issue 4)
+``cross_reduce``           :func:`fused_stats.ops.cross_twin.cross_reduce`     :mod:`.cross`
 =========================  =================================================  ==========================
 
 Launchers take CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter; see
