@@ -7,6 +7,10 @@ colour and stripe pattern plus noise: no download), then probed after every bloc
 image b's loss with respect to a per-channel bias added to the block's output at every pixel;
 ``unit="position"`` would make every pixel a sample and ``unit="flat"`` the whole C·H·W map.
 
+The synthetic task is easy and the short training nearly fits it; a classifier trained to
+convergence drives the train-mean gradient towards zero (DESIGN section 9), so expect small
+``|μ|²`` and ``d_align`` here — the example shows the mechanics, not a width trend.
+
     python examples/probe_resnet.py                  # under a minute on 2 CPU cores
     python examples/probe_resnet.py --unit flat --width 4
 """
