@@ -16,6 +16,8 @@ from .api.report import Report
 from .api.probe import Probe
 from .api.points import residual_points
 from .api.losses import causal_lm_loss, classification_loss
+from .api.growth import CrossSpec, insert_zero_block, remove_inserted_block
+from .accumulators.cross_stats import Saturation
 
 __version__ = "0.1.0"
 
@@ -32,5 +34,9 @@ __all__ = [
     "residual_points",
     "causal_lm_loss",
     "classification_loss",
+    "CrossSpec",
+    "insert_zero_block",
+    "remove_inserted_block",
+    "Saturation",
     "__version__",
 ]

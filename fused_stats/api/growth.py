@@ -94,13 +94,16 @@ def _replace_stream(out, new):
 
 
 def insert_zero_block(model: nn.Module, point: str, kind: str = "block",
-                      spec: CrossSpec | None = None, feature_dim: int = -1,
+                      spec: CrossSpec | None = None, feature_dim: int | None = None,
                       dim: int | None = None) -> ZeroBlock:
     """Insert a zero-output residual block (or zero bias) after module ``point``; returns it.
 
-    The point's output ``z`` becomes ``z + h(z)``; since ``W_out = 0`` (``b = 0``) the model's
-    outputs are unchanged. ``feature_dim`` is the stream's feature axis (1 for NCHW maps); ``dim``
-    its width (read from the model config or the point's layers when omitted).
+    The point's output ``z`` becomes ``z + h(z)``; since ``W_out = 0`` (``b = 0``) every element
+    of ``h(z)`` is +0, ``z + 0 = z`` exactly, and the model's outputs are bit-identical.
+    ``feature_dim`` is the stream's feature axis (``None``: as the Probe chooses, 1 for NCHW maps
+    and -1 otherwise); ``dim`` its width (read from the model config or the point's layers when
+    omitted). The result keeps the exact strides of ``z``, so the modules downstream see the memory
+    format they saw before.
     """
     try:
         module = model.get_submodule(point)
@@ -117,8 +120,16 @@ def insert_zero_block(model: nn.Module, point: str, kind: str = "block",
 
     def hook(mod, args, out):
         z = _stream(out)
-        zz = z.movedim(feature_dim, -1)
-        added = (zz + block(zz)).movedim(-1, feature_dim)
+        fd = feature_dim if feature_dim is not None else _auto_feature_dim(module, z)
+        zz = z.movedim(fd, -1)
+        if zz.shape[-1] != dim:
+            raise FusedStatsError(
+                f"inserted {kind} at {point!r} has width {dim}, but the stream there has shape "
+                f"{tuple(z.shape)} with {zz.shape[-1]} features on axis {fd}; pass feature_dim/dim")
+        # written into a tensor with z's exact strides: downstream kernels choose their algorithm
+        # by memory format (a conv on a 1x1 map flagged channels-last rounds differently)
+        added = torch.empty_like(z)
+        added.copy_(z + block(zz).movedim(-1, fd))
         return _replace_stream(out, added)
 
     block._fused_stats_handle = module.register_forward_hook(hook)
@@ -133,6 +144,14 @@ def remove_inserted_block(model: nn.Module, point: str) -> None:
         raise FusedStatsError(f"point {point!r} has no inserted block")
     block._fused_stats_handle.remove()
     delattr(module, INSERTED_NAME)
+
+
+def _auto_feature_dim(module: nn.Module, z: torch.Tensor) -> int:
+    """The Probe's default feature axis: 1 for (B, C, H, W) maps and 3-d outputs of conv-only
+    modules, else -1."""
+    from .probe import _is_conv_stack
+
+    return 1 if z.dim() >= 4 or (z.dim() == 3 and _is_conv_stack(module)) else -1
 
 
 def _point_width(model: nn.Module, module: nn.Module, point: str) -> int:
