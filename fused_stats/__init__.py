@@ -17,6 +17,7 @@ from .api.probe import Probe
 from .api.points import residual_points
 from .api.losses import causal_lm_loss, classification_loss
 from .api.growth import CrossSpec, insert_zero_block, remove_inserted_block
+from .api.intervene import intervene
 from .accumulators.cross_stats import Saturation
 
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ __all__ = [
     "CrossSpec",
     "insert_zero_block",
     "remove_inserted_block",
+    "intervene",
     "Saturation",
     "__version__",
 ]

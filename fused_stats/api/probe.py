@@ -128,8 +128,13 @@ class Probe:
     second_moment : {"auto", "dense", "pool"}
         Passed to every :class:`GradStats`; ``"pool"`` keeps per-sample vectors (needed by
         :meth:`misalignment`).
-    cross : None
-        Reserved for the depth probe's ``fs.CrossSpec`` (not available in this version).
+    cross : None or fs.CrossSpec
+        The depth probe (issue 4): one :class:`~fused_stats.accumulators.cross_stats.CrossStats`
+        per point and stream (:attr:`cross_stats`, :attr:`test_cross_stats`) for the zero-output
+        block ``W_out φ(W_in z)`` that reads the point's output ``z`` and writes into the stream at
+        the same point, so its cross-gradient is ``Σ_t q_t φ(W_in z_t)ᵀ`` over the counted
+        positions, with this probe's mask and ``unit`` ("sample" or "position"; conv maps:
+        channels are the features, pixels the positions). :meth:`saturation` gives the test.
     pool_capacity : int, optional
     backend : {"auto", "triton", "torch"}
     feature_dim : None, int or dict
@@ -166,9 +171,13 @@ class Probe:
         if pool_capacity is not None and (not isinstance(pool_capacity, int) or pool_capacity < 1):
             raise FusedStatsError(f"pool_capacity must be a positive int or None, got {pool_capacity!r}")
         if cross is not None:
-            raise FusedStatsError(
-                "cross= (the depth probe's CrossSpec) is not available in this version; "
-                "use Probe.add_callback to receive each point's activation and gradient")
+            from .growth import CrossSpec
+
+            if not isinstance(cross, CrossSpec):
+                raise FusedStatsError(f"cross must be None or a fused_stats.CrossSpec, got {type(cross).__name__}")
+            if unit == "flat":
+                raise FusedStatsError("cross= needs unit='sample' or 'position' (a cross-gradient sums "
+                                      "q_t φ_tᵀ over positions); got unit='flat'")
         self.model = model
         self.points = resolve_points(model, points)
         self.unit = unit
@@ -185,6 +194,10 @@ class Probe:
         self.steps = {s: 0 for s in STREAMS}
         self.skipped_steps = {s: 0 for s in STREAMS}
         self._callbacks: list = []
+        self.cross_stats: dict = {}  # point -> CrossStats (train stream), when cross= is given
+        self.test_cross_stats: dict = {}
+        if cross is not None:
+            self._callbacks.append(self._fold_cross)
 
     # ------------------------------------------------------------------ set-up helpers
     def _check_feature_dim(self, feature_dim):
@@ -227,6 +240,41 @@ class Probe:
         if stream == "test":
             return self.test_stats
         raise FusedStatsError(f"stream must be one of {STREAMS}, got {stream!r}")
+
+    def _fold_cross(self, cap: PointCapture) -> None:
+        """The ``cross=`` callback: fold ``(q, z)`` of one point into its CrossStats, features last
+        and positions flattened to (B, P, d)."""
+        from ..accumulators.cross_stats import CrossStats
+
+        accs = self.cross_stats if cap.stream == "train" else self.test_cross_stats
+        g = cap.grad.movedim(cap.feature_dim, -1)
+        z = cap.activation.movedim(cap.feature_dim, -1)
+        B, d = g.shape[0], g.shape[-1]
+        P = math.prod(g.shape[1:-1])
+        g, z = g.reshape(B, P, d), z.reshape(B, P, d)
+        m = cap.mask
+        if m is not None:
+            m = m[:, None].expand(B, P) if m.dim() == 1 else m.reshape(B, P)
+        acc = accs.get(cap.point)
+        if acc is None:
+            w_dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
+            w_in = self.cross.projection(d, dtype=w_dtype, device=z.device)
+            name = cap.point if cap.stream == "train" else f"{cap.point} [test]"
+            acc = CrossStats(d, w_in, self.cross.activation, backend=self.backend, name=name)
+            accs[cap.point] = acc
+        acc.update(g, z, m, unit=cap.unit)
+
+    def saturation(self, point: str, alpha: float = 0.05, stream: str = "train"):
+        """The depth-saturation test at ``point`` (:class:`~fused_stats.Saturation`): unbiased
+        ``|C|_F²`` with its standard error and the decision at level ``alpha``, plus ``AG_max`` and
+        the mean per-sample norm from the point's GradStats in ``stream``."""
+        if self.cross is None:
+            raise FusedStatsError("saturation() needs a Probe built with cross=fs.CrossSpec(...)")
+        acc = self._acc(point, stream)
+        cross = (self.cross_stats if stream == "train" else self.test_cross_stats).get(point)
+        if cross is None:
+            raise FusedStatsError(f"point {point!r} has no cross-gradient samples in the {stream} stream")
+        return cross.saturation(alpha, ag_max=float(acc.norm_max), ag_mean=float(acc.norm_sum) / acc.n)
 
     # ------------------------------------------------------------------ masks
     def _mask_for(self, batch, mask) -> torch.Tensor | None:
@@ -540,7 +588,8 @@ class Probe:
                 "name": name, "index": index, "dim": self.dims[name],
                 "train": train, "test": test, "certificate": cert, "misalignment": mis,
                 "realized_alignment": attempt(lambda: self.realized_alignment(name)),
-                "saturation": None,
+                "saturation": (attempt(lambda: self.saturation(name).to_dict())
+                               if self.cross is not None else None),
             })
         return {
             "format": "fused_stats.report", "version": 1, "fused_stats_version": __version__,
