@@ -209,3 +209,32 @@ def test_bad_input_and_failure_leave_model_intact(trained):
     assert_unchanged(model, before)
     one = fs.intervene(model, "blocks.1", train, test, 0.01, loss_fn=loss_fn)
     assert len(one.rows) == 1 and one.rows[0].eta == 0.01
+
+
+def test_demo_intervention_and_saturation_lines():
+    """The demo's additions (fused_stats.demo.experiment): both intervention tables on an fp64 copy
+    (the fp32 model untouched), and one saturation line per run with |C|^2 ± SE."""
+    pytest.importorskip("transformers")
+    from fused_stats.demo.experiment import DemoConfig, intervention_lines, probe_model, saturation_lines
+    from fused_stats.demo.models import build_llama
+
+    class Corpus:  # the two probe streams of the demo's corpus interface, random bytes
+        def probe_batches(self, split, B, count):
+            g = torch.Generator().manual_seed(0 if split == "train" else 1)
+            return [torch.randint(0, 256, (B, 12), generator=g) for _ in range(count)]
+
+    cfg = DemoConfig.quick(batch_size=4, probe_batches=2, seq_len=12, split=2, cross_rank=4)
+    model = build_llama(16, 2, 12, seed=0)
+    before = state(model)
+    lines, dicts = intervention_lines(model, Corpus(), cfg, etas=(0.1, 0.01))
+    assert_unchanged(model, before)
+    assert [d["kind"] for d in dicts] == ["bias", "block"]
+    for d in dicts:
+        assert d["point"] == "model.layers.1" and d["M"] == d["K"] == 8
+        assert [r["eta"] for r in d["rows"]] == [0.1, 0.01]
+        assert all((r["measured"] > 0) == (r["predicted"] > 0) for r in d["rows"])
+    assert sum("| eta | predicted | measured | ratio |" in line for line in lines) == 2
+    report, probe = probe_model(model, Corpus(), cfg, {"width": 16, "depth": 2, "seed": 0})
+    (line,) = saturation_lines([report])
+    sat = probe.saturation("model.layers.1")
+    assert f"|C|_F^2 = {sat.cross_frob2:.3g} ± {sat.cross_frob2_se:.2g}" in line

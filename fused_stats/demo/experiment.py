@@ -19,6 +19,12 @@ For each (width N, depth L, seed) run:
    the held-out loss. The depth paper's cross-gradient saturation signal ``|C|_F²`` is added when
    the installed Probe supports ``cross=`` (:func:`_saturation`).
 
+The depth sweep also lists, per run, ``|C|_F²`` with its standard error and the saturation test's
+decision (:func:`saturation_lines`); and one trained model of the depth sweep (its deepest, first
+seed) gets the direct interventions of :func:`fused_stats.intervene`, a zero bias and a zero
+block at its last residual point, run on an fp64 copy so that the small changes of small steps are
+resolved: measured vs first-order predicted test-loss change per η (:func:`intervention_lines`).
+
 The width sweep runs every width at ``width_sweep_depth``; the depth sweep every depth at
 ``depth_sweep_width`` (a shared (N, L) run is trained once). Tables show the median and range over
 seeds, and Spearman's ρ of the key quantity against width / depth over all runs, with a
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import json
 import os
 import platform
 import sys
@@ -183,8 +190,10 @@ def probe_model(model, corpus, cfg: DemoConfig, meta: dict):
     return Report(data), probe
 
 
-def run_one(corpus, cfg: DemoConfig, width: int, depth: int, seed: int, bar=None):
-    """Train, probe and report one model; returns a :class:`fused_stats.Report`."""
+def run_one(corpus, cfg: DemoConfig, width: int, depth: int, seed: int, bar=None,
+            keep_model: bool = False):
+    """Train, probe and report one model; returns a :class:`fused_stats.Report` (and the trained
+    model when ``keep_model``)."""
     cpu0, wall0 = time.process_time(), time.perf_counter()
     model, info = train_model(corpus, cfg, width, depth, seed, bar)
     meta = {"width": width, "depth": depth, "seed": seed, "tokens": info["tokens"],
@@ -193,7 +202,55 @@ def run_one(corpus, cfg: DemoConfig, width: int, depth: int, seed: int, bar=None
     report, _ = probe_model(model, corpus, cfg, meta)
     report.meta["cpu_seconds"] = time.process_time() - cpu0
     report.meta["wall_seconds"] = time.perf_counter() - wall0
-    return report
+    return (report, model) if keep_model else report
+
+
+def saturation_lines(reports, point: str | int = "last") -> list[str]:
+    """One line per run (by depth, then seed): ``|C|_F²`` ± its standard error at ``point``, the
+    saturation test's z and decision, AG_max and the held-out loss."""
+    from ..api.report import _pick
+
+    lines = []
+    for r in sorted(reports, key=lambda r: (r.meta["depth"], r.meta["seed"])):
+        p = _pick(r, point)
+        sat = p.get("saturation")
+        head = f"depth {r.meta['depth']:<2} seed {r.meta['seed']}  {p['name']:<16}"
+        ag = (p.get("train") or {}).get("ag_max")
+        tail = f"AG_max {ag:.3g}  test loss {r.meta['test_loss']:.3f}" if ag is not None else ""
+        if not sat:
+            lines.append(f"{head}  |C|_F^2 not available  {tail}")
+            continue
+        verdict = "saturated (C = 0 not rejected)" if sat["saturated"] else "not saturated"
+        lines.append(f"{head}  |C|_F^2 = {sat['cross_frob2']:.3g} ± {sat['cross_frob2_se']:.2g} "
+                     f"(z = {sat['z']:.2f}, p = {sat['p_value']:.3g}: {verdict} at "
+                     f"alpha = {sat['alpha']:g})  {tail}")
+    return lines
+
+
+INTERVENTION_ETAS = (1.0, 0.1, 0.03)
+
+
+def intervention_lines(model, corpus, cfg: DemoConfig, etas=INTERVENTION_ETAS) -> tuple[list, list]:
+    """Both direct interventions (zero bias, zero block of rank ``cfg.cross_rank``) at the last
+    residual point of an fp64 copy of ``model``, with the probe's train/test windows; returns
+    ``(text lines, [Intervention.to_dict(), ...])``. ``model`` itself is not touched."""
+    import copy
+
+    import fused_stats as fs
+
+    model64 = copy.deepcopy(model).double()
+    point = fs.residual_points(model64)[-1]
+    B = cfg.batch_size
+    train = corpus.probe_batches("train", B, cfg.probe_batches)
+    test = corpus.probe_batches("test", B, cfg.probe_batches)
+    lines, dicts = [], []
+    for kind in ("bias", "block"):
+        result = fs.intervene(model64, point, train, test, list(etas), kind=kind,
+                              loss_fn=fs.causal_lm_loss,
+                              spec=fs.CrossSpec(rank=cfg.cross_rank, seed=0))
+        lines += ["", result.to_markdown()]
+        dicts.append(result.to_dict())
+    return lines, dicts
 
 
 def _header(cfg: DemoConfig, corpus) -> list[str]:
@@ -244,12 +301,18 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
         echo(line)
     runs = cfg.runs()
     reports: list[Report] = []
+    # the model that gets the interventions: the deepest of the depth sweep, first seed
+    keep = (cfg.depth_sweep_width, max(cfg.depths), cfg.seeds[0])
+    kept = None
     bar = tqdm(total=len(runs) * cfg.train_steps, unit="step", desc="demo",
                disable=(None if progress is None else not progress), file=sys.stderr)
     try:
         for width, depth, seed in runs:
             bar.set_description(f"width {width} depth {depth} seed {seed}")
-            report = run_one(corpus, cfg, width, depth, seed, bar)
+            report = run_one(corpus, cfg, width, depth, seed, bar,
+                             keep_model=(width, depth, seed) == keep)
+            if isinstance(report, tuple):
+                report, kept = report
             report.to_json(out / "runs" / f"w{width}-d{depth}-s{seed}.json")
             m = report.meta
             msg = (f"run width={width:<4} depth={depth:<2} seed={seed}: loss {m['first_loss']:.2f} "
@@ -276,7 +339,23 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
     if not any(p["saturation"] for r in depth_runs for p in r.points):
         sections.append("(the cross-gradient saturation signal |C|_F^2 is not available in this "
                         "version of the Probe; AG_max is the depth paper's practical indicator)")
-    files = []
+    else:
+        sections += ["", f"Saturation test per run (zero-output block of rank {cfg.cross_rank}, "
+                     "gelu features; |C|_F^2 is unbiased, ± one standard error; a value within "
+                     "noise of 0 means no first-order gain from a block inserted there):"]
+        sections += saturation_lines(depth_runs, cfg.point)
+    if kept is not None:
+        title = (f"Direct interventions on the width {keep[0]}, depth {keep[1]}, seed {keep[2]} "
+                 "model (fp64 copy): one gradient step of size eta on an inserted zero "
+                 "parameter, using the probe's train windows; change of the mean held-out loss")
+        lines_iv, dicts = intervention_lines(kept, corpus, cfg)
+        sections += ["", f"== {title} =="] + lines_iv
+        sections.append("(predicted = -eta mu_M.g_K for the bias, -eta <C_M, C_K>_F for the block; "
+                        "the ratio tends to 1 as eta shrinks when the first-order picture holds)")
+        from ..api.report import _write_atomic as _write
+
+        _write(out / "interventions.json", json.dumps(dicts, indent=1) + "\n")
+    files = [out / "interventions.json"] if kept is not None else []
     try:
         files.append(plot_sweep(width_runs, "width", out / "width_sweep.png", cfg.point))
         files.append(plot_sweep(depth_runs, "depth", out / "depth_sweep.png", cfg.point))
