@@ -544,8 +544,21 @@ def section_cross(run, ctx):
         if ctx.cuda:
             ms = bench(lambda: cross.cross_reduce(*args), run)
             ms_twin = bench(lambda: cross_twin.cross_reduce(*args), run)
-            entry.update(ms=ms, twin_eager_ms=ms_twin)
-            run.row("cross speed", f"{unit} ms", ms, "ms", note=f"twin eager {ms_twin:.3f} ms")
+            # extra memory while one call runs: phi(W_in z) must exist only per chunk in the kernel
+            peak = {}
+            for who, fn in (("kernel", cross.cross_reduce), ("twin", cross_twin.cross_reduce)):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(ctx.device)
+                base = torch.cuda.memory_allocated(ctx.device)
+                fn(*args)
+                torch.cuda.synchronize()
+                peak[who] = (torch.cuda.max_memory_allocated(ctx.device) - base) / 2**20
+            # the two GEMMs over counted positions (phi = Z W_in^T, then Q^T Phi), ieee fp32 FFMA
+            tflops = 4 * int(mask.sum()) * d * r / (ms * 1e-3) / 1e12
+            entry.update(ms=ms, twin_eager_ms=ms_twin, peak_extra_MiB=peak, gemm_TFLOPs=tflops)
+            run.row("cross speed", f"{unit} ms", ms, "ms",
+                    note=f"twin eager {ms_twin:.3f} ms; {tflops:.1f} TFLOP/s in the 2 GEMMs; extra "
+                         f"memory {peak['kernel']:.0f} MiB (twin {peak['twin']:.0f} MiB)")
         out[unit] = entry
     out["all_ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
     return out
