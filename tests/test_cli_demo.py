@@ -27,6 +27,16 @@ from fused_stats.demo.corpus import StdlibCorpus  # noqa: E402
 from fused_stats.demo.experiment import DemoConfig, probe_model, train_model  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small models run as fast on one thread, and a second OpenMP thread spinning on a shared,
+    busy CI machine can slow them down tenfold; restored afterwards for other test modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def read_png(path):
     import matplotlib.image as mpimg
 
@@ -158,7 +168,7 @@ def demo_out(tmp_path_factory):
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["demo", "--quick", "--out", str(out), "--no-progress"])
+        rc = main(["demo", "--quick", "--out", str(out), "--no-progress", "--threads", "1"])
     return out, rc, buf.getvalue()
 
 

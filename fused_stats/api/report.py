@@ -479,6 +479,9 @@ def sweep_rows(reports: list[Report], x: str, point: str | int = "last") -> list
                 f"a {x} sweep needs it in every report")
         p = _pick(r, point)
         tr, cert, mis, sat = p["train"], p["certificate"], p["misalignment"], p["saturation"]
+        # optional: mean token norm of the stream at each point, recorded by the demo
+        norms = r.meta.get("stream_norm")
+        norm = norms.get(p["name"]) if isinstance(norms, dict) else None
         rows.append({
             "x": r.meta[x], "seed": r.meta.get("seed"), "point": p["name"],
             "d_align": _finite(_cell(tr, "d_align")), "ag_max": _finite(_cell(tr, "ag_max")),
@@ -490,6 +493,9 @@ def sweep_rows(reports: list[Report], x: str, point: str | int = "last") -> list
             "d_par": _finite(_cell(tr, "d_par")), "d_2": _finite(_cell(tr, "d_2")),
             "cross_frob2": _finite(_cell(sat, "cross_frob2")),
             "test_loss": _finite(r.meta.get("test_loss")),
+            "stream_norm": _finite(norm),
+            "ag_max_scaled": (None if norm is None or _finite(_cell(tr, "ag_max")) is None
+                              else _cell(tr, "ag_max") * norm / math.sqrt(p["dim"])),
         })
     return rows
 
@@ -565,10 +571,12 @@ SWEEP_COLUMNS = {
     "width": (("d_align", "d_align"), ("d_par", "d_par"), ("d_2", "d_2"),
               ("cos(train,test)", "cosine"), ("B_exact", "b_exact"),
               ("misalignment", "misalignment"), ("test loss", "test_loss")),
-    "depth": (("AG_max", "ag_max"), ("AG_mean", "ag_mean"), ("|C|_F^2", "cross_frob2"),
+    "depth": (("AG_max", "ag_max"), ("AG_mean", "ag_mean"), ("|z|", "stream_norm"),
+              ("AG_max*|z|/sqrt(d)", "ag_max_scaled"), ("|C|_F^2", "cross_frob2"),
               ("test loss", "test_loss")),
 }
-SWEEP_TRENDS = {"width": ("d_align", "misalignment"), "depth": ("ag_max", "test_loss")}
+SWEEP_TRENDS = {"width": ("d_align", "misalignment"),
+                "depth": ("ag_max", "ag_max_scaled", "cross_frob2", "test_loss")}
 
 
 def sweep_summary(reports: Iterable[Report], x: str, point: str | int = "last",
@@ -603,7 +611,8 @@ def sweep_summary(reports: Iterable[Report], x: str, point: str | int = "last",
              else f"point {point!r}")
     out.append(f"(median [min, max] over the runs at each {x}, at {where}; {len(rows)} runs)")
     for key in SWEEP_TRENDS[x]:
-        out.append(trend_sentence(rows, x, key, permutations))
+        if any(r.get(key) is not None for r in rows):
+            out.append(trend_sentence(rows, x, key, permutations))
     return "\n".join(out)
 
 

@@ -25,6 +25,9 @@ def register(sub) -> None:
     p.add_argument("--probe-batches", type=int, help="probe batches per stream (16 sequences each)")
     p.add_argument("--lr", type=float, help="base learning rate (scaled by 32/width)")
     p.add_argument("--split", type=int, help="M = K of the certificate and misalignment")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: these small models gain little from more, "
+                        "and a second OpenMP thread on a busy machine ran 4-10x slower)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_demo)
 
@@ -44,5 +47,13 @@ def cmd_demo(args) -> int:
         if value is not None:
             overrides[key] = value
     cfg = DemoConfig.quick(**overrides) if args.quick else DemoConfig(**overrides)
+    if args.threads is not None:
+        import torch
+
+        from ..errors import FusedStatsError
+
+        if args.threads < 1:
+            raise FusedStatsError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     run_demo(cfg, args.out, progress=False if args.no_progress else None)
     return 0

@@ -174,10 +174,25 @@ def probe_model(model, corpus, cfg: DemoConfig, meta: dict):
     test_batches = corpus.probe_batches("test", B, cfg.probe_batches)
     t0 = time.perf_counter()
     probe = _make_probe(model, cfg)
+    norms: dict[str, list] = {}
+
+    def stream_norm(cap):
+        # mean Euclidean norm of the stream's tokens z_t (train stream): the scale that a
+        # following RMSNorm divides gradients by (∂ℓ/∂z ∝ √d/|z|)
+        if cap.stream == "train":
+            tok = cap.activation.movedim(cap.feature_dim, -1).norm(dim=-1)
+            if cap.mask is not None:
+                tok = tok[cap.mask.expand_as(tok)] if cap.mask.dim() == tok.dim() else tok[cap.mask]
+            acc = norms.setdefault(cap.point, [0.0, 0])
+            acc[0] += float(tok.double().sum())
+            acc[1] += tok.numel()
+
+    probe.add_callback(stream_norm)
     for stream, batches in (("train", train_batches), ("test", test_batches)):
         for ids in batches:
             probe.step({"input_ids": ids}, fs.causal_lm_loss, stream=stream)
     meta = dict(meta, probe_seconds=time.perf_counter() - t0,
+                stream_norm={k: v[0] / v[1] for k, v in norms.items() if v[1]},
                 test_loss=eval_loss(model, test_batches),
                 probe_samples_per_stream=B * cfg.probe_batches, seq_len=cfg.seq_len,
                 corpus="python stdlib .py bytes, split by file",
@@ -332,10 +347,16 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
     sections = []
     title = (f"Width sweep (depth {cfg.width_sweep_depth}): effective alignment dimension and "
              f"transfer at the last residual point")
-    sections += ["", f"== {title} ==", sweep_summary(width_runs, "width", cfg.point)]
+    sections += ["", f"== {title} ==", sweep_summary(width_runs, "width", cfg.point),
+                 "(cos(train,test) = realized alignment / sqrt(|mu_train|^2 |mu_test|^2), a ratio "
+                 "of unbiased estimates: noisy when the mean is weak, and it can exceed 1)"]
     title = (f"Depth sweep (width {cfg.depth_sweep_width}): activation-gradient norm at the "
              f"last residual point")
     sections += ["", f"== {title} ==", sweep_summary(depth_runs, "depth", cfg.point)]
+    sections.append(
+        "(|z| = mean token norm of the residual stream at that point; the final RMSNorm divides "
+        "gradients there by |z|/sqrt(d), so AG_max*|z|/sqrt(d) removes that scale: compare both "
+        "before reading a fall of AG_max with depth as saturation)")
     if not any(p["saturation"] for r in depth_runs for p in r.points):
         sections.append("(the cross-gradient saturation signal |C|_F^2 is not available in this "
                         "version of the Probe; AG_max is the depth paper's practical indicator)")
