@@ -19,6 +19,7 @@ from .api.losses import causal_lm_loss, classification_loss
 from .api.growth import CrossSpec, insert_zero_block, remove_inserted_block
 from .api.intervene import intervene
 from .accumulators.cross_stats import Saturation
+from .api.monitor_log import MonitorLog
 
 __version__ = "0.1.0"
 
@@ -40,5 +41,6 @@ __all__ = [
     "remove_inserted_block",
     "intervene",
     "Saturation",
+    "MonitorLog",
     "__version__",
 ]

@@ -342,6 +342,23 @@ class Probe:
                 m.training = training
         self._fold(accs, stream, capture, grads, positions_mask)
 
+    def observe(self, loss_reduction: str | None = None, scale=None, mask=None,
+                stream: str = "train", **options):
+        """Collect the statistics during the user's own training step (issue 6).
+
+        ``with probe.observe(loss_reduction="token_mean"): model(**batch).loss.backward()``:
+        tensor hooks at the points receive ``∂ℒ/∂z`` during that backward (weight gradients and
+        the optimizer step are untouched), the gradients are rescaled to per-sample-loss
+        gradients as :meth:`step` defines them (``"mean"``: ×B, ``"sum"``: ×1, ``"token_mean"``:
+        ×N/n_b, or an explicit (B,) ``scale``) and folded in when the block exits. Further
+        options (``batch``, ``loss_scale``, ``log``, ``step``, ``nonfinite``) and the checks made:
+        :class:`fused_stats.api.observe.Observation`.
+        """
+        from .observe import Observation
+
+        return Observation(self, loss_reduction=loss_reduction, scale=scale, mask=mask,
+                           stream=stream, **options)
+
     def _activation_grads(self, losses, capture: ActivationCapture) -> dict[str, torch.Tensor]:
         missing = [p for p in self.points if p not in capture.captured]
         if missing:

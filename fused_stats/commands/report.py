@@ -1,6 +1,8 @@
 """``fused-stats report``: render one or several JSON reports as markdown tables and PNG plots,
 and, with ``--sweep width|depth``, a sweep table (median and range over seeds per x value,
-Spearman's ρ against x with a permutation p-value) and the sweep plot."""
+Spearman's ρ against x with a permutation p-value) and the sweep plot. Monitor logs (``.jsonl``
+from ``fs.MonitorLog``, issue 6) are summarised and plotted as trajectories over training steps
+(d_align, AG_max, |C| per point)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from pathlib import Path
 def register(sub) -> None:
     p = sub.add_parser("report", help="render JSON reports to tables and plots (and sweeps)",
                        description=__doc__.replace("``", "'"))
-    p.add_argument("reports", nargs="+", help="report .json files (e.g. fused_stats_out/runs/*.json)")
+    p.add_argument("reports", nargs="+", help="report .json files (e.g. fused_stats_out/runs/*.json), "
+                   "or monitor logs (.jsonl) written during training")
     p.add_argument("--out", default="fused_stats_out/report", help="output folder")
     p.add_argument("--sweep", choices=["width", "depth"], default=None,
                    help="also summarise the reports as a sweep over meta['width'] or meta['depth']")
@@ -38,6 +41,9 @@ def cmd_report(args) -> int:
     from ..api.report import Report, fmt, plot_sweep, sweep_summary
 
     paths = [Path(p) for p in args.reports]
+    logs = [p for p in paths if p.suffix == ".jsonl" or _is_monitor_log(p)]
+    if logs:
+        return _report_monitor_logs(paths, logs, args)
     reports = [Report.from_json(p) for p in paths]  # a bad file raises before anything is written
     point = int(args.point) if args.point.lstrip("-").isdigit() else args.point
     out = Path(args.out)
@@ -64,4 +70,32 @@ def cmd_report(args) -> int:
         if not args.no_plots:
             written.append(plot_sweep(reports, args.sweep, out / f"sweep_{args.sweep}.png", point))
     print("wrote " + ", ".join(str(w) for w in written))
+    return 0
+
+
+def _is_monitor_log(path: Path) -> bool:
+    from ..api.monitor_log import is_monitor_log
+
+    return is_monitor_log(path)
+
+
+def _report_monitor_logs(paths: list[Path], logs: list[Path], args) -> int:
+    """Training-time monitor logs: a first/last table per log and the trajectory plot."""
+    from ..api.monitor_log import plot_monitor_log, read_monitor_log, summary_markdown
+    from ..errors import FusedStatsError
+
+    if len(logs) != len(paths):
+        raise FusedStatsError(
+            f"give either report .json files or monitor logs (.jsonl), not both: logs "
+            f"{[str(p) for p in logs]}, reports {[str(p) for p in paths if p not in logs]}")
+    records = [read_monitor_log(p) for p in logs]  # a bad file raises before anything is written
+    out = Path(args.out)
+    written = []
+    for path, stem, recs in zip(logs, _stems(logs), records):
+        print(f"== {path} ==")
+        print(summary_markdown(recs))
+        if not args.no_plots:
+            written.append(plot_monitor_log(recs, out / f"{stem}.png"))
+    if written:
+        print("wrote " + ", ".join(str(w) for w in written))
     return 0

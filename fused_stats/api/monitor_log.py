@@ -1,0 +1,331 @@
+"""Time series of a probe's estimates over training: a JSON-lines log and its trajectory plots.
+
+Role: :class:`MonitorLog` appends, every ``every`` observed steps, one JSON object per line with the
+current estimates at every point; :func:`read_monitor_log` reads such a file back and
+:func:`plot_monitor_log` draws the trajectories (what ``fused-stats report LOG.jsonl`` shows). No
+statistics are computed here: the numbers are the accumulators' finalised estimates
+(DESIGN section 2): ``mu_norm2 = |μ|²``, ``d_par = |μ|⁴/μᵀΣμ``, ``d_2 = |μ|⁴/tr(Σ²)``,
+``d_align = min(d_par, d_2)``, ``AG_max = max_i |q_i|`` and ``AG_mean`` (the depth paper's plateau
+indicator), and, when the probe has cross-gradient statistics, ``|C|_F²`` (its unbiased
+U-statistic, depth paper) with ``|C|_F`` and the saturation verdict.
+
+Two modes:
+
+* ``window=False`` (default, *cumulative*): each line holds the estimates of everything the
+  stream accumulated since the probe started;
+* ``window=True``: after each line is written, the stream's accumulators are emptied, so each line
+  describes only the last ``every`` steps (a moving picture of a model that changes while it
+  trains; needs ``every × batch ≥ 4`` samples per point for the degree-4 estimates).
+
+Line format (``"format": "fused_stats.monitor"``, version 1)::
+
+    {"format": "fused_stats.monitor", "version": 1, "step": int, "time": unix seconds,
+     "elapsed_s": float, "stream": "train" | "test", "mode": "cumulative" | "window",
+     "meta": {...},
+     "points": {name: {"n": int, "d_align": float | null, "d_par": ..., "d_2": ..., "mu_norm2": ...,
+                       "mu_norm4": ..., "mu_sigma_mu": ..., "trace_sigma2": ..., "ag_max": ...,
+                       "ag_mean": ..., and with cross statistics "cross_frob2",
+                       "cross_frob2_se", "cross_frob", "p_value", "saturated"}}}
+
+A point with fewer than 4 samples has ``null`` estimates. Non-finite floats are written as the
+strings ``"Infinity"`` / ``"-Infinity"`` / ``"NaN"`` (strict JSON, as in probe reports) and read
+back as floats. Lines are appended and flushed one by one, so a crashed run keeps every line
+written so far and a resumed run may append to the same file.
+
+With ``all_reduce=True`` (DDP), every rank must call the log at the same steps: copies of the
+accumulators are merged over the process group (the probe's own accumulators stay local, so later
+merges count nothing twice) and only rank 0 writes. Cross-gradient statistics are not part of
+``all_reduce_probe``, so a merged line carries no ``|C|`` fields.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import types
+from pathlib import Path
+
+from ..errors import FusedStatsError
+from .report import _decode, _encode
+
+FORMAT = "fused_stats.monitor"
+VERSION = 1
+FIELDS = ("n", "d_align", "d_par", "d_2", "mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2",
+          "ag_max", "ag_mean")
+CROSS_FIELDS = ("cross_frob2", "cross_frob2_se", "cross_frob", "p_value", "saturated")
+# panels of the trajectory plot: (key, title, log scale)
+PANELS = (("d_align", "d_align = min(d_par, d_2)", True),
+          ("ag_max", "AG_max = max_i |q_i|", True),
+          ("cross_frob", "|C|_F (cross-gradient)", True))
+
+
+class MonitorLog:
+    """Append the probe's current estimates to a JSON-lines file every ``every`` steps.
+
+    Parameters
+    ----------
+    path : str or Path
+        The ``.jsonl`` file (appended to; its folder is created). Ranks other than 0 may pass
+        None when ``all_reduce=True``.
+    every : int
+        Write a line after every ``every``-th observed step.
+    window : bool
+        False: cumulative estimates; True: empty the stream's accumulators after each line
+        (module docstring).
+    all_reduce : bool
+        Merge the ranks' statistics (a collective) before estimating; rank 0 writes.
+    meta : dict, optional
+        Copied into every line (e.g. run name, width, learning rate).
+
+    Examples
+    --------
+    >>> log = fs.MonitorLog("run.jsonl", every=10)                      # doctest: +SKIP
+    >>> with probe.observe(loss_reduction="token_mean", log=log):      # doctest: +SKIP
+    ...     model(**batch).loss.backward()
+    """
+
+    def __init__(self, path, every: int = 1, window: bool = False, all_reduce: bool = False,
+                 meta: dict | None = None, group=None):
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise FusedStatsError(f"every must be a positive int, got {every!r}")
+        if meta is not None and not isinstance(meta, dict):
+            raise FusedStatsError(f"meta must be a dict, got {type(meta).__name__}")
+        if path is None and not all_reduce:
+            raise FusedStatsError("MonitorLog needs a path (None is allowed only for ranks > 0 "
+                                  "with all_reduce=True)")
+        self.path = None if path is None else Path(path)
+        self.every = every
+        self.window = bool(window)
+        self.all_reduce = bool(all_reduce)
+        self.group = group
+        self.meta = dict(meta or {})
+        self.count = 0          # observed steps seen
+        self.lines = 0          # lines written (by this process)
+        self.last: dict | None = None
+        self._start = time.time()
+
+    def __repr__(self) -> str:
+        mode = "window" if self.window else "cumulative"
+        return f"MonitorLog({str(self.path)!r}, every={self.every}, {mode}, lines={self.lines})"
+
+    def observed(self, probe, stream: str = "train", step: int | None = None) -> dict | None:
+        """Count one observed step; on every ``every``-th, write a line (returned as a dict)."""
+        self.count += 1
+        if self.count % self.every:
+            return None
+        return self.write(probe, stream=stream, step=self.count if step is None else step)
+
+    def write(self, probe, stream: str = "train", step: int | None = None) -> dict:
+        """Write one line now with ``stream``'s current estimates (and reset it in window mode)."""
+        accs = probe._stream(stream)
+        source = self._reduced(probe) if self.all_reduce else probe
+        record = {
+            "format": FORMAT, "version": VERSION,
+            "step": int(self.count if step is None else step),
+            "time": time.time(), "elapsed_s": time.time() - self._start,
+            "stream": stream, "mode": "window" if self.window else "cumulative",
+            "meta": dict(self.meta),
+            "points": {name: point_record(source, name, stream) for name in probe.points},
+        }
+        if self._is_writer():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(_encode(record), allow_nan=False)
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(text + "\n")
+                handle.flush()
+            self.lines += 1
+        if self.window:
+            # the probe creates fresh accumulators at its next step
+            accs.clear()
+            cross = getattr(probe, "cross_stats" if stream == "train" else "test_cross_stats", None)
+            if isinstance(cross, dict):
+                cross.clear()
+        self.last = record
+        return record
+
+    def _is_writer(self) -> bool:
+        if not self.all_reduce:
+            return True
+        import torch.distributed as dist
+
+        rank = dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+        if rank == 0 and self.path is None:
+            raise FusedStatsError("MonitorLog: rank 0 needs a path")
+        return rank == 0
+
+    def _reduced(self, probe):
+        """A probe-shaped object holding merged COPIES of the probe's accumulators."""
+        from .distributed_probe import all_reduce_probe
+
+        shadow = types.SimpleNamespace(
+            points=list(probe.points), second_moment=probe.second_moment,
+            pool_capacity=probe.pool_capacity, backend=probe.backend, dims=dict(probe.dims),
+            stats={k: v.copy() for k, v in probe.stats.items()},
+            test_stats={k: v.copy() for k, v in probe.test_stats.items()},
+            steps=dict(probe.steps), skipped_steps=dict(probe.skipped_steps))
+        all_reduce_probe(shadow, self.group)
+        # estimates and saturation are read through the probe's own methods on the shadow
+        shadow._stream = lambda s: shadow.stats if s == "train" else shadow.test_stats
+        return shadow
+
+
+def point_record(probe, name: str, stream: str) -> dict:
+    """``{"n", "d_align", ...}`` of one point (null estimates below 4 samples)."""
+    acc = probe._stream(stream).get(name)
+    n = 0 if acc is None else int(acc.n)
+    out = {key: None for key in FIELDS}
+    out["n"] = n
+    if acc is not None and n >= 4:
+        est = acc.estimate().to_dict()
+        for key in FIELDS:
+            out[key] = est.get(key)
+    saturation = getattr(probe, "saturation", None)
+    if getattr(probe, "cross", None) is not None and callable(saturation):
+        try:
+            sat = saturation(name, stream=stream).to_dict()
+        except FusedStatsError:  # no cross samples yet, or too few
+            sat = None
+        for key in CROSS_FIELDS:
+            out[key] = None if sat is None else sat.get(key)
+    return out
+
+
+def read_monitor_log(path) -> list[dict]:
+    """The records of a monitor log, in file order (blank lines skipped)."""
+    path = Path(path)
+    if not path.exists():
+        raise FusedStatsError(f"monitor log {str(path)!r} does not exist")
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = _decode(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise FusedStatsError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+            if not isinstance(record, dict) or record.get("format") != FORMAT:
+                raise FusedStatsError(
+                    f"{path}:{number}: not a fused_stats monitor record (format "
+                    f"{record.get('format') if isinstance(record, dict) else type(record).__name__!r}, "
+                    f"expected {FORMAT!r})")
+            if record.get("version") != VERSION or not isinstance(record.get("points"), dict) \
+                    or not isinstance(record.get("step"), int):
+                raise FusedStatsError(
+                    f"{path}:{number}: monitor record version {record.get('version')!r} with "
+                    f"keys {sorted(record)}; expected version {VERSION} with an int step and points")
+            records.append(record)
+    if not records:
+        raise FusedStatsError(f"monitor log {str(path)!r} holds no records")
+    return records
+
+
+def is_monitor_log(path) -> bool:
+    """True when the first non-blank line of ``path`` is a monitor record (cheap sniff)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                if line.strip():
+                    data = json.loads(line)
+                    return isinstance(data, dict) and data.get("format") == FORMAT
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return False
+
+
+def trajectories(records: list[dict], key: str, stream: str | None = None) -> dict[str, tuple]:
+    """``{point: (steps, values)}`` of ``key`` (missing / non-finite values are left out)."""
+    out: dict[str, tuple[list, list]] = {}
+    for record in records:
+        if stream is not None and record.get("stream") != stream:
+            continue
+        for name, point in record["points"].items():
+            value = point.get(key)
+            steps, values = out.setdefault(name, ([], []))
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                steps.append(record["step"])
+                values.append(float(value))
+    return out
+
+
+def summary_markdown(records: list[dict]) -> str:
+    """A markdown table of the first and last logged values of each point."""
+    first, last = records[0], records[-1]
+    lines = [f"monitor log: {len(records)} records, steps {first['step']} .. {last['step']} "
+             f"({last.get('mode', '?')}, stream {last.get('stream', '?')})", "",
+             "| point | n | d_align (first -> last) | AG_max (first -> last) | ‖C‖_F (last) |",
+             "|---|---|---|---|---|"]
+
+    def f(value):
+        return "-" if not isinstance(value, (int, float)) or isinstance(value, bool) else f"{value:.4g}"
+
+    for name, point in last["points"].items():
+        start = first["points"].get(name, {})
+        lines.append(f"| {name} | {point.get('n')} | {f(start.get('d_align'))} -> {f(point.get('d_align'))} "
+                     f"| {f(start.get('ag_max'))} -> {f(point.get('ag_max'))} | {f(point.get('cross_frob'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_monitor_log(source, path, stream: str | None = None) -> Path:
+    """PNG of d_align, AG_max and (when logged) |C|_F per point against the training step.
+
+    ``source``: a log path or the records of :func:`read_monitor_log`. Points are coloured from
+    shallow (light) to deep (dark). Returns the written path.
+    """
+    records = read_monitor_log(source) if isinstance(source, (str, os.PathLike)) else list(source)
+    if not records:
+        raise FusedStatsError("plot_monitor_log: no records")
+    from matplotlib import cm
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = [(key, title, logy) for key, title, logy in PANELS
+              if any(v for _, v in trajectories(records, key, stream).values())]
+    if not panels:
+        raise FusedStatsError(
+            "plot_monitor_log: no finite d_align / AG_max / |C| values in the log (every point "
+            "had fewer than 4 samples at every logged step?)")
+    fig = Figure(figsize=(5.0 * len(panels), 3.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    names = list(records[-1]["points"])
+    colours = cm.viridis_r([0.15 + 0.8 * i / max(len(names) - 1, 1) for i in range(len(names))])
+    for ax, (key, title, logy) in zip(axes, panels):
+        series = trajectories(records, key, stream)
+        positives = [v for _, values in series.values() for v in values if v > 0]
+        # a log axis when there is a positive value; values <= 0 (d_align = 0: no certificate,
+        # or a negative unbiased |C|^2) are drawn as triangles on a floor below the smallest one
+        floor = min(positives) / 3 if logy and positives else None
+        marked = False
+        for colour, name in zip(colours, names):
+            steps, values = series.get(name, ([], []))
+            if not steps:
+                continue
+            if floor is None:
+                ax.plot(steps, values, marker="." if len(steps) < 40 else None, color=colour,
+                        label=name, linewidth=1.2)
+                continue
+            shown = [v if v > 0 else float("nan") for v in values]
+            ax.plot(steps, shown, marker="." if len(steps) < 40 else None, color=colour,
+                    label=name, linewidth=1.2)
+            low = [s for s, v in zip(steps, values) if v <= 0]
+            if low:
+                marked = True
+                ax.plot(low, [floor] * len(low), linestyle="none", marker="v", color=colour,
+                        markersize=4)
+        if floor is not None:
+            ax.set_yscale("log")
+        if marked:
+            title += "  (v: value <= 0)"
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="best")
+    mode = records[-1].get("mode", "cumulative")
+    fig.suptitle(f"training-time monitoring ({mode} estimates, {len(records)} records)", fontsize=11)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out

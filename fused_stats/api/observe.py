@@ -1,0 +1,645 @@
+"""Training-time monitoring: the probe's statistics from the user's own training step.
+
+Role: :class:`Observation` (returned by :meth:`fused_stats.Probe.observe`) is a context manager
+around a training step's forward and backward. Forward hooks at the probe's points register
+tensor hooks (``z.register_hook``) on each point's output ``z``; during the user's backward they
+receive ``G = ∂ℒ/∂z`` and only keep a reference to it (the hook returns ``None``, so the gradient
+that flows on, every weight gradient and the optimizer step are untouched). When the block exits,
+the gradients are rescaled to those of the per-sample losses and folded into the probe's
+accumulators by the same code as :meth:`~fused_stats.Probe.step` (``Probe._fold``: the same
+masks, units, validation, callbacks and all-or-nothing update).
+
+**Per-sample scaling.** :meth:`~fused_stats.Probe.step` differentiates ``Σ_b ℓ_b`` (``ℓ_b``: the
+loss of sample ``b``), so its ``q_b`` is ``∂ℓ_b/∂z_b``. Sample ``b``'s activations reach only its
+own loss terms, so for a training loss ``ℒ = Σ_b w_b ℓ_b`` the captured ``G_b = w_b ∂ℓ_b/∂z_b``
+and ``q_b = s_b G_b`` with ``s_b = 1/w_b``:
+
+* ``loss_reduction="sum"``: ``ℒ = Σ_b ℓ_b``, ``s_b = 1``;
+* ``"mean"``: ``ℒ = (1/B) Σ_b ℓ_b``, ``s_b = B``;
+* ``"token_mean"`` (the loss of HF causal-LM models): ``ℒ = (1/N) Σ_b Σ_{t∈V_b} ℓ_bt`` over all
+  valid targets of the batch, with the per-sample loss ``ℓ_b = (1/n_b) Σ_{t∈V_b} ℓ_bt``, so
+  ``ℒ = Σ_b (n_b/N) ℓ_b`` and ``s_b = N/n_b``. ``n_b = |V_b|`` counts the shifted targets
+  ``labels[b, t+1] ≠ −100`` exactly as HF's ``ForCausalLMLoss`` does (without labels: the shifted
+  ``attention_mask[b, 1:]``), and ``N = Σ_b n_b`` unless the model was called with
+  ``num_items_in_batch`` (HF's gradient-accumulation normaliser), which is then ``N``. A sample
+  with ``n_b = 0`` has no loss and is not a sample;
+* ``scale=`` a (B,) tensor of ``s_b`` overrides the reduction (e.g. weighted losses);
+* ``loss_scale``: the factor the declared loss was multiplied by before ``backward`` (e.g.
+  ``1/accumulation_steps``, or a ``torch.amp.GradScaler``, whose current ``get_scale()`` is used),
+  divided out: ``q_b = s_b G_b / loss_scale``.
+
+Half-precision gradients (bf16 autocast) are cast to fp32 before they are scaled; the
+accumulators keep fp64 totals as always.
+
+**Which tensor gets the gradient.** A point's forward hook may run more than once per step: HF
+gradient checkpointing in older transformers versions checkpoints the module call, hooks included,
+so the forward is replayed during the backward (newer versions keep hooks outside the checkpoint).
+With ``use_reentrant=False`` the first forward's output receives the gradient and the replay's
+never does; with ``use_reentrant=True`` the first forward runs without grad (no tensor hook is
+registered) and the replay's output receives it. Statistics are therefore keyed by the gradients
+that *arrive*: exactly one per point and step, whatever ran forward. Two arrivals at one point (a
+module reused in one forward, or two backward passes in one block) are rejected: use one
+``observe`` per forward/backward pair (micro-batch).
+
+**Checks** (made at exit, before anything is folded; a rejected step changes no accumulator):
+a missing declaration, a ``scale`` of the wrong shape or with non-positive entries, no gradient at
+any point (``backward`` not called inside the block), a point that never ran, unequal batch sizes,
+in-place changes of a captured output. When the model's own output carries a ``loss`` and the
+backward went through it (HF models given ``labels``), its incoming gradient ``w`` is recorded:
+that loss is a token mean, so it implies ``s_b = N/(w n_b)``; a declaration that disagrees raises
+(a warning when ``scale`` was given explicitly, as the user's loss may hold other terms). Without
+that evidence, ``"mean"`` with labels whose ``n_b`` differ by 2x or more warns (a token-mean loss
+may have been meant).
+
+**Differences from Probe.step by design.** The model runs in the user's mode: with dropout active
+the gradients are those of the dropped-out network, and a ``BatchNorm`` in training mode couples
+the samples of a batch through its batch statistics, so ``G_b`` is no longer one sample's gradient
+(a warning says so once per probe). ``Probe.step`` runs in ``eval()``.
+
+**Memory.** The gradients of all points are held until the block exits (the backward's end): one
+extra activation-sized tensor per point, the size of what gradient checkpointing keeps.
+
+**DDP.** Each rank folds its own samples; ``fused_stats.api.distributed_probe.all_reduce_probe``
+merges on demand (and :class:`~fused_stats.MonitorLog` can log the merged estimates). The per-rank
+loss is what the rank differentiates, so ``"mean"`` means the local batch mean (DDP averages the
+weight gradients over ranks, not the activation gradients).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import types
+import warnings
+import weakref
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ..accumulators.grad_stats import NONFINITE_POLICIES
+from ..errors import FusedStatsError
+from .hooks import _split
+
+LOSS_REDUCTIONS = ("mean", "sum", "token_mean")
+IGNORE_INDEX = -100
+# "mean" with labels whose valid-target counts differ by this factor: a token mean was likely meant
+UNEQUAL_COUNTS = 2.0
+# relative disagreement between declared and implied scales that counts as a wrong declaration
+SCALE_RTOL = 1e-4
+
+_UNSET = object()
+_active: "weakref.WeakSet" = weakref.WeakSet()   # probes inside an observe block
+_bn_warned: "weakref.WeakSet" = weakref.WeakSet()
+
+
+class _Record:
+    """One forward call of one point: the output ``z`` and, once it arrives, ``∂ℒ/∂z`` (kept
+    whole, or already reduced to per-sample sums in the lean path)."""
+
+    __slots__ = ("owner", "name", "tensor", "version", "modified", "grad", "reduced", "arrivals")
+
+    def __init__(self, owner: "Observation", name: str, tensor: torch.Tensor):
+        self.owner = owner
+        self.name = name
+        self.tensor = tensor
+        self.version = tensor._version
+        self.grad: torch.Tensor | None = None
+        self.reduced: torch.Tensor | None = None
+        self.modified = False
+        self.arrivals = 0
+
+    def receive(self, grad: torch.Tensor) -> None:
+        # never raise here (it would break the user's backward) and never return a tensor
+        # (it would replace the gradient); problems are reported at exit
+        self.arrivals += 1
+        if self.arrivals > 1:
+            return
+        g = grad.detach()
+        # an in-place change downstream happens in the forward, so it shows by now
+        self.modified = self.tensor._version != self.version
+        try:
+            self.reduced = self.owner._reduce(self, g)
+        except Exception:  # noqa: BLE001 - any failure: keep the whole gradient, check at exit
+            self.reduced = None
+        if self.reduced is None:
+            self.grad = g
+        elif not self.owner._keep_activations:
+            # only the shape matters from here on: free the activation (a stride-0 stand-in)
+            t = self.tensor
+            self.tensor = torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+
+
+def _loss_of(output):
+    """The scalar loss an HF-style output carries (``.loss`` or ``["loss"]``), else None."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
+        return loss
+    return None
+
+
+def _scale_value(loss_scale) -> float:
+    if hasattr(loss_scale, "get_scale") and callable(loss_scale.get_scale):
+        value = loss_scale.get_scale()
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+    else:
+        value = loss_scale
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) \
+            or value <= 0:
+        raise FusedStatsError(
+            f"loss_scale must be a positive finite number or an object with get_scale() "
+            f"(e.g. torch.amp.GradScaler), got {value!r}")
+    return float(value)
+
+
+def _check_scale(scale) -> torch.Tensor:
+    try:
+        t = torch.as_tensor(scale).detach()
+    except (TypeError, ValueError, RuntimeError):
+        raise FusedStatsError(
+            f"scale must be a (B,) tensor of per-sample factors, got {type(scale).__name__}") from None
+    if t.dim() != 1 or t.numel() == 0:
+        raise FusedStatsError(
+            f"scale must be a 1-d tensor of shape (B,) (one factor per sample), got shape "
+            f"{tuple(t.shape)}")
+    if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
+        raise FusedStatsError(f"scale must be real numbers, got dtype {t.dtype}")
+    t = t.to(device="cpu", dtype=torch.float64)
+    bad = (~torch.isfinite(t) | (t <= 0)).nonzero().flatten().tolist()
+    if bad:
+        raise FusedStatsError(
+            f"scale must be positive and finite for every sample (a zero would fold a fake zero "
+            f"sample); entries {bad[:10]} are {t[bad[:5]].tolist()}")
+    return t
+
+
+class Observation:
+    """Context manager returned by :meth:`fused_stats.Probe.observe` (module docstring).
+
+    Parameters
+    ----------
+    probe : fused_stats.Probe
+    loss_reduction : {"mean", "sum", "token_mean"}, optional
+        How the training loss combines per-sample losses; needed unless ``scale`` is given.
+    scale : (B,) tensor, optional
+        Per-sample factors ``s_b`` (``q_b = s_b ∂ℒ/∂z_b``); overrides ``loss_reduction``.
+    mask : as for :meth:`Probe.step`
+        Counted positions, resolved against ``batch``.
+    stream : {"train", "test"}
+    batch : mapping, optional
+        Where masks and token counts come from. Default: the keyword arguments of the probe's
+        model's forward call inside the block (``model(**batch)``), plus its first positional
+        argument as ``input_ids`` when it is a (B, T) integer tensor.
+    loss_scale : float or GradScaler
+        Factor the declared loss was multiplied by before ``backward`` (divided out).
+    log : fused_stats.MonitorLog, optional
+        Told about every folded step (it writes every ``every`` steps).
+    step : int, optional
+        The training step number written to ``log`` (default: the log's own count).
+    nonfinite : {"raise", "skip"}, optional
+        Overrides the probe's policy for this step (e.g. ``"skip"`` with a fp16 GradScaler,
+        whose overflow steps carry inf gradients).
+
+    After a successful exit: :attr:`folded` is True, :attr:`scale` holds the ``s_b / loss_scale``
+    used, :attr:`batch_size` the batch size and :attr:`loss_weight` the gradient that reached the
+    model's own ``loss`` (None when the backward did not go through one).
+    """
+
+    def __init__(self, probe, loss_reduction: str | None = None, scale=None, mask=None,
+                 stream: str = "train", batch=None, loss_scale=1.0, log=None,
+                 step: int | None = None, nonfinite: str | None = None):
+        probe._stream(stream)  # validates the name
+        if loss_reduction is None and scale is None:
+            raise FusedStatsError(
+                "observe needs loss_reduction='mean' | 'sum' | 'token_mean' (how the training loss "
+                "combines the per-sample losses: a batch mean, a sum, or HF's mean over all valid "
+                "tokens of the batch) or per-sample factors scale=(B,) tensor; the captured "
+                "gradients must be rescaled to per-sample-loss gradients")
+        if loss_reduction is not None and loss_reduction not in LOSS_REDUCTIONS:
+            raise FusedStatsError(
+                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        if nonfinite is not None and nonfinite not in NONFINITE_POLICIES:
+            raise FusedStatsError(f"nonfinite must be one of {NONFINITE_POLICIES} or None, got {nonfinite!r}")
+        if step is not None and (not isinstance(step, numbers.Integral) or isinstance(step, bool)):
+            raise FusedStatsError(f"step must be an int or None, got {step!r}")
+        if log is not None and not callable(getattr(log, "observed", None)):
+            raise FusedStatsError(f"log must be a fused_stats.MonitorLog, got {type(log).__name__}")
+        if batch is not None and not isinstance(batch, (Mapping, torch.Tensor)):
+            raise FusedStatsError(f"batch must be a mapping (e.g. the dict given to the model) or a "
+                                  f"tensor, got {type(batch).__name__}")
+        if not (isinstance(loss_scale, numbers.Real) or hasattr(loss_scale, "get_scale")
+                or isinstance(loss_scale, torch.Tensor)):
+            raise FusedStatsError(
+                f"loss_scale must be a number or a GradScaler, got {type(loss_scale).__name__}")
+        if not hasattr(loss_scale, "get_scale"):
+            _scale_value(loss_scale)  # a constant can be checked now, before the training step
+        self.probe = probe
+        self.loss_reduction = loss_reduction
+        self.explicit_scale = None if scale is None else _check_scale(scale)
+        self.mask = mask
+        self.stream = stream
+        self.batch = batch
+        self.loss_scale = loss_scale
+        self.log = log
+        self.step = step
+        self.nonfinite = nonfinite
+        # results
+        self.folded = False
+        self.scale: torch.Tensor | None = None
+        self.batch_size: int | None = None
+        self.loss_weight: float | None = None
+        self._reset_capture()
+
+    def _reset_capture(self):
+        self._records: dict[str, list[_Record]] = {name: [] for name in self.probe.points}
+        self._problems: list[str] = []
+        self._calls: list[tuple[tuple, dict]] = []
+        self._loss_grads: list[float] = []
+        self._handles: list = []
+        self._tensor_handles: list = []  # a backward after the block must not reach the records
+        self._entered = False
+        self._mask_cache = _UNSET
+        # lean path: with unit="sample" and nothing that needs the whole gradient (callbacks,
+        # cross statistics), each gradient is reduced to per-sample sums the moment it arrives
+        probe = self.probe
+        self._keep_activations = bool(probe._callbacks) or getattr(probe, "cross", None) is not None
+        self._lean = probe.unit == "sample" and not self._keep_activations
+
+    # ------------------------------------------------------------------ hooks
+    def __enter__(self) -> "Observation":
+        probe = self.probe
+        if self._entered:
+            raise FusedStatsError("this Observation is already in use; call probe.observe(...) per step")
+        if probe in _active:
+            raise FusedStatsError("probe.observe blocks cannot be nested on the same probe")
+        if torch.is_inference_mode_enabled():
+            raise FusedStatsError("probe.observe cannot run inside torch.inference_mode(): it needs autograd")
+        self._reset_capture()
+        self.folded = False
+        self._warn_batchnorm()
+        try:
+            model = probe.model
+            for name in probe.points:
+                module = model.get_submodule(name)
+                self._handles.append(module.register_forward_hook(self._point_hook(name)))
+            self._handles.append(model.register_forward_pre_hook(self._call_hook, with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._output_hook))
+        except BaseException:
+            self._remove()
+            raise
+        _active.add(probe)
+        self._entered = True
+        return self
+
+    def _remove(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+        while self._tensor_handles:
+            self._tensor_handles.pop().remove()
+
+    def _point_hook(self, name: str):
+        def hook(module, args, output):
+            tensor, _ = _split(output)
+            if tensor is None or not tensor.is_floating_point():
+                self._problems.append(
+                    f"point {name!r} ({type(module).__name__}) returned "
+                    f"{type(output).__name__ if tensor is None else tensor.dtype}; expected a "
+                    "floating-point tensor or a tuple/list starting with one")
+                return None
+            # a forward without grad (eval, or the first pass of a reentrant checkpoint) gets no
+            # gradient; only outputs that take part in a backward are recorded
+            if torch.is_grad_enabled() and tensor.requires_grad:
+                record = _Record(self, name, tensor)
+                self._records[name].append(record)
+                self._tensor_handles.append(tensor.register_hook(record.receive))
+            return None
+
+        return hook
+
+    def _call_hook(self, module, args, kwargs):
+        if torch.is_grad_enabled():
+            self._calls.append((args, dict(kwargs)))
+        return None
+
+    def _output_hook(self, module, args, output):
+        loss = _loss_of(output)
+        if loss is not None and torch.is_grad_enabled():
+            self._tensor_handles.append(loss.register_hook(self._loss_grad))
+        return None
+
+    def _loss_grad(self, grad):
+        self._loss_grads.append(float(grad.detach().sum()))
+        return None
+
+    def _warn_batchnorm(self) -> None:
+        probe = self.probe
+        if probe in _bn_warned:
+            return
+        bns = [n for n, m in probe.model.named_modules()
+               if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+        if bns:
+            _bn_warned.add(probe)
+            warnings.warn(
+                f"probe.observe: {len(bns)} BatchNorm modules (e.g. {bns[0]!r}) are in training "
+                "mode; their batch statistics couple the samples, so the observed gradients are not "
+                "exactly per-sample gradients (Probe.step runs in eval mode)", stacklevel=3)
+
+    # ------------------------------------------------------------------ exit
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._remove()
+        _active.discard(self.probe)
+        self._entered = False
+        try:
+            if exc_type is None:
+                self._finish()
+        finally:
+            # drop every reference to the step's tensors, whatever happened
+            self._records = {name: [] for name in self.probe.points}
+            self._calls = []
+        return False
+
+    def _positions_mask(self):
+        """The counted-position mask of this step's batch (as ``Probe.step`` resolves it), once."""
+        if self._mask_cache is _UNSET:
+            batch = self._the_batch()
+            self._mask_cache = self.probe._mask_for(batch if batch is not None else {}, self.mask)
+        return self._mask_cache
+
+    def _reduce(self, record: _Record, g: torch.Tensor) -> torch.Tensor | None:
+        """Lean path: ``r_b = Σ_{t counted} G[b, t]`` (B, d), or None to keep ``G`` whole.
+
+        Per-sample scaling commutes with the sum over positions, so ``s_b r_b`` at exit is the
+        ``q_b`` that ``Probe._fold`` would form from the whole scaled gradient; only (B, d) per point
+        is kept instead of (B, *positions, d). Sums are taken in the gradient's precision (fp32
+        for half-precision gradients), as DESIGN allows for per-batch products. Whenever anything
+        is unusual (feature axis not last, a mask that does not fit, a non-finite sum, where
+        ``Probe``'s exact masking rules matter) the whole gradient is kept instead.
+        """
+        if not self._lean or g.dim() < 2 or g.shape != record.tensor.shape:
+            return None
+        probe, name = self.probe, record.name
+        fd = probe.feature_dims.get(name)
+        if fd is None:
+            fd = probe._resolve_feature_dim(name, record.tensor)
+        if fd % g.dim() != g.dim() - 1:
+            return None
+        m = self._positions_mask()
+        B, d = g.shape[0], g.shape[-1]
+        positions = tuple(g.shape[1:-1])
+        work = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
+        g3 = work.reshape(B, math.prod(positions), d)
+        if m is None or tuple(m.shape) == (B,):
+            r = g3.sum(dim=1)
+        elif tuple(m.shape) == (B, *positions):
+            w = (m != 0).to(device=g.device, dtype=work.dtype).reshape(B, 1, -1)
+            r = torch.bmm(w, g3).squeeze(1)  # masked sum over positions in one read of G
+        else:
+            return None
+        if not bool(torch.isfinite(r).all()):
+            return None
+        return r
+
+    def _the_batch(self):
+        if self.batch is not None:
+            return self.batch
+        if not self._calls:
+            return None
+        args, kwargs = self._calls[0]
+        batch = dict(kwargs)
+        if args and isinstance(args[0], torch.Tensor) and "input_ids" not in batch:
+            if args[0].dim() == 2 and not args[0].is_floating_point():
+                batch["input_ids"] = args[0]
+        return batch
+
+    def _gradients(self):
+        """``({point: record}, B)``: the one record per point whose gradient arrived, or raise."""
+        probe = self.probe
+        if self._problems:
+            raise FusedStatsError("probe.observe: " + "; ".join(self._problems[:3]))
+        arrived = {name: [r for r in recs if r.arrivals] for name, recs in self._records.items()}
+        if not any(arrived.values()):
+            ran = [n for n, recs in self._records.items() if recs]
+            raise FusedStatsError(
+                "probe.observe: no gradient reached any point during the block "
+                f"(points that ran forward with grad: {ran or 'none'}); call loss.backward() inside "
+                "the with-block, with gradients enabled")
+        never = [n for n, recs in self._records.items() if not recs]
+        if never:
+            raise FusedStatsError(
+                f"probe.observe: points {never} did not run forward with gradients enabled during "
+                "the block; nothing was accumulated")
+        twice = {n: sum(r.arrivals for r in recs) for n, recs in arrived.items()
+                 if sum(r.arrivals for r in recs) > 1}
+        if twice:
+            raise FusedStatsError(
+                f"probe.observe: points received more than one gradient in one block {twice} (a "
+                "module reused in one forward, or several backward passes); use one observe block "
+                "per forward/backward pair (e.g. per micro-batch); nothing was accumulated")
+        chosen: dict[str, _Record] = {}
+        for name in probe.points:
+            if arrived[name]:
+                record = arrived[name][0]
+            else:
+                # ran with grad but the loss does not depend on it: a zero gradient, as
+                # Probe.step's materialize_grads gives
+                record = self._records[name][0]
+                record.grad = torch.zeros_like(record.tensor)
+            if record.modified or record.tensor._version != record.version:
+                raise FusedStatsError(
+                    f"probe.observe: the output of point {name!r} was modified in place after the "
+                    "forward hook saw it (e.g. an in-place activation downstream); its gradient "
+                    "would be wrong. Probe another module or make that operation out of place")
+            if record.grad is not None and tuple(record.grad.shape) != tuple(record.tensor.shape):
+                raise FusedStatsError(
+                    f"probe.observe: gradient of shape {tuple(record.grad.shape)} at point {name!r} "
+                    f"whose output has shape {tuple(record.tensor.shape)}")
+            chosen[name] = record
+        shapes = {n: tuple(r.tensor.shape) for n, r in chosen.items()}
+        B = shapes[probe.points[0]][0] if shapes[probe.points[0]] else None
+        other = {n: shape for n, shape in shapes.items() if not shape or shape[0] != B}
+        if other:
+            raise FusedStatsError(
+                f"probe.observe: points have different batch sizes: {probe.points[0]!r} has {B}, "
+                f"{other}")
+        return chosen, B
+
+    def _token_counts(self, batch, B):
+        """``(n_b as fp64 (B,), N)`` for token_mean (module docstring)."""
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        attn = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if isinstance(labels, torch.Tensor):
+            if labels.dim() != 2 or labels.shape[0] != B:
+                raise FusedStatsError(
+                    f"token_mean: labels of shape {tuple(labels.shape)}; expected ({B}, T) for the "
+                    f"batch of {B} samples the points saw")
+            counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+        elif isinstance(attn, torch.Tensor):
+            if attn.dim() != 2 or attn.shape[0] != B:
+                raise FusedStatsError(
+                    f"token_mean: attention_mask of shape {tuple(attn.shape)}; expected ({B}, T)")
+            counts = (attn[:, 1:] != 0).sum(dim=1)
+        else:
+            keys = list(batch.keys()) if isinstance(batch, Mapping) else type(batch).__name__
+            raise FusedStatsError(
+                "loss_reduction='token_mean' needs the valid-token counts: call the probe's model "
+                "with labels= (or attention_mask=) inside the block, or pass batch= to observe; "
+                f"saw {keys}")
+        counts = counts.to(device="cpu", dtype=torch.float64)
+        total = float(counts.sum())
+        items = batch.get("num_items_in_batch") if isinstance(batch, Mapping) else None
+        if items is not None:
+            items = float(items.item() if isinstance(items, torch.Tensor) else items)
+            if not math.isfinite(items) or items <= 0:
+                raise FusedStatsError(f"num_items_in_batch={items} is not a positive count")
+            total = items
+        return counts, total
+
+    def _scales(self, batch, B):
+        """``(s as fp64 (B,), keep (B,) bool)``: per-sample factors and the samples that exist."""
+        keep = torch.ones(B, dtype=torch.bool)
+        reduction = self.loss_reduction
+        counts = total = None
+        if reduction == "token_mean" or (isinstance(batch, Mapping) and batch.get("labels") is not None):
+            try:
+                counts, total = self._token_counts(batch, B)
+            except FusedStatsError:
+                if reduction == "token_mean" and self.explicit_scale is None:
+                    raise
+        if self.explicit_scale is not None:
+            s = self.explicit_scale
+            if tuple(s.shape) != (B,):
+                raise FusedStatsError(
+                    f"scale has shape {tuple(s.shape)}; expected ({B},), one factor per sample of "
+                    f"the batch the points saw (point {self.probe.points[0]!r})")
+            s = s.clone()
+        elif reduction == "sum":
+            s = torch.ones(B, dtype=torch.float64)
+        elif reduction == "mean":
+            s = torch.full((B,), float(B), dtype=torch.float64)
+        else:
+            keep = counts > 0
+            s = torch.where(keep, total / counts.clamp(min=1), torch.zeros((), dtype=torch.float64))
+        return s, keep, counts, total
+
+    def _check_declaration(self, s, keep, counts, total, loss_scale):
+        weights = self._loss_grads
+        if len(weights) == 1 and counts is not None:
+            w = weights[0]
+            self.loss_weight = w
+            if not (math.isfinite(w) and w > 0):
+                return
+            has = counts > 0  # a sample without targets has no term in that loss
+            implied = total / (w * counts.clamp(min=1))
+            used = s / loss_scale
+            off = ((used[has] - implied[has]).abs() > SCALE_RTOL * implied[has]).nonzero().flatten()
+            if off.numel():
+                declared = ("scale=" if self.explicit_scale is not None
+                            else f"loss_reduction={self.loss_reduction!r}")
+                message = (
+                    f"probe.observe: the backward went through the model's own loss (a mean over "
+                    f"all {total:g} valid target tokens, reached with weight {w:.6g}), which implies "
+                    f"per-sample factors N/(w n_b) = {implied[:6].tolist()}, but {declared} with "
+                    f"loss_scale={loss_scale:g} gives {used[:6].tolist()}. Declare "
+                    f"loss_reduction='token_mean'" + (f" and loss_scale={w:.6g}" if abs(w - 1) > 1e-12 else "")
+                    + "; nothing was accumulated")
+                if self.explicit_scale is not None:
+                    warnings.warn(message.replace("; nothing was accumulated", ""), stacklevel=4)
+                else:
+                    raise FusedStatsError(message)
+        elif not weights and self.loss_reduction == "mean" and self.explicit_scale is None \
+                and counts is not None and bool(keep.any()):
+            valid = counts[counts > 0]
+            if valid.numel() and float(valid.max()) >= UNEQUAL_COUNTS * float(valid.min()):
+                warnings.warn(
+                    f"probe.observe: loss_reduction='mean' but the labels give very unequal "
+                    f"valid-token counts per sample ({int(valid.min())} .. {int(valid.max())}); if "
+                    "the loss is a mean over all tokens of the batch (HF's), declare "
+                    "loss_reduction='token_mean' (a mean of per-sample means is right as 'mean')",
+                    stacklevel=4)
+
+    def _finish(self) -> None:
+        probe = self.probe
+        chosen, B = self._gradients()
+        batch = self._the_batch()
+        loss_scale = _scale_value(self.loss_scale)
+        s, keep, counts, total = self._scales(batch, B)
+        self._check_declaration(s, keep, counts, total, loss_scale)
+        factor = s / loss_scale
+        positions_mask = self._positions_mask()
+        if any(r.reduced is not None for r in chosen.values()):
+            acts, grads, mask = self._lean_batch(chosen, factor, keep, positions_mask, B)
+        else:
+            # the whole gradients, folded exactly as Probe.step folds its own
+            acts = {n: r.tensor.detach() for n, r in chosen.items()}
+            grads = {n: _scaled(r.grad, factor, B) for n, r in chosen.items()}
+            mask = positions_mask
+            if not bool(keep.all()):
+                # samples without a loss term: excluded from the counted positions
+                if mask is None:
+                    mask = keep
+                else:
+                    pm = mask if mask.dtype == torch.bool else mask != 0
+                    mask = pm & keep.to(pm.device).view((B,) + (1,) * (pm.dim() - 1))
+        capture = types.SimpleNamespace(captured=acts)
+        before = probe.nonfinite
+        if self.nonfinite is not None:
+            probe.nonfinite = self.nonfinite
+        try:
+            steps = probe.steps[self.stream]
+            probe._fold(probe._stream(self.stream), self.stream, capture, grads, mask)
+            folded = probe.steps[self.stream] > steps
+        finally:
+            probe.nonfinite = before
+        self.scale = factor
+        self.batch_size = B
+        self.folded = folded
+        if folded and self.log is not None:
+            self.log.observed(probe, stream=self.stream, step=self.step)
+
+    def _lean_batch(self, chosen, factor, keep, positions_mask, B):
+        """(B, d) per-sample sums for every point and a (B,) mask of the samples that exist.
+
+        Points whose gradient was kept whole (the lean reduction declined) get their uncounted
+        positions zeroed instead, so a (B,) mask is right for them too (``unit="sample"`` sums
+        the positions, and a zeroed position adds nothing).
+        """
+        probe = self.probe
+        rows = keep.clone()
+        pm = None
+        if positions_mask is not None:
+            pm = positions_mask if positions_mask.dtype == torch.bool else positions_mask != 0
+            rows &= pm.reshape(B, -1).any(dim=1).cpu() if pm.dim() > 1 else pm.cpu()
+        acts, grads = {}, {}
+        for name, record in chosen.items():
+            if record.reduced is not None:
+                r = record.reduced
+                acts[name] = torch.zeros((), dtype=r.dtype, device=r.device).expand(r.shape)
+                grads[name] = _scaled(r, factor, B)
+                continue
+            g = record.grad
+            acts[name] = record.tensor.detach()
+            if pm is not None and pm.dim() > 1:
+                fd = probe.feature_dims.get(name)
+                if fd is None:
+                    fd = probe._resolve_feature_dim(name, record.tensor)
+                if tuple(pm.shape) != tuple(sz for i, sz in enumerate(g.shape) if i != fd % g.dim()):
+                    raise FusedStatsError(
+                        f"mask of shape {tuple(pm.shape)} does not fit point {name!r} with output "
+                        f"shape {tuple(g.shape)} (feature_dim={fd})")
+                keep_pos = pm.to(g.device).unsqueeze(fd % g.dim())
+                g = torch.where(keep_pos, g, torch.zeros((), dtype=g.dtype, device=g.device))
+            grads[name] = _scaled(g, factor, B)
+        return acts, grads, rows.to(next(iter(grads.values())).device)
+
+
+def _scaled(grad: torch.Tensor, factor: torch.Tensor, B: int) -> torch.Tensor:
+    """``factor[b] * grad[b]``; half precision is lifted to fp32 first (a bf16 product would lose
+    the digits the fp64 totals keep)."""
+    g = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+    f = factor.to(device=g.device, dtype=g.dtype).view((B,) + (1,) * (g.dim() - 1))
+    return g * f
