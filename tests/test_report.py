@@ -219,7 +219,8 @@ def test_plot_sweeps_and_rows(tmp_path):
         for seed in (0, 1):
             data, _ = make_data(d=width, seed=seed + width)
             data["meta"] = {"width": width, "depth": width // 2, "seed": seed,
-                            "test_loss": 1.0 / width}
+                            "test_loss": 1.0 / width,
+                            "stream_norm": {p["name"]: 2.0 + p["index"] for p in data["points"]}}
             data["points"][-1]["saturation"] = {"cross_frob2": 0.1 * width, "cross_frob2_se": 0.01}
             reports.append(Report(data))
     rows = sweep_rows(reports, "width")
@@ -227,6 +228,9 @@ def test_plot_sweeps_and_rows(tmp_path):
     for r, rep in zip(rows, reports):
         last = rep.points[-1]
         assert r["point"] == last["name"] and r["d_align"] == last["train"]["d_align"]
+        norm = 2.0 + last["index"]
+        assert r["stream_norm"] == norm
+        assert r["ag_max_scaled"] == pytest.approx(last["train"]["ag_max"] * norm / math.sqrt(last["dim"]))
     _read_png(plot_sweep(reports, "width", tmp_path / "w.png"))
     _read_png(plot_sweep(reports, "depth", tmp_path / "d.png", point="first"))
     with pytest.raises(fs.FusedStatsError, match="x must be"):

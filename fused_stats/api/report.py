@@ -422,12 +422,17 @@ def plot_sweep(reports: Iterable[Report], x: str, path, point: str | int = "last
         raise FusedStatsError("plot_sweep needs at least one report")
     rows = sweep_rows(reports, x, point)
     Figure, FigureCanvasAgg = _matplotlib()
-    fig = Figure(figsize=(12, 4.2), dpi=100)
+    fig = Figure(figsize=(12 if x == "width" else 16, 4.2), dpi=100)
     FigureCanvasAgg(fig)
     if x == "width":
         ax1, ax2 = fig.subplots(1, 2)
         _spread(ax1, rows, "d_align", "d_align (train)")
         ax1.set_ylabel("d_align")
+        positive = [r["d_align"] for r in rows if r.get("d_align") is not None and r["d_align"] > 0]
+        if positive and max(positive) > 20 * min(positive):
+            # values span decades and 0 means "no signal": symlog keeps both visible
+            ax1.set_yscale("symlog", linthresh=min(positive))
+            ax1.set_ylabel("d_align (symlog; 0 = no detectable mean)")
         ax1.set_title("d_align vs width (spread over seeds)")
         _spread(ax2, rows, "misalignment", "empirical Pr(misaligned)")
         _spread(ax2, rows, "b_align", "B_align (certificate)")
@@ -438,9 +443,10 @@ def plot_sweep(reports: Iterable[Report], x: str, path, point: str | int = "last
         for ax in axes:
             ax.set_xscale("log", base=2)
     else:
+        has_scaled = any(r.get("ag_max_scaled") is not None for r in rows)
         has_sat = any(r.get("cross_frob2") is not None for r in rows)
         has_loss = any(r.get("test_loss") is not None for r in rows)
-        n_ax = 1 + has_sat + has_loss
+        n_ax = 1 + has_scaled + has_sat + has_loss
         axes = fig.subplots(1, n_ax) if n_ax > 1 else [fig.subplots(1, 1)]
         axes = list(axes)
         _spread(axes[0], rows, "ag_max", "AG_max (train)")
@@ -448,6 +454,10 @@ def plot_sweep(reports: Iterable[Report], x: str, path, point: str | int = "last
         axes[0].set_ylabel("|q|")
         axes[0].set_title("AG_max vs depth (spread over seeds)")
         k = 1
+        if has_scaled:
+            _spread(axes[k], rows, "ag_max_scaled", "AG_max*|z|/sqrt(d)")
+            axes[k].set_title("AG_max without the stream scale")
+            k += 1
         if has_sat:
             _spread(axes[k], rows, "cross_frob2", "|C|_F^2 (saturation signal)")
             axes[k].set_title("cross-gradient vs depth")
