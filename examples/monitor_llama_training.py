@@ -7,7 +7,9 @@ are taken from the training step's own backward (HF's loss is a mean over all va
 the batch, so each sequence's gradient is rescaled by ``N_tok / n_b`` to the gradient of that
 sequence's mean loss). Every ``--every`` steps a line with d_align, AG_max, ... per block is
 appended to ``OUT/monitor.jsonl``; at the end the trajectories are plotted to ``OUT/monitor.png``
-(the same plot as ``fused-stats report OUT/monitor.jsonl``).
+(the same plot as ``fused-stats report OUT/monitor.jsonl``). With ``--cross-rank R`` (default 16)
+the probe also tracks the depth paper's cross-gradient ``|C|_F`` of a zero-output GELU block of
+rank R at each point (``fs.CrossSpec``), logged and plotted next to d_align and AG_max.
 
 Sequences are cut file by file, so the last window of each file is shorter and right-padded
 (labels -100 on the padding): the per-sequence token counts differ, which is exactly the case
@@ -70,14 +72,15 @@ def build(hidden: int, layers: int, seq: int, seed: int):
 
 def run(steps: int = 100, hidden: int = 64, layers: int = 4, seq: int = 128, batch: int = 16,
         every: int = 10, lr: float = 3e-3, window: bool = True, checkpointing: bool = False,
-        out="monitor_llama", seed: int = 0, progress: bool = True) -> dict:
+        cross_rank: int = 16, out="monitor_llama", seed: int = 0, progress: bool = True) -> dict:
     """Train and monitor; returns ``{"log", "plot", "losses", "probe"}``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model = build(hidden, layers, seq, seed)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    probe = fs.Probe(model, points="residual", unit="sample", second_moment="dense")
+    cross = fs.CrossSpec(rank=cross_rank, activation="gelu", seed=seed) if cross_rank else None
+    probe = fs.Probe(model, points="residual", unit="sample", second_moment="dense", cross=cross)
     log_path = out / "monitor.jsonl"
     log_path.unlink(missing_ok=True)
     log = fs.MonitorLog(log_path, every=every, window=window,
@@ -118,6 +121,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cumulative", action="store_true",
                         help="log estimates since the start instead of per window of --every steps")
     parser.add_argument("--checkpointing", action="store_true", help="HF gradient checkpointing")
+    parser.add_argument("--cross-rank", type=int, default=16,
+                        help="rank of the zero-output block whose cross-gradient |C| is tracked (0: off)")
     parser.add_argument("--out", default="monitor_llama")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
@@ -128,7 +133,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     run(steps=args.steps, hidden=args.hidden, layers=args.layers, seq=args.seq, batch=args.batch,
         every=args.every, lr=args.lr, window=not args.cumulative, checkpointing=args.checkpointing,
-        out=args.out, seed=args.seed)
+        cross_rank=args.cross_rank, out=args.out, seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -807,6 +807,7 @@ def test_examples_run_tiny(tmp_path):
     records = read_monitor_log(result["log"])
     assert [r["step"] for r in records] == [2, 4]
     assert records[-1]["points"]["model.layers.1"]["n"] == 8  # window: 2 steps x 4 sequences
+    assert records[-1]["points"]["model.layers.1"]["cross_frob2"] is not None  # cross= tracked
     assert Path(result["plot"]).exists()
     rn = _example("monitor_resnet_training")
     result = rn.run(steps=4, width=4, batch=8, image=8, every=2, out=tmp_path / "rn", progress=False)
