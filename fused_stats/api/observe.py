@@ -377,8 +377,8 @@ class Observation:
         ``q_b`` that ``Probe._fold`` would form from the whole scaled gradient; only (B, d) per point
         is kept instead of (B, *positions, d). Sums are taken in the gradient's precision (fp32
         for half-precision gradients), as DESIGN allows for per-batch products. Whenever anything
-        is unusual (feature axis not last, a mask that does not fit, a non-finite sum, where
-        ``Probe``'s exact masking rules matter) the whole gradient is kept instead.
+        is unusual (feature axis not last, a mask that does not fit, a non-finite masked sum on
+        CPU, where ``Probe``'s exact masking rules matter) the whole gradient is kept instead.
         """
         if not self._lean or g.dim() < 2 or g.shape != record.tensor.shape:
             return None
@@ -391,15 +391,21 @@ class Observation:
         m = self._positions_mask()
         B, d = g.shape[0], g.shape[-1]
         positions = tuple(g.shape[1:-1])
-        work = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
-        g3 = work.reshape(B, math.prod(positions), d)
+        acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else g.dtype
+        g3 = g.reshape(B, math.prod(positions), d)
         if m is None or tuple(m.shape) == (B,):
-            r = g3.sum(dim=1)
-        elif tuple(m.shape) == (B, *positions):
-            w = (m != 0).to(device=g.device, dtype=work.dtype).reshape(B, 1, -1)
-            r = torch.bmm(w, g3).squeeze(1)  # masked sum over positions in one read of G
-        else:
-            return None
+            return g3.sum(dim=1, dtype=acc)
+        if tuple(m.shape) != (B, *positions):
+            return None  # Probe._fold names the mismatch at exit
+        keep = (m != 0).to(g.device).reshape(B, -1)
+        if g.device.type != "cpu":
+            # no host sync inside the user's backward: where() keeps a NaN at an uncounted
+            # position out of the sum, as Probe's masking does
+            return torch.where(keep.unsqueeze(-1), g3, torch.zeros((), dtype=g.dtype,
+                                                                    device=g.device)).sum(dim=1, dtype=acc)
+        # CPU: the masked sum in one read of G as a batched product; 0 x NaN at an uncounted
+        # position would poison it, so a non-finite result falls back to the whole gradient
+        r = torch.bmm(keep.to(acc).unsqueeze(1), g3.to(acc)).squeeze(1)
         if not bool(torch.isfinite(r).all()):
             return None
         return r
