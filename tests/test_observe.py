@@ -410,6 +410,28 @@ def test_num_items_in_batch(fp64_llama, gen):
     assert_same_stats(ref, obs)
 
 
+def test_test_stream_and_callable_mask(fp64_llama, gen):
+    # held-out batches observed into the test stream (e.g. an eval backward without an update),
+    # with a callable mask: the same as Probe.step with that stream and mask
+    model = fp64_llama()
+    ref = fs.Probe(model, second_moment="dense")
+    obs = fs.Probe(model, second_moment="dense")
+    b1, b2 = batches(gen)
+
+    def supervised(batch):
+        return batch["labels"] != -100
+
+    for batch, stream in ((b1, "train"), (b2, "test")):
+        ref.step(batch, fs.causal_lm_loss, stream=stream, mask=supervised)
+        with obs.observe(loss_reduction="token_mean", stream=stream, mask=supervised):
+            model(**batch).loss.backward()
+    assert_same_stats(ref, obs, stream="train")
+    assert_same_stats(ref, obs, stream="test")
+    for p in ref.points:
+        a, b = ref.realized_alignment(p), obs.realized_alignment(p)
+        assert abs(a - b) <= 1e-6 * abs(a)
+
+
 def test_sample_without_targets_is_no_sample(fp64_llama, gen):
     model = fp64_llama()
     batch = batches(gen)[0]
