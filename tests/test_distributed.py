@@ -243,6 +243,16 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
             results["many_mismatch"] = None
         except fs.FusedStatsError as exc:
             results["many_mismatch"] = str(exc)
+        # same name, different kinds of accumulator: different collectives would follow (a hang),
+        # so it must be an error on both ranks
+        from fused_stats.accumulators.cross_stats import CrossStats
+
+        named = {"h.0": fs.GradStats(3) if rank == 0 else CrossStats(3, torch.ones(2, 3), "gelu")}
+        try:
+            all_reduce_many(named)
+            results["kind_mismatch"] = None
+        except fs.FusedStatsError as exc:
+            results["kind_mismatch"] = str(exc)
         with open(os.path.join(outdir, f"rank{rank}.json"), "w") as handle:
             json.dump(results, handle)
     finally:
@@ -334,6 +344,7 @@ def test_probe_all_reduce(ranks):
         for message in ranks[rank]["probe_mismatch"]:
             assert message is not None and "different points" in message, message
         assert "different sets of accumulators" in ranks[rank]["many_mismatch"]
+        assert "different sets of accumulators" in ranks[rank]["kind_mismatch"]
 
 
 # ----------------------------------------------------------------------------- NCCL (GPU only)

@@ -18,10 +18,23 @@ samples inside each batch, sums of ``k_ij²``, ``k_ij k_jk``, ``k_ij k_kl`` over
   and ``tr Σ_c² = E[k_ij²]`` under H0) and the Wilson–Hilferty cube-root normal approximation of
   the chi-square tail. ``saturated`` means H0 was not rejected at level ``alpha``; ``z`` is the
   equivalent standard-normal score.
+
+Scale-out (issue 5). Every state entry is a plain sum over samples or over within-batch tuples —
+``n``, ``batches``, ``Σ c_i``, ``Σ |c_i|_F²``, the three tuple sums ``u`` and their counts ``p`` — and
+none is taken about a centre, so two accumulators of the same block merge by adding them and a
+``torch.distributed`` all-reduce is a plain SUM of each
+(:func:`fused_stats.accumulators.distributed.all_reduce_cross_stats`); the U-statistic and its
+variance estimate of the merged state are those of one stream fed every batch (the tuple sums stay
+within batches, exactly as one stream would have formed them). "Same block" means equal ``dim``,
+``rank``, ``in_dim``, ``activation``, ``w_in`` (dtype and every value) and, once both hold samples,
+the same ``unit``; anything else is refused with the differences named. :meth:`CrossStats.save` /
+:meth:`CrossStats.load` use the shared safetensors helpers of
+:mod:`fused_stats.accumulators.persistence` (versioned, SHA-256 over tensors and metadata, atomic).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
 
@@ -31,6 +44,10 @@ from .. import ops
 from ..errors import FusedStatsError
 
 F64 = torch.float64
+UNITS = ("sample", "position")
+FORMAT = "fused_stats.CrossStats"
+VERSION = 1
+TENSOR_KEYS = ("w_in", "c_sum", "sq_norm_sum", "u")
 
 
 @dataclass(frozen=True)
@@ -111,14 +128,30 @@ class CrossStats:
         self.sq_norm_sum = torch.zeros((), dtype=F64, device=self.device)
         self.u = torch.zeros(3, dtype=F64, device=self.device)  # Σ k², Σ k k', Σ k k''
         self.p = [0, 0, 0]
+        self.unit: str | None = None  # set by the first batch with samples
 
     def _where(self) -> str:
         return f" at point {self.name!r}" if self.name else ""
 
-    def update(self, grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None = None,
-               unit: str = "sample") -> None:
-        """``grad`` and ``act``: (B, T, d) and (B, T, d_in) (or (B, d)/(B, d_in)); ``mask`` (B, T)."""
+    def prepare(self, grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None = None,
+                unit: str = "sample", allow_nonfinite: bool = False):
+        """Check one batch and compute its sums (a :class:`~fused_stats.ops.CrossBatch`) WITHOUT
+        changing the state; :meth:`commit` adds them. Callers that must update several
+        accumulators all-or-nothing (the probe) prepare every one before committing any.
+
+        Raises :class:`FusedStatsError` for bad shapes, devices, masks or units and, unless
+        ``allow_nonfinite``, for non-finite sums (check :meth:`is_finite` yourself then)."""
         w = self._where()
+        if unit not in UNITS:
+            raise FusedStatsError(f"cross gradient{w}: unit must be one of {UNITS}, got {unit!r}")
+        if self.unit is not None and unit != self.unit:
+            raise FusedStatsError(
+                f"cross gradient{w}: batch with unit={unit!r}, but the state holds unit={self.unit!r} "
+                "samples")
+        if not isinstance(grad, torch.Tensor) or not isinstance(act, torch.Tensor):
+            raise FusedStatsError(
+                f"cross gradient{w}: grad and activation must be tensors, got "
+                f"{type(grad).__name__} and {type(act).__name__}")
         if grad.dim() == 2:
             grad = grad.unsqueeze(1)
         if act.dim() == 2:
@@ -138,29 +171,163 @@ class CrossStats:
                 f"cross gradient{w}: mask has shape {tuple(mask.shape)}, expected {tuple(grad.shape[:2])}")
         batch = ops.cross_reduce(grad, act, mask, self.w_in, self.activation, unit,
                                  self.group_size, self.backend)
+        if batch.n and not allow_nonfinite and not self.is_finite(batch):
+            raise FusedStatsError(
+                f"non-finite gradient or activation{w} (grad shape {tuple(grad.shape)}, dtype "
+                f"{grad.dtype}); nothing was accumulated")
+        return batch
+
+    @staticmethod
+    def is_finite(batch) -> bool:
+        """Whether every sum of a prepared batch is finite (also the tuple sums, which square
+        ``<c_i, c_j>`` and overflow first)."""
+        scalars = torch.stack([batch.sq_norm_sum, batch.u2, batch.u3, batch.u4])
+        return bool(torch.isfinite(scalars).all()) and bool(torch.isfinite(batch.c_sum).all())
+
+    def commit(self, batch, unit: str = "sample") -> None:
+        """Add a batch from :meth:`prepare` (same ``unit``) to the state."""
         if batch.n == 0:
             return
-        if not (torch.isfinite(batch.sq_norm_sum) and torch.isfinite(batch.c_sum).all()):
-            raise FusedStatsError(f"non-finite gradient or activation{w}; nothing was accumulated")
         self.n += batch.n
         self.batches += 1
+        self.unit = unit
         self.c_sum += batch.c_sum
         self.sq_norm_sum += batch.sq_norm_sum
         self.u += torch.stack([batch.u2, batch.u3, batch.u4])
         self.p = [self.p[0] + batch.p2, self.p[1] + batch.p3, self.p[2] + batch.p4]
 
+    def update(self, grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None = None,
+               unit: str = "sample") -> None:
+        """``grad`` and ``act``: (B, T, d) and (B, T, d_in) (or (B, d)/(B, d_in)); ``mask`` (B, T).
+
+        A rejected batch (:class:`FusedStatsError`) leaves the state unchanged."""
+        self.commit(self.prepare(grad, act, mask, unit), unit)
+
+    # ------------------------------------------------------------------ merging
+    def differences(self, other: "CrossStats") -> list[str]:
+        """What keeps ``other`` from being merged into this accumulator (empty: compatible)."""
+        if not isinstance(other, CrossStats):
+            return [f"other is a {type(other).__name__}, not a CrossStats"]
+        out = [f"{attr} {getattr(self, attr)!r} vs {getattr(other, attr)!r}"
+               for attr in ("dim", "rank", "in_dim", "activation")
+               if getattr(self, attr) != getattr(other, attr)]
+        if self.w_in.dtype != other.w_in.dtype:
+            out.append(f"w_in dtype {self.w_in.dtype} vs {other.w_in.dtype}")
+        elif self.w_in.shape == other.w_in.shape and not torch.equal(
+                self.w_in.cpu(), other.w_in.cpu()):
+            gap = float((self.w_in.cpu().double() - other.w_in.cpu().double()).abs().max())
+            out.append(f"w_in values (max |difference| {gap:.3g})")
+        if self.unit is not None and other.unit is not None and self.unit != other.unit:
+            out.append(f"unit {self.unit!r} vs {other.unit!r}")
+        if self.device != other.device:
+            out.append(f"device {self.device} vs {other.device}")
+        return out
+
     def merge(self, other: "CrossStats") -> "CrossStats":
-        if (other.dim, other.rank, other.in_dim, other.activation) != (
-                self.dim, self.rank, self.in_dim, self.activation) or not torch.equal(
-                other.w_in.to(self.device), self.w_in):
-            raise FusedStatsError(f"cannot merge cross statistics with a different block{self._where()}")
+        """Add ``other``'s samples (a plain sum of every state entry; ``other`` is unchanged).
+
+        Raises :class:`FusedStatsError` naming every difference (dim, rank, in_dim, activation,
+        w_in, unit, device) when the two are not statistics of the same block."""
+        diffs = self.differences(other)
+        if diffs:
+            theirs = other._where() if isinstance(other, CrossStats) else ""
+            raise FusedStatsError(
+                f"cannot merge cross statistics{theirs} into those{self._where()} of a different "
+                "block or unit; they differ in " + "; ".join(diffs))
         self.n += other.n
         self.batches += other.batches
-        self.c_sum += other.c_sum.to(self.device)
-        self.sq_norm_sum += other.sq_norm_sum.to(self.device)
-        self.u += other.u.to(self.device)
+        self.c_sum += other.c_sum
+        self.sq_norm_sum += other.sq_norm_sum
+        self.u += other.u
         self.p = [a + b for a, b in zip(self.p, other.p)]
+        if other.unit is not None:
+            self.unit = other.unit
         return self
+
+    def _adopt(self, other: "CrossStats") -> None:
+        """Take ``other``'s block and state (in place, so references to ``self`` stay valid)."""
+        for key in ("dim", "rank", "in_dim", "activation", "group_size", "device", "w_in", "n",
+                    "batches", "unit", "c_sum", "sq_norm_sum", "u", "p"):
+            setattr(self, key, getattr(other, key))
+
+    def copy(self) -> "CrossStats":
+        out = CrossStats(self.dim, self.w_in.clone(), self.activation, self.device, self.backend,
+                         self.name, self.group_size)
+        out.n, out.batches, out.unit, out.p = self.n, self.batches, self.unit, list(self.p)
+        out.c_sum, out.sq_norm_sum, out.u = self.c_sum.clone(), self.sq_norm_sum.clone(), self.u.clone()
+        return out
+
+    def all_reduce(self, group=None) -> "CrossStats":
+        """Sum this accumulator over the ranks of ``group`` (a collective; see
+        :func:`fused_stats.accumulators.distributed.all_reduce_cross_stats`)."""
+        from .distributed import all_reduce_cross_stats
+
+        all_reduce_cross_stats(self, group)
+        return self
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path) -> None:
+        """Write the state atomically to ``path`` (safetensors, versioned, SHA-256 over the
+        tensors and the metadata; the shared helpers of :mod:`.persistence`)."""
+        from .persistence import save_checked
+
+        tensors = {"w_in": self.w_in, "c_sum": self.c_sum, "sq_norm_sum": self.sq_norm_sum,
+                   "u": self.u}
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        meta = {
+            "format": FORMAT, "version": str(VERSION),
+            "config": json.dumps({"dim": self.dim, "rank": self.rank, "in_dim": self.in_dim,
+                                  "activation": self.activation, "group_size": self.group_size,
+                                  "name": self.name}),
+            "state": json.dumps({"n": self.n, "batches": self.batches, "p": list(self.p),
+                                 "unit": self.unit}),
+        }
+        save_checked(path, tensors, meta)
+
+    @classmethod
+    def load(cls, path, device=None, backend: str = "auto") -> "CrossStats":
+        """Read a state written by :meth:`save` onto ``device`` (default CPU). The file's format,
+        version, checksum, every tensor's shape/dtype and the counts are checked; loading never
+        executes code."""
+        from ..ops.cross_twin import ACTIVATIONS
+        from .persistence import read_checked
+
+        tensors, meta = read_checked(path, FORMAT, VERSION)
+        where = f"cross state file {str(path)!r}"
+        try:
+            config, state = json.loads(meta["config"]), json.loads(meta["state"])
+            dim, rank, in_dim = int(config["dim"]), int(config["rank"]), int(config["in_dim"])
+            activation, group_size, name = config["activation"], int(config["group_size"]), config["name"]
+            n, batches, unit = int(state["n"]), int(state["batches"]), state["unit"]
+            p = [int(v) for v in state["p"]]
+        except (KeyError, ValueError, TypeError) as exc:
+            raise FusedStatsError(f"{where} has unreadable or invalid metadata: {exc}") from exc
+        if sorted(tensors) != sorted(TENSOR_KEYS):
+            raise FusedStatsError(f"{where} holds tensors {sorted(tensors)}, expected {sorted(TENSOR_KEYS)}")
+        shapes = {"w_in": (rank, in_dim), "c_sum": (dim, rank), "sq_norm_sum": (), "u": (3,)}
+        for key, shape in shapes.items():
+            value = tensors[key]
+            wanted = value.is_floating_point() if key == "w_in" else value.dtype == F64
+            if tuple(value.shape) != shape or not wanted:
+                raise FusedStatsError(
+                    f"{where} is inconsistent: {key} has shape {tuple(value.shape)} and dtype "
+                    f"{value.dtype}, expected {shape} "
+                    f"{'floating point' if key == 'w_in' else 'float64'} for dim={dim}, rank={rank}")
+        bounds = (n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3))
+        if (min(dim, rank, in_dim, group_size) < 1 or activation not in ACTIVATIONS or n < 0
+                or not 0 <= batches <= max(n, 0) or len(p) != 3
+                or any(not 0 <= v <= b for v, b in zip(p, bounds)) or unit not in (None,) + UNITS
+                or (n > 0) != (unit is not None) or (n > 0) != (batches > 0)):
+            raise FusedStatsError(
+                f"{where} is inconsistent: dim={dim}, rank={rank}, in_dim={in_dim}, "
+                f"activation={activation!r}, n={n}, batches={batches}, p={p}, unit={unit!r}")
+        target = torch.device(device) if device is not None else torch.device("cpu")
+        acc = cls(dim, tensors["w_in"], activation, target, backend, name, group_size)
+        acc.n, acc.batches, acc.unit, acc.p = n, batches, unit, p
+        acc.c_sum = tensors["c_sum"].to(target)
+        acc.sq_norm_sum = tensors["sq_norm_sum"].to(target)
+        acc.u = tensors["u"].to(target)
+        return acc
 
     def cross_frob2(self) -> float:
         """Unbiased ``|C|_F²`` (module docstring)."""
@@ -194,3 +361,7 @@ class CrossStats:
 
     def state_nbytes(self) -> int:
         return (self.c_sum.numel() + self.w_in.numel() + 4) * 8
+
+    def __repr__(self) -> str:
+        return (f"CrossStats(dim={self.dim}, rank={self.rank}, activation={self.activation!r}, "
+                f"n={self.n}, unit={self.unit!r}{self._where()})")

@@ -20,8 +20,17 @@ have: a pool only if every rank with data holds a pool and (for ``auto``) the to
 under the switch point, dense otherwise. All totals stay in fp64. Communication runs on the device
 the backend needs (CUDA for NCCL, CPU for gloo); the state stays on its own device.
 
+:func:`all_reduce_cross_stats` does the same for a
+:class:`~fused_stats.accumulators.cross_stats.CrossStats` (the depth probe's cross-gradient sums).
+Its state has no centre: ``n``, ``batches``, ``Σ c_i``, ``Σ |c_i|_F²``, the tuple sums ``u`` and
+their counts ``p`` are all plain sums, so the reduce is a SUM of each. First every rank publishes
+``(dim, rank, in_dim, activation, unit, n, batches, p, digest of w_in)`` with one ``all_gather``; a
+disagreement on the block (or on the unit among ranks with samples) raises the same error on every
+rank before anything changes. The integer counts are summed from that table (exact); the fp64 sums
+go through one ``all_reduce``.
+
 :func:`all_reduce_many` does the same for a named set of accumulators (e.g. every point and stream of
-a probe) after checking that all ranks hold the same names.
+a probe, GradStats and CrossStats alike) after checking that all ranks hold the same names and kinds.
 """
 
 from __future__ import annotations
@@ -199,17 +208,120 @@ def names_digest(names) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def all_reduce_many(accs: dict, group=None) -> None:
-    """:func:`all_reduce_grad_stats` for every accumulator of ``accs`` (name -> GradStats).
+def tensor_digest(value: torch.Tensor) -> int:
+    """A 63-bit digest of a tensor's dtype, shape and bytes (ranks compare ``w_in`` by it)."""
+    flat = value.detach().to("cpu").contiguous().reshape(-1)
+    digest = hashlib.sha256(f"{flat.dtype}{tuple(value.shape)}".encode())
+    if flat.numel():
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
 
-    The names are visited in sorted order; all ranks must hold the same names (checked first with
-    one all_gather of a digest, so a mismatch raises on every rank rather than deadlocking).
+
+# columns of the per-rank info row of a CrossStats
+(_C_DIM, _C_RANK, _C_IN, _C_ACT, _C_UNIT, _C_N, _C_BATCHES, _C_P2, _C_P3, _C_P4, _C_W,
+ _C_NINFO) = range(12)
+_CROSS_UNITS = ("sample", "position")
+
+
+def _cross_info_row(acc) -> list[int]:
+    from ..ops.cross_twin import ACTIVATIONS
+
+    row = [0] * _C_NINFO
+    row[_C_DIM], row[_C_RANK], row[_C_IN] = acc.dim, acc.rank, acc.in_dim
+    row[_C_ACT] = ACTIVATIONS.index(acc.activation)
+    row[_C_UNIT] = -1 if acc.unit is None else _CROSS_UNITS.index(acc.unit)
+    row[_C_N], row[_C_BATCHES] = acc.n, acc.batches
+    row[_C_P2], row[_C_P3], row[_C_P4] = acc.p
+    row[_C_W] = tensor_digest(acc.w_in)
+    return row
+
+
+def _check_cross_agreement(acc, infos: torch.Tensor) -> None:
+    """Raise (identically on every rank) unless the ranks hold statistics of the same block."""
+    from ..ops.cross_twin import ACTIVATIONS
+
+    where = acc._where()
+    diffs = []
+    for col, what in ((_C_DIM, "dim"), (_C_RANK, "rank"), (_C_IN, "in_dim"),
+                      (_C_ACT, "activation"), (_C_W, "w_in")):
+        values = infos[:, col].tolist()
+        if len(set(values)) > 1:
+            if col == _C_ACT:
+                values = [ACTIVATIONS[v] for v in values]
+            if col == _C_W:
+                # which ranks share a projection: group labels by first occurrence, not raw digests
+                first = {}
+                values = [first.setdefault(v, len(first)) for v in values]
+                diffs.append(f"w_in (dtype or values; projection groups by rank {values})")
+            else:
+                diffs.append(f"{what} {values} (by rank)")
+    units = {int(u) for u, n in zip(infos[:, _C_UNIT], infos[:, _C_N]) if n > 0}
+    if len(units) > 1:
+        diffs.append(f"unit {[None if u < 0 else _CROSS_UNITS[u] for u in infos[:, _C_UNIT].tolist()]} "
+                     "(by rank)")
+    if diffs:
+        raise FusedStatsError(f"all_reduce of cross statistics{where}: ranks disagree on "
+                              + "; ".join(diffs))
+
+
+def all_reduce_cross_stats(acc, group=None) -> None:
+    """Replace a :class:`CrossStats` on every rank of ``group`` by the sum over all ranks.
+
+    A collective (every rank calls it, in the same order for several accumulators). A mismatch of
+    the block (dim, rank, in_dim, activation, w_in) or of the unit raises on every rank and leaves
+    ``acc`` as it was; so does a failed collective (the state is replaced only at the end).
+    """
+    _require_initialised()
+    device = comm_device(group, acc.device)
+    world = dist.get_world_size(group)
+    info = torch.tensor(_cross_info_row(acc), dtype=torch.int64, device=device)
+    table = [torch.empty_like(info) for _ in range(world)]
+    dist.all_gather(table, info, group=group)
+    infos = torch.stack(table).cpu()
+    _check_cross_agreement(acc, infos)
+    # the float sums of an empty accumulator are zeros, so every rank takes part alike
+    sums = torch.cat([acc.c_sum.reshape(-1), acc.sq_norm_sum.reshape(1), acc.u]).to(
+        device=device, dtype=F64, copy=True)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    sums = sums.to(acc.device)
+    units = [int(u) for u, n in zip(infos[:, _C_UNIT], infos[:, _C_N]) if n > 0]
+    totals = infos.sum(dim=0).tolist()
+    dr = acc.dim * acc.rank
+    # ---- commit
+    acc.c_sum = sums[:dr].reshape(acc.dim, acc.rank).clone()
+    acc.sq_norm_sum = sums[dr].clone()
+    acc.u = sums[dr + 1:dr + 4].clone()
+    acc.n, acc.batches = int(totals[_C_N]), int(totals[_C_BATCHES])
+    acc.p = [int(totals[_C_P2]), int(totals[_C_P3]), int(totals[_C_P4])]
+    acc.unit = _CROSS_UNITS[units[0]] if units else None
+
+
+def _kind(acc) -> str:
+    from .cross_stats import CrossStats
+    from .grad_stats import GradStats
+
+    if isinstance(acc, GradStats):
+        return "grad"
+    if isinstance(acc, CrossStats):
+        return "cross"
+    raise FusedStatsError(f"all_reduce: cannot reduce a {type(acc).__name__} (GradStats or CrossStats)")
+
+
+def all_reduce_many(accs: dict, group=None) -> None:
+    """:func:`all_reduce_grad_stats` / :func:`all_reduce_cross_stats` for every accumulator of
+    ``accs`` (name -> GradStats or CrossStats).
+
+    The names are visited in sorted order; all ranks must hold the same names with the same kinds
+    (checked first with one all_gather of a digest, so a mismatch raises on every rank rather than
+    deadlocking).
     """
     _require_initialised()
     names = sorted(accs)
+    kinds = [_kind(accs[name]) for name in names]
     some = next(iter(accs.values()), None)
     device = comm_device(group, None if some is None else some.device)
-    mine = torch.tensor([names_digest(names), len(names)], dtype=torch.int64, device=device)
+    mine = torch.tensor([names_digest([f"{k}:{n}" for k, n in zip(kinds, names)]), len(names)],
+                        dtype=torch.int64, device=device)
     table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(table, mine, group=group)
     table = torch.stack(table).cpu()
@@ -217,5 +329,8 @@ def all_reduce_many(accs: dict, group=None) -> None:
         raise FusedStatsError(
             f"all_reduce: ranks hold different sets of accumulators (counts by rank "
             f"{table[:, 1].tolist()}); this rank has {names}")
-    for name in names:
-        all_reduce_grad_stats(accs[name], group)
+    for name, kind in zip(names, kinds):
+        if kind == "grad":
+            all_reduce_grad_stats(accs[name], group)
+        else:
+            all_reduce_cross_stats(accs[name], group)

@@ -7,6 +7,11 @@ the header is caught too); loading recomputes it, and checks every tensor's shap
 ``n`` and the mode, so a truncated or edited file is reported as damaged instead of silently giving
 wrong statistics. Writes go to a temporary file in
 the same folder, are fsync'ed, then renamed over the target (atomic on POSIX).
+
+The helpers :func:`tensors_checksum`, :func:`write_atomic`, :func:`save_checked` and
+:func:`read_checked` (the latter two parameterised by ``format``/``version``) are shared with the
+other accumulators' files (:class:`~fused_stats.accumulators.cross_stats.CrossStats`);
+:func:`peek_format` tells which kind of state a file holds without checking or loading it.
 """
 
 from __future__ import annotations
@@ -78,16 +83,22 @@ def state_to_tensors(acc) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return tensors, meta
 
 
-def save_grad_stats(acc, path) -> None:
+def save_checked(path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """Write ``tensors`` (CPU, contiguous) with ``meta`` plus its SHA-256 as one safetensors file,
+    atomically. ``meta`` must already hold ``format`` and ``version``."""
     from safetensors.torch import save
 
-    tensors, meta = state_to_tensors(acc)
+    meta = dict(meta)
     meta["sha256"] = tensors_checksum(tensors, meta)
     write_atomic(Path(path), save(tensors, metadata=meta))
 
 
-def read_checked(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and metadata of a state file, after format, version and checksum checks."""
+def save_grad_stats(acc, path) -> None:
+    tensors, meta = state_to_tensors(acc)
+    save_checked(path, tensors, meta)
+
+
+def _open(path, tensors: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import safe_open
 
     path = Path(path)
@@ -96,17 +107,30 @@ def read_checked(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             meta = handle.metadata() or {}
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+            values = {key: handle.get_tensor(key) for key in handle.keys()} if tensors else {}
     except FusedStatsError:
         raise
     except Exception as exc:  # safetensors raises several types for damaged headers/data
         raise FusedStatsError(f"state file {str(path)!r} is damaged or not a safetensors file: {exc}") from exc
-    if meta.get("format") != FORMAT:
-        raise FusedStatsError(f"{str(path)!r} is not a {FORMAT} state (format={meta.get('format')!r})")
-    if meta.get("version") != str(VERSION):
+    return values, meta
+
+
+def peek_format(path) -> str | None:
+    """The ``format`` entry of a state file's metadata (None if it has none); nothing is checked."""
+    return _open(path, tensors=False)[1].get("format")
+
+
+def read_checked(path, format: str = FORMAT, version: int = VERSION
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a state file, after format, version and checksum checks."""
+    tensors, meta = _open(path)
+    path = Path(path)
+    if meta.get("format") != format:
+        raise FusedStatsError(f"{str(path)!r} is not a {format} state (format={meta.get('format')!r})")
+    if meta.get("version") != str(version):
         raise FusedStatsError(
             f"{str(path)!r} has state version {meta.get('version')!r}; this fused_stats reads "
-            f"version {VERSION}")
+            f"version {version}")
     if tensors_checksum(tensors, meta) != meta.get("sha256"):
         raise FusedStatsError(f"state file {str(path)!r} failed its checksum (damaged or edited)")
     return tensors, meta
