@@ -262,6 +262,19 @@ def test_damaged_checkpoint_is_rejected_and_probe_unchanged(tmp_path, uninterrup
     assert victim.steps == steps
 
 
+def test_manifest_entries_without_kind_are_gradstats(tmp_path, uninterrupted):
+    # checkpoints written before cross statistics were checkpointed have no "kind" per entry
+    snap = save_probe_state(uninterrupted, tmp_path)
+    path = snap / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert {entry.pop("kind") for entry in manifest["points"]} == {"grad"}
+    path.write_text(json.dumps(manifest))
+    fresh = new_probe()
+    load_probe_state(fresh, tmp_path)
+    assert_same_state(state_of(fresh), state_of(uninterrupted))
+    assert report_of(fresh) == report_of(uninterrupted)
+
+
 def test_checkpoint_of_other_points_is_rejected(tmp_path, uninterrupted):
     save_probe_state(uninterrupted, tmp_path)
     other = Probe(TinySeqNet(), points=["blocks.1"])

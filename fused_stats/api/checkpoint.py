@@ -1,21 +1,31 @@
 """Probe checkpoints: save / load every accumulator of a probe, resumable runs, offline merge.
 
 A probe keeps one :class:`~fused_stats.GradStats` per insertion point and stream (``probe.stats``
-for the training stream, ``probe.test_stats`` for the held-out one). A checkpoint directory holds
-complete *snapshots* and a pointer to the newest::
+for the training stream, ``probe.test_stats`` for the held-out one) and, when built with
+``cross=``, one :class:`~fused_stats.accumulators.cross_stats.CrossStats` per point and stream
+(``probe.cross_stats``, ``probe.test_cross_stats``: the depth probe's cross-gradient sums). A
+checkpoint directory holds complete *snapshots* and a pointer to the newest::
 
     directory/
         LATEST                  the name of the newest complete snapshot (replaced atomically)
         ckpt-00000003/
             manifest.json       format, version, step counts, streams, point names, dims, files
             train-0000.safetensors, test-0000.safetensors, ...   (GradStats.save format)
+            cross-train-0000.safetensors, ...                    (CrossStats.save format)
+
+Every manifest entry names its ``kind`` (``"grad"`` or ``"cross"``; an entry without one, as
+written before cross statistics were checkpointed, is ``"grad"``), so the format stays version 1:
+an older reader meets a CrossStats file as a state of the wrong format and refuses it.
 
 A snapshot is written into a temporary folder beside it, every file fsync'ed, the manifest last;
 the folder is then renamed to its final name and only then is ``LATEST`` replaced (temp file +
 ``os.replace``). A process killed at any moment therefore leaves either the previous snapshot or
 the new one as ``LATEST``, never a mix. Loading checks the manifest's format and version, every
 file's SHA-256 and its ``n`` against the manifest, and reads everything before touching the probe,
-so a damaged checkpoint raises :class:`FusedStatsError` and leaves the probe as it was.
+so a damaged checkpoint raises :class:`FusedStatsError` and leaves the probe as it was. A
+checkpoint's cross statistics must be those of the probe's own block (``CrossSpec``: dim, rank,
+activation, ``w_in``), and a probe with ``cross=`` refuses a checkpoint that holds samples at a point
+but no cross statistics there (the resumed ``|C|_F²`` would silently miss those batches).
 
 :func:`run_with_checkpoints` drives ``probe.step`` over an iterable of batches, saving every ``every``
 batches; called again on the same directory (after a crash), it restores the snapshot and skips the
@@ -23,7 +33,8 @@ batches that snapshot already holds. The skip assumes the iterable yields the sa
 same order on every run (a seeded loader), as any exact resume must.
 
 :func:`merge_checkpoints` merges the snapshots of separate jobs (e.g. shards of a data set) point by
-point; the merged statistics equal those of one run over all shards (DESIGN section 2, merging).
+point; the merged statistics equal those of one run over all shards (DESIGN section 2, merging;
+cross statistics are plain sums, so their merge is an addition).
 """
 
 from __future__ import annotations
@@ -35,34 +46,65 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
 from ..accumulators import GradStats
+from ..accumulators.cross_stats import CrossStats
 from ..accumulators.persistence import write_atomic
 from ..errors import FusedStatsError
 
 FORMAT = "fused_stats.ProbeCheckpoint"
 VERSION = 1
 STREAMS = {"train": "stats", "test": "test_stats"}  # stream -> the probe's attribute
+CROSS_STREAMS = {"train": "cross_stats", "test": "test_cross_stats"}
+KINDS = {"grad": (GradStats, STREAMS), "cross": (CrossStats, CROSS_STREAMS)}
 LATEST = "LATEST"
 PREFIX = "ckpt-"
 
 
 # ---------------------------------------------------------------------------- helpers
-def probe_accumulators(probe) -> dict[tuple[str, str], GradStats]:
-    """``{(stream, point): GradStats}`` of every stream a probe has (``stats``, ``test_stats``)."""
+def _tables(probe, kind: str) -> dict:
+    cls, attrs = KINDS[kind]
     out = {}
-    for stream, attr in STREAMS.items():
+    for stream, attr in attrs.items():
         table = getattr(probe, attr, None)
         if table is None:
             continue
         if not isinstance(table, dict):
             raise FusedStatsError(
-                f"probe.{attr} must be a dict point -> GradStats, got {type(table).__name__}")
+                f"probe.{attr} must be a dict point -> {cls.__name__}, got {type(table).__name__}")
         for name, acc in table.items():
-            if not isinstance(acc, GradStats):
+            if not isinstance(acc, cls):
                 raise FusedStatsError(
-                    f"probe.{attr}[{name!r}] is a {type(acc).__name__}, expected GradStats")
+                    f"probe.{attr}[{name!r}] is a {type(acc).__name__}, expected {cls.__name__}")
             out[(stream, name)] = acc
     return out
+
+
+def probe_accumulators(probe) -> dict[tuple[str, str], GradStats]:
+    """``{(stream, point): GradStats}`` of every stream a probe has (``stats``, ``test_stats``)."""
+    return _tables(probe, "grad")
+
+
+def probe_cross_accumulators(probe) -> dict[tuple[str, str], CrossStats]:
+    """``{(stream, point): CrossStats}`` (``cross_stats``, ``test_cross_stats``; empty without
+    ``cross=``)."""
+    return _tables(probe, "cross")
+
+
+def probe_state(probe) -> dict:
+    """``{(kind, stream, point): GradStats | CrossStats}`` of everything a checkpoint holds."""
+    return {(kind, *key): acc for kind in KINDS for key, acc in _tables(probe, kind).items()}
+
+
+def _keyed(accs: dict) -> dict:
+    # (stream, point) keys, as GradStats-only callers give them, are "grad" entries
+    return {(key if len(key) == 3 else ("grad", *key)): acc for key, acc in accs.items()}
+
+
+def _label(key) -> str:
+    kind, stream, name = key
+    return f"{name!r} ({stream}{', cross' if kind == 'cross' else ''})"
 
 
 def _file_sha256(path: Path) -> str:
@@ -109,11 +151,15 @@ def has_checkpoint(directory) -> bool:
 
 
 # ---------------------------------------------------------------------------- writing
-def write_snapshot(directory, accs: dict[tuple[str, str], GradStats], consumed: dict | None = None,
+def write_snapshot(directory, accs: dict, consumed: dict | None = None,
                    extra: dict | None = None) -> Path:
-    """Write ``accs`` as a new snapshot of ``directory`` and point ``LATEST`` at it (module doc)."""
+    """Write ``accs`` as a new snapshot of ``directory`` and point ``LATEST`` at it (module doc).
+
+    ``accs``: ``{(kind, stream, point): GradStats | CrossStats}`` (or ``{(stream, point):
+    GradStats}``)."""
     from .. import __version__
 
+    accs = _keyed(accs)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     latest_snapshot(directory)  # a damaged pointer is reported, not silently replaced
@@ -127,23 +173,29 @@ def write_snapshot(directory, accs: dict[tuple[str, str], GradStats], consumed: 
     try:
         points = []
         counters: dict[str, int] = {}
-        for (stream, name) in sorted(accs):
-            acc = accs[(stream, name)]
-            index = counters.get(stream, 0)
-            counters[stream] = index + 1
-            filename = f"{stream}-{index:04d}.safetensors"
+        # GradStats first (the order and file names of a checkpoint without cross statistics)
+        for key in sorted(accs, key=lambda k: (k[0] != "grad", k)):
+            kind, stream, name = key
+            acc = accs[key]
+            prefix = stream if kind == "grad" else f"cross-{stream}"
+            index = counters.get(prefix, 0)
+            counters[prefix] = index + 1
+            filename = f"{prefix}-{index:04d}.safetensors"
             acc.save(tmp / filename)
-            points.append({
-                "stream": stream, "name": name, "file": filename, "dim": acc.dim, "n": acc.n,
-                "mode": acc.mode, "second_moment": acc.second_moment,
-                "sha256": _file_sha256(tmp / filename),
-            })
+            entry = {"kind": kind, "stream": stream, "name": name, "file": filename,
+                     "dim": acc.dim, "n": acc.n}
+            if kind == "grad":
+                entry.update(mode=acc.mode, second_moment=acc.second_moment)
+            else:
+                entry.update(rank=acc.rank, activation=acc.activation, unit=acc.unit)
+            entry["sha256"] = _file_sha256(tmp / filename)
+            points.append(entry)
         manifest = {
             "format": FORMAT, "version": VERSION, "fused_stats_version": __version__,
             "serial": serial,
             "consumed": dict(consumed or {}),
-            "streams": sorted({stream for stream, _ in accs}),
-            "point_names": sorted({name for _, name in accs}),
+            "streams": sorted({stream for _, stream, _ in accs}),
+            "point_names": sorted({name for _, _, name in accs}),
             "points": points,
         }
         if extra:
@@ -186,7 +238,7 @@ def save_probe_state(probe, directory, consumed: dict | None = None) -> Path:
     ``consumed``: batches already fed per stream (``{"train": k, "test": j}``), used by
     :func:`run_with_checkpoints` to resume; stored in the manifest with the probe's step counters.
     """
-    accs = probe_accumulators(probe)
+    accs = probe_state(probe)
     counters = _probe_counters(probe)
     points = list(getattr(probe, "points", None) or [])
     return write_snapshot(directory, accs, consumed=consumed,
@@ -214,9 +266,10 @@ def read_manifest(snapshot: Path) -> dict:
 
 
 def read_snapshot(directory, device=None, backend: str = "auto"):
-    """``(manifest, {(stream, point): GradStats})`` of the newest snapshot; everything is checked.
+    """``(manifest, {(kind, stream, point): GradStats | CrossStats})`` of the newest snapshot;
+    everything is checked.
 
-    ``device``: where the states go (default CPU), or a callable ``(stream, point) -> device``.
+    ``device``: where the states go (default CPU), or a callable ``(kind, stream, point) -> device``.
     """
     snap = latest_snapshot(directory)
     if snap is None:
@@ -226,8 +279,16 @@ def read_snapshot(directory, device=None, backend: str = "auto"):
     for entry in manifest["points"]:
         try:
             stream, name, filename = entry["stream"], entry["name"], entry["file"]
-        except (KeyError, TypeError) as exc:
+            kind = entry.get("kind", "grad")
+        except (KeyError, TypeError, AttributeError) as exc:
             raise FusedStatsError(f"checkpoint {str(snap)!r}: bad point entry {entry!r}") from exc
+        if kind not in KINDS:
+            raise FusedStatsError(
+                f"checkpoint {str(snap)!r}: point {name!r} ({stream}) has kind {kind!r}, expected "
+                f"one of {tuple(KINDS)}")
+        key = (kind, stream, name)
+        if key in accs:
+            raise FusedStatsError(f"checkpoint {str(snap)!r} lists point {_label(key)} twice")
         path = snap / filename
         if Path(filename).name != filename or not path.is_file():
             raise FusedStatsError(f"checkpoint {str(snap)!r}: point {name!r} ({stream}) file "
@@ -236,42 +297,89 @@ def read_snapshot(directory, device=None, backend: str = "auto"):
             raise FusedStatsError(
                 f"checkpoint {str(snap)!r}: {filename!r} (point {name!r}, {stream}) does not match "
                 "the manifest's SHA-256 (damaged or replaced)")
-        where = device(stream, name) if callable(device) else device
-        acc = GradStats.load(path, device=where, backend=backend)
+        where = device(*key) if callable(device) else device
+        acc = KINDS[kind][0].load(path, device=where, backend=backend)
         if acc.dim != entry.get("dim") or acc.n != entry.get("n"):
             raise FusedStatsError(
                 f"checkpoint {str(snap)!r}: {filename!r} holds dim={acc.dim}, n={acc.n}; the "
                 f"manifest says dim={entry.get('dim')}, n={entry.get('n')}")
-        accs[(stream, name)] = acc
+        accs[key] = acc
     return manifest, accs
 
 
-def _install(probe, accs: dict[tuple[str, str], GradStats], manifest: dict) -> None:
+def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -> None:
+    """The checkpoint's cross statistics must belong to the probe's own zero-output block."""
+    _, stream, name = key
+    spec = getattr(probe, "cross", None)
+    if spec is None:
+        raise FusedStatsError(
+            f"checkpoint holds cross-gradient statistics at point {name!r} ({stream}), but this "
+            "probe was built without cross=; build it with the CrossSpec of the checkpointed run")
+    if mine is not None:
+        diffs = [d for d in loaded.differences(mine) if not d.startswith("device")]
+    else:  # compare with the block the probe would build at this point
+        diffs = []
+        if loaded.activation != spec.activation:
+            diffs.append(f"activation {loaded.activation!r} vs {spec.activation!r}")
+        try:
+            w_in = spec.projection(loaded.dim, dtype=loaded.w_in.dtype)
+        except FusedStatsError as exc:
+            diffs.append(str(exc))
+        else:
+            if tuple(w_in.shape) != tuple(loaded.w_in.shape):
+                diffs.append(f"rank {loaded.rank} vs {w_in.shape[0]}")
+            elif not torch.equal(w_in.cpu(), loaded.w_in.cpu()):
+                diffs.append("w_in values (another seed or w_in)")
+        unit = getattr(probe, "unit", None)
+        if loaded.unit is not None and unit is not None and loaded.unit != unit:
+            diffs.append(f"unit {loaded.unit!r} vs {unit!r}")
+    if diffs:
+        raise FusedStatsError(
+            f"checkpoint cross statistics at point {name!r} ({stream}) are not those of this "
+            "probe's block; they differ in (checkpoint vs probe) " + "; ".join(diffs))
+
+
+def _install(probe, accs: dict, manifest: dict) -> None:
     """Put loaded accumulators into the probe, after checking all of them (all or nothing)."""
-    current = probe_accumulators(probe)
+    accs = _keyed(accs)
+    current = probe_state(probe)
     points = getattr(probe, "points", None)
     for key, loaded in accs.items():
-        stream, name = key
+        kind, stream, name = key
         if points is not None and name not in points:
             raise FusedStatsError(
                 f"checkpoint point {name!r} ({stream}) is not a point of this probe; its points: "
                 f"{list(points)}")
         if stream not in STREAMS:
             raise FusedStatsError(f"checkpoint stream {stream!r} is not one of {tuple(STREAMS)}")
-        if getattr(probe, STREAMS[stream], None) is None:
-            raise FusedStatsError(f"the probe has no {STREAMS[stream]!r} for stream {stream!r}")
         mine = current.get(key)
-        if mine is not None and (mine.dim, mine.second_moment, mine.pool_capacity) != (
+        if kind == "cross":
+            _check_cross_fits(probe, key, loaded, mine)
+        attr = KINDS[kind][1][stream]
+        if getattr(probe, attr, None) is None:
+            raise FusedStatsError(f"the probe has no {attr!r} for stream {stream!r}")
+        if kind == "grad" and mine is not None and (
+                mine.dim, mine.second_moment, mine.pool_capacity) != (
                 loaded.dim, loaded.second_moment, loaded.pool_capacity):
             raise FusedStatsError(
                 f"checkpoint point {name!r} ({stream}) has dim={loaded.dim}, "
                 f"second_moment={loaded.second_moment!r}, pool_capacity={loaded.pool_capacity}; the "
                 f"probe's has dim={mine.dim}, second_moment={mine.second_moment!r}, "
                 f"pool_capacity={mine.pool_capacity}")
+    if getattr(probe, "cross", None) is not None:
+        # samples without their cross statistics: a resumed |C|^2 would miss those batches
+        lacking = [f"{name} ({stream})" for kind, stream, name in accs
+                   if kind == "grad" and accs[(kind, stream, name)].n
+                   and ("cross", stream, name) not in accs]
+        if lacking:
+            raise FusedStatsError(
+                f"the checkpoint holds samples at {lacking} but no cross-gradient statistics there "
+                "(written by a probe without cross=?); this probe has cross= and would report "
+                "|C|_F^2 of only the batches after the resume")
     extra = sorted(set(current) - set(accs))
     if any(current[key].n for key in extra):
         raise FusedStatsError(
-            f"the probe holds data at {[f'{s}:{n}' for s, n in extra if current[(s, n)].n]}, which "
+            f"the probe holds data at {[_label(k) for k in extra if current[k].n]}, which "
             "the checkpoint does not have (was it written by a probe with other points?)")
     counters = {}
     raw = manifest.get("probe") or {}
@@ -284,17 +392,17 @@ def _install(probe, accs: dict[tuple[str, str], GradStats], manifest: dict) -> N
     # ---- commit: nothing below rejects the checkpoint
     backend = getattr(probe, "backend", None)
     for key, loaded in accs.items():
-        stream, name = key
+        kind, stream, name = key
         mine = current.get(key)
         if mine is None:
             if backend is not None:
                 loaded.backend = backend
-            getattr(probe, STREAMS[stream])[name] = loaded
+            getattr(probe, KINDS[kind][1][stream])[name] = loaded
         else:
             # in place, so references the probe keeps to its accumulators stay valid
             mine._adopt(loaded)
-    for key in extra:  # empty accumulators the checkpoint does not know
-        getattr(probe, STREAMS[key[0]]).pop(key[1])
+    for kind, stream, name in extra:  # empty accumulators the checkpoint does not know
+        getattr(probe, KINDS[kind][1][stream]).pop(name)
     for attr, value in counters.items():
         mine = getattr(probe, attr, None)
         if isinstance(mine, dict):
@@ -315,18 +423,19 @@ def _probe_device(probe):
 
 
 def load_probe_state(probe, directory, device=None) -> dict:
-    """Restore every accumulator of ``probe`` from the newest snapshot in ``directory``.
+    """Restore every accumulator of ``probe`` (GradStats and, with ``cross=``, CrossStats) from
+    the newest snapshot in ``directory``.
 
     Each state goes to the device of the probe's accumulator it replaces (else ``device``, else
     the probe's model's device, else CPU). Returns the manifest (``consumed``, the probe's
     counters under ``probe``, point names, ...). The probe is changed only if the whole snapshot
     reads and checks correctly.
     """
-    current = probe_accumulators(probe)
+    current = probe_state(probe)
     fallback = device if device is not None else _probe_device(probe)
 
-    def where(stream, name):
-        mine = current.get((stream, name))
+    def where(kind, stream, name):
+        mine = current.get((kind, stream, name))
         return mine.device if mine is not None and mine.device is not None else fallback
 
     manifest, accs = read_snapshot(directory, device=where)
@@ -381,10 +490,11 @@ def run_with_checkpoints(probe, batches, loss_fn, directory, every: int = 100,
 def merge_checkpoints(out_directory, directories) -> Path:
     """Merge the newest snapshots of several probe checkpoints (separate jobs) into a new one.
 
-    Every input must hold the same (stream, point) pairs; the accumulators of each pair are merged
-    exactly (:meth:`GradStats.merge`) and the result is written as a snapshot of ``out_directory``
-    whose manifest sums the inputs' ``consumed`` counts and lists them under ``merged_from``.
-    All inputs are read and checked before anything is written.
+    Every input must hold the same (kind, stream, point) entries; the accumulators of each are
+    merged exactly (:meth:`GradStats.merge`, :meth:`CrossStats.merge`) and the result is written
+    as a snapshot of ``out_directory`` whose manifest sums the inputs' ``consumed`` counts and
+    lists them under ``merged_from``. All inputs are read, checked and merged before anything is
+    written; an incompatible pair raises naming the point and the input.
     """
     directories = [Path(d) for d in directories]
     if not directories:
@@ -393,16 +503,21 @@ def merge_checkpoints(out_directory, directories) -> Path:
     keys = set(loaded[0][1])
     for directory, (_, accs) in zip(directories[1:], loaded[1:]):
         if set(accs) != keys:
-            missing = sorted(keys - set(accs))
-            extra = sorted(set(accs) - keys)
+            missing = sorted(_label(k) for k in keys - set(accs))
+            extra = sorted(_label(k) for k in set(accs) - keys)
             raise FusedStatsError(
                 f"checkpoint {str(directory)!r} does not hold the same points as "
                 f"{str(directories[0])!r}: missing {missing}, extra {extra}")
     merged = {}
     for key in sorted(keys):
         acc = loaded[0][1][key].copy()
-        for _, accs in loaded[1:]:
-            acc.merge(accs[key])
+        for directory, (_, accs) in zip(directories[1:], loaded[1:]):
+            try:
+                acc.merge(accs[key])
+            except FusedStatsError as exc:
+                raise FusedStatsError(
+                    f"merging point {_label(key)} of {str(directory)!r} into that of "
+                    f"{str(directories[0])!r}: {exc}") from exc
         merged[key] = acc
     consumed: dict[str, int] = {}
     counters = dict(loaded[0][0].get("probe") or {})

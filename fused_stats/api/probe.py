@@ -196,8 +196,6 @@ class Probe:
         self._callbacks: list = []
         self.cross_stats: dict = {}  # point -> CrossStats (train stream), when cross= is given
         self.test_cross_stats: dict = {}
-        if cross is not None:
-            self._callbacks.append(self._fold_cross)
 
     # ------------------------------------------------------------------ set-up helpers
     def _check_feature_dim(self, feature_dim):
@@ -241,28 +239,40 @@ class Probe:
             return self.test_stats
         raise FusedStatsError(f"stream must be one of {STREAMS}, got {stream!r}")
 
-    def _fold_cross(self, cap: PointCapture) -> None:
-        """The ``cross=`` callback: fold ``(q, z)`` of one point into its CrossStats, features last
-        and positions flattened to (B, P, d)."""
+    def _new_accumulator(self, stream: str, name: str, dim: int) -> GradStats:
+        """An empty GradStats with this probe's settings, named as the probe names its own
+        (train: the point's name, test: ``"<point> [test]"``)."""
+        return GradStats(int(dim), self.second_moment, self.pool_capacity, backend=self.backend,
+                         nonfinite="raise", name=name if stream == "train" else f"{name} [test]")
+
+    def _new_cross_accumulator(self, stream: str, name: str, dim: int, dtype=torch.float32,
+                               device=None):
+        """An empty CrossStats for this probe's block (``cross=``) at a point of width ``dim``;
+        ``dtype``: of ``W_in`` (fp64 for fp64 activations, else fp32), named like the GradStats."""
         from ..accumulators.cross_stats import CrossStats
 
-        accs = self.cross_stats if cap.stream == "train" else self.test_cross_stats
-        g = cap.grad.movedim(cap.feature_dim, -1)
-        z = cap.activation.movedim(cap.feature_dim, -1)
+        w_in = self.cross.projection(int(dim), dtype=dtype, device=device)
+        return CrossStats(int(dim), w_in, self.cross.activation, backend=self.backend,
+                          name=name if stream == "train" else f"{name} [test]")
+
+    def _cross_batch(self, name: str, stream: str, act: torch.Tensor, grad: torch.Tensor, mask,
+                     fd: int):
+        """``(CrossStats, CrossBatch)`` of one point for the ``cross=`` statistics, computed and
+        checked but not committed: features last, positions flattened to (B, P, d)."""
+        accs = self.cross_stats if stream == "train" else self.test_cross_stats
+        g = grad.movedim(fd, -1)
+        z = act.movedim(fd, -1)
         B, d = g.shape[0], g.shape[-1]
         P = math.prod(g.shape[1:-1])
         g, z = g.reshape(B, P, d), z.reshape(B, P, d)
-        m = cap.mask
+        m = mask
         if m is not None:
             m = m[:, None].expand(B, P) if m.dim() == 1 else m.reshape(B, P)
-        acc = accs.get(cap.point)
+        acc = accs.get(name)
         if acc is None:
-            w_dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
-            w_in = self.cross.projection(d, dtype=w_dtype, device=z.device)
-            name = cap.point if cap.stream == "train" else f"{cap.point} [test]"
-            acc = CrossStats(d, w_in, self.cross.activation, backend=self.backend, name=name)
-            accs[cap.point] = acc
-        acc.update(g, z, m, unit=cap.unit)
+            acc = self._new_cross_accumulator(
+                stream, name, d, torch.float64 if z.dtype == torch.float64 else torch.float32, z.device)
+        return acc, acc.prepare(g, z, m, unit=self.unit, allow_nonfinite=True)
 
     def saturation(self, point: str, alpha: float = 0.05, stream: str = "train"):
         """The depth-saturation test at ``point`` (:class:`~fused_stats.Saturation`): unbiased
@@ -403,7 +413,12 @@ class Probe:
         return dict(zip(self.points, grads))
 
     def _fold(self, accs, stream, capture, grads, positions_mask) -> None:
-        """Validate every point, then update all accumulators (all or nothing)."""
+        """Validate every point, then update all accumulators (all or nothing).
+
+        With ``cross=`` the cross-gradient sums of every point are computed and checked in the
+        validation pass too, so a step that any accumulator of any point would reject (e.g. a
+        non-finite activation at a counted position, which only the cross statistics see) changes
+        none of them."""
         unit = self.unit
         fresh: dict[str, GradStats] = {}
         plan = []
@@ -423,9 +438,7 @@ class Probe:
                     raise FusedStatsError(
                         f"point {name!r}: output shape {tuple(act.shape)} gives dim {dim}, but the "
                         f"other stream has dim {self.dims[name]}")
-                acc = GradStats(int(dim), self.second_moment, self.pool_capacity, backend=self.backend,
-                                nonfinite="raise",
-                                name=name if stream == "train" else f"{name} [test]")
+                acc = self._new_accumulator(stream, name, dim)
                 fresh[name] = acc
             # the accumulator's own validation, run before any accumulator changes
             gv, mv = acc._as_batch(g, m, unit, fd if unit != "flat" else -1)
@@ -450,15 +463,31 @@ class Probe:
                     raise FusedStatsError(
                         f"pool at point {name!r} ({stream}) holds {acc.n} samples; {count} more "
                         f"exceed pool_capacity={limit}; nothing was accumulated")
-            plan.append((name, acc, g, m, fd, act))
+            cross = None
+            if self.cross is not None:
+                cross = self._cross_batch(name, stream, act.detach(), g, m, fd)
+                if cross[1].n and not cross[0].is_finite(cross[1]):
+                    if self.nonfinite == "skip":
+                        self.skipped_steps[stream] += 1
+                        return
+                    raise FusedStatsError(
+                        f"non-finite cross-gradient sums at point {name!r} ({stream} stream): NaN/Inf "
+                        f"in the activation (shape {tuple(act.shape)}, dtype {act.dtype}) or the "
+                        "gradient at a counted position, or values so large that they overflow; "
+                        "nothing was accumulated. Pass nonfinite='skip' to skip such steps")
+            plan.append((name, acc, g, m, fd, act, cross))
         # ---- commit
-        for name, acc, g, m, fd, act in plan:
+        cross_accs = self.cross_stats if stream == "train" else self.test_cross_stats
+        for name, acc, g, m, fd, act, cross in plan:
             acc.update(g, m, unit=unit, feature_dim=fd if unit != "flat" else -1)
             accs.setdefault(name, acc)
             self.feature_dims[name] = fd
             self.dims[name] = acc.dim
+            if cross is not None:
+                cross[0].commit(cross[1], unit)
+                cross_accs.setdefault(name, cross[0])
         self.steps[stream] += 1
-        for name, acc, g, m, fd, act in plan:
+        for name, acc, g, m, fd, act, cross in plan:
             for fn in self._callbacks:
                 fn(PointCapture(name, stream, act.detach(), g, m, unit, fd))
 
@@ -522,6 +551,29 @@ class Probe:
             if bar is not None:
                 bar.close()
         return done
+
+    # ------------------------------------------------------------------ scale-out (issue 5)
+    def all_reduce(self, group=None) -> "Probe":
+        """Sum every accumulator (GradStats and, with ``cross=``, CrossStats; both streams) and the
+        step counters over the ranks of ``group`` (a collective):
+        :func:`fused_stats.api.distributed_probe.all_reduce_probe`."""
+        from .distributed_probe import all_reduce_probe
+
+        return all_reduce_probe(self, group)
+
+    def save_state(self, directory):
+        """Checkpoint every accumulator into ``directory`` (atomic snapshot; returns its folder):
+        :func:`fused_stats.api.checkpoint.save_probe_state`."""
+        from .checkpoint import save_probe_state
+
+        return save_probe_state(self, directory)
+
+    def load_state(self, directory) -> dict:
+        """Restore every accumulator from the newest snapshot in ``directory`` (all or nothing;
+        returns its manifest): :func:`fused_stats.api.checkpoint.load_probe_state`."""
+        from .checkpoint import load_probe_state
+
+        return load_probe_state(self, directory)
 
     # ------------------------------------------------------------------ results
     def _acc(self, point: str, stream: str = "train") -> GradStats:

@@ -1,12 +1,16 @@
 """``fused-stats merge``: merge accumulator states written by separate jobs (offline shard merge).
 
-``fused-stats merge OUT.safetensors IN1.safetensors IN2.safetensors ...`` loads every
-:meth:`GradStats.save` file, merges them exactly (shift to a common centre and add; DESIGN
-section 2) and saves the result atomically: the merged state equals that of one accumulator fed
-every shard's samples. With directories, ``fused-stats merge OUT_DIR IN_DIR1 IN_DIR2 ...`` merges
-probe checkpoints (:func:`fused_stats.api.checkpoint.merge_checkpoints`) point by point and stream
-by stream. Everything is read and checked before anything is written; an existing output that is
-not one of the inputs is replaced only with ``--force``.
+``fused-stats merge OUT.safetensors IN1.safetensors IN2.safetensors ...`` loads every saved state,
+merges them exactly and saves the result atomically: the merged state equals that of one
+accumulator fed every shard's samples. :meth:`GradStats.save` files merge by shifting to a common
+centre and adding (DESIGN section 2); :meth:`CrossStats.save` files (the depth probe's
+cross-gradient sums) merge by adding every sum, and only if they describe the same zero-output
+block (dim, rank, activation, ``w_in``) with the same unit. The kind is read from each file's
+metadata; all inputs must be of one kind. With directories, ``fused-stats merge OUT_DIR IN_DIR1
+IN_DIR2 ...`` merges probe checkpoints (:func:`fused_stats.api.checkpoint.merge_checkpoints`) point
+by point and stream by stream, cross statistics included. Everything is read and checked before
+anything is written; an existing output that is not one of the inputs is replaced only with
+``--force``.
 """
 
 from __future__ import annotations
@@ -16,21 +20,45 @@ from pathlib import Path
 
 def register(sub) -> None:
     cmd = sub.add_parser(
-        "merge", help="merge GradStats state files (or probe checkpoint directories) from separate jobs",
-        description="Merge saved accumulator states exactly: OUT = IN1 + IN2 + ... (all files, or "
-                    "all probe checkpoint directories).")
+        "merge", help="merge GradStats / CrossStats state files (or probe checkpoint directories) "
+                      "from separate jobs",
+        description="Merge saved accumulator states exactly: OUT = IN1 + IN2 + ... (all GradStats "
+                    "files, all CrossStats files, or all probe checkpoint directories).")
     cmd.add_argument("out", help="output .safetensors file (or checkpoint directory)")
     cmd.add_argument("inputs", nargs="+", help="input state files (or checkpoint directories)")
     cmd.add_argument("--force", action="store_true", help="replace an existing output")
     cmd.set_defaults(func=cmd_merge)
 
 
-def merge_files(out, inputs):
-    """Load, merge and save ``GradStats`` files; returns the merged accumulator."""
+def _state_class(inputs):
+    """GradStats or CrossStats, from the files' metadata (all inputs must agree)."""
     from ..accumulators import GradStats
+    from ..accumulators.cross_stats import FORMAT as CROSS_FORMAT
+    from ..accumulators.cross_stats import CrossStats
+    from ..accumulators.persistence import FORMAT as GRAD_FORMAT
+    from ..accumulators.persistence import peek_format
     from ..errors import FusedStatsError
 
-    accs = [GradStats.load(path) for path in inputs]  # all read and checked before any merge
+    classes = {GRAD_FORMAT: GradStats, CROSS_FORMAT: CrossStats}
+    formats = [peek_format(path) for path in inputs]
+    unknown = [f"{str(p)!r} ({f!r})" for p, f in zip(inputs, formats) if f not in classes]
+    if unknown:
+        raise FusedStatsError(
+            f"merge: not fused_stats state files: {unknown}; expected format {GRAD_FORMAT!r} or "
+            f"{CROSS_FORMAT!r}")
+    if len(set(formats)) > 1:
+        raise FusedStatsError(
+            "merge: inputs hold different kinds of state: "
+            f"{[f'{str(p)!r}: {f}' for p, f in zip(inputs, formats)]}")
+    return classes[formats[0]]
+
+
+def merge_files(out, inputs):
+    """Load, merge and save ``GradStats`` (or ``CrossStats``) files; returns the merged accumulator."""
+    from ..errors import FusedStatsError
+
+    cls = _state_class(inputs)
+    accs = [cls.load(path) for path in inputs]  # all read and checked before any merge
     merged = accs[0]
     for path, acc in zip(inputs[1:], accs[1:]):
         try:
@@ -39,6 +67,14 @@ def merge_files(out, inputs):
             raise FusedStatsError(f"merging {str(path)!r} into {str(inputs[0])!r}: {exc}") from exc
     merged.save(out)
     return merged
+
+
+def _describe(acc) -> str:
+    from ..accumulators.cross_stats import CrossStats
+
+    if isinstance(acc, CrossStats):
+        return f"cross (rank {acc.rank}, {acc.activation}, unit {acc.unit})"
+    return acc.mode
 
 
 def cmd_merge(args) -> int:
@@ -52,7 +88,7 @@ def cmd_merge(args) -> int:
     kinds = {p.is_dir() for p in inputs}
     if len(kinds) > 1:
         raise FusedStatsError(
-            "merge: mix of files and directories; give either GradStats state files or probe "
+            "merge: mix of files and directories; give either state files or probe "
             f"checkpoint directories, got {[str(p) for p in inputs]}")
     same = any(out.resolve() == p.resolve() for p in inputs)
     if out.exists() and not same and not args.force:
@@ -66,11 +102,14 @@ def cmd_merge(args) -> int:
         _, accs = read_snapshot(out)
         print(f"merged {len(inputs)} probe checkpoints into {snap}")
         print(f"{'stream':<8}{'point':<32}{'n':>10}  mode")
-        for (stream, name), acc in sorted(accs.items()):
-            print(f"{stream:<8}{name:<32}{acc.n:>10}  {acc.mode}")
+        for (kind, stream, name), acc in sorted(
+                accs.items(), key=lambda item: (item[0][1], item[0][2], item[0][0] != "grad")):
+            print(f"{stream:<8}{name:<32}{acc.n:>10}  {_describe(acc)}")
         return 0
     if out.exists() and out.is_dir():
         raise FusedStatsError(f"merge: inputs are state files but {str(out)!r} is a directory")
     merged = merge_files(out, inputs)
-    print(f"merged {len(inputs)} states into {out}: n={merged.n}, dim={merged.dim}, mode={merged.mode}")
+    what = (f"mode={merged.mode}" if hasattr(merged, "mode")
+            else f"rank={merged.rank}, activation={merged.activation}")
+    print(f"merged {len(inputs)} states into {out}: n={merged.n}, dim={merged.dim}, {what}")
     return 0
