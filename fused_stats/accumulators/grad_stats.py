@@ -26,6 +26,7 @@ one state to the other's centre and adds (Chan et al.-style); with a shared cent
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 import torch
 
 from .. import ops
@@ -47,6 +48,27 @@ def auto_pool_limit(dim: int) -> int:
     while (n + 1) * dim + (n + 1) ** 2 <= dim * dim:
         n += 1
     return max(n, 0)
+
+
+def sums_finite(batch) -> bool:
+    """A NaN/Inf anywhere in a counted position makes A1 = Σ|y|² non-finite; values so large that
+    Σ|y|⁴ overflows would poison every later estimate just the same."""
+    return bool(torch.isfinite(torch.stack([batch.a1, batch.a2, batch.norm_sum])).all())
+
+
+@dataclass
+class PreparedBatch:
+    """A validated, reduced batch waiting for :meth:`GradStats.commit`."""
+
+    unit: str
+    base_n: int  # the accumulator's n when prepared: commit refuses a stale batch
+    centre: torch.Tensor | None
+    batch: ops.BatchSums | None
+    finite: bool
+
+    @property
+    def n(self) -> int:
+        return 0 if self.batch is None else self.batch.n
 
 
 class GradStats:
@@ -234,36 +256,69 @@ class GradStats:
         ``"sample"`` sums each sample's counted positions into one ``q``; ``"position"`` makes each
         counted position a sample; ``"flat"`` flattens each sample to one vector of size ``dim``.
         A rejected batch (error or ``nonfinite="skip"``) leaves the state unchanged.
+        Equivalent to ``commit(prepare(...))``.
+        """
+        self.commit(self.prepare(grad, mask, unit, feature_dim))
+
+    def prepare(self, grad: torch.Tensor, mask: torch.Tensor | None = None, unit: str = "sample",
+                feature_dim: int = -1) -> PreparedBatch:
+        """Validate and reduce a batch without changing the state.
+
+        Raises :class:`FusedStatsError` for anything :meth:`commit` could not take (shapes, dtype,
+        device, pool capacity); a non-finite batch comes back with ``finite=False`` and is handled
+        by :meth:`commit` according to ``nonfinite``. Several accumulators (the points of a probe)
+        can thus all be prepared before any of them is committed: all or nothing.
         """
         g, m = self._as_batch(grad, mask, unit, feature_dim)
         op_unit = "sample" if unit == "flat" else unit
+        empty = PreparedBatch(unit=unit, base_n=self.n, centre=None, batch=None, finite=True)
         if g.shape[0] == 0 or g.shape[1] == 0:
-            return
+            return empty
         if self.centre is None:
-            probe = ops.capture_reduce(g, m, torch.zeros(self.dim, dtype=F64, device=g.device),
+            first = ops.capture_reduce(g, m, torch.zeros(self.dim, dtype=F64, device=g.device),
                                        op_unit, self.backend)
-            if probe.n == 0:
-                return
-            if not self._finite(probe):
-                return
-            centre = probe.s / probe.n
+            if first.n == 0:
+                return empty
+            if not sums_finite(first):
+                return PreparedBatch(unit, self.n, None, first, finite=False)
+            centre = first.s / first.n
             if g.dtype != F64:  # exactly representable for the fp32 kernels (exact subtraction)
                 centre = centre.to(torch.float32).to(F64)
         else:
             centre = self.centre
         batch = ops.capture_reduce(g, m, centre, op_unit, self.backend)
-        if batch.n == 0 or not self._finite(batch):
-            return
-        new_rows = batch.valid_rows() if self.mode == "pool" else None
+        if batch.n == 0:
+            return empty
+        if not sums_finite(batch):
+            return PreparedBatch(unit, self.n, centre, batch, finite=False)
         limit = self.pool_limit
-        if (self.second_moment == "pool" and limit is not None and self.n + batch.n > limit):
+        if self.second_moment == "pool" and limit is not None and self.n + batch.n > limit:
             raise FusedStatsError(
                 f"pool{self._where()} holds {self.n} samples; {batch.n} more exceed "
                 f"pool_capacity={limit}. Use second_moment='auto' or 'dense', or a larger capacity")
-        # ---- commit: nothing below rejects the batch
+        return PreparedBatch(unit, self.n, centre, batch, finite=True)
+
+    def commit(self, prepared: PreparedBatch) -> None:
+        """Fold a batch returned by :meth:`prepare` (on this accumulator, with no update between)."""
+        if prepared.base_n != self.n:
+            raise FusedStatsError(
+                f"stale prepared batch{self._where()}: prepared at n={prepared.base_n}, the state "
+                f"now has n={self.n}; prepare it again")
+        batch = prepared.batch
+        if batch is None or batch.n == 0:
+            return
+        if not prepared.finite:
+            if self.nonfinite == "skip":
+                self.skipped_batches += 1
+                return
+            raise FusedStatsError(
+                f"non-finite gradient (NaN or Inf, or so large that |y|^4 overflows){self._where()} "
+                f"in a batch of {batch.n} samples; "
+                "nothing was accumulated. Pass nonfinite='skip' to skip such batches and count them")
+        # ---- nothing below rejects the batch
         if self.centre is None:
-            self._init_state(centre)
-        self.unit = unit
+            self._init_state(prepared.centre)
+        self.unit = prepared.unit
         self.n += batch.n
         self.s += batch.s
         self.t += batch.t
@@ -271,27 +326,14 @@ class GradStats:
         self.a2 += batch.a2
         self.norm_sum += batch.norm_sum
         torch.maximum(self.norm_max, batch.norm_max, out=self.norm_max)
+        limit = self.pool_limit
         if self.mode == "dense":
             ops.second_moment_update(self.S, batch.rows, self.backend)
         elif self.second_moment == "auto" and limit is not None and self.n > limit:
             self._to_dense()
             ops.second_moment_update(self.S, batch.rows, self.backend)
         else:
-            self._pool_append(new_rows)
-
-    def _finite(self, batch) -> bool:
-        # a NaN/Inf anywhere in a counted position makes A1 = Σ|y|² non-finite; values so large
-        # that Σ|y|⁴ overflows would poison every later estimate just the same
-        sums = torch.stack([batch.a1, batch.a2, batch.norm_sum])
-        if bool(torch.isfinite(sums).all()):
-            return True
-        if self.nonfinite == "skip":
-            self.skipped_batches += 1
-            return False
-        raise FusedStatsError(
-            f"non-finite gradient (NaN or Inf, or so large that |y|^4 overflows){self._where()} "
-            f"in a batch of {batch.n} samples; "
-            "nothing was accumulated. Pass nonfinite='skip' to skip such batches and count them")
+            self._pool_append(batch.valid_rows())
 
     def _pool_append(self, rows: torch.Tensor) -> None:
         cross = ops.gram_rows(rows, self.pool, self.backend)  # (B, N)

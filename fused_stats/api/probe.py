@@ -440,29 +440,17 @@ class Probe:
                         f"other stream has dim {self.dims[name]}")
                 acc = self._new_accumulator(stream, name, dim)
                 fresh[name] = acc
-            # the accumulator's own validation, run before any accumulator changes
-            gv, mv = acc._as_batch(g, m, unit, fd if unit != "flat" else -1)
-            finite = torch.isfinite(gv).all(dim=-1)
-            if mv is not None:
-                finite = finite | ~mv  # a NaN at an uncounted (padding) position does not matter
-            if not bool(finite.all()):
+            # the accumulator's own validation and reduction, before any accumulator changes
+            prepared = acc.prepare(g, m, unit, fd if unit != "flat" else -1)
+            if not prepared.finite:
                 if self.nonfinite == "skip":
                     self.skipped_steps[stream] += 1
                     return
                 raise FusedStatsError(
                     f"non-finite activation gradient at point {name!r} ({stream} stream, grad shape "
-                    f"{tuple(grad.shape)}, dtype {grad.dtype}); nothing was accumulated. Pass "
+                    f"{tuple(grad.shape)}, dtype {grad.dtype}): NaN/Inf at a counted position, or "
+                    "values so large that |q|^4 overflows; nothing was accumulated. Pass "
                     "nonfinite='skip' to skip such steps and count them")
-            limit = acc.pool_limit if self.second_moment == "pool" else None
-            if limit is not None:
-                if unit == "position":
-                    count = int(mv.sum()) if mv is not None else gv.shape[0] * gv.shape[1]
-                else:
-                    count = int(mv.any(dim=1).sum()) if mv is not None else gv.shape[0]
-                if acc.n + count > limit:
-                    raise FusedStatsError(
-                        f"pool at point {name!r} ({stream}) holds {acc.n} samples; {count} more "
-                        f"exceed pool_capacity={limit}; nothing was accumulated")
             cross = None
             if self.cross is not None:
                 cross = self._cross_batch(name, stream, act.detach(), g, m, fd)
@@ -475,11 +463,11 @@ class Probe:
                         f"in the activation (shape {tuple(act.shape)}, dtype {act.dtype}) or the "
                         "gradient at a counted position, or values so large that they overflow; "
                         "nothing was accumulated. Pass nonfinite='skip' to skip such steps")
-            plan.append((name, acc, g, m, fd, act, cross))
+            plan.append((name, acc, prepared, g, m, fd, act, cross))
         # ---- commit
         cross_accs = self.cross_stats if stream == "train" else self.test_cross_stats
-        for name, acc, g, m, fd, act, cross in plan:
-            acc.update(g, m, unit=unit, feature_dim=fd if unit != "flat" else -1)
+        for name, acc, prepared, g, m, fd, act, cross in plan:
+            acc.commit(prepared)
             accs.setdefault(name, acc)
             self.feature_dims[name] = fd
             self.dims[name] = acc.dim
@@ -487,7 +475,7 @@ class Probe:
                 cross[0].commit(cross[1], unit)
                 cross_accs.setdefault(name, cross[0])
         self.steps[stream] += 1
-        for name, acc, g, m, fd, act, cross in plan:
+        for name, acc, prepared, g, m, fd, act, cross in plan:
             for fn in self._callbacks:
                 fn(PointCapture(name, stream, act.detach(), g, m, unit, fd))
 
