@@ -1,4 +1,5 @@
-"""Shared test set-up: make ``tests/reference.py`` importable and give each test its own seed.
+"""Shared test set-up: make ``tests/reference.py`` importable, give each test its own seed and run
+the tiny test models on one thread.
 
 The references themselves live in ``tests/reference.py`` (independent of the package code).
 """
@@ -21,3 +22,13 @@ if str(TESTS) not in sys.path:  # so `import reference` works under any pytest i
 def gen(request) -> torch.Generator:
     """A torch generator seeded from the test's id: fresh inputs per test, reproducible per run."""
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tiny shapes run as fast on one thread, and a second OpenMP thread spinning on a shared, busy
+    2-core CI machine can slow them down tenfold; restored at the end of the session."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

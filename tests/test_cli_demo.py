@@ -27,14 +27,6 @@ from fused_stats.demo.corpus import StdlibCorpus  # noqa: E402
 from fused_stats.demo.experiment import DemoConfig, probe_model, train_model  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small models run as fast on one thread, and a second OpenMP thread spinning on a shared,
-    busy CI machine can slow them down tenfold; restored afterwards for other test modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def read_png(path):

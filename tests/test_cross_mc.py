@@ -32,12 +32,6 @@ from fused_stats.accumulators.cross_stats import CrossStats
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run_reps(q, z, w_in, activation="relu", alpha=0.05):

@@ -32,12 +32,6 @@ F64 = torch.float64
 VOCAB = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 PHI = {"gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),

@@ -37,12 +37,6 @@ GRAD_KEYS = ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool"
 SAT_FIELDS = ("cross_frob2", "cross_frob2_se", "cross_frob2_se_null", "z", "p_value")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------- synthetic data

@@ -33,12 +33,6 @@ F64 = torch.float64
 ETAS = [1.0, 0.3, 0.1, 0.03, 0.01, 1e-3]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Block(nn.Module):

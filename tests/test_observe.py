@@ -53,13 +53,6 @@ FIELDS = ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "trace_sigma", 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny shapes: thread hand-offs cost more than they save on a shared 2-core machine
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------- models and data

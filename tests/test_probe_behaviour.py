@@ -25,12 +25,6 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: threads only add hand-off latency
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_llama(seed=0):

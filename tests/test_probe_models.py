@@ -25,13 +25,6 @@ transformers.logging.set_verbosity_error()
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny shapes: thread hand-offs cost far more than they save (fp64 convs 100x slower on 2 busy cores)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def build_lm(kind: str, seed: int = 0):
