@@ -755,7 +755,8 @@ def _ddp_worker(rank, world, port, out_dir):
         model = Residual().double()
         ddp = DDP(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        probe = fs.Probe(model, points=["blocks.0", "blocks.1", "blocks.2"], second_moment="dense")
+        probe = fs.Probe(model, points=["blocks.0", "blocks.1", "blocks.2"], second_moment="dense",
+                         cross=fs.CrossSpec(rank=3, seed=5))
         log = fs.MonitorLog(Path(out_dir) / "ddp.jsonl" if rank == 0 else None, every=2, all_reduce=True)
         for x, y in ddp_data():
             xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
@@ -784,9 +785,13 @@ def test_ddp_local_stats_all_reduced(tmp_path):
     torch.manual_seed(0)
     model = Residual().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref = fs.Probe(model, points=["blocks.0", "blocks.1", "blocks.2"], second_moment="dense")
+    ref = fs.Probe(model, points=["blocks.0", "blocks.1", "blocks.2"], second_moment="dense",
+                   cross=fs.CrossSpec(rank=3, seed=5))
     for x, y in ddp_data():
-        ref.step((x, y), fs.classification_loss)
+        # each rank's half as its own step: the cross statistics' standard error uses pairs within
+        # a batch, so the reference must see the same batches as the ranks did
+        for half in zip(x.chunk(2), y.chunk(2)):
+            ref.step(half, fs.classification_loss)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -802,6 +807,10 @@ def test_ddp_local_stats_all_reduced(tmp_path):
                 if key != "trace_sigma":  # not a logged field
                     assert abs(logged["points"][p][key] - w) <= 1e-9 * abs(w), (p, key)
             assert got["est"][p]["n"] == 24 == logged["points"][p]["n"]
+            # the merged line carries the merged cross-gradient statistics too
+            sat = ref.saturation(p)
+            assert abs(logged["points"][p]["cross_frob2"] - sat.cross_frob2) <= 1e-9 * abs(sat.cross_frob2)
+            assert abs(logged["points"][p]["cross_frob2_se"] - sat.cross_frob2_se) <= 1e-9 * sat.cross_frob2_se
 
 
 # ----------------------------------------------------------------------------- examples

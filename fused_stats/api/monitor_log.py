@@ -34,17 +34,17 @@ written so far and a resumed run may append to the same file.
 
 With ``all_reduce=True`` (DDP), every rank must call the log at the same steps: copies of the
 accumulators are merged over the process group (the probe's own accumulators stay local, so later
-merges count nothing twice) and only rank 0 writes. Cross-gradient statistics are not part of
-``all_reduce_probe``, so a merged line carries no ``|C|`` fields.
+merges count nothing twice) and only rank 0 writes; with ``cross=`` the merged line carries the
+merged ``|C|`` fields too.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import time
-import types
 from pathlib import Path
 
 from ..errors import FusedStatsError
@@ -156,19 +156,18 @@ class MonitorLog:
         return rank == 0
 
     def _reduced(self, probe):
-        """A probe-shaped object holding merged COPIES of the probe's accumulators."""
+        """A shallow copy of the probe whose accumulators are merged COPIES of the probe's own."""
         from .distributed_probe import all_reduce_probe
 
-        shadow = types.SimpleNamespace(
-            points=list(probe.points), second_moment=probe.second_moment,
-            pool_capacity=probe.pool_capacity, backend=probe.backend, dims=dict(probe.dims),
-            stats={k: v.copy() for k, v in probe.stats.items()},
-            test_stats={k: v.copy() for k, v in probe.test_stats.items()},
-            steps=dict(probe.steps), skipped_steps=dict(probe.skipped_steps))
-        all_reduce_probe(shadow, self.group)
-        # estimates and saturation are read through the probe's own methods on the shadow
-        shadow._stream = lambda s: shadow.stats if s == "train" else shadow.test_stats
-        return shadow
+        shadow = copy.copy(probe)
+        for attr in ("stats", "test_stats", "cross_stats", "test_cross_stats"):
+            table = getattr(probe, attr, None)
+            if isinstance(table, dict):
+                setattr(shadow, attr, {k: v.copy() for k, v in table.items()})
+        for attr in ("steps", "skipped_steps", "dims"):
+            if isinstance(getattr(probe, attr, None), dict):
+                setattr(shadow, attr, dict(getattr(probe, attr)))
+        return all_reduce_probe(shadow, self.group)
 
 
 def point_record(probe, name: str, stream: str) -> dict:
