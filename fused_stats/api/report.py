@@ -41,6 +41,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
+from ..accumulators.persistence import write_atomic
 from ..errors import FusedStatsError
 
 FORMAT = "fused_stats.report"
@@ -94,18 +95,7 @@ def _decode(value):
 
 def _write_atomic(path: Path, text: str) -> None:
     """Temp file in the target folder, fsync, rename: a reader never sees a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(Path(path), text.encode("utf-8"))
 
 
 # ---------------------------------------------------------------------------- validation
