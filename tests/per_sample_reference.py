@@ -64,8 +64,8 @@ def lm_sample_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 def lm_reference(model, batch, points, unit, label_positions=False):
     """Per-point (n, d) per-sample vectors: one backward per sequence, its padding stripped.
 
-    ``unit="sample"``: the sum over the sequence's positions (only those whose label is not -100
-    if ``label_positions``); ``"position"``: each such position is a row.
+    ``unit="sample"``: the sum over the sequence's positions (only those whose next-token target
+    is not -100 if ``label_positions``); ``"position"``: each such position is a row.
     """
     model.eval()
     rows = {p: [] for p in points}
@@ -77,7 +77,10 @@ def lm_reference(model, batch, points, unit, label_positions=False):
         for p in points:
             g = grads[p][0]  # (length, d)
             if label_positions:
-                g = g[labels != -100]
+                # position t predicts token t+1: it counts when that target is supervised
+                emits = torch.zeros(length, dtype=torch.bool)
+                emits[:-1] = labels[1:] != -100
+                g = g[emits]
             if unit == "sample":
                 rows[p].append(g.sum(0, keepdim=True))
             else:

@@ -374,13 +374,21 @@ def test_conv1d_points_use_channel_axis(gen):
         R.assert_estimate_matches(probe.stats[p].estimate(), torch.cat(rows[p]), context=p)
 
 
+def emitting_positions(batch):
+    """Positions that predict a supervised token: labels[t+1] != -100, both t and t+1 real."""
+    labels, attn = batch["labels"], batch["attention_mask"] != 0
+    keep = torch.zeros(labels.shape, dtype=torch.bool)
+    keep[:, :-1] = (labels[:, 1:] != -100) & attn[:, :-1] & attn[:, 1:]
+    return keep
+
+
 # ---------------------------------------------------------------------------- masks
 def test_mask_forms_agree(gen):
     model = tiny_llama(5)
     batch = lm_batch(gen)
-    keep = (batch["labels"] != -100) & (batch["attention_mask"] != 0)
+    keep = emitting_positions(batch)
     results = []
-    for mask in ("labels", keep, keep.double(), lambda b: (b["labels"] != -100) & (b["attention_mask"] != 0)):
+    for mask in ("labels", keep, keep.double(), emitting_positions):
         probe = fs.Probe(model, unit="position", second_moment="dense")
         probe.step(batch, fs.causal_lm_loss, mask=mask)
         results.append(probe.stats["model.layers.1"].estimate())
@@ -401,7 +409,7 @@ def test_flat_unit_on_sequences_zeroes_padding(gen):
     batch = lm_batch(gen)
     probe = fs.Probe(model, unit="flat", second_moment="pool")
     probe.step(batch, fs.causal_lm_loss, mask="labels")
-    keep = (batch["labels"] != -100) & (batch["attention_mask"] != 0)
+    keep = emitting_positions(batch)
     rows = []
     for b in range(6):
         length = int(batch["attention_mask"][b].sum())
@@ -645,3 +653,17 @@ def test_fp32_model_and_no_grad_context(gen):
         assert est.ag_max == pytest.approx(float(r.max()), rel=1e-4)
         assert est.ag_mean == pytest.approx(float(r.mean()), rel=1e-4)
         assert est.trace_sigma == pytest.approx(R.u_targets(q)["trace_sigma"], rel=1e-4)
+
+
+def test_flat_unit_drops_a_sample_with_no_counted_position(gen):
+    model = tiny_llama(7)
+    batch = lm_batch(gen)
+    mask = batch["attention_mask"].clone()
+    mask[2] = 0  # sample 2 has no counted position: not a sample (as for unit="sample")
+    flat = fs.Probe(model, unit="flat", second_moment="pool")
+    flat.step(batch, fs.causal_lm_loss, mask=mask)
+    per_sample = fs.Probe(model, unit="sample", second_moment="pool")
+    per_sample.step(batch, fs.causal_lm_loss, mask=mask)
+    assert flat.stats["model.layers.0"].n == per_sample.stats["model.layers.0"].n == 5
+    rows = flat.stats["model.layers.0"].pool_rows()
+    assert (rows.norm(dim=1) > 0).all()

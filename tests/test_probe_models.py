@@ -106,13 +106,18 @@ def test_lm_labels_default_to_input_ids_with_padding_ignored(gen):
 
 
 def test_lm_position_label_mask_matches_reference(gen):
-    """mask='labels': only positions whose own label is not -100 are samples."""
+    """mask='labels': only positions that predict a supervised token (labels[t+1] != -100) are
+    samples; none of them has a zero gradient (the last real token, which predicts nothing, is out)."""
     model = build_lm("llama", seed=1)
     batch = lm_batch(gen, [6, 5, 6, 4, 6], 6, [2, 1, 3, 0, 2])
     probe = fs.Probe(model, unit="position", second_moment="pool")
     probe.step(batch, fs.causal_lm_loss, mask="labels")
     ref = R.lm_reference(model, batch, LM_POINTS["llama"], "position", label_positions=True)
-    assert ref["model.layers.0"].shape[0] == int(((batch["labels"] != -100)).sum())
+    lengths = batch["attention_mask"].sum(1).tolist()
+    targets = sum(int((batch["labels"][b, 1:n] != -100).sum()) for b, n in enumerate(lengths))
+    assert ref["model.layers.0"].shape[0] == targets == probe.stats["model.layers.0"].n
+    for p in LM_POINTS["llama"]:
+        assert (ref[p].norm(dim=1) > 0).all()
     for p in LM_POINTS["llama"]:
         R.assert_estimate_matches(probe.stats[p].estimate(), ref[p], context=f"labels {p}")
 

@@ -24,10 +24,14 @@ weight-gradient product (:mod:`fused_stats.api.hooks`). The model runs in ``eval
 ``requires_grad`` flags and every module's ``training`` flag are restored on every exit path.
 
 **Masks** (what counts as a position). ``mask=None`` (default): the batch's ``attention_mask``
-(B, T) if the batch is a mapping holding one, else every position. ``mask="labels"``: positions
-with ``attention_mask ≠ 0`` *and* ``labels[b, t] ≠ −100`` (HF convention: ``labels`` aligned with
-``input_ids``, so position ``t`` counts when token ``t`` itself is a supervised token; gradients at
-position ``t`` still include all later losses, as attention lets them depend on ``z_t``).
+(B, T) if the batch is a mapping holding one, else every position. ``mask="labels"``: the positions
+that emit a supervised prediction, exactly the target set of :func:`~fused_stats.causal_lm_loss`:
+position ``t`` counts when ``labels[b, t+1] ≠ −100`` and ``attention_mask`` is nonzero at ``t`` and
+``t+1`` (HF convention: ``labels`` aligned with ``input_ids``, the logits at ``t`` predict token
+``t+1``). The last position and the last real token before padding predict nothing and have an
+exactly zero gradient, so with ``unit="position"`` on causal LMs use ``mask="labels"``: the default
+counts them as zero samples. Gradients at a counted position still include all later losses, as
+attention lets them depend on ``z_t``.
 ``mask="none"``: every position. A (B, T) or (B,) tensor, or a callable ``batch -> tensor``:
 nonzero = counted; a (B,) mask selects whole samples. A sample with no counted position is not a
 sample.
@@ -310,12 +314,15 @@ class Probe:
         labels = batch.get("labels") if isinstance(batch, Mapping) else None
         if labels is None:
             raise FusedStatsError("mask='labels' needs a mapping batch with 'labels' (B, T)")
-        keep = labels != IGNORE_INDEX
+        # position t emits the prediction of token t+1 (the shift of causal_lm_loss)
+        keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+        keep[..., :-1] = labels[..., 1:] != IGNORE_INDEX
         if attn is not None:
             if tuple(attn.shape) != tuple(labels.shape):
                 raise FusedStatsError(
                     f"attention_mask {tuple(attn.shape)} and labels {tuple(labels.shape)} differ in shape")
-            keep = keep & (attn != 0)
+            real = attn != 0
+            keep[..., :-1] &= real[..., :-1] & real[..., 1:]
         return keep
 
     # ------------------------------------------------------------------ the step
@@ -500,11 +507,13 @@ class Probe:
 
     @staticmethod
     def _flat_masked(grad, m, fd):
-        """unit='flat': drop samples a (B,) mask excludes, zero uncounted positions."""
+        """unit='flat': drop samples a (B,) mask excludes and samples with no counted position
+        (not a sample, as for the other units), zero the uncounted positions of the others."""
         if m.dim() == 1:
             return grad[m]
         keep = m.unsqueeze(fd % grad.dim())
-        return torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+        zeroed = torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+        return zeroed[m.reshape(m.shape[0], -1).any(dim=1)]
 
     def run(self, batches, loss_fn, stream: str = "train", max_batches: int | None = None,
             mask=None, progress: bool = True) -> int:
