@@ -575,7 +575,8 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # a file rendezvous in the test's own folder: no port to race other jobs for
+    dist.init_process_group("gloo", init_method=f"file://{outdir}/rendezvous", rank=rank,
                             world_size=world)
     try:
         results = {"cases": {}, "mismatch": {}}

@@ -169,7 +169,8 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
 
     from fused_stats.api.distributed_probe import all_reduce_probe
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # a file rendezvous in the test's own folder: no port to race other jobs for
+    dist.init_process_group("gloo", init_method=f"file://{outdir}/rendezvous", rank=rank,
                             world_size=world)
     try:
         results = {}

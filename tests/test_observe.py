@@ -749,7 +749,8 @@ def _ddp_worker(rank, world, port, out_dir):
     from fused_stats.api.distributed_probe import all_reduce_probe
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # a file rendezvous in the test's own folder: no port to race other jobs for
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
         model = Residual().double()
