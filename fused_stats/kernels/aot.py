@@ -13,7 +13,9 @@ For each compiled kernel :func:`report` then gives
   (Hopper warpgroup MMA, wgmma), ``DMMA`` (fp64 MMA), ``FFMA``, ``LDL``/``STL`` (local memory).
 
 Which instruction each configuration must produce, and why, is :attr:`Spec.expect` (and
-bench/KERNELS.md). Run ``python -m fused_stats.kernels.aot`` for a table.
+bench/KERNELS.md). :func:`production_specs` covers capture-reduce, second moment, Gram rows and the
+two cross-gradient kernels (their configurations come from :func:`fused_stats.kernels.cross.aot_specs`).
+Run ``python -m fused_stats.kernels.aot`` for a table.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import tempfile
 
 import torch
 
-from . import capture, gram, second_moment
+from . import capture, cross, gram, second_moment
 from ._common import TORCH_TO_TL
 
 _TL_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -171,6 +173,8 @@ def production_specs(d: int = 4096, tokens: int = 65536) -> list[Spec]:
                             ACC_DTYPE=TORCH_TO_TL[f64 if dtype == f64 else f32],
                             PRECISION="tf32x3" if dtype == f32 else "ieee", BM=BM, BN=BN, BK=BK),
             num_warps=warps, num_stages=stages, expect=expect))
+    # cross-gradient (issue 4): stage 1 phi(Z W_in^T) and stage 2 Q_i^T Phi_i (both units), rank 64
+    specs.extend(cross.aot_specs(d=d, r=64, tokens=tokens))
     return specs
 
 
@@ -323,4 +327,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the package's module, not this __main__ copy: cross.aot_specs builds its Spec/Ptr from
+    # fused_stats.kernels.aot, and _signature tells pointers from integers by class
+    from fused_stats.kernels import aot as _aot
+
+    sys.exit(_aot.main())

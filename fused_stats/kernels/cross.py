@@ -28,13 +28,29 @@ groups, so ``φ(W_in z)`` exists only for one chunk at a time, never for all tok
    ``gram_rows`` calls (no d × r per position). The tuple sums of each (m × m) block come from the
    twin's :func:`~fused_stats.ops.cross_twin.tuple_sums` (O(m²) work in torch).
 
-Precision (DESIGN section 2): loads are cast to fp32 right away and the products are fp32 with
-``input_precision="ieee"`` (no TF32 at all); fp64 inputs (any of grad, act, w_in) run in fp64.
-Per-sample sums over positions are fp32 products; every sum over samples (``c_sum``,
-``sq_norm_sum``) is fp64. ``Σ |c_i|²`` is taken from the same fp32 ``c_i`` that enter ``c_sum``, so
-the unbiased ``|C|² = (|Σc|² − Σ|c|²)/(n(n−1))`` cancels consistently. The Gram blocks use
-``gram_rows`` as it is (``tf32x3`` for fp32 rows on a GPU, ~fp32 error): they feed only the
-standard error.
+Precision (DESIGN section 2: fp32 products are fine, plain TF32 is not). Loads are cast to the
+compute dtype right away; the tile products follow :func:`dot_precision` (the same rule as
+:mod:`.second_moment` and :mod:`.gram`):
+
+==================  ==================================  ======================================
+inputs              tile products (both stages)         on sm_90a
+==================  ==================================  ======================================
+bf16 / fp16 / fp32  fp32, ``input_precision="tf32x3"``  ``HGMMA`` (wgmma .tf32), 3 per product
+any of them fp64    fp64, ``input_precision="ieee"``    ``DMMA`` (Hopper has no fp64 wgmma)
+==================  ==================================  ======================================
+
+``tf32x3`` splits each fp32 operand as ``a = a_hi + a_lo`` (``a_hi`` = ``a`` rounded to TF32) and
+sums ``a_hi b_hi + a_hi b_lo + a_lo b_hi`` in fp32 (``|a_lo| <= 2^-11 |a|``): the dropped
+``a_lo b_lo`` and the TF32 rounding of the ``lo`` parts leave at most about ``3 · 2^-22`` of each
+product, a few times fp32's own ``2^-24`` rounding, with fp32 accumulation as before. Native bf16
+products (exact) do not apply: ``Φ`` is an fp32 activation output and ``W_in`` is fp32 or fp64.
+Under the interpreter ``tl.dot`` is a numpy fp32 (fp64) matmul whatever the precision.
+Per-sample sums over positions are fp32; every sum over samples (``c_sum``, ``sq_norm_sum``) is
+fp64. ``Σ |c_i|²`` is taken from the same fp32 ``c_i`` that enter ``c_sum``, so the unbiased
+``|C|² = (|Σc|² − Σ|c|²)/(n(n−1))`` cancels consistently. The Gram blocks use ``gram_rows`` as it
+is (also ``tf32x3`` for fp32 rows on a GPU; for ``"position"`` the gathered ``Q_g`` is upcast to
+fp64 when any input is fp64, so ``Σ |c_t|² = Σ |q_t|² |φ_t|²`` is fp64 then): they feed only the
+standard error, except that ``"position"`` takes ``Σ |c_t|²`` from their diagonals.
 
 Memory per chunk: ``Φ`` is ``rows × r`` and the per-sample ``c`` is ``m × d × r`` (fp32); chunks are
 sized by :data:`CHUNK_BYTES`.
@@ -55,17 +71,22 @@ from ..ops import cross_twin
 from ..ops.cross_twin import ACTIVATIONS, CrossBatch
 from ._common import SUM, cdiv, check_tensor, config_value, kernel, kernel_dtype, launch, sm_count
 from .gram import gram_rows
+from .second_moment import dot_precision
 
 IS_FUSED_KERNEL = True  # bench/gpu_check.py and the tests read this
 F64 = torch.float64
 F32 = torch.float32
 UNITS = ("sample", "position")
 
-# Hopper configurations, chosen so that nothing spills (checked by the sm_90a compile gate in
-# tests/test_cross_kernel.py). The products are ieee fp32 (FFMA), so larger tiles buy little.
-# stage 1 (BM, BN, BK, warps, stages) and stage 2 (BD, BR, BT, warps, stages) per compute dtype
-PHI_GPU = {F32: (64, 64, 32, 4, 2), F64: (64, 32, 16, 4, 2)}
-CROSS_GPU = {F32: (64, 64, 16, 8, 2), F64: (32, 64, 16, 8, 2)}
+# Hopper configurations: stage 1 (BM, BN, BK, warps, stages) and stage 2 (BD, BR, BT, warps,
+# stages) per compute dtype, chosen at compile time (no GPU) so that bf16 and fp32 inputs compile
+# to wgmma with no spills and no local memory (the sm_90a gate, tests/test_kernels_sm90.py; table
+# in bench/KERNELS.md). BN = BR = 64 = r: Z and Q are each read once per chunk. Stage 2 is
+# register-bound (a gathered BT x BD operand, the fp32 tile and its fp64 c_sum partial): 64 x 64
+# tiles over two warpgroups leave ~40 registers of headroom, while 128-wide tiles or BT = 64 at
+# 4 warps spill.
+PHI_GPU = {F32: (128, 64, 32, 8, 3), F64: (64, 64, 16, 4, 3)}
+CROSS_GPU = {F32: (64, 64, 32, 8, 3), F64: (32, 64, 16, 8, 3)}
 PHI_INTERPRETER = (16, 16, 16, 1, 1)
 CROSS_INTERPRETER = (16, 16, 16, 1, 1)
 ITEM_ROWS = 256  # unit="position": positions per stage-2 item (fp32 sum, then fp64)
@@ -77,7 +98,7 @@ def _phi_kernel(
     Z, W, ROWS, PHI,  # act (B, T, DIN) strided; w_in (R, DIN) strided; int32 row list; out (n_rows, R)
     n_rows, T, DIN, R,
     sz_b, sz_t, sz_d, sw_r, sw_d,
-    ACT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ACT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
@@ -100,7 +121,7 @@ def _phi_kernel(
                         other=0.0)
             w = tl.load(W + rn[None, :] * sw_r + k[:, None] * sw_d, mask=k_in[:, None] & n_in[None, :],
                         other=0.0)
-            x = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), x, input_precision="ieee")
+            x = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), x, input_precision=PRECISION)
         # the activation in the GEMM's epilogue: the pre-activations never leave registers
         if ACT == "gelu":
             phi = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
@@ -123,7 +144,7 @@ def _cross_kernel(
     # item offsets (n_items + 1); per-item c (n_items, D, R); (n_tiles, n_items) fp64; (splits, D, R) fp64
     n_items, items_per_split, T, D, R,
     sq_b, sq_t, sq_d,
-    STORE_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    STORE_C: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BD: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
 ):
     tile = tl.program_id(0).to(tl.int64)
@@ -156,7 +177,7 @@ def _cross_kernel(
                         other=0.0)
             p = tl.load(PHI + j[:, None] * R + rr[None, :], mask=j_in[:, None] & r_in[None, :],
                         other=0.0)
-            acc = tl.dot(tl.trans(q.to(DOT_DTYPE)), p.to(DOT_DTYPE), acc, input_precision="ieee")
+            acc = tl.dot(tl.trans(q.to(DOT_DTYPE)), p.to(DOT_DTYPE), acc, input_precision=PRECISION)
         acc64 = acc.to(tl.float64)
         csum += acc64
         if STORE_C:
@@ -184,7 +205,8 @@ def _phi(z, w, rows, activation, dot, cfg) -> torch.Tensor:
     launch(_phi_kernel, (cdiv(n_rows, BM), cdiv(r, BN)), z.device,
            z, w, rows, out, n_rows, T, din, r, z.stride(0), z.stride(1), z.stride(2),
            w.stride(0), w.stride(1),
-           ACT=activation, DOT_DTYPE=_TL[dot], BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+           ACT=activation, DOT_DTYPE=_TL[dot], PRECISION=dot_precision(dot), BM=BM, BN=BN, BK=BK,
+           num_warps=warps, num_stages=stages)
     return out
 
 
@@ -208,7 +230,7 @@ def _cross(q, phi, rows, seg, store_c, dot, cfg):
     launch(_cross_kernel, (n_tiles, n_split), device,
            q, phi, rows, seg, c, sq, part, n_items, per, T, d, r,
            q.stride(0), q.stride(1), q.stride(2),
-           STORE_C=store_c, DOT_DTYPE=_TL[dot], BD=BD, BR=BR, BT=BT,
+           STORE_C=store_c, DOT_DTYPE=_TL[dot], PRECISION=dot_precision(dot), BD=BD, BR=BR, BT=BT,
            num_warps=warps, num_stages=stages)
     return (c if store_c else None), (sq.sum() if store_c else None), part.sum(dim=0)
 
@@ -304,6 +326,8 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
             for g0 in range(0, s1 - s0, group_size):
                 g_rows = rows[g0:g0 + group_size]
                 qg = q[g_rows // T, g_rows % T]  # a copy of one group's rows only
+                if dot == F64:  # an fp64 act or W_in makes the whole computation fp64, |q|² too
+                    qg = qg.to(F64)
                 pg = phi[g0:g0 + group_size]
                 gq, gp = gram_rows(qg, qg), gram_rows(pg, pg)
                 sq_sum += (torch.diagonal(gq) * torch.diagonal(gp)).sum()
@@ -313,36 +337,40 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
 
 
 def aot_specs(d: int = 4096, r: int = 64, tokens: int = 65536, inputs=("bf16", "fp32", "fp64")):
-    """Production configurations of both kernels for the sm_90a compile gate (see
-    :mod:`fused_stats.kernels.aot`): bf16 or fp32 gradient/activation with fp32 ieee products
-    (FFMA) and fp64 inputs (DMMA)."""
+    """Production configurations of both kernels for the sm_90a compile gate
+    (:func:`fused_stats.kernels.aot.production_specs` includes them): bf16 or fp32
+    gradient/activation with fp32 ``tf32x3`` products (``HGMMA``), fp64 inputs in fp64 (``DMMA``).
+    ``tokens`` rows of width ``d`` in stage 1, rows of ``T = 2048`` positions in stage 2."""
     from .aot import Ptr, Spec
 
     bf16, f64, i32 = torch.bfloat16, F64, torch.int32
     T = 2048
     specs = []
-    for io, dot, expect in ((bf16, F32, ("FFMA",)), (F32, F32, ("FFMA",)), (f64, F64, ("DMMA",))):
+    for io, dot, expect in ((bf16, F32, ("HGMMA",)), (F32, F32, ("HGMMA",)), (f64, F64, ("DMMA",))):
         name = {bf16: "bf16", F32: "fp32", f64: "fp64"}[io]
         if name not in inputs:
             continue
+        prec = dot_precision(dot)
+        mma = "tf32x3 wgmma" if prec == "tf32x3" else "fp64 DMMA"
         BM, BN, BK, warps, stages = PHI_GPU[dot]
         specs.append(Spec(
             name=f"cross_phi_{name}_d{d}_r{r}", kernel=_phi_kernel,
-            args=dict(Z=Ptr(io), W=Ptr(F32 if io != f64 else f64), ROWS=Ptr(i32), PHI=Ptr(dot),
+            args=dict(Z=Ptr(io), W=Ptr(dot), ROWS=Ptr(i32), PHI=Ptr(dot),
                       n_rows=tokens, T=T, DIN=d, R=r, sz_b=T * d, sz_t=d, sz_d=1, sw_r=d, sw_d=1),
-            constexprs=dict(ACT="gelu", DOT_DTYPE=_TL[dot], BM=BM, BN=BN, BK=BK),
+            constexprs=dict(ACT="gelu", DOT_DTYPE=_TL[dot], PRECISION=prec, BM=BM, BN=BN, BK=BK),
             num_warps=warps, num_stages=stages, expect=expect,
-            note="stage 1: GEMM with the activation (gelu, erf) in the epilogue; ieee products"))
+            note=f"stage 1: Z W_in^T ({mma}), gelu (erf) in the epilogue"))
         BD, BR, BT, warps, stages = CROSS_GPU[dot]
         for store in (True, False):
             specs.append(Spec(
                 name=f"cross_{'sample' if store else 'position'}_{name}_d{d}_r{r}", kernel=_cross_kernel,
                 args=dict(Q=Ptr(io), PHI=Ptr(dot), ROWS=Ptr(i32), SEG=Ptr(i32), C_OUT=Ptr(dot),
-                          SQ_PART=Ptr(f64), CSUM_PART=Ptr(f64), n_items=256, items_per_split=32,
-                          T=T, D=d, R=r, sq_b=T * d, sq_t=d, sq_d=1),
-                constexprs=dict(STORE_C=store, DOT_DTYPE=_TL[dot], BD=BD, BR=BR, BT=BT),
+                          SQ_PART=Ptr(f64), CSUM_PART=Ptr(f64), n_items=256,
+                          items_per_split=32, T=T, D=d, R=r, sq_b=T * d, sq_t=d, sq_d=1),
+                constexprs=dict(STORE_C=store, DOT_DTYPE=_TL[dot], PRECISION=prec, BD=BD, BR=BR, BT=BT),
                 num_warps=warps, num_stages=stages, expect=expect,
-                note="stage 2: per-sample c_i = Q_i^T Phi_i, fp64 c_sum partials"))
+                note=(f"stage 2: c_i = Q_i^T Phi_i ({mma}), fp64 c_sum partials"
+                      + (", c_i and |c_i|^2 stored" if store else ""))))
     return specs
 
 
