@@ -345,3 +345,43 @@ def test_overflowing_fourth_power_is_rejected_and_state_unchanged():
     assert acc.n == 6
     for key, value in before.items():
         assert torch.equal(getattr(acc, key), value), key
+
+
+@pytest.mark.parametrize("mode,failing", [("dense", "second_moment_update"), ("pool", "gram_rows"),
+                                          ("auto", "second_moment_update")])
+def test_failure_inside_the_second_moment_leaves_the_state_consistent(mode, failing, monkeypatch):
+    # an allocation or kernel failure (e.g. CUDA out of memory) while the second moment is built
+    # must not leave n and the sums ahead of S / the pool: the second moment is built first
+    import fused_stats.ops as ops_layer
+
+    gen = torch.Generator().manual_seed(5)
+    acc = fs.GradStats(6, second_moment=mode)
+    acc.update(torch.randn(3, 6, generator=gen, dtype=torch.float64) + 0.5)
+    before = acc.copy()
+    big = torch.randn(8, 6, generator=gen, dtype=torch.float64)  # auto: 3 + 8 > 3 -> turns dense
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated out of memory")
+
+    monkeypatch.setattr(ops_layer, failing, broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        acc.update(big)
+    monkeypatch.undo()
+    assert acc.n == before.n and acc.mode == before.mode
+    for key in ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram"):
+        a, b = getattr(acc, key), getattr(before, key)
+        assert (a is None and b is None) or torch.equal(a, b), key
+    acc.update(big)  # and it still works afterwards
+    assert acc.n == 11
+
+
+def test_saved_state_has_ordinary_file_permissions(tmp_path):
+    # mkstemp creates owner-only files; a saved state should be readable like any file the user writes
+    acc = fs.GradStats(3)
+    acc.update(torch.randn(5, 3, dtype=torch.float64))
+    old = os.umask(0o022)
+    try:
+        acc.save(tmp_path / "state.safetensors")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "state.safetensors").stat().st_mode & 0o777 == 0o644

@@ -214,6 +214,8 @@ class GradStats:
         if grad.dim() < 2:
             raise FusedStatsError(
                 f"grad{w} must have shape (B, d) or (B, *positions, d), got {tuple(grad.shape)}")
+        if not isinstance(feature_dim, int) or isinstance(feature_dim, bool):
+            raise FusedStatsError(f"feature_dim must be an int, got {feature_dim!r}")
         fd = feature_dim if feature_dim >= 0 else grad.dim() + feature_dim
         if not 1 <= fd < grad.dim():
             raise FusedStatsError(
@@ -239,7 +241,8 @@ class GradStats:
             m = mask.reshape(B, g.shape[1])
         else:
             raise FusedStatsError(
-                f"mask{w} has shape {tuple(mask.shape)}; expected {(B, *positions)} or {(B,)} "
+                f"mask{w} has shape {tuple(mask.shape)}; expected "
+                f"{f'{(B, *positions)} or ' if positions else ''}{(B,)} "
                 f"for grad of shape {tuple(grad.shape)} with feature_dim={feature_dim}")
         if m.dtype != torch.bool:
             if m.is_floating_point() and not torch.isfinite(m).all():
@@ -315,9 +318,11 @@ class GradStats:
                 f"non-finite gradient (NaN or Inf, or so large that |y|^4 overflows){self._where()} "
                 f"in a batch of {batch.n} samples; "
                 "nothing was accumulated. Pass nonfinite='skip' to skip such batches and count them")
-        # ---- nothing below rejects the batch
+        # ---- nothing below rejects the batch. The second moment goes first: it is the part that
+        # allocates and runs kernels, so if it fails (e.g. out of memory) the sums still agree
         if self.centre is None:
             self._init_state(prepared.centre)
+        self._add_second_moment(batch.n, rows=batch.valid_rows() if self.mode == "pool" else batch.rows)
         self.unit = prepared.unit
         self.n += batch.n
         self.s += batch.s
@@ -326,16 +331,32 @@ class GradStats:
         self.a2 += batch.a2
         self.norm_sum += batch.norm_sum
         torch.maximum(self.norm_max, batch.norm_max, out=self.norm_max)
-        limit = self.pool_limit
-        if self.mode == "dense":
-            ops.second_moment_update(self.S, batch.rows, self.backend)
-        elif self.second_moment == "auto" and limit is not None and self.n > limit:
-            self._to_dense()
-            ops.second_moment_update(self.S, batch.rows, self.backend)
-        else:
-            self._pool_append(batch.valid_rows())
 
-    def _pool_append(self, rows: torch.Tensor) -> None:
+    def _add_second_moment(self, count: int, rows: torch.Tensor | None = None,
+                           dense: torch.Tensor | None = None) -> None:
+        """Add ``count`` samples' ``rows`` (centred at this centre) or another dense ``S`` to the
+        second moment, before ``n`` grows; ``auto`` turns dense when the pool would pass its limit.
+        New tensors are built completely before any attribute is assigned."""
+        if self.mode == "dense":
+            if rows is not None:
+                ops.second_moment_update(self.S, rows, self.backend)
+            else:
+                self.S += dense
+            return
+        limit = self.pool_limit
+        if rows is None or (self.second_moment == "auto" and limit is not None
+                            and self.n + count > limit):
+            S = self._dense_from_pool()
+            if rows is not None:
+                ops.second_moment_update(S, rows, self.backend)
+            else:
+                S += dense
+            self.S, self.pool, self.gram, self.mode = S, None, None, "dense"
+            return
+        self.pool, self.gram = self._appended(rows)
+
+    def _appended(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool and its Gram matrix with ``rows`` appended (new tensors; state untouched)."""
         cross = ops.gram_rows(rows, self.pool, self.backend)  # (B, N)
         inner = ops.gram_rows(rows, rows, self.backend)  # (B, B)
         N, B = self.pool.shape[0], rows.shape[0]
@@ -344,12 +365,15 @@ class GradStats:
         gram[N:, :N] = cross
         gram[:N, N:] = cross.T
         gram[N:, N:] = inner
-        self.gram = gram
-        self.pool = torch.cat([self.pool, rows.to(F64)], dim=0)
+        return torch.cat([self.pool, rows.to(F64)], dim=0), gram
 
-    def _to_dense(self) -> None:
+    def _dense_from_pool(self) -> torch.Tensor:
         S = torch.zeros(self.dim, self.dim, dtype=F64, device=self.device)
         ops.second_moment_update(S, self.pool, self.backend)
+        return S
+
+    def _to_dense(self) -> None:
+        S = self._dense_from_pool()
         self.S, self.pool, self.gram, self.mode = S, None, None, "dense"
 
     # ------------------------------------------------------------------ centring
@@ -451,7 +475,8 @@ class GradStats:
         if self.unit and other.unit and self.unit != other.unit:
             raise FusedStatsError(f"cannot merge unit={other.unit!r} into unit={self.unit!r}")
         if self.device is not None and other.device is not None and self.device != other.device:
-            raise FusedStatsError(f"cannot merge state on {other.device} into state on {self.device}")
+            raise FusedStatsError(
+                f"cannot merge state on {other.device} into state on {self.device}{self._where()}")
         if self.second_moment == "pool" and other.n and other.mode == "dense":
             raise FusedStatsError("cannot merge a dense accumulator into a second_moment='pool' one")
 
@@ -464,7 +489,8 @@ class GradStats:
         if self.second_moment == "pool" and self.pool_limit is not None \
                 and self.n + other.n > self.pool_limit:
             raise FusedStatsError(
-                f"merge would put {self.n + other.n} samples in a pool of capacity {self.pool_limit}")
+                f"merge would put {self.n + other.n} samples ({self.n} + {other.n}) in the "
+                f"pool{self._where()} of capacity {self.pool_limit}")
         theirs = other.copy()
         if self.n == 0:
             skipped = self.skipped_batches
@@ -478,6 +504,11 @@ class GradStats:
             self.skipped_batches += skipped
             return self
         theirs._recentre(self.centre)
+        # second moment first (allocations, kernels), then the sums: see commit()
+        if theirs.mode == "pool":
+            self._add_second_moment(theirs.n, rows=theirs.pool)
+        else:
+            self._add_second_moment(theirs.n, dense=theirs.S)
         self.n += theirs.n
         self.s += theirs.s
         self.t += theirs.t
@@ -486,22 +517,6 @@ class GradStats:
         self.norm_sum += theirs.norm_sum
         torch.maximum(self.norm_max, theirs.norm_max, out=self.norm_max)
         self.skipped_batches += theirs.skipped_batches
-        if self.mode == "pool" and theirs.mode == "pool":
-            limit = self.pool_limit
-            if self.second_moment == "auto" and limit is not None and self.n > limit:
-                self._to_dense()
-                ops.second_moment_update(self.S, theirs.pool, self.backend)
-            else:
-                old = self.pool
-                self._pool_append(theirs.pool)
-                del old
-        else:
-            if self.mode == "pool":
-                self._to_dense()
-            if theirs.mode == "pool":
-                ops.second_moment_update(self.S, theirs.pool, self.backend)
-            else:
-                self.S += theirs.S
         return self
 
     def _adopt(self, other: "GradStats") -> None:

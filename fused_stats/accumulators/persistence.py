@@ -46,7 +46,17 @@ def tensors_checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str] | No
     return digest.hexdigest()
 
 
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
 def write_atomic(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` so that a reader sees the old file or the whole new one: a
+    temporary file in the same folder, fsync'ed, given the permissions an ordinary new file would
+    get (mkstemp makes it owner-only), renamed over ``path``, then the folder fsync'ed so the
+    rename itself survives a crash."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -55,11 +65,22 @@ def write_atomic(path: Path, payload: bytes) -> None:
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    try:
+        folder = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # e.g. a platform without directory handles: the rename is done either way
+        return
+    try:
+        os.fsync(folder)
+    except OSError:
+        pass
+    finally:
+        os.close(folder)
 
 
 def state_to_tensors(acc) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
