@@ -108,7 +108,7 @@ class CrossStats:
 
     def __init__(self, dim: int, w_in: torch.Tensor, activation: str = "gelu", device=None,
                  backend: str = "auto", name: str | None = None, group_size: int = 256):
-        from ..ops.cross_twin import ACTIVATIONS
+        from ..contracts import ACTIVATIONS
 
         if activation not in ACTIVATIONS:
             raise FusedStatsError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -289,7 +289,7 @@ class CrossStats:
         """Read a state written by :meth:`save` onto ``device`` (default CPU). The file's format,
         version, checksum, every tensor's shape/dtype and the counts are checked; loading never
         executes code."""
-        from ..ops.cross_twin import ACTIVATIONS
+        from ..contracts import ACTIVATIONS
         from .persistence import read_checked
 
         tensors, meta = read_checked(path, FORMAT, VERSION)

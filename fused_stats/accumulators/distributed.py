@@ -224,7 +224,7 @@ _CROSS_UNITS = ("sample", "position")
 
 
 def _cross_info_row(acc) -> list[int]:
-    from ..ops.cross_twin import ACTIVATIONS
+    from ..contracts import ACTIVATIONS
 
     row = [0] * _C_NINFO
     row[_C_DIM], row[_C_RANK], row[_C_IN] = acc.dim, acc.rank, acc.in_dim
@@ -238,7 +238,7 @@ def _cross_info_row(acc) -> list[int]:
 
 def _check_cross_agreement(acc, infos: torch.Tensor) -> None:
     """Raise (identically on every rank) unless the ranks hold statistics of the same block."""
-    from ..ops.cross_twin import ACTIVATIONS
+    from ..contracts import ACTIVATIONS
 
     where = acc._where()
     diffs = []

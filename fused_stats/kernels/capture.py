@@ -43,7 +43,7 @@ import torch
 import triton.language as tl
 
 from ..errors import FusedStatsError
-from ..ops.torch_twin import UNITS_CAPTURED, BatchSums
+from ..contracts import UNITS_CAPTURED, BatchSums
 from ._common import (
     MAX,
     SUM,

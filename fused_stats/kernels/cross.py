@@ -67,8 +67,7 @@ import torch
 import triton.language as tl
 
 from ..errors import FusedStatsError
-from ..ops import cross_twin
-from ..ops.cross_twin import ACTIVATIONS, CrossBatch
+from ..contracts import ACTIVATIONS, DEFAULT_GROUP_SIZE, CrossBatch, tuple_sums
 from ._common import SUM, cdiv, check_tensor, config_value, kernel, kernel_dtype, launch, sm_count
 from .gram import gram_rows
 from .second_moment import dot_precision
@@ -248,7 +247,7 @@ def _chunk_groups(group_size: int, per_group_bytes: int) -> int:
 
 def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None,
                  w_in: torch.Tensor, activation: str, unit: str,
-                 group_size: int = cross_twin.DEFAULT_GROUP_SIZE) -> CrossBatch:
+                 group_size: int = DEFAULT_GROUP_SIZE) -> CrossBatch:
     """Triton twin of :func:`fused_stats.ops.cross_twin.cross_reduce`: ``grad`` (B, T, d), ``act``
     (B, T, d_in), ``mask`` (B, T) or None, ``w_in`` (r, d_in). See the module docstring."""
     check_tensor(grad, "grad", 3)
@@ -285,7 +284,7 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
     p = [0, 0, 0]
 
     def add_block(k):
-        a, b, c, q2, q3, q4 = cross_twin.tuple_sums(k)
+        a, b, c, q2, q3, q4 = tuple_sums(k)
         for i, v in enumerate((a, b, c)):
             u[i] += v
         for i, v in enumerate((q2, q3, q4)):

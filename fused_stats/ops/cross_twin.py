@@ -19,26 +19,13 @@ Gram whenever T > r). ``unit="position"``: each unmasked position is a sample wi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
+from ..contracts import (  # noqa: F401  (re-exported)
+    ACTIVATIONS, DEFAULT_GROUP_SIZE, CrossBatch, tuple_sums)
+
 F64 = torch.float64
-ACTIVATIONS = ("gelu", "relu", "silu", "tanh", "identity", "constant")
-DEFAULT_GROUP_SIZE = 256
-
-
-@dataclass
-class CrossBatch:
-    n: int
-    c_sum: torch.Tensor  # (d, r) fp64
-    sq_norm_sum: torch.Tensor  # () fp64
-    u2: torch.Tensor  # () fp64: Σ_{i≠j} k_ij² within groups
-    u3: torch.Tensor  # () fp64: Σ_{i,j,k distinct} k_ij k_jk
-    u4: torch.Tensor  # () fp64: Σ_{i,j,k,l distinct} k_ij k_kl
-    p2: int
-    p3: int
-    p4: int
 
 
 def apply_activation(pre: torch.Tensor, activation: str) -> torch.Tensor:
@@ -56,23 +43,6 @@ def apply_activation(pre: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "constant":
         return torch.ones_like(pre)
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-
-
-def tuple_sums(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
-    """Sums of ``k_ij²``, ``k_ij k_jk``, ``k_ij k_kl`` over ordered distinct tuples of one group.
-
-    With ``H`` = ``k`` with its diagonal zeroed: ``Σ_{i≠j} h² = |H|_F²``;
-    ``Σ_{distinct i,j,k} h_ij h_jk = |H1|² − |H|_F²``; and, expanding ``(1ᵀH1)²`` by how two
-    ordered pairs overlap, ``Σ_{distinct i,j,k,l} h_ij h_kl = (1ᵀH1)² − 4·u3 − 2·u2``.
-    """
-    m = k.shape[0]
-    h = k.to(F64) - torch.diag(torch.diagonal(k).to(F64))
-    u2 = (h * h).sum()
-    row = h.sum(dim=1)
-    u3 = (row * row).sum() - u2
-    total = row.sum()
-    u4 = total * total - 4 * u3 - 2 * u2
-    return u2, u3, u4, m * (m - 1), m * (m - 1) * (m - 2), m * (m - 1) * (m - 2) * (m - 3)
 
 
 def fold_groups(k_blocks, d: int, r: int, n: int, c_sum: torch.Tensor) -> CrossBatch:

@@ -17,30 +17,9 @@ Second moment (6.2): ``S += Y^T Y``. Gram rows (6.2): ``Y_new Y_pool^T``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-UNITS_CAPTURED = ("sample", "position")
-
-
-@dataclass
-class BatchSums:
-    """What one capture-reduce pass returns; all sums are float64 on the input's device."""
-
-    rows: torch.Tensor  # (R, d) centred vectors; R = B ("sample") or B*T ("position")
-    valid: torch.Tensor  # (R,) bool: which rows are samples
-    n: int
-    s: torch.Tensor  # (d,)
-    t: torch.Tensor  # (d,)
-    a1: torch.Tensor  # ()
-    a2: torch.Tensor  # ()
-    norm_max: torch.Tensor  # ()
-    norm_sum: torch.Tensor  # ()
-
-    def valid_rows(self) -> torch.Tensor:
-        """The sample rows only, as float64 (what a pool stores)."""
-        return self.rows[self.valid].to(torch.float64)
+from ..contracts import UNITS_CAPTURED, BatchSums  # noqa: F401  (re-exported)
 
 
 def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor,
