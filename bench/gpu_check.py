@@ -553,7 +553,7 @@ def section_cross(run, ctx):
                 fn(*args)
                 torch.cuda.synchronize()
                 peak[who] = (torch.cuda.max_memory_allocated(ctx.device) - base) / 2**20
-            # the two GEMMs over counted positions (phi = Z W_in^T, then Q^T Phi), ieee fp32 FFMA
+            # the two GEMMs over counted positions (phi = Z W_in^T, then Q^T Phi), fp32 products as tf32x3 (HGMMA)
             tflops = 4 * int(mask.sum()) * d * r / (ms * 1e-3) / 1e12
             entry.update(ms=ms, twin_eager_ms=ms_twin, peak_extra_MiB=peak, gemm_TFLOPs=tflops)
             run.row("cross speed", f"{unit} ms", ms, "ms",
