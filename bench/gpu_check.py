@@ -67,7 +67,8 @@ def out_path(args) -> Path:
     else:
         base = ROOT / "bench" / "results"
     base.mkdir(parents=True, exist_ok=True)
-    return base / "gpu_check.json"
+    # a CPU dry run must never be mistaken for (or overwrite) the GPU results
+    return base / ("gpu_check_dry_run.json" if args.dry_run else "gpu_check.json")
 
 
 class Run:

@@ -382,7 +382,7 @@ def test_gpu_check_dry_run(tmp_path):
                          capture_output=True, text=True, timeout=300,
                          env={k: v for k, v in os.environ.items() if k != "OUT"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    doc = json.loads((tmp_path / "gpu_check_dry_run.json").read_text())
     sections = doc["sections"]
     assert all(s["status"] in ("ok", "skipped") for s in sections.values()), sections
     for name in ("capture_correctness", "second_moment", "gram"):
