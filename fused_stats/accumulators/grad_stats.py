@@ -324,13 +324,18 @@ class GradStats:
             self._init_state(prepared.centre)
         self._add_second_moment(batch.n, rows=batch.valid_rows() if self.mode == "pool" else batch.rows)
         self.unit = prepared.unit
-        self.n += batch.n
-        self.s += batch.s
-        self.t += batch.t
-        self.a1 += batch.a1
-        self.a2 += batch.a2
-        self.norm_sum += batch.norm_sum
-        torch.maximum(self.norm_max, batch.norm_max, out=self.norm_max)
+        self._add_sums(batch)
+
+    def _add_sums(self, part) -> None:
+        """Add the centred sums of ``part`` (a batch, or a state at this centre): all of them are
+        plain sums, and ``max |q|`` a maximum."""
+        self.n += part.n
+        self.s += part.s
+        self.t += part.t
+        self.a1 += part.a1
+        self.a2 += part.a2
+        self.norm_sum += part.norm_sum
+        torch.maximum(self.norm_max, part.norm_max, out=self.norm_max)
 
     def _add_second_moment(self, count: int, rows: torch.Tensor | None = None,
                            dense: torch.Tensor | None = None) -> None:
@@ -509,13 +514,7 @@ class GradStats:
             self._add_second_moment(theirs.n, rows=theirs.pool)
         else:
             self._add_second_moment(theirs.n, dense=theirs.S)
-        self.n += theirs.n
-        self.s += theirs.s
-        self.t += theirs.t
-        self.a1 += theirs.a1
-        self.a2 += theirs.a2
-        self.norm_sum += theirs.norm_sum
-        torch.maximum(self.norm_max, theirs.norm_max, out=self.norm_max)
+        self._add_sums(theirs)
         self.skipped_batches += theirs.skipped_batches
         return self
 

@@ -450,26 +450,19 @@ class Probe:
             # the accumulator's own validation and reduction, before any accumulator changes
             prepared = acc.prepare(g, m, unit, fd if unit != "flat" else -1)
             if not prepared.finite:
-                if self.nonfinite == "skip":
-                    self.skipped_steps[stream] += 1
-                    return
-                raise FusedStatsError(
-                    f"non-finite activation gradient at point {name!r} ({stream} stream, grad shape "
-                    f"{tuple(grad.shape)}, dtype {grad.dtype}): NaN/Inf at a counted position, or "
-                    "values so large that |q|^4 overflows; nothing was accumulated. Pass "
-                    "nonfinite='skip' to skip such steps and count them")
+                return self._skip_or_raise(
+                    stream, f"non-finite activation gradient at point {name!r} ({stream} stream, "
+                    f"grad shape {tuple(grad.shape)}, dtype {grad.dtype}): NaN/Inf at a counted "
+                    "position, or values so large that |q|^4 overflows")
             cross = None
             if self.cross is not None:
                 cross = self._cross_batch(name, stream, act.detach(), g, m, fd)
                 if cross[1].n and not cross[0].is_finite(cross[1]):
-                    if self.nonfinite == "skip":
-                        self.skipped_steps[stream] += 1
-                        return
-                    raise FusedStatsError(
-                        f"non-finite cross-gradient sums at point {name!r} ({stream} stream): NaN/Inf "
-                        f"in the activation (shape {tuple(act.shape)}, dtype {act.dtype}) or the "
-                        "gradient at a counted position, or values so large that they overflow; "
-                        "nothing was accumulated. Pass nonfinite='skip' to skip such steps")
+                    return self._skip_or_raise(
+                        stream, f"non-finite cross-gradient sums at point {name!r} ({stream} "
+                        f"stream): NaN/Inf in the activation (shape {tuple(act.shape)}, dtype "
+                        f"{act.dtype}) or the gradient at a counted position, or values so large "
+                        "that they overflow")
             plan.append((name, acc, prepared, g, m, fd, act, cross))
         # ---- commit
         cross_accs = self.cross_stats if stream == "train" else self.test_cross_stats
@@ -485,6 +478,14 @@ class Probe:
         for name, acc, prepared, g, m, fd, act, cross in plan:
             for fn in self._callbacks:
                 fn(PointCapture(name, stream, act.detach(), g, m, unit, fd))
+
+    def _skip_or_raise(self, stream: str, what: str) -> None:
+        """A step some point rejects: counted and skipped (``nonfinite="skip"``) or an error."""
+        if self.nonfinite == "skip":
+            self.skipped_steps[stream] += 1
+            return
+        raise FusedStatsError(f"{what}; nothing was accumulated. Pass nonfinite='skip' to skip such "
+                              "steps and count them")
 
     def _point_mask(self, name, act, fd, positions_mask):
         if positions_mask is None:
