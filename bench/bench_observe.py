@@ -29,43 +29,28 @@ The pytest-benchmark version (same model; not part of the test suite)::
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 import fused_stats as fs
+from _harness import apply_threads, build_llama, size_parser, sizes, write_result
 
 TRAIN = "train step"
 OBSERVED = "train step + observe"
 
 
-def build(hidden=256, layers=4, seq=128, batch=8, vocab=2048, seed=0, checkpointing=False):
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 8 * 8, num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 64, 1),
-        vocab_size=vocab, max_position_embeddings=seq)
-    model = transformers.LlamaForCausalLM(cfg).float().train()
+def build(checkpointing=False, **sizes):
+    model, batch = build_llama(**sizes)
+    model.train()
     if checkpointing:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    for b in range(0, batch, 4):  # a quarter of the sequences are padded
-        mask[b, seq * 3 // 4:] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return model, batch
 
 
 def make_probe(model, whole=False):
@@ -137,42 +122,19 @@ def print_table(result: dict) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=2048)
+    parser = size_parser(__doc__.split("\n")[0], rounds=12, out_name="observe_cpu.json")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--whole", action="store_true",
                         help="keep whole gradients (the path callbacks and cross= take)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (0: torch's default); 1 keeps the ratio stable on a busy machine")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "observe_cpu.json"))
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     result = measure(rounds=args.rounds, checkpointing=args.checkpointing, whole=args.whole,
-                     hidden=args.hidden,
-                     layers=args.layers, seq=args.seq, batch=args.batch, vocab=args.vocab)
+                     **sizes(args))
     print_table(result)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+    write_result(args.out, result)
 
 
 # ---------------------------------------------------------------------------- pytest-benchmark
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the script's default (module docstring)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def llama():
     model, batch = build()

@@ -28,35 +28,14 @@ The pytest-benchmark version (same model; not part of the test suite)::
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import fused_stats as fs
-
-
-def build(hidden=256, layers=4, seq=128, batch=8, vocab=2048, seed=0):
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 8 * 8, num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 64, 1),
-        vocab_size=vocab, max_position_embeddings=seq)
-    model = transformers.LlamaForCausalLM(cfg).float()
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    for b in range(0, batch, 4):  # a quarter of the sequences are padded
-        mask[b, seq * 3 // 4:] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+from _harness import apply_threads, build_llama, size_parser, sizes, write_result
 
 
 def train_step(model, batch):
@@ -75,7 +54,7 @@ def make_probe(model):
 
 
 def measure(rounds=10, warmup=2, **sizes) -> dict:
-    model, batch = build(**sizes)
+    model, batch = build_llama(**sizes)
     probe = make_probe(model)
     cases = {
         "train step (fwd + full bwd)": lambda: train_step(model, batch),
@@ -114,41 +93,17 @@ def print_table(result: dict) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (0: torch's default); 1 keeps the ratio stable on a busy machine")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "probe_cpu.json"))
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    result = measure(rounds=args.rounds, hidden=args.hidden, layers=args.layers, seq=args.seq,
-                     batch=args.batch, vocab=args.vocab)
+    args = size_parser(__doc__.split("\n")[0], rounds=10, out_name="probe_cpu.json").parse_args(argv)
+    apply_threads(args)
+    result = measure(rounds=args.rounds, **sizes(args))
     print_table(result)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+    write_result(args.out, result)
 
 
 # ---------------------------------------------------------------------------- pytest-benchmark
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the script's default (module docstring)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def llama():
-    return build()
+    return build_llama()
 
 
 @pytest.mark.benchmark(group="probe-vs-train")
