@@ -18,6 +18,11 @@ samples inside each batch, sums of ``k_ij²``, ``k_ij k_jk``, ``k_ij k_kl`` over
   and ``tr Σ_c² = E[k_ij²]`` under H0) and the Wilson–Hilferty cube-root normal approximation of
   the chi-square tail. ``saturated`` means H0 was not rejected at level ``alpha``; ``z`` is the
   equivalent standard-normal score.
+* Streams of one sample per batch (long-context probes) have no within-batch pairs, so a batch
+  holding exactly one sample is also paired with the previous such batch: ``k = <c_prev, c_now>``
+  of two independent samples adds ``2k²`` to the ``Σ k²`` sum (both orders) and 2 to its count —
+  another unbiased term of ``E[k_ij²]``. The previous single sample's ``c`` (d × r) is the only
+  state this needs (``carry``; saved, not summed in merges or all-reduce).
 
 Scale-out (issue 5). Every state entry is a plain sum over samples or over within-batch tuples —
 ``n``, ``batches``, ``Σ c_i``, ``Σ |c_i|_F²``, the three tuple sums ``u`` and their counts ``p`` — and
@@ -129,6 +134,7 @@ class CrossStats:
         self.u = torch.zeros(3, dtype=F64, device=self.device)  # Σ k², Σ k k', Σ k k''
         self.p = [0, 0, 0]
         self.unit: str | None = None  # set by the first batch with samples
+        self.carry: torch.Tensor | None = None  # c of the last batch if it held exactly one sample
 
     def _where(self) -> str:
         return f" at point {self.name!r}" if self.name else ""
@@ -195,6 +201,14 @@ class CrossStats:
         self.sq_norm_sum += batch.sq_norm_sum
         self.u += torch.stack([batch.u2, batch.u3, batch.u4])
         self.p = [self.p[0] + batch.p2, self.p[1] + batch.p3, self.p[2] + batch.p4]
+        if batch.n == 1:  # pair consecutive single-sample batches (module docstring)
+            if self.carry is not None:
+                k = (self.carry * batch.c_sum).sum()
+                self.u[0] += 2 * k * k
+                self.p[0] += 2
+            self.carry = batch.c_sum.clone()
+        else:
+            self.carry = None
 
     def update(self, grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None = None,
                unit: str = "sample") -> None:
@@ -247,7 +261,7 @@ class CrossStats:
     def _adopt(self, other: "CrossStats") -> None:
         """Take ``other``'s block and state (in place, so references to ``self`` stay valid)."""
         for key in ("dim", "rank", "in_dim", "activation", "group_size", "device", "w_in", "n",
-                    "batches", "unit", "c_sum", "sq_norm_sum", "u", "p"):
+                    "batches", "unit", "c_sum", "sq_norm_sum", "u", "p", "carry"):
             setattr(self, key, getattr(other, key))
 
     def copy(self) -> "CrossStats":
@@ -255,6 +269,7 @@ class CrossStats:
                          self.name, self.group_size)
         out.n, out.batches, out.unit, out.p = self.n, self.batches, self.unit, list(self.p)
         out.c_sum, out.sq_norm_sum, out.u = self.c_sum.clone(), self.sq_norm_sum.clone(), self.u.clone()
+        out.carry = None if self.carry is None else self.carry.clone()
         return out
 
     def all_reduce(self, group=None) -> "CrossStats":
@@ -273,6 +288,8 @@ class CrossStats:
 
         tensors = {"w_in": self.w_in, "c_sum": self.c_sum, "sq_norm_sum": self.sq_norm_sum,
                    "u": self.u}
+        if self.carry is not None:
+            tensors["carry"] = self.carry
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         meta = {
             "format": FORMAT, "version": str(VERSION),
@@ -302,9 +319,13 @@ class CrossStats:
             p = [int(v) for v in state["p"]]
         except (KeyError, ValueError, TypeError) as exc:
             raise FusedStatsError(f"{where} has unreadable or invalid metadata: {exc}") from exc
-        if sorted(tensors) != sorted(TENSOR_KEYS):
-            raise FusedStatsError(f"{where} holds tensors {sorted(tensors)}, expected {sorted(TENSOR_KEYS)}")
+        if sorted(set(tensors) - {"carry"}) != sorted(TENSOR_KEYS):
+            raise FusedStatsError(
+                f"{where} holds tensors {sorted(tensors)}, expected {sorted(TENSOR_KEYS)} (and "
+                "optionally 'carry')")
         shapes = {"w_in": (rank, in_dim), "c_sum": (dim, rank), "sq_norm_sum": (), "u": (3,)}
+        if "carry" in tensors:
+            shapes["carry"] = (dim, rank)
         for key, shape in shapes.items():
             value = tensors[key]
             wanted = value.is_floating_point() if key == "w_in" else value.dtype == F64
@@ -327,6 +348,7 @@ class CrossStats:
         acc.c_sum = tensors["c_sum"].to(target)
         acc.sq_norm_sum = tensors["sq_norm_sum"].to(target)
         acc.u = tensors["u"].to(target)
+        acc.carry = tensors["carry"].to(target) if "carry" in tensors else None
         return acc
 
     def cross_frob2(self) -> float:
@@ -345,8 +367,9 @@ class CrossStats:
         n = self.n
         if self.p[0] == 0:
             raise FusedStatsError(
-                f"saturation test{self._where()} needs batches with at least 2 samples (for the "
-                f"standard error); got {self.batches} batches totalling n={n}")
+                f"saturation test{self._where()} needs two independent samples in one batch or in "
+                f"two consecutive single-sample batches (for the standard error); got "
+                f"{self.batches} batches totalling n={n}")
         e2 = float(self.u[0]) / self.p[0]
         m4 = float(self.u[2]) / self.p[2] if self.p[2] else max(value, 0.0) ** 2
         e3 = float(self.u[1]) / self.p[1] if self.p[1] else m4
