@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from fused_stats.accumulators.cross_stats import CrossStats
-from fused_stats.contracts import CrossBatch
 
 F64 = torch.float64
 
@@ -82,23 +81,26 @@ def test_save_load_mid_stream_keeps_the_pairing(gen, tmp_path):
 
 @pytest.mark.parametrize("alpha", [0.05])
 def test_level_with_batch_size_one_under_h0(alpha):
-    # H0: C = 0 with c_i = s_i * (a fixed-shape random matrix): sign s_i independent of the rest,
-    # so E[c] = 0, while |c_i| varies (a skewed, low-rank Σ_c). Batches of one sample each.
+    # H0: C = 0 through the full data path: q_t = s * v(z_t) with a random sign s per sample,
+    # independent of z, and v(z) = (z_1, z_2^2, 1 + z_1 z_2) depending on z, so q and
+    # phi(W_in z) are dependent (c_i is far from a product of independent factors) while
+    # E[c] = E[s] E[sum_t v(z_t) phi(W_in z_t)^T] = 0. A random W_in, gelu, T = 2 positions;
+    # every sample is its own batch fed with acc.update(q, z).
     gen = torch.Generator().manual_seed(2026)
-    d, r, n, reps = 3, 2, 200, 1500
-    w = torch.zeros(1, 1, dtype=F64)
+    d, din, r, T, n, reps = 3, 2, 2, 2, 200, 160
+    w_in = torch.randn(r, din, generator=gen, dtype=F64) / math.sqrt(din)
     rejected = 0
     for _ in range(reps):
-        acc = CrossStats(d, w.expand(r, 1).contiguous(), "identity")
-        base = torch.randn(n, d, r, generator=gen, dtype=F64)
-        base[:, 0, 0] += 1.0
+        acc = CrossStats(d, w_in, "gelu", backend="torch")
+        z = torch.randn(n, T, din, generator=gen, dtype=F64)
         sign = torch.randint(0, 2, (n, 1, 1), generator=gen).to(F64) * 2 - 1
-        cs = sign * base
-        for c in cs:
-            acc.commit(CrossBatch(n=1, c_sum=c, sq_norm_sum=(c * c).sum(), u2=torch.zeros((), dtype=F64),
-                                  u3=torch.zeros((), dtype=F64), u4=torch.zeros((), dtype=F64),
-                                  p2=0, p3=0, p4=0))
+        q = sign * torch.stack([z[..., 0], z[..., 1] ** 2, 1 + z[..., 0] * z[..., 1]], dim=-1)
+        for i in range(n):
+            acc.update(q[i:i + 1], z[i:i + 1])
+        assert acc.n == n and acc.p[0] == 2 * (n - 1)  # every consecutive pair used, nothing else
         rejected += not acc.saturation(alpha).saturated
     rate = rejected / reps
-    # within 2 points of the nominal level (Monte Carlo SE about 0.56 points here)
+    # Monte Carlo SE sqrt(alpha (1 - alpha) / reps) is 1.7 points at reps = 160 (the 200 update
+    # calls per replicate cost ~35 ms; more replicates would break the suite's time budget)
+    print(f"rejection rate {rate:.4f} at alpha={alpha}, reps={reps}")
     assert abs(rate - alpha) <= 0.02, rate
