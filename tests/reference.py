@@ -181,6 +181,10 @@ def near_zero_tolerances(regime: str, q, rel: float) -> dict[str, float]:
     given sample's exact value can sit arbitrarily close to 0, while every estimator computes it
     as a difference of terms of size mean|q|^2 (degree 2) or its square (degree 4). fp64 can only
     promise an error relative to those terms; tr(Sigma^2) is never ~0 and stays relative.
+
+    Only for comparisons whose REFERENCE is itself fp64 arithmetic with such cancellations (the
+    two-pass reference). Against the exact brute force, and between two package paths, the
+    package is held to a pure relative tolerance in every regime.
     """
     if regime not in ("mean_zero", "noise_1000x_mean"):
         return {}
