@@ -10,8 +10,10 @@ every counted position is a sample with ``c = q φᵀ``. The probe sees padded b
 steps; the comparison is to 1e-6 relative.
 
 Also: with ``activation="constant"`` (φ ≡ 1, rank 1) ``C = μ``, so ``|C|²`` equals the GradStats
-``mu_norm2`` at the same point; ``probe.saturation`` carries ``ag_max``/``ag_mean`` of the point's
-GradStats; the report data holds the saturation dicts; the Triton path (interpreter) gives the
+``mu_norm2`` at the same point; ``probe.saturation``'s ``ag_max``/``ag_mean`` against max/mean
+``|q_i|`` of the reference gradients, its SE against the plug-in Hoeffding variance and its null SE
+written out from the reference ``c_i`` (tuple sums by brute-force loops within each probed batch);
+the report data holds the saturation dicts; the Triton path (interpreter) gives the
 torch path's result inside the probe.
 """
 
@@ -113,20 +115,56 @@ def conv_rows(model, x, y, names):
     return rows
 
 
-def reference_cross(samples, w_in, activation, unit):
-    """``(|C|_F² as the mean over distinct ordered pairs, n)`` from per-sample (z, q)."""
-    cs = []
+def reference_cs(samples, w_in, activation, unit):
+    """The flattened ``c_i`` (rows, in sample order) and, alongside, the probe's ``q_i``:
+    ``Σ_t q_t`` per sample (``unit="sample"``) or one row per position."""
+    cs, qs = [], []
     for z, q in samples:
         phi = PHI[activation](z @ w_in.T)
         if unit == "sample":
             cs.append(sum(torch.outer(q[t], phi[t]) for t in range(q.shape[0])))
+            qs.append(q.sum(0))
         else:
             cs.extend(torch.outer(q[t], phi[t]) for t in range(q.shape[0]))
-    flat = torch.stack([c.reshape(-1) for c in cs])
+            qs.extend(q[t] for t in range(q.shape[0]))
+    return torch.stack([c.reshape(-1) for c in cs]), torch.stack(qs)
+
+
+def reference_cross(samples, w_in, activation, unit):
+    """``(|C|_F² as the mean over distinct ordered pairs, n)`` from per-sample (z, q)."""
+    flat, _ = reference_cs(samples, w_in, activation, unit)
     n = flat.shape[0]
     gram = flat @ flat.T
     off = ~torch.eye(n, dtype=torch.bool)
     return float(gram[off].mean()), n
+
+
+def reference_se(flat, batch_sizes):
+    """Plug-in Hoeffding SE of the U-statistic (cross_stats docstring; Hoeffding 1948):
+    ``Var = (4(n−2) ζ1 + 2 ζ2)/(n(n−1))``, ``ζ1 = E[k_ij k_jk] − m4``, ``ζ2 = E[k_ij²] − m4``,
+    ``m4 = E[k_ij k_kl]``, each expectation the average over ordered tuples of distinct indices
+    taken INSIDE each batch (brute-force loops), pooled over batches; also the null SE
+    ``sqrt(2 E[k_ij²]/(n(n−1)))``. Returns ``(Var, null SE, tuple sums, tuple counts)``."""
+    from itertools import permutations
+
+    sums, counts, start = [0.0, 0.0, 0.0], [0, 0, 0], 0
+    for size in batch_sizes:
+        k = (flat[start:start + size] @ flat[start:start + size].T).tolist()
+        start += size
+        for i, j in permutations(range(size), 2):
+            sums[0] += k[i][j] ** 2
+            counts[0] += 1
+        for i, j, l in permutations(range(size), 3):
+            sums[1] += k[i][j] * k[j][l]
+            counts[1] += 1
+        for i, j, l, m in permutations(range(size), 4):
+            sums[2] += k[i][j] * k[l][m]
+            counts[2] += 1
+    assert start == flat.shape[0] and min(counts) > 0
+    e2, e3, m4 = (s / c for s, c in zip(sums, counts))
+    n = flat.shape[0]
+    var = (4 * (n - 2) * (e3 - m4) + 2 * (e2 - m4)) / (n * (n - 1))
+    return var, math.sqrt(2 * e2 / (n * (n - 1))), sums, counts
 
 
 def assert_rel(got, want, rel, what):
@@ -138,16 +176,21 @@ def test_llama_cross_matches_per_sample_loop(unit, gen):
     model = build_llama()
     points = fs.residual_points(model)
     spec = fs.CrossSpec(rank=5, activation="gelu", seed=2)
-    lengths = [7, 4, 7, 3, 6, 7, 5] if unit == "sample" else [5, 3, 5, 4]
+    lengths = [7, 4, 7, 3, 6, 7, 5, 6, 2, 7, 4, 5] if unit == "sample" else [5, 3, 5, 4]
     batch = lm_batch(gen, lengths, max(lengths))
     test_batch = lm_batch(gen, [6, 2, 6, 5], 6)
     probe = fs.Probe(model, unit=unit, second_moment="dense", cross=spec)
-    for part in split(batch, [3, len(lengths) - 3]):
+    parts = split(batch, [3, len(lengths) - 3] if unit == "position" else [6, 6])
+    for part in parts:
         probe.step(part, fs.causal_lm_loss)
+    # the samples each step contributed: sequences, or counted positions (targets not -100)
+    batch_sizes = [part["input_ids"].shape[0] if unit == "sample"
+                   else int(part["attention_mask"].sum()) for part in parts]
     probe.step(test_batch, fs.causal_lm_loss, stream="test")
     assert model.training
     ref_train = lm_rows(model, batch, points)
     ref_test = lm_rows(model, test_batch, points)
+    positive = 0
     for p in points:
         w_in = spec.projection(12, dtype=F64)
         assert torch.equal(probe.cross_stats[p].w_in, w_in)
@@ -159,10 +202,25 @@ def test_llama_cross_matches_per_sample_loop(unit, gen):
         assert_rel(probe.test_cross_stats[p].cross_frob2(), want_t, 1e-6, f"llama {unit} {p} test")
         sat = probe.saturation(p)
         assert_rel(sat.cross_frob2, want, 1e-6, "saturation().cross_frob2")
-        est = probe.stats[p].estimate()
-        assert sat.ag_max == pytest.approx(est.ag_max, rel=1e-12)
-        assert sat.ag_mean == pytest.approx(est.ag_mean, rel=1e-12)
-        assert sat.n == n and sat.rank == 5 and sat.cross_frob2_se >= 0  # (plug-in variance may clip at 0)
+        flat, qs = reference_cs(ref_train[p], w_in, "gelu", unit)
+        norms = qs.norm(dim=1)  # AG = |q_i| of the per-sample (or per-position) gradients
+        assert_rel(sat.ag_max, float(norms.max()), 1e-9, f"ag_max {unit} {p}")
+        assert_rel(sat.ag_mean, float(norms.mean()), 1e-9, f"ag_mean {unit} {p}")
+        assert sat.n == n and sat.rank == 5
+        var, se_null, sums, counts = reference_se(flat, batch_sizes)
+        acc = probe.cross_stats[p]
+        assert list(acc.p) == counts, (acc.p, counts)
+        for got, want, what in zip(acc.u.tolist(), sums, ("k_ij^2", "k_ij k_jk", "k_ij k_kl")):
+            assert_rel(got, want, 1e-6, f"sum of {what} {unit} {p}")
+        assert_rel(sat.cross_frob2_se_null, se_null, 1e-6, f"cross_frob2_se_null {unit} {p}")
+        # with 3-6 samples per batch the plug-in variance can be negative; the SE is then 0
+        if var > 0:
+            assert_rel(sat.cross_frob2_se, math.sqrt(var), 1e-6, f"cross_frob2_se {unit} {p}")
+            positive += 1
+        else:
+            assert sat.cross_frob2_se == 0, (sat.cross_frob2_se, var)
+    if unit == "position":  # this data gives a positive plug-in variance at layers.0
+        assert positive >= 1
 
 
 @pytest.mark.parametrize("unit", ["sample", "position"])
