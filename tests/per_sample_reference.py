@@ -13,7 +13,11 @@
   ``d_jl = q_j − q_l`` (E[d d̃ᵀ]/2 = Σ) so that the large mean cancels before any product instead of
   after it, ``μᵀΣμ = avg q_iᵀ d_jl d_jlᵀ q_k / 2`` and ``tr(Σ²) = avg (d_ijᵀ d_kl)² / 4`` (both
   expand to ``U3 − U4`` and ``U2 − 2U3 + U4`` of DESIGN section 2). For n ≤ 12
-  :func:`reference.brute_force_targets` (exact rational arithmetic) is used instead.
+  :func:`reference.brute_force_targets` (exact rational arithmetic) is used instead; the fp64
+  averages are held to that brute force at n = 8 and 12 in ``test_estimators_bruteforce.py``.
+
+A point whose output the loss does not use, or whose gradient is identically zero, fails the
+reference loudly: a zero reference would agree with a probe that captured nothing.
 """
 
 from __future__ import annotations
@@ -44,9 +48,17 @@ def point_grads_one_sample(model, names, run_loss):
         for h in handles:
             h.remove()
     assert loss.dim() == 0
+    missing = [n for n in names if n not in outputs]
+    assert not missing, f"reference: modules {missing} never ran in the forward pass"
+    # allow_unused only so that a point off the loss path is reported by name below, never
+    # silently read as a zero gradient (which would agree with a probe that also drops it)
     grads = torch.autograd.grad(loss, [outputs[n] for n in names], allow_unused=True)
-    return {n: (torch.zeros_like(outputs[n]) if g is None else g).detach().to(F64)
-            for n, g in zip(names, grads)}
+    result = {}
+    for n, g in zip(names, grads):
+        assert g is not None, f"reference: the loss does not depend on the output of {n!r}"
+        assert bool(g.ne(0).any()), f"reference: the gradient at {n!r} is identically zero"
+        result[n] = g.detach().to(F64)
+    return result
 
 
 def lm_sample_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -85,7 +97,16 @@ def lm_reference(model, batch, points, unit, label_positions=False):
                 rows[p].append(g.sum(0, keepdim=True))
             else:
                 rows[p].append(g)
-    return {p: torch.cat(r) for p, r in rows.items()}
+    return _checked_rows(rows)
+
+
+def _checked_rows(rows: dict) -> dict[str, torch.Tensor]:
+    """Concatenate each point's rows, refusing a point whose rows are all zero: such a reference
+    cannot tell a correct probe from one that captured nothing."""
+    out = {p: torch.cat(r) for p, r in rows.items()}
+    for p, q in out.items():
+        assert q.shape[0] > 0 and bool(q.ne(0).any()), f"reference rows at {p!r} are all zero, {tuple(q.shape)}"
+    return out
 
 
 def classification_sample_loss(model, x: torch.Tensor, y: int) -> torch.Tensor:
@@ -171,4 +192,4 @@ def conv_reference(model, x, y, points, unit):
                 rows[p].append(g.permute(1, 2, 0).reshape(-1, g.shape[0]))
             else:
                 rows[p].append(g.reshape(1, -1))
-    return {p: torch.cat(r) for p, r in rows.items()}
+    return _checked_rows(rows)

@@ -135,3 +135,19 @@ def test_feature_dim_1_position_unit_with_mask(regime, gen):
     acc = fs.GradStats(C, second_moment="dense")
     acc.update(grad, mask=mask, unit="position", feature_dim=1)
     check(acc, q, regime, f"NCHW feature_dim=1 unit=position + mask, regime={regime}")
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("n", [8, 12])
+def test_fp64_u_targets_of_the_probe_reference_match_brute_force(regime, n, gen):
+    # per_sample_reference.u_targets hands n > 12 to its fp64 tuple averages (_fp64_u_targets),
+    # which nothing else checks: hold them to the exact brute force where both can run. Measured
+    # worst case over 20 seeds: 1.1e-14 relative (mu_sigma_mu, noise_1000x_mean).
+    from per_sample_reference import _fp64_u_targets
+
+    mu, L = population(5, regime, gen)
+    q = draw((n,), mu, L, gen)
+    want = brute_force_targets(q)
+    got = _fp64_u_targets(q)
+    assert_targets_close(got, want, 1e-12, context=f"_fp64_u_targets vs brute force, n={n}, {regime}")
+    assert got["trace_sigma"] == pytest.approx(want["trace_sigma"], rel=1e-12)
