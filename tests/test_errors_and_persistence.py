@@ -21,18 +21,25 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import fused_stats as fs
-from reference import assert_state_identical, draw, population, snapshot, state_tensors
+from reference import (assert_state_identical, assert_targets_close, brute_force_targets, draw,
+                       per_sample_vectors, population, snapshot, state_tensors)
 
 D = 6
 F64 = torch.float64
 
 
 def fed(mode: str, gen: torch.Generator, n: int = 20, **kwargs) -> fs.GradStats:
+    return fed_with_rows(mode, gen, n, **kwargs)[0]
+
+
+def fed_with_rows(mode: str, gen: torch.Generator, n: int = 20, **kwargs) -> tuple[fs.GradStats, torch.Tensor]:
+    """An accumulator fed ``n`` fresh rows in two batches, and those rows (fp64, for references)."""
     mu, L = population(D, "mean_like_noise", gen)
     acc = fs.GradStats(D, second_moment=mode, **kwargs)
-    acc.update(draw((n // 2,), mu, L, gen))
-    acc.update(draw((n - n // 2,), mu, L, gen))
-    return acc
+    rows = draw((n,), mu, L, gen)
+    acc.update(rows[: n // 2])
+    acc.update(rows[n // 2:])
+    return acc, rows
 
 
 def rejects(acc: fs.GradStats, call, *patterns: str) -> str:
@@ -108,7 +115,7 @@ def test_estimate_needs_four_samples(mode, gen):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_raise_by_default(mode, bad, gen):
-    acc = fed(mode, gen)
+    acc, rows = fed_with_rows(mode, gen, n=6)  # 6 + 5 accepted rows below: small enough for the brute force
     grad = torch.randn(5, 3, D, generator=gen, dtype=F64)
     grad[2, 1, 4] = bad
     rejects(acc, lambda: acc.update(grad), "non-finite", "nonfinite='skip'")
@@ -120,7 +127,11 @@ def test_non_finite_raise_by_default(mode, bad, gen):
     mask = torch.ones(5, 3, dtype=torch.bool)
     mask[2, 1] = False
     acc.update(grad, mask=mask)
-    assert acc.n == 25 and math.isfinite(acc.estimate().trace_sigma2)
+    # the accepted batch must count exactly its unmasked positions: the exact U-statistics of the
+    # earlier rows plus the loop-built per-sample sums of the new batch (the NaN position left out)
+    q = torch.cat([rows, per_sample_vectors(grad, mask, "sample")])
+    assert acc.n == 11 and q.shape[0] == 11
+    assert_targets_close(acc.estimate(), brute_force_targets(q), 1e-9, context=f"after a masked {bad}, mode={mode}")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -356,7 +367,8 @@ def test_failure_inside_the_second_moment_leaves_the_state_consistent(mode, fail
 
     gen = torch.Generator().manual_seed(5)
     acc = fs.GradStats(6, second_moment=mode)
-    acc.update(torch.randn(3, 6, generator=gen, dtype=torch.float64) + 0.5)
+    first = torch.randn(3, 6, generator=gen, dtype=torch.float64) + 0.5
+    acc.update(first)
     before = acc.copy()
     big = torch.randn(8, 6, generator=gen, dtype=torch.float64)  # auto: 3 + 8 > 3 -> turns dense
 
@@ -371,8 +383,10 @@ def test_failure_inside_the_second_moment_leaves_the_state_consistent(mode, fail
     for key in ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram"):
         a, b = getattr(acc, key), getattr(before, key)
         assert (a is None and b is None) or torch.equal(a, b), key
-    acc.update(big)  # and it still works afterwards
+    acc.update(big)  # and it still works afterwards: exactly the 11 rows, nothing of the failed try
     assert acc.n == 11
+    assert_targets_close(acc.estimate(), brute_force_targets(torch.cat([first, big])), 1e-9,
+                         context=f"recovered after a failing {failing}, mode={mode}")
 
 
 def test_saved_state_has_ordinary_file_permissions(tmp_path):
