@@ -7,17 +7,22 @@ samples. ``fs.intervene`` at the middle block, both kinds, η from 1 down to 1e-
 
 Checked against independent references:
 
-* the inner product behind the prediction (``μ_Mᵀg_K`` or ``<C_M, C_K>_F``) against autograd:
-  insert the same zero parameter, take the gradient of the MEAN train loss and of the mean test
-  loss with respect to it (one backward each), and their dot product;
+* a hand reference (``hand_reference``, no package code): a forward hook written here adds the
+  zero bias / ``W_out φ(W_in z)`` (the test's own ``W_in``, φ from its formula) to the point's
+  output; autograd gives the gradients of the MEAN train and test losses w.r.t. the inserted
+  parameter (one backward each) in eval mode; the inner product behind the prediction
+  (``μ_Mᵀg_K`` or ``<C_M, C_K>_F``) is their dot product (rel 1e-9); setting the parameter to
+  ``−η g_M`` and taking the mean test loss minus the base loss gives every row's ``measured``
+  (rel 1e-9), and ``predicted`` must be ``−η · inner``;
 * the base loss against the unmodified model's mean test loss;
-* measured and predicted agree in sign at every η, ``|ratio − 1|`` shrinks with η, and the ratio is
-  in [0.95, 1.05] at the smallest η (the remainder of the first-order prediction is O(η));
+* measured and predicted agree in sign at every η, ``|ratio − 1|`` shrinks with η, the ratio is
+  in [0.95, 1.05] at the smallest η (the remainder of the first-order prediction is O(η)) and
+  ``|ratio − 1| > 1e-3`` at η = 1 (the measurement is not trivially first order);
 * the model is left exactly as it was (state dict, module tree, hooks, training and requires_grad
   flags), also when the loss function fails half-way.
 
 A conv net (CIFAR ResNet, untrained, random batch-norm statistics) checks the NCHW wiring
-(channels as features) of both kinds the same way at small η.
+(channels as features) of both kinds against the same hand reference.
 """
 
 from __future__ import annotations
@@ -102,22 +107,46 @@ def assert_unchanged(model, before):
     assert [p.requires_grad for p in model.parameters()] == req
 
 
-def autograd_inner(model, point, train, test, kind, spec):
-    """<∂L_M/∂θ, ∂L_K/∂θ> for the inserted zero parameter θ, mean losses, eval mode."""
-    block = fs.insert_zero_block(model, point, kind=kind, spec=spec)
-    param = block.bias if kind == "bias" else block.w_out
+PHI = {"gelu": lambda x: 0.5 * x * (1 + torch.erf(x / 2 ** 0.5)), "relu": lambda x: x.clamp(min=0)}
+
+
+def hand_reference(model, point, train, test, kind, w_in, activation, etas, feature_dim):
+    """Everything behind ``fs.intervene`` redone by hand (no package code): a forward hook adds
+    ``b`` or ``W_out φ(W_in z)`` (features on ``feature_dim``) to the point's output, with the
+    parameter θ a plain zero tensor; in eval mode the gradients of the MEAN train and test losses
+    w.r.t. θ (one backward each) give ``g_M``, ``g_K`` and ``inner = <g_M, g_K>``; the base loss is
+    the mean test loss at θ = 0, and for each η the mean test loss at θ = −η g_M minus it is the
+    measured change. Returns ``(inner, base, [measured per η])``."""
+    d = w_in.shape[1]
+    theta = torch.zeros(d if kind == "bias" else (d, w_in.shape[0]), dtype=F64, requires_grad=True)
+
+    def hook(module, args, out):
+        if kind == "bias":
+            shape = [1] * out.dim()
+            shape[feature_dim] = d
+            return out + theta.view(shape)
+        zz = out.movedim(feature_dim, -1)
+        return out + (PHI[activation](zz @ w_in.T) @ theta.T).movedim(-1, feature_dim)
+
+    def mean_loss(batches):
+        return sum(loss_fn(model, b).sum() for b in batches) / sum(b[1].shape[0] for b in batches)
+
+    handle = model.get_submodule(point).register_forward_hook(hook)
     was = model.training
     model.eval()
     try:
-        grads = []
-        for batches in (train, test):
-            total = sum(loss_fn(model, b).sum() for b in batches)
-            count = sum(b[1].shape[0] for b in batches)
-            grads.append(torch.autograd.grad(total / count, param)[0])
+        g_m = torch.autograd.grad(mean_loss(train), theta)[0]
+        g_k = torch.autograd.grad(mean_loss(test), theta)[0]
+        with torch.no_grad():
+            base = float(mean_loss(test))
+            measured = []
+            for eta in etas:
+                theta.copy_(-eta * g_m)
+                measured.append(float(mean_loss(test)) - base)
     finally:
-        fs.remove_inserted_block(model, point)
+        handle.remove()
         model.train(was)
-    return float((grads[0] * grads[1]).sum())
+    return float((g_m * g_k).sum()), base, measured
 
 
 def plain_test_loss(model, test):
@@ -129,15 +158,21 @@ def plain_test_loss(model, test):
     return float(losses.mean())
 
 
-def check_rows(result, context):
+def check_rows(result, context, measured_ref):
+    """``measured_ref``: the hand reference's measured change per η (same order as the rows)."""
     rows = result.rows
     assert [r.eta for r in rows] == sorted((r.eta for r in rows), reverse=True)
-    for r in rows:
+    assert len(measured_ref) == len(rows)
+    for r, want in zip(rows, measured_ref):
+        assert r.predicted == pytest.approx(-r.eta * result.inner, rel=1e-15, abs=0), f"{context}: {r}"
+        assert r.measured == pytest.approx(want, rel=1e-9, abs=0), f"{context}: measured {r} vs {want}"
         assert r.measured != 0 and (r.measured > 0) == (r.predicted > 0), f"{context}: sign at eta={r.eta}: {r}"
         assert r.ratio == pytest.approx(r.measured / r.predicted, rel=1e-15)
     errs = [abs(r.ratio - 1) for r in rows]
     assert all(b <= a + 1e-9 for a, b in zip(errs, errs[1:])), f"{context}: |ratio-1| not shrinking: {errs}"
     assert 0.95 <= rows[-1].ratio <= 1.05, f"{context}: ratio {rows[-1].ratio} at eta={rows[-1].eta}"
+    # the largest step is visibly beyond first order: the measurement is not a copy of the prediction
+    assert abs(rows[0].ratio - 1) > 1e-3, f"{context}: ratio {rows[0].ratio} at eta={rows[0].eta}"
 
 
 @pytest.mark.parametrize("kind", ["bias", "block"])
@@ -146,16 +181,18 @@ def test_trained_resmlp_ratio_tends_to_one(trained, kind):
     model.train()
     model.head.bias.requires_grad_(False)  # flags of any kind must come back as they were
     before = state(model)
-    spec = fs.CrossSpec(rank=8, activation="gelu", seed=3)
+    w_in = torch.randn(8, 16, generator=torch.Generator().manual_seed(3), dtype=F64) / 4
+    spec = fs.CrossSpec(w_in=w_in, activation="gelu")
     result = fs.intervene(model, "blocks.1", train, test, ETAS, kind=kind, loss_fn=loss_fn, spec=spec)
     assert_unchanged(model, before)
     model.head.bias.requires_grad_(True)
     assert (result.M, result.K, result.kind, result.point) == (512, 256, kind, "blocks.1")
     assert result.base_loss == pytest.approx(plain_test_loss(model, test), rel=1e-13)
-    want = autograd_inner(model, "blocks.1", train, test, kind, spec)
+    want, base, measured = hand_reference(model, "blocks.1", train, test, kind, w_in, "gelu", ETAS, -1)
+    assert base == pytest.approx(plain_test_loss(model, test), rel=1e-13)  # the hook adds zeros
     assert result.inner == pytest.approx(want, rel=1e-9), (result.inner, want)
     assert abs(result.inner) > 1e-5  # a real signal
-    check_rows(result, f"resmlp {kind}")
+    check_rows(result, f"resmlp {kind}", measured)
     table = result.to_markdown()
     assert "| eta | predicted | measured | ratio |" in table and table.count("\n|") == len(ETAS) + 2  # header rule + rows
     assert result.to_dict()["rows"][0]["eta"] == 1.0
@@ -169,12 +206,19 @@ def test_resnet_conv_point(kind, gen):
     train = [(x[:8], y[:8]), (x[8:16], y[8:16])]
     test = [(x[16:], y[16:])]
     before = state(model)
-    spec = fs.CrossSpec(rank=3, activation="relu", seed=1)
-    result = fs.intervene(model, "layer2.1", train, test, [1e-1, 1e-2, 1e-3], kind=kind,
+    channels = model.layer2[1].conv2.out_channels  # the stream's width at layer2.1
+    w_in = torch.randn(3, channels, generator=gen, dtype=F64) / channels ** 0.5
+    spec = fs.CrossSpec(w_in=w_in, activation="relu")
+    etas = [1e-1, 1e-2, 1e-3]
+    result = fs.intervene(model, "layer2.1", train, test, etas, kind=kind,
                           loss_fn=fs.classification_loss, spec=spec)
     assert_unchanged(model, before)
-    assert result.inner == pytest.approx(
-        autograd_inner(model, "layer2.1", train, test, kind, spec), rel=1e-9)
+    want, base, measured = hand_reference(model, "layer2.1", train, test, kind, w_in, "relu", etas, 1)
+    assert result.inner == pytest.approx(want, rel=1e-9)
+    assert result.base_loss == pytest.approx(base, rel=1e-13)
+    for r, m in zip(result.rows, measured):
+        assert r.predicted == pytest.approx(-r.eta * result.inner, rel=1e-15, abs=0), r
+        assert r.measured == pytest.approx(m, rel=1e-9, abs=0), (r, m)
     assert 0.95 <= result.rows[-1].ratio <= 1.05, result.to_markdown()
     assert (result.rows[-1].measured > 0) == (result.rows[-1].predicted > 0)
 
