@@ -665,5 +665,20 @@ def test_flat_unit_drops_a_sample_with_no_counted_position(gen):
     per_sample = fs.Probe(model, unit="sample", second_moment="pool")
     per_sample.step(batch, fs.causal_lm_loss, mask=mask)
     assert flat.stats["model.layers.0"].n == per_sample.stats["model.layers.0"].n == 5
-    rows = flat.stats["model.layers.0"].pool_rows()
-    assert (rows.norm(dim=1) > 0).all()
+    # the kept rows, in order, against one backward per sequence (padding stripped), each flattened
+    # with its uncounted positions zeroed; sample 2 must be absent, not a zero row
+    want = []
+    for b in range(6):
+        if b == 2:
+            continue
+        length = int(batch["attention_mask"][b].sum())
+        g = R.point_grads_one_sample(model, ["model.layers.0"], lambda m: R.lm_sample_loss(
+            m, batch["input_ids"][b, :length], batch["labels"][b, :length]))["model.layers.0"][0]
+        full = torch.zeros(6, 16, dtype=torch.float64)
+        full[:length] = g
+        full[mask[b] == 0] = 0
+        want.append(full.reshape(1, -1))
+    want = torch.cat(want)
+    got = flat.stats["model.layers.0"].pool_rows()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12 * float(want.abs().max()))
