@@ -25,6 +25,7 @@ import fused_stats as fs  # noqa: E402
 from fused_stats.cli import main  # noqa: E402
 from fused_stats.demo.corpus import StdlibCorpus  # noqa: E402
 from fused_stats.demo.experiment import DemoConfig, probe_model, train_model  # noqa: E402
+from reference import brute_force_targets  # noqa: E402
 
 
 
@@ -121,6 +122,26 @@ def per_sample_reference(model, batches, layers):
     return {i: torch.stack(v) for i, v in qs.items()}, losses
 
 
+def misalignment_monte_carlo(pool: torch.Tensor, M: int, K: int, trials: int, seed: int) -> float:
+    """Fraction of random disjoint splits (A of M rows, B of K rows) with mean_A . mean_B <= 0:
+    each split a numpy random permutation, the two means taken from the rows (no Gram matrix)."""
+    rng = np.random.default_rng(seed)
+    q = pool.double().numpy()
+    perm = np.argsort(rng.random((trials, q.shape[0])), axis=1)
+    mean_a = q[perm[:, :M]].mean(axis=1)  # (trials, d)
+    mean_b = q[perm[:, M:M + K]].mean(axis=1)
+    return float(((mean_a * mean_b).sum(axis=1) <= 0).mean())
+
+
+def split_alignment_sd(pool: torch.Tensor, M: int, K: int, trials: int, seed: int) -> float:
+    """Standard deviation of mean_A . mean_B over random disjoint (M, K) splits (numpy draws)."""
+    rng = np.random.default_rng(seed)
+    q = pool.double().numpy()
+    perm = np.argsort(rng.random((trials, q.shape[0])), axis=1)
+    values = (q[perm[:, :M]].mean(axis=1) * q[perm[:, M:M + K]].mean(axis=1)).sum(axis=1)
+    return float(values.std())
+
+
 def test_demo_run_matches_independent_per_sample_loop():
     cfg = DemoConfig.quick(widths=(16,), depths=(2,), seeds=(0,), width_sweep_depth=2,
                            depth_sweep_width=16, train_steps=3, probe_batches=2, batch_size=6,
@@ -142,12 +163,38 @@ def test_demo_run_matches_independent_per_sample_loop():
             g = q @ q.T
             u1 = float((g.sum() - g.diagonal().sum()) / (n * (n - 1)))  # mean over i != j
             assert est["mu_norm2"] == pytest.approx(u1, rel=1e-4)
+            # degree-4 targets (d_align is built from them): exact U-statistics of the loop's q
+            ref = brute_force_targets(q)
+            for key in ("mu_norm4", "mu_sigma_mu", "trace_sigma2"):
+                assert est[key] == pytest.approx(ref[key], rel=1e-4), (point["name"], stream, key)
+            if ref["mu_norm4"] > 0:
+                d_align = min(ref["mu_norm4"] / ref["mu_sigma_mu"], ref["mu_norm4"] / ref["trace_sigma2"])
+            else:
+                d_align = 0.0  # no signal: DESIGN section 2 reports it as "no certificate"
+            assert est["d_align"] == pytest.approx(d_align, rel=1e-4, abs=1e-12), (point["name"], stream)
             assert est["ag_max"] == pytest.approx(float(q.norm(dim=1).max()), rel=1e-5)
             assert est["ag_mean"] == pytest.approx(float(q.norm(dim=1).mean()), rel=1e-5)
         assert point["realized_alignment"] == pytest.approx(
             float(q_train[i].mean(0) @ q_test[i].mean(0)), rel=1e-4)
         assert point["certificate"]["M"] == point["certificate"]["K"] == 4
         assert point["misalignment"]["M"] == 4 and point["misalignment"]["pool_size"] == 24
+        # Pr(mu_M^T g_K <= 0) over disjoint (4, 4) splits of the pooled 24 loop-built vectors, by an
+        # independent Monte Carlo with 100x the demo's 200 trials; both are binomial estimates of
+        # the same probability, so they must agree within 4.5 standard errors of the difference
+        pool = torch.cat([q_train[i], q_test[i]])
+        p_ref = misalignment_monte_carlo(pool, 4, 4, trials=20_000, seed=1234 + i)
+        p_got = point["misalignment"]["probability"]
+        var = p_ref * (1 - p_ref) * (1 / 200 + 1 / 20_000)
+        assert abs(p_got - p_ref) <= 4.5 * math.sqrt(var) + 1e-12, (point["name"], p_got, p_ref)
+        # this trained model is (almost) never misaligned, so p is a weak check here; the mean of
+        # the demo's split alignments is not: over all disjoint splits it averages to exactly
+        # avg_{i != j} q_i . q_j of the pool, within 4.5 standard errors of a 200-split mean
+        n_pool = pool.shape[0]
+        gram = pool @ pool.T
+        u1_pool = float((gram.sum() - gram.diagonal().sum()) / (n_pool * (n_pool - 1)))
+        sd = split_alignment_sd(pool, 4, 4, trials=20_000, seed=99)
+        got_mean = point["misalignment"]["mean_alignment"]
+        assert abs(got_mean - u1_pool) <= 4.5 * sd / math.sqrt(200), (point["name"], got_mean, u1_pool, sd)
     assert report.meta["test_loss"] == pytest.approx(sum(test_losses) / len(test_losses), rel=1e-5)
 
 
