@@ -11,6 +11,9 @@ The synthetic task is easy and the short training nearly fits it; a classifier t
 convergence drives the train-mean gradient towards zero (DESIGN section 9), so expect small
 ``|μ|²`` and ``d_align`` here — the example shows the mechanics, not a width trend.
 
+At the end it checks itself: a few images' per-sample vectors at the last block, as the probe
+stores them, against one plain backward per image (it exits with an error if they disagree).
+
     python examples/probe_resnet.py                  # under a minute on 2 CPU cores
     python examples/probe_resnet.py --unit flat --width 4
 """
@@ -76,6 +79,49 @@ def main() -> None:
               f"{cert.b_align:8.4f} {est.ag_max:9.3e} {est.ag_mean:9.3e} "
               f"{probe.realized_alignment(name):10.3e}")
     print("\n(estimates from the pooled train + test samples; B_align at M = train n, K = test n)")
+    self_check(model, probe.points[-1], args.unit, train[0][0][:4], train[0][1][:4])
+
+
+def self_check(model, point: str, unit: str, x, y) -> None:
+    """The probe's per-sample vectors at one point against one plain backward per image.
+
+    A separate pool-mode Probe on a few images stores its ``q_b``; here each image's loss is
+    differentiated alone with respect to the block's output (a forward hook that only records it),
+    and reduced as ``unit`` says: summed over pixels, one row per pixel, or flattened.
+    """
+    check = fs.Probe(model, points=[point], unit=unit, second_moment="pool")
+    check.step((x, y), fs.classification_loss)
+    got = check.stats[point].pool_rows()
+    was_training = model.training
+    model.eval()  # the probe differentiates in eval mode (BatchNorm running statistics)
+    rows = []
+    try:
+        for b in range(x.shape[0]):
+            seen = {}
+            handle = model.get_submodule(point).register_forward_hook(
+                lambda module, args, out: seen.setdefault("z", out))
+            try:
+                loss = torch.nn.functional.cross_entropy(model(x[b:b + 1]), y[b:b + 1])
+            finally:
+                handle.remove()
+            (g,) = torch.autograd.grad(loss, seen["z"])
+            g = g[0].double()  # (C, H, W)
+            if unit == "sample":
+                rows.append(g.sum(dim=(1, 2))[None])
+            elif unit == "position":
+                rows.append(g.permute(1, 2, 0).reshape(-1, g.shape[0]))
+            else:
+                rows.append(g.reshape(1, -1))
+    finally:
+        model.train(was_training)
+    want = torch.cat(rows)
+    if got.shape != want.shape:
+        raise SystemExit(f"self-check failed: probe rows {tuple(got.shape)} vs loop {tuple(want.shape)}")
+    diff = float((got - want).abs().max() / want.abs().max())
+    print(f"self-check at {point}: probe q_b vs one backward per image ({x.shape[0]} images, "
+          f"unit={unit}): max |diff| / max |q| = {diff:.1e}")
+    if not diff < 1e-4:  # fp32 model: the two paths differ only by rounding
+        raise SystemExit(f"self-check failed: relative difference {diff:.3e} >= 1e-4")
 
 
 if __name__ == "__main__":
