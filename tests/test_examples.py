@@ -52,4 +52,9 @@ def test_probe_resnet_tiny(tmp_path):
 @pytest.mark.parametrize("name", ["backend_in_own_hook.py"])
 def test_backend_in_own_hook(name, tmp_path):
     out = run_example(name, tmp_path=tmp_path)
-    assert out.strip()
+    # the example's own hook against Probe: every quantity printed, with its relative difference
+    for key in ("n", "mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "d_align", "ag_max"):
+        row = re.search(rf"^{key}\s+(\S+)\s+(\S+)\s+(\S+)$", out, re.M)
+        assert row, (key, out)
+        mine, probe, rel = (float(v) for v in row.groups())
+        assert rel < 1e-6 and mine == pytest.approx(probe, rel=1e-5), (key, row.group(0))
