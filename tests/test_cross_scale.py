@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import fused_stats as fs
+from gloo_harness import init_gloo, run_two_ranks
 from fused_stats.accumulators.cross_stats import CrossStats
 from fused_stats.accumulators.persistence import save_checked
 from fused_stats.api.checkpoint import merge_checkpoints, run_with_checkpoints
@@ -571,13 +570,11 @@ def probe_shares(rank: int):
     return (TRAIN[:4], TEST) if rank == 0 else (TRAIN[4:], [])
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _worker(rank: int, world: int, outdir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    # a file rendezvous in the test's own folder: no port to race other jobs for
-    dist.init_process_group("gloo", init_method=f"file://{outdir}/rendezvous", rank=rank,
-                            world_size=world)
+    init_gloo(rank, world, outdir)
     try:
         results = {"cases": {}, "mismatch": {}}
         for name, (data0, data1, unit) in rank_cases().items():
@@ -629,17 +626,9 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("gloo_cross")
-    mp.spawn(_worker, args=(2, free_port(), str(outdir)), nprocs=2, join=True)
-    return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_two_ranks(_worker, tmp_path_factory.mktemp("gloo_cross"))
 
 
 @pytest.mark.parametrize("case", list(rank_cases()))

@@ -23,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 import fused_stats as fs
+from gloo_harness import init_gloo, run_two_ranks
 from fused_stats.accumulators import auto_pool_limit
 
 FIELDS = ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "trace_sigma", "ag_max", "ag_mean")
@@ -164,14 +165,12 @@ def run_probe(probe, train, test):
 
 
 # ----------------------------------------------------------------------------- worker
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _worker(rank: int, world: int, outdir: str) -> None:
     import torch.distributed as dist
 
     from fused_stats.api.distributed_probe import all_reduce_probe
 
-    # a file rendezvous in the test's own folder: no port to race other jobs for
-    dist.init_process_group("gloo", init_method=f"file://{outdir}/rendezvous", rank=rank,
-                            world_size=world)
+    init_gloo(rank, world, outdir)
     try:
         results = {}
         for name, (kwargs, items0, items1, upd) in cases().items():
@@ -268,9 +267,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("gloo")
-    mp.spawn(_worker, args=(2, free_port(), str(outdir)), nprocs=2, join=True)
-    return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_two_ranks(_worker, tmp_path_factory.mktemp("gloo"))
 
 
 # ----------------------------------------------------------------------------- checks

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import socket
 import sys
 import warnings
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fused_stats as fs
+from gloo_harness import init_gloo
 import per_sample_reference as R
 from fused_stats.api.monitor_log import plot_monitor_log, read_monitor_log
 
@@ -800,15 +800,14 @@ def ddp_data(steps=2, per_rank=6, world=2):
              torch.randint(0, 3, (world * per_rank,), generator=g)) for _ in range(steps)]
 
 
-def _ddp_worker(rank, world, port, out_dir):
+def _ddp_worker(rank, world, out_dir):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fused_stats.api.distributed_probe import all_reduce_probe
 
     torch.set_num_threads(1)
-    # a file rendezvous in the test's own folder: no port to race other jobs for
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    init_gloo(rank, world, out_dir)
     try:
         torch.manual_seed(0)
         model = Residual().double()
@@ -835,10 +834,7 @@ def _ddp_worker(rank, world, port, out_dir):
 def test_ddp_local_stats_all_reduced(tmp_path):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     # reference: one process, the full batch, the same SGD updates (the mean over the full batch
     # has the gradient DDP averages from the two equal halves), Probe.step at every state
     torch.manual_seed(0)
