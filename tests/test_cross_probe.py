@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import fused_stats as fs
+from tiny_lm import padded_lm_batch, split
 from fused_stats.api.resnet import cifar_resnet20
 
 transformers = pytest.importorskip("transformers")
@@ -49,21 +50,7 @@ def build_llama(seed=0):
 
 
 def lm_batch(gen, lengths, T):
-    B = len(lengths)
-    ids = torch.randint(0, VOCAB, (B, T), generator=gen)
-    mask = torch.zeros(B, T, dtype=torch.long)
-    for b, length in enumerate(lengths):
-        mask[b, :length] = 1
-    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def split(batch, sizes):
-    out, start = [], 0
-    for size in sizes:
-        out.append({k: v[start:start + size] for k, v in batch.items()})
-        start += size
-    return out
+    return padded_lm_batch(gen, lengths, T, VOCAB)
 
 
 def record_one(model, names, run_loss):

@@ -39,6 +39,7 @@ from torch import nn
 
 import fused_stats as fs
 from gloo_harness import init_gloo
+from tiny_lm import padded_lm_batch
 import per_sample_reference as R
 from fused_stats.api.monitor_log import plot_monitor_log, read_monitor_log
 
@@ -112,16 +113,7 @@ def checkpointing(model, mode):
 
 
 def lm_batch(gen, lengths, T, prompts):
-    """Right-padded batch; padding gets random ids and label -100, prompts label -100."""
-    B = len(lengths)
-    ids = torch.randint(0, VOCAB, (B, T), generator=gen)
-    mask = torch.zeros(B, T, dtype=torch.long)
-    labels = ids.clone()
-    for b, (length, prompt) in enumerate(zip(lengths, prompts)):
-        mask[b, :length] = 1
-        labels[b, length:] = -100
-        labels[b, :prompt] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return padded_lm_batch(gen, lengths, T, VOCAB, prompts)
 
 
 def batches(gen):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fused_stats as fs
+from tiny_lm import padded_lm_batch, split
 import per_sample_reference as R
 from fused_stats.api.resnet import cifar_resnet20, tiny_resnet
 
@@ -49,24 +50,7 @@ def build_lm(kind: str, seed: int = 0):
 
 
 def lm_batch(gen, lengths, T, prompts):
-    """Right-padded batch; padding gets random token ids (they must never matter)."""
-    B = len(lengths)
-    ids = torch.randint(0, VOCAB, (B, T), generator=gen)
-    mask = torch.zeros(B, T, dtype=torch.long)
-    labels = ids.clone()
-    for b, (length, prompt) in enumerate(zip(lengths, prompts)):
-        mask[b, :length] = 1
-        labels[b, length:] = -100
-        labels[b, :prompt] = -100  # an unsupervised prompt
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def split(batch, sizes):
-    out, start = [], 0
-    for size in sizes:
-        out.append({k: v[start:start + size] for k, v in batch.items()})
-        start += size
-    return out
+    return padded_lm_batch(gen, lengths, T, VOCAB, prompts)
 
 
 LM_POINTS = {"llama": ["model.layers.0", "model.layers.1"],
