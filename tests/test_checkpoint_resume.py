@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import fused_stats as fs
+from tiny_models import TanhBlock
 from fused_stats.api.checkpoint import (LATEST, has_checkpoint, latest_snapshot, load_probe_state,
                                         merge_checkpoints, run_with_checkpoints, save_probe_state)
 from fused_stats import Probe
@@ -33,15 +34,6 @@ EST_FIELDS = ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "ag_max", "
 
 
 # ----------------------------------------------------------------------------- model and data
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.lin(x))
-
-
 class TinySeqNet(nn.Module):
     """(B, T, 4) inputs -> masked mean pool -> 3 classes; two residual blocks (the points)."""
 
@@ -49,7 +41,7 @@ class TinySeqNet(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.inp = nn.Linear(4, d)
-        self.blocks = nn.ModuleList([Block(d) for _ in range(2)])
+        self.blocks = nn.ModuleList([TanhBlock(d) for _ in range(2)])
         self.out = nn.Linear(d, 3)
 
     def forward(self, x, mask):

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import fused_stats as fs
+from tiny_models import TanhBlock
 from gloo_harness import init_gloo, run_two_ranks
 from fused_stats.accumulators.cross_stats import CrossStats
 from fused_stats.accumulators.persistence import save_checked
@@ -287,15 +288,6 @@ def test_cli_rejects_mixed_and_mismatched_cross_files(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- model for probe tests
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.lin(x))
-
-
 class Stamp(nn.Module):
     """Writes +inf into the stream at padded positions. Those positions never reach the loss, so
     their gradient is exactly 0 (finite) while the activation is not: only the cross statistics,
@@ -312,7 +304,7 @@ class SeqNet(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.inp = nn.Linear(3, d)
-        self.blocks = nn.ModuleList([Block(d) for _ in range(2)])
+        self.blocks = nn.ModuleList([TanhBlock(d) for _ in range(2)])
         self.stamp = Stamp()
         self.out = nn.Linear(d, 3)
 

@@ -23,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 import fused_stats as fs
+from tiny_models import TanhBlock
 from gloo_harness import init_gloo, run_two_ranks
 from fused_stats.accumulators import auto_pool_limit
 
@@ -111,15 +112,6 @@ def same_state(acc, saved: dict) -> bool:
     return now.keys() == saved.keys() and all(torch.equal(now[k], saved[k]) for k in now)
 
 
-class Block(torch.nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = torch.nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.lin(x))
-
-
 class TinyNet(torch.nn.Module):
     """Two residual blocks (the probed points) between an input and a 3-class output layer."""
 
@@ -127,7 +119,7 @@ class TinyNet(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.inp = torch.nn.Linear(4, d)
-        self.blocks = torch.nn.ModuleList([Block(d), Block(d)])
+        self.blocks = torch.nn.ModuleList([TanhBlock(d), TanhBlock(d)])
         self.out = torch.nn.Linear(d, 3)
 
     def forward(self, x):

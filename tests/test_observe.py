@@ -39,7 +39,7 @@ from torch import nn
 
 import fused_stats as fs
 from gloo_harness import init_gloo
-from tiny_lm import padded_lm_batch
+from tiny_models import padded_lm_batch
 import per_sample_reference as R
 from fused_stats.api.monitor_log import plot_monitor_log, read_monitor_log
 

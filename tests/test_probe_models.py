@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fused_stats as fs
-from tiny_lm import padded_lm_batch, split
+from tiny_models import padded_lm_batch, split
 import per_sample_reference as R
 from fused_stats.api.resnet import cifar_resnet20, tiny_resnet
 

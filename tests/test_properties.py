@@ -39,6 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fused_stats as fs
+from tiny_models import TanhBlock
 
 F64 = torch.float64
 STATE_KEYS = ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram")
@@ -424,21 +425,12 @@ def test_wrong_version_and_format_are_named(tmp_path, gen):
 
 
 # ----------------------------------------------------------------------------- probe: no hook left
-class Block(torch.nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = torch.nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.lin(x))
-
-
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.inp = torch.nn.Linear(3, 5)
-        self.blocks = torch.nn.ModuleList([Block(5), Block(5)])
+        self.blocks = torch.nn.ModuleList([TanhBlock(5), TanhBlock(5)])
         self.out = torch.nn.Linear(5, 2)
 
     def forward(self, x):

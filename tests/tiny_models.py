@@ -1,8 +1,21 @@
-"""Padded causal-LM batches for the probe tests (HF conventions: labels aligned with input_ids)."""
+"""Small shared pieces of the probe tests: a tanh residual block and padded causal-LM batches
+(HF conventions: labels aligned with input_ids)."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+
+class TanhBlock(nn.Module):
+    """``x + tanh(W x + b)``: a residual block whose output is a probe point."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
 
 
 def padded_lm_batch(gen, lengths, T, vocab, prompts=None):
