@@ -427,7 +427,6 @@ class Probe:
         non-finite activation at a counted position, which only the cross statistics see) changes
         none of them."""
         unit = self.unit
-        fresh: dict[str, GradStats] = {}
         plan = []
         for name in self.points:
             act, grad = capture.captured[name], grads[name]
@@ -445,8 +444,7 @@ class Probe:
                     raise FusedStatsError(
                         f"point {name!r}: output shape {tuple(act.shape)} gives dim {dim}, but the "
                         f"other stream has dim {self.dims[name]}")
-                acc = self._new_accumulator(stream, name, dim)
-                fresh[name] = acc
+                acc = self._new_accumulator(stream, name, dim)  # kept only if the step commits
             # the accumulator's own validation and reduction, before any accumulator changes
             prepared = acc.prepare(g, m, unit, fd if unit != "flat" else -1)
             if not prepared.finite:
