@@ -119,6 +119,19 @@ def save_grad_stats(acc, path) -> None:
     save_checked(path, tensors, meta)
 
 
+def fresh_copy(value: torch.Tensor) -> torch.Tensor:
+    """``value`` copied into a new, allocator-aligned, contiguous tensor.
+
+    safetensors hands out views into its file buffer at whatever byte offset the header left, and
+    BLAS kernels (MKL's dgemm on AMD EPYC, for one) round differently on differently aligned
+    operands: state that kept living in such a view would continue a run in other last bits than
+    the live accumulator it was saved from. Every loaded tensor therefore gets its own allocation.
+    """
+    fresh = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    fresh.copy_(value)
+    return fresh
+
+
 def _open(path, tensors: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import safe_open
 
@@ -128,7 +141,8 @@ def _open(path, tensors: bool = True) -> tuple[dict[str, torch.Tensor], dict[str
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             meta = handle.metadata() or {}
-            values = {key: handle.get_tensor(key) for key in handle.keys()} if tensors else {}
+            values = ({key: fresh_copy(handle.get_tensor(key)) for key in handle.keys()}
+                      if tensors else {})
     except FusedStatsError:
         raise
     except Exception as exc:  # safetensors raises several types for damaged headers/data
