@@ -17,8 +17,10 @@ from torch import nn
 
 from ..errors import FusedStatsError
 from ..ops.cross_twin import ACTIVATIONS, apply_activation, seeded_w_in
+from .feature_axis import resolve_feature_dim
 
 INSERTED_NAME = "fused_stats_inserted"
+DEFAULT_RANK = 64
 
 
 @dataclass(frozen=True)
@@ -28,9 +30,12 @@ class CrossSpec:
     ``rank`` features ``φ(W_in z)`` with ``W_in`` (rank, d) drawn from N(0, 1/d) with ``seed``
     unless ``w_in`` is given; ``activation`` in ``gelu, relu, silu, tanh, identity, constant``
     (``constant``: φ ≡ 1, i.e. a bias-only block, for which ``C = μ``).
+
+    ``rank`` defaults to :data:`DEFAULT_RANK` (64) without ``w_in`` and to ``w_in``'s row count
+    with it; a ``rank`` given together with a ``w_in`` of another row count is an error.
     """
 
-    rank: int = 64
+    rank: int | None = None
     activation: str = "gelu"
     seed: int = 0
     w_in: torch.Tensor | None = None
@@ -38,10 +43,25 @@ class CrossSpec:
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise FusedStatsError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.w_in is None and (not isinstance(self.rank, int) or self.rank < 1):
+        if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool)
+                                      or self.rank < 1):
             raise FusedStatsError(f"rank must be a positive int, got {self.rank!r}")
-        if self.w_in is not None and self.w_in.dim() != 2:
-            raise FusedStatsError(f"w_in must have shape (rank, d), got {tuple(self.w_in.shape)}")
+        if self.w_in is None:
+            rank = DEFAULT_RANK if self.rank is None else self.rank
+        else:
+            if not isinstance(self.w_in, torch.Tensor) or self.w_in.dim() != 2:
+                raise FusedStatsError(
+                    "w_in must be a tensor of shape (rank, d), got "
+                    + (f"shape {tuple(self.w_in.shape)}" if isinstance(self.w_in, torch.Tensor)
+                       else type(self.w_in).__name__))
+            rows = int(self.w_in.shape[0])
+            if self.rank is not None and self.rank != rows:
+                raise FusedStatsError(
+                    f"CrossSpec(rank={self.rank}, w_in of shape {tuple(self.w_in.shape)}): w_in has "
+                    f"{rows} rows, so the block's rank is {rows}; drop rank= or pass a w_in with "
+                    f"{self.rank} rows")
+            rank = rows
+        object.__setattr__(self, "rank", rank)  # frozen: the resolved rank, read by every user
 
     def projection(self, dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
         """``W_in`` for a stream of width ``dim``."""
@@ -100,8 +120,8 @@ def insert_zero_block(model: nn.Module, point: str, kind: str = "block",
 
     The point's output ``z`` becomes ``z + h(z)``; since ``W_out = 0`` (``b = 0``) every element
     of ``h(z)`` is +0, ``z + 0 = z`` exactly, and the model's outputs are bit-identical.
-    ``feature_dim`` is the stream's feature axis (``None``: as the Probe chooses, 1 for NCHW maps
-    and -1 otherwise); ``dim`` its width (read from the model config or the point's layers when
+    ``feature_dim`` is the stream's feature axis (``None``: as the Probe chooses, by
+    :func:`fused_stats.api.feature_axis.resolve_feature_dim`); ``dim`` its width (read from the model config or the point's layers when
     omitted). The result keeps the exact strides of ``z``, so the modules downstream see the memory
     format they saw before.
     """
@@ -120,7 +140,7 @@ def insert_zero_block(model: nn.Module, point: str, kind: str = "block",
 
     def hook(mod, args, out):
         z = _stream(out)
-        fd = feature_dim if feature_dim is not None else _auto_feature_dim(module, z)
+        fd = resolve_feature_dim(module, z, point, feature_dim, where=" to insert_zero_block")
         zz = z.movedim(fd, -1)
         if zz.shape[-1] != dim:
             raise FusedStatsError(
@@ -144,14 +164,6 @@ def remove_inserted_block(model: nn.Module, point: str) -> None:
         raise FusedStatsError(f"point {point!r} has no inserted block")
     block._fused_stats_handle.remove()
     delattr(module, INSERTED_NAME)
-
-
-def _auto_feature_dim(module: nn.Module, z: torch.Tensor) -> int:
-    """The Probe's default feature axis: 1 for (B, C, H, W) maps and 3-d outputs of conv-only
-    modules, else -1."""
-    from .probe import _is_conv_stack
-
-    return 1 if z.dim() >= 4 or (z.dim() == 3 and _is_conv_stack(module)) else -1
 
 
 def _point_width(model: nn.Module, module: nn.Module, point: str) -> int:

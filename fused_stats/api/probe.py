@@ -59,6 +59,7 @@ from ..accumulators import (Certificate, Estimate, GradStats, Misalignment,
 from ..accumulators.grad_stats import NONFINITE_POLICIES, SECOND_MOMENTS, UNITS
 from ..backend import validate_backend
 from ..errors import FusedStatsError
+from .feature_axis import resolve_feature_dim
 from .hooks import ActivationCapture
 from .points import resolve_points, residual_points
 
@@ -84,12 +85,6 @@ class PointCapture:
     mask: torch.Tensor | None
     unit: str
     feature_dim: int
-
-
-def _is_conv_stack(module: nn.Module) -> bool:
-    mods = list(module.modules())
-    return (any(isinstance(m, nn.modules.conv._ConvNd) for m in mods)
-            and not any(isinstance(m, nn.Linear) for m in mods))
 
 
 def model_summary(model: nn.Module, points: list[str] | None = None) -> dict:
@@ -142,9 +137,10 @@ class Probe:
     pool_capacity : int, optional
     backend : {"auto", "triton", "torch"}
     feature_dim : None, int or dict
-        The feature axis of each point's output. ``None``: -1 for (B, T, d) / (B, d) streams, 1 for
-        (B, C, H, W) maps (and for 3-d outputs of conv-only modules). An int applies to every point;
-        a dict maps point names to ints (others auto).
+        The feature axis of each point's output. ``None``: -1 for (B, d) and (B, T, d) streams, 1
+        for the (B, C, ...) maps of convolutional modules; any other output of 4 or more dimensions
+        (e.g. attention heads (B, T, H, d_head)) needs it (:mod:`fused_stats.api.feature_axis`).
+        An int applies to every point; a dict maps point names to ints (others auto).
     nonfinite : {"raise", "skip"}
         A step whose gradient is NaN/Inf at a counted position raises (default) or is skipped and
         counted in :attr:`skipped_steps`; either way no accumulator changes.
@@ -218,16 +214,8 @@ class Probe:
     def _resolve_feature_dim(self, name: str, activation: torch.Tensor) -> int:
         arg = self._feature_dim_arg
         fd = arg.get(name) if isinstance(arg, dict) else arg
-        if fd is None:
-            nd = activation.dim()
-            conv = nd >= 4 or (nd == 3 and _is_conv_stack(self.model.get_submodule(name)))
-            fd = 1 if conv else -1
-        if activation.dim() < 2 or not -activation.dim() <= fd < activation.dim() \
-                or fd % activation.dim() == 0:
-            raise FusedStatsError(
-                f"feature_dim={fd} is not a non-batch axis of point {name!r}'s output of shape "
-                f"{tuple(activation.shape)}")
-        return fd
+        return resolve_feature_dim(self.model.get_submodule(name), activation, name, fd,
+                                   where=f" to fs.Probe (for every point, or {{{name!r}: axis}})")
 
     def add_callback(self, fn) -> None:
         """Call ``fn(PointCapture)`` for every point after each successful step (e.g. extra
