@@ -34,12 +34,13 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from fused_stats.kernels import aot, capture, cross, gram, second_moment  # noqa: E402
+from fused_stats.kernels import _triton_compat, aot, capture, cross, gram, second_moment  # noqa: E402
 
 SPECS = {s.name: s for s in aot.production_specs()}
 H100_MAX_SMEM = 227 * 1024  # bytes of shared memory one program may use on sm_90
 
-if not (os.path.exists(aot._nvidia_bin("cuobjdump")) and os.path.exists(aot._ptxas_path())):
+if not (os.path.exists(_triton_compat.nvidia_tool("cuobjdump"))
+        and os.path.exists(_triton_compat.ptxas_path())):
     pytest.skip("this Triton install ships no CUDA tools (ptxas/cuobjdump)", allow_module_level=True)
 
 

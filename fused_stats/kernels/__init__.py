@@ -10,9 +10,11 @@ launcher                   torch twin (oracle and CPU path)                   mo
 =========================  =================================================  ==========================
 
 Launchers take CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter; see
-:mod:`._common` for why this works whatever the import order). Importing this package imports
-Triton, so the ops layer imports it lazily. :mod:`.aot` compiles every kernel ahead of time for
-Hopper (sm_90a) and reads registers, spills and SASS without a GPU.
+:mod:`._triton_compat` for why this works whatever the import order, and for the few Triton
+internals used, all in that one module). They validate their arguments with the same checks as the
+twins (:mod:`fused_stats.contracts`). Importing this package imports Triton, so the ops layer
+imports it lazily. :mod:`.aot` compiles every kernel ahead of time for Hopper (sm_90a) and reads
+registers, spills and SASS without a GPU; it imports the kernel modules, never the reverse.
 """
 
 from .capture import capture_reduce

@@ -1,18 +1,8 @@
-"""Shared machinery of the Triton kernels: one kernel object for the GPU and the CPU interpreter,
-launch helpers, block configurations and input checks.
+"""Shared machinery of the Triton kernels: launch helpers, block configurations and input checks.
 
-Why a kernel object of our own
-------------------------------
-Triton decides at *decoration* time whether ``@triton.jit`` yields a compiled ``JITFunction`` or an
-``InterpretedFunction`` (the ``TRITON_INTERPRET`` knob is read when the decorator runs; its standard
-library, ``tl.sum`` and friends, is decorated when ``triton`` is imported). A process that imported
-Triton without the flag can therefore not interpret kernels written with ``tl.sum``, and one that set
-it can not compile them ahead of time. :class:`DualKernel` is a ``JITFunction`` (so the compiler, the
-AOT gate and CUDA launches see an ordinary Triton kernel) that also owns an ``InterpretedFunction``
-built from the same Python source, used for CPU tensors. Kernels here call only Triton *builtins*
-(``tl.load``, ``tl.dot``, ``tl.where``, ``tl.full``, ``tl.reduce`` ...) plus the combine functions
-:data:`SUM` and :data:`MAX`, which the interpreter recognises by identity and runs as numpy
-reductions; so the same kernels run under both whatever the import order was.
+The kernel object (:class:`DualKernel`: one object compiled for CUDA and ahead of time, and
+interpreted on CPU) and the combine functions :data:`SUM`/:data:`MAX` come from
+:mod:`._triton_compat`, the one module that touches Triton internals.
 
 Launch-time choices (block sizes, warps, pipelining depth) are fixed per kernel and dtype: nothing
 here autotunes, because the second-moment kernel adds into state (an autotuner would run it several
@@ -27,9 +17,9 @@ import functools
 
 import torch
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
 from ..errors import FusedStatsError
+from ._triton_compat import MAX, SUM, DualKernel, kernel  # noqa: F401  (re-exported)
 
 
 TORCH_TO_TL = {
@@ -39,50 +29,6 @@ TORCH_TO_TL = {
     torch.float64: tl.float64,
 }
 KERNEL_DTYPES = tuple(TORCH_TO_TL)
-
-
-class DualKernel(JITFunction):
-    """A Triton kernel usable both compiled (CUDA, AOT) and through the CPU interpreter."""
-
-    _interpreted = None
-
-    @property
-    def interpreted(self):
-        if self._interpreted is None:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            self._interpreted = InterpretedFunction(self.fn)
-        return self._interpreted
-
-    def __call__(self, *args, **kwargs):
-        # The compiler inlines calls between JITFunctions without calling __call__; reaching it
-        # means an interpreted kernel called this function as a device helper.
-        return self.interpreted(*args, **kwargs)
-
-    def on(self, device: torch.device):
-        """The launchable object for tensors on ``device``."""
-        return self if device.type == "cuda" else self.interpreted
-
-
-def kernel(fn) -> DualKernel:
-    """Decorator: make ``fn`` a :class:`DualKernel`."""
-    return DualKernel(fn)
-
-
-# Combine functions for ``tl.reduce``: Triton's own, which the interpreter recognises by identity and
-# runs as numpy sum / nanmax (a combine function of ours would be interpreted element by element).
-try:
-    from triton.language.standard import _sum_combine as SUM
-except ImportError:  # pragma: no cover - other Triton versions
-    @kernel
-    def SUM(a, b):
-        return a + b
-try:
-    from triton.language.standard import _elementwise_max as MAX
-except ImportError:  # pragma: no cover - other Triton versions
-    @kernel
-    def MAX(a, b):
-        return tl.maximum(a, b)
 
 
 def launch(kern: DualKernel, grid, device: torch.device, *args, **meta):

@@ -14,7 +14,8 @@ For each compiled kernel :func:`report` then gives
 
 Which instruction each configuration must produce, and why, is :attr:`Spec.expect` (and
 bench/KERNELS.md). :func:`production_specs` covers capture-reduce, second moment, Gram rows and the
-two cross-gradient kernels (their configurations come from :func:`fused_stats.kernels.cross.aot_specs`).
+two cross-gradient kernels (:func:`cross_specs`). The Triton internals this needs (``ASTSource``,
+``GPUTarget``, the wheel's ptxas/cuobjdump) come from :mod:`._triton_compat`.
 Run ``python -m fused_stats.kernels.aot`` for a table.
 """
 
@@ -32,6 +33,7 @@ import torch
 
 from . import capture, cross, gram, second_moment
 from ._common import TORCH_TO_TL
+from ._triton_compat import compile_for, nvidia_tool, ptxas_path, standard_library_compilable
 
 _TL_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
             torch.float64: "fp64", torch.int8: "i8", torch.int32: "i32", torch.uint8: "u8"}
@@ -173,37 +175,53 @@ def production_specs(d: int = 4096, tokens: int = 65536) -> list[Spec]:
                             ACC_DTYPE=TORCH_TO_TL[f64 if dtype == f64 else f32],
                             PRECISION="tf32x3" if dtype == f32 else "ieee", BM=BM, BN=BN, BK=BK),
             num_warps=warps, num_stages=stages, expect=expect))
-    # cross-gradient (issue 4): stage 1 phi(Z W_in^T) and stage 2 Q_i^T Phi_i (both units), rank 64
-    specs.extend(cross.aot_specs(d=d, r=64, tokens=tokens))
+    # cross-gradient: stage 1 phi(Z W_in^T) and stage 2 Q_i^T Phi_i (both units), rank 64
+    specs.extend(cross_specs(d=d, r=64, tokens=tokens))
+    return specs
+
+
+def cross_specs(d: int = 4096, r: int = 64, tokens: int = 65536, inputs=("bf16", "fp32", "fp64")):
+    """Production configurations of both cross-gradient kernels (:mod:`.cross`; part of
+    :func:`production_specs`): bf16 or fp32 gradient/activation with fp32 ``tf32x3`` products
+    (``HGMMA``), fp64 inputs in fp64 (``DMMA``).
+    ``tokens`` rows of width ``d`` in stage 1, rows of ``T = 2048`` positions in stage 2."""
+    bf16, f32, f64, i32 = torch.bfloat16, torch.float32, torch.float64, torch.int32
+    T = 2048
+    specs = []
+    for io, dot, expect in ((bf16, f32, ("HGMMA",)), (f32, f32, ("HGMMA",)), (f64, f64, ("DMMA",))):
+        name = {bf16: "bf16", f32: "fp32", f64: "fp64"}[io]
+        if name not in inputs:
+            continue
+        prec = second_moment.dot_precision(dot)
+        mma = "tf32x3 wgmma" if prec == "tf32x3" else "fp64 DMMA"
+        BM, BN, BK, warps, stages = cross.PHI_GPU[dot]
+        specs.append(Spec(
+            name=f"cross_phi_{name}_d{d}_r{r}", kernel=cross._phi_kernel,
+            args=dict(Z=Ptr(io), W=Ptr(dot), ROWS=Ptr(i32), PHI=Ptr(dot),
+                      n_rows=tokens, T=T, DIN=d, R=r, sz_b=T * d, sz_t=d, sz_d=1, sw_r=d, sw_d=1),
+            constexprs=dict(ACT="gelu", DOT_DTYPE=TORCH_TO_TL[dot], PRECISION=prec, BM=BM, BN=BN, BK=BK),
+            num_warps=warps, num_stages=stages, expect=expect,
+            note=f"stage 1: Z W_in^T ({mma}), gelu (erf) in the epilogue"))
+        BD, BR, BT, warps, stages = cross.CROSS_GPU[dot]
+        for store in (True, False):
+            specs.append(Spec(
+                name=f"cross_{'sample' if store else 'position'}_{name}_d{d}_r{r}", kernel=cross._cross_kernel,
+                args=dict(Q=Ptr(io), PHI=Ptr(dot), ROWS=Ptr(i32), SEG=Ptr(i32), C_OUT=Ptr(dot),
+                          SQ_PART=Ptr(f64), CSUM_PART=Ptr(f64), n_items=256,
+                          items_per_split=32, T=T, D=d, R=r, sq_b=T * d, sq_t=d, sq_d=1),
+                constexprs=dict(STORE_C=store, DOT_DTYPE=TORCH_TO_TL[dot], PRECISION=prec, BD=BD, BR=BR, BT=BT),
+                num_warps=warps, num_stages=stages, expect=expect,
+                note=(f"stage 2: c_i = Q_i^T Phi_i ({mma}), fp64 c_sum partials"
+                      + (", c_i and |c_i|^2 stored" if store else ""))))
     return specs
 
 
 def compile_spec(spec: Spec, arch: int = 90):
     """``triton.compile`` of ``spec`` for ``GPUTarget("cuda", arch, 32)``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     sig, const, attrs = _signature(spec)
-    src = ASTSource(fn=spec.kernel, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages,
-                                   "enable_fp_fusion": True})
-
-
-def _nvidia_bin(name: str) -> str:
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
-def _ptxas_path() -> str:
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        return get_ptxas(90).path
-    except Exception:  # pragma: no cover - older layouts
-        return _nvidia_bin("ptxas")
+    return compile_for(spec.kernel, sig, const, attrs, arch,
+                       {"num_warps": spec.num_warps, "num_stages": spec.num_stages,
+                        "enable_fp_fusion": True})
 
 
 SASS_OPS = ("LDG.E.128", "LDG.E.64", "LDG.E", "LDGSTS", "HGMMA", "HMMA", "DMMA", "FFMA", "DFMA",
@@ -253,12 +271,12 @@ def report(spec: Spec, arch: int = 90) -> Report:
         with open(cubin, "wb") as f:
             f.write(k.asm["cubin"])
         suffix = "a" if arch >= 90 else ""
-        log = subprocess.run([_ptxas_path(), "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{arch}{suffix}",
+        log = subprocess.run([ptxas_path(arch), "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{arch}{suffix}",
                               ptx, "-o", os.path.join(tmp, "v.cubin")],
                              capture_output=True, text=True, check=True).stderr
-        res = subprocess.run([_nvidia_bin("cuobjdump"), "-res-usage", cubin],
+        res = subprocess.run([nvidia_tool("cuobjdump"), "-res-usage", cubin],
                              capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([_nvidia_bin("cuobjdump"), "-sass", cubin],
+        sass = subprocess.run([nvidia_tool("cuobjdump"), "-sass", cubin],
                               capture_output=True, text=True, check=True).stdout
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -277,11 +295,7 @@ def report(spec: Spec, arch: int = 90) -> Report:
 def can_compile_in_process() -> bool:
     """False when Triton was imported with ``TRITON_INTERPRET=1``: its standard library (the
     reduction combine functions our kernels use) is then interpreted-only and cannot be compiled."""
-    from triton.runtime.jit import JITFunction
-
-    from ._common import MAX, SUM
-
-    return isinstance(SUM, JITFunction) and isinstance(MAX, JITFunction)
+    return standard_library_compilable()
 
 
 def reports_via_subprocess(timeout: float = 600) -> dict:
@@ -327,8 +341,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # run the package's module, not this __main__ copy: cross.aot_specs builds its Spec/Ptr from
-    # fused_stats.kernels.aot, and _signature tells pointers from integers by class
-    from fused_stats.kernels import aot as _aot
-
-    sys.exit(_aot.main())
+    sys.exit(main())

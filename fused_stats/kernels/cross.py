@@ -335,42 +335,4 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
                       p2=p[0], p3=p[1], p4=p[2])
 
 
-def aot_specs(d: int = 4096, r: int = 64, tokens: int = 65536, inputs=("bf16", "fp32", "fp64")):
-    """Production configurations of both kernels for the sm_90a compile gate
-    (:func:`fused_stats.kernels.aot.production_specs` includes them): bf16 or fp32
-    gradient/activation with fp32 ``tf32x3`` products (``HGMMA``), fp64 inputs in fp64 (``DMMA``).
-    ``tokens`` rows of width ``d`` in stage 1, rows of ``T = 2048`` positions in stage 2."""
-    from .aot import Ptr, Spec
-
-    bf16, f64, i32 = torch.bfloat16, F64, torch.int32
-    T = 2048
-    specs = []
-    for io, dot, expect in ((bf16, F32, ("HGMMA",)), (F32, F32, ("HGMMA",)), (f64, F64, ("DMMA",))):
-        name = {bf16: "bf16", F32: "fp32", f64: "fp64"}[io]
-        if name not in inputs:
-            continue
-        prec = dot_precision(dot)
-        mma = "tf32x3 wgmma" if prec == "tf32x3" else "fp64 DMMA"
-        BM, BN, BK, warps, stages = PHI_GPU[dot]
-        specs.append(Spec(
-            name=f"cross_phi_{name}_d{d}_r{r}", kernel=_phi_kernel,
-            args=dict(Z=Ptr(io), W=Ptr(dot), ROWS=Ptr(i32), PHI=Ptr(dot),
-                      n_rows=tokens, T=T, DIN=d, R=r, sz_b=T * d, sz_t=d, sz_d=1, sw_r=d, sw_d=1),
-            constexprs=dict(ACT="gelu", DOT_DTYPE=_TL[dot], PRECISION=prec, BM=BM, BN=BN, BK=BK),
-            num_warps=warps, num_stages=stages, expect=expect,
-            note=f"stage 1: Z W_in^T ({mma}), gelu (erf) in the epilogue"))
-        BD, BR, BT, warps, stages = CROSS_GPU[dot]
-        for store in (True, False):
-            specs.append(Spec(
-                name=f"cross_{'sample' if store else 'position'}_{name}_d{d}_r{r}", kernel=_cross_kernel,
-                args=dict(Q=Ptr(io), PHI=Ptr(dot), ROWS=Ptr(i32), SEG=Ptr(i32), C_OUT=Ptr(dot),
-                          SQ_PART=Ptr(f64), CSUM_PART=Ptr(f64), n_items=256,
-                          items_per_split=32, T=T, D=d, R=r, sq_b=T * d, sq_t=d, sq_d=1),
-                constexprs=dict(STORE_C=store, DOT_DTYPE=_TL[dot], PRECISION=prec, BD=BD, BR=BR, BT=BT),
-                num_warps=warps, num_stages=stages, expect=expect,
-                note=(f"stage 2: c_i = Q_i^T Phi_i ({mma}), fp64 c_sum partials"
-                      + (", c_i and |c_i|^2 stored" if store else ""))))
-    return specs
-
-
-__all__ = ["cross_reduce", "aot_specs", "IS_FUSED_KERNEL"]
+__all__ = ["cross_reduce", "IS_FUSED_KERNEL"]
