@@ -1,9 +1,13 @@
 """The data contract between the ops layer, the Triton kernels and their torch twins.
 
 What a capture-reduce pass (:class:`BatchSums`) and a cross-gradient pass (:class:`CrossBatch`)
-return, the accepted units and activations, and :func:`tuple_sums`, the closed forms both
-cross-gradient implementations use. A leaf module: it imports nothing from the package, so the
-kernels and the twins can share it without either importing the ops layer above them.
+return, the accepted units and activations, :func:`tuple_sums` (the closed forms both
+cross-gradient implementations use) and the argument checks of the four ops
+(:func:`check_capture_args`, :func:`check_second_moment_args`, :func:`check_gram_args`,
+:func:`check_cross_args`): a launcher and its twin call the same check, so both refuse the same
+input with the same :class:`~fused_stats.FusedStatsError`. A leaf module (it imports only
+:mod:`fused_stats.errors`), so the kernels and the twins share it without either importing the ops
+layer above them.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .errors import FusedStatsError
 
 F64 = torch.float64
 UNITS_CAPTURED = ("sample", "position")
@@ -65,3 +71,84 @@ def tuple_sums(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     total = row.sum()
     u4 = total * total - 4 * u3 - 2 * u2
     return u2, u3, u4, m * (m - 1), m * (m - 1) * (m - 2), m * (m - 1) * (m - 2) * (m - 3)
+
+
+# ---------------------------------------------------------------------------- argument checks
+def check_tensor(x, name: str, ndim: int, device: torch.device | None = None) -> None:
+    """``x`` is a floating-point tensor with ``ndim`` dimensions (on ``device`` when given)."""
+    if not isinstance(x, torch.Tensor):
+        raise FusedStatsError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise FusedStatsError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise FusedStatsError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if device is not None and x.device != device:
+        raise FusedStatsError(f"{name} is on {x.device}, expected {device}")
+
+
+def _check_mask(mask, B: int, T: int, grad: torch.Tensor, same_device: bool) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise FusedStatsError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if tuple(mask.shape) != (B, T):
+        raise FusedStatsError(f"mask has shape {tuple(mask.shape)}; expected {(B, T)} for grad of "
+                              f"shape {tuple(grad.shape)}")
+    if same_device and mask.device != grad.device:
+        raise FusedStatsError(f"mask is on {mask.device}, grad on {grad.device}")
+
+
+def check_capture_args(grad, mask, centre, unit: str) -> None:
+    """Capture-reduce: ``grad`` (B, T, d) float; ``mask`` None or (B, T) on grad's device (any
+    dtype, nonzero = counted); ``centre`` a (d,) tensor (any device); ``unit`` in
+    :data:`UNITS_CAPTURED`."""
+    check_tensor(grad, "grad", 3)
+    if unit not in UNITS_CAPTURED:
+        raise FusedStatsError(f"unit must be one of {UNITS_CAPTURED}, got {unit!r}")
+    B, T, d = grad.shape
+    if not isinstance(centre, torch.Tensor) or tuple(centre.shape) != (d,):
+        raise FusedStatsError(
+            f"centre must be a tensor of shape {(d,)}, got "
+            f"{tuple(centre.shape) if isinstance(centre, torch.Tensor) else type(centre).__name__}")
+    _check_mask(mask, B, T, grad, same_device=True)
+
+
+def check_second_moment_args(S, rows) -> None:
+    """Second moment: ``rows`` (R, d) float; ``S`` (d, d) float64 on the same device."""
+    check_tensor(rows, "rows", 2)
+    check_tensor(S, "S", 2, device=rows.device)
+    d = rows.shape[1]
+    if S.dtype != F64 or tuple(S.shape) != (d, d):
+        raise FusedStatsError(f"S must be float64 of shape {(d, d)} for rows of shape "
+                              f"{tuple(rows.shape)}; got {S.dtype} {tuple(S.shape)}")
+
+
+def check_gram_args(new_rows, pool_rows) -> None:
+    """Gram rows: ``new_rows`` (B, d) and ``pool_rows`` (N, d), float, on one device."""
+    check_tensor(new_rows, "new_rows", 2)
+    check_tensor(pool_rows, "pool_rows", 2, device=new_rows.device)
+    d, d2 = new_rows.shape[1], pool_rows.shape[1]
+    if d2 != d:
+        raise FusedStatsError(f"pool_rows has {d2} features (shape {tuple(pool_rows.shape)}); "
+                              f"new_rows has {d} (shape {tuple(new_rows.shape)})")
+
+
+def check_cross_args(grad, act, mask, w_in, activation: str, unit: str, group_size: int) -> None:
+    """Cross-gradient: ``grad`` (B, T, d), ``act`` (B, T, d_in) and ``w_in`` (r, d_in), float, on
+    one device; ``mask`` None or (B, T) (moved to grad's device by the op); ``activation`` in
+    :data:`ACTIVATIONS`; ``unit`` in :data:`UNITS_CAPTURED`; ``group_size`` a positive int."""
+    check_tensor(grad, "grad", 3)
+    check_tensor(act, "act", 3, device=grad.device)
+    check_tensor(w_in, "w_in", 2, device=grad.device)
+    if activation not in ACTIVATIONS:
+        raise FusedStatsError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if unit not in UNITS_CAPTURED:
+        raise FusedStatsError(f"unit must be one of {UNITS_CAPTURED}, got {unit!r}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise FusedStatsError(f"group_size must be a positive int, got {group_size!r}")
+    B, T, _ = grad.shape
+    r, din = w_in.shape
+    if tuple(act.shape) != (B, T, din):
+        raise FusedStatsError(f"act has shape {tuple(act.shape)}, expected {(B, T, din)} for grad "
+                              f"{tuple(grad.shape)} and w_in {tuple(w_in.shape)}")
+    _check_mask(mask, B, T, grad, same_device=False)

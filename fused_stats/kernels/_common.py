@@ -83,25 +83,20 @@ def config_value(name: str, default):
     return _OVERRIDES.get(name, default)
 
 
-# ---------------------------------------------------------------------------- input checks
-def check_tensor(x, name: str, ndim: int, device: torch.device | None = None) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise FusedStatsError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != ndim:
-        raise FusedStatsError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise FusedStatsError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-    if device is not None and x.device != device:
-        raise FusedStatsError(f"{name} is on {x.device}, expected {device}")
-    if x.device.type != "cuda":
-        from ..backend import interpreter_enabled
+# ---------------------------------------------------------------------------- device check
+def check_kernel_device(x: torch.Tensor, name: str) -> None:
+    """The kernels take CUDA tensors, or CPU tensors under Triton's interpreter (the argument
+    checks shared with the twins are :mod:`fused_stats.contracts`)."""
+    if x.device.type == "cuda":
+        return
+    from ..backend import interpreter_enabled
 
-        if x.device.type != "cpu":
-            raise FusedStatsError(f"{name} is on {x.device}; the Triton kernels take CUDA tensors "
-                                  "(or CPU tensors under TRITON_INTERPRET=1)")
-        if not interpreter_enabled():
-            raise FusedStatsError(f"{name} is a CPU tensor: the Triton kernels need a CUDA device "
-                                  "or Triton's interpreter (set TRITON_INTERPRET=1)")
+    if x.device.type != "cpu":
+        raise FusedStatsError(f"{name} is on {x.device}; the Triton kernels take CUDA tensors "
+                              "(or CPU tensors under TRITON_INTERPRET=1)")
+    if not interpreter_enabled():
+        raise FusedStatsError(f"{name} is a CPU tensor: the Triton kernels need a CUDA device "
+                              "or Triton's interpreter (set TRITON_INTERPRET=1)")
 
 
 def kernel_dtype(x: torch.Tensor) -> torch.Tensor:

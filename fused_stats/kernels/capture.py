@@ -42,13 +42,12 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from ..errors import FusedStatsError
-from ..contracts import UNITS_CAPTURED, BatchSums
+from ..contracts import BatchSums, check_capture_args
 from ._common import (
     MAX,
     SUM,
     cdiv,
-    check_tensor,
+    check_kernel_device,
     config_value,
     kernel,
     kernel_dtype,
@@ -255,18 +254,10 @@ def _positions_config(d: int, device: torch.device):
     return block_t, block_d, config_value("positions_num_warps", warps)
 
 
-def _mask_view(mask: torch.Tensor | None, grad: torch.Tensor):
-    """The mask as an integer tensor the kernel reads (nonzero = counted), strides kept."""
-    B, T, _ = grad.shape
+def _mask_view(mask: torch.Tensor | None):
+    """The (checked) mask as an integer tensor the kernel reads (nonzero = counted), strides kept."""
     if mask is None:
         return None
-    if not isinstance(mask, torch.Tensor):
-        raise FusedStatsError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-    if tuple(mask.shape) != (B, T):
-        raise FusedStatsError(f"mask has shape {tuple(mask.shape)}; expected {(B, T)} for grad of "
-                              f"shape {tuple(grad.shape)}")
-    if mask.device != grad.device:
-        raise FusedStatsError(f"mask is on {mask.device}, grad on {grad.device}")
     if mask.dtype == torch.bool:
         return mask.view(torch.uint8)
     if mask.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
@@ -313,15 +304,11 @@ def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.
 def capture_partials(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor,
                      unit: str) -> Partials:
     """Validate and launch the kernels (stages 1 and 2); :func:`finish` does stage 3."""
-    check_tensor(grad, "grad", 3)
-    if unit not in UNITS_CAPTURED:
-        raise FusedStatsError(f"unit must be one of {UNITS_CAPTURED}, got {unit!r}")
+    check_capture_args(grad, mask, centre, unit)
+    check_kernel_device(grad, "grad")
     device = grad.device
     B, T, d = grad.shape
-    if not isinstance(centre, torch.Tensor) or tuple(centre.shape) != (d,):
-        raise FusedStatsError(f"centre must be a tensor of shape {(d,)}, got "
-                              f"{tuple(centre.shape) if isinstance(centre, torch.Tensor) else type(centre).__name__}")
-    m = _mask_view(mask, grad)
+    m = _mask_view(mask)
     if m is not None and m.dtype == torch.bool:
         m = m.view(torch.uint8)
     g = kernel_dtype(grad)

@@ -67,15 +67,14 @@ import torch
 import triton.language as tl
 
 from ..errors import FusedStatsError
-from ..contracts import ACTIVATIONS, DEFAULT_GROUP_SIZE, CrossBatch, tuple_sums
-from ._common import SUM, cdiv, check_tensor, config_value, kernel, kernel_dtype, launch, sm_count
+from ..contracts import DEFAULT_GROUP_SIZE, CrossBatch, check_cross_args, tuple_sums
+from ._common import SUM, cdiv, check_kernel_device, config_value, kernel, kernel_dtype, launch, sm_count
 from .gram import gram_rows
 from .second_moment import dot_precision
 
 IS_FUSED_KERNEL = True  # bench/gpu_check.py and the tests read this
 F64 = torch.float64
 F32 = torch.float32
-UNITS = ("sample", "position")
 
 # Hopper configurations: stage 1 (BM, BN, BK, warps, stages) and stage 2 (BD, BR, BT, warps,
 # stages) per compute dtype, chosen at compile time (no GPU) so that bf16 and fp32 inputs compile
@@ -250,22 +249,10 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
                  group_size: int = DEFAULT_GROUP_SIZE) -> CrossBatch:
     """Triton twin of :func:`fused_stats.ops.cross_twin.cross_reduce`: ``grad`` (B, T, d), ``act``
     (B, T, d_in), ``mask`` (B, T) or None, ``w_in`` (r, d_in). See the module docstring."""
-    check_tensor(grad, "grad", 3)
-    check_tensor(act, "act", 3, device=grad.device)
-    check_tensor(w_in, "w_in", 2, device=grad.device)
-    if activation not in ACTIVATIONS:
-        raise FusedStatsError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if unit not in UNITS:
-        raise FusedStatsError(f"unit must be one of {UNITS}, got {unit!r}")
-    if not isinstance(group_size, int) or group_size < 1:
-        raise FusedStatsError(f"group_size must be a positive int, got {group_size!r}")
+    check_cross_args(grad, act, mask, w_in, activation, unit, group_size)
+    check_kernel_device(grad, "grad")
     B, T, d = grad.shape
     r, din = w_in.shape
-    if tuple(act.shape) != (B, T, din):
-        raise FusedStatsError(f"act has shape {tuple(act.shape)}, expected {(B, T, din)} for grad "
-                              f"{tuple(grad.shape)} and w_in {tuple(w_in.shape)}")
-    if mask is not None and tuple(mask.shape) != (B, T):
-        raise FusedStatsError(f"mask has shape {tuple(mask.shape)}, expected {(B, T)}")
     device = grad.device
     q, z, w = kernel_dtype(grad), kernel_dtype(act), kernel_dtype(w_in)
     dot = F64 if F64 in (q.dtype, z.dtype, w.dtype) else F32

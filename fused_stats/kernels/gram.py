@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ..errors import FusedStatsError
-from ._common import TORCH_TO_TL, cdiv, check_tensor, config_value, kernel, kernel_dtype, launch
+from ..contracts import check_gram_args
+from ._common import TORCH_TO_TL, cdiv, check_kernel_device, config_value, kernel, kernel_dtype, launch
 
 F64 = torch.float64
 
@@ -77,13 +77,10 @@ def _gram_kernel(
 def gram_rows(new_rows: torch.Tensor, pool_rows: torch.Tensor) -> torch.Tensor:
     """``new_rows @ pool_rows^T`` as float64: (B, d) x (N, d) -> (B, N). Triton twin of
     :func:`fused_stats.ops.torch_twin.gram_rows`."""
-    check_tensor(new_rows, "new_rows", 2)
-    check_tensor(pool_rows, "pool_rows", 2, device=new_rows.device)
+    check_gram_args(new_rows, pool_rows)
+    check_kernel_device(new_rows, "new_rows")
     B, d = new_rows.shape
-    N, d2 = pool_rows.shape
-    if d2 != d:
-        raise FusedStatsError(f"pool_rows has {d2} features (shape {tuple(pool_rows.shape)}); "
-                              f"new_rows has {d} (shape {tuple(new_rows.shape)})")
+    N = pool_rows.shape[0]
     device = new_rows.device
     out = torch.empty(B, N, dtype=F64, device=device)
     if B == 0 or N == 0:

@@ -34,8 +34,8 @@ import functools
 import torch
 import triton.language as tl
 
-from ..errors import FusedStatsError
-from ._common import TORCH_TO_TL, cdiv, check_tensor, config_value, kernel, kernel_dtype, launch, sm_count
+from ..contracts import check_second_moment_args
+from ._common import TORCH_TO_TL, cdiv, check_kernel_device, config_value, kernel, kernel_dtype, launch, sm_count
 
 F64 = torch.float64
 
@@ -137,12 +137,9 @@ def upper_tiles(n_t: int, device: torch.device) -> torch.Tensor:
 def second_moment_update(S: torch.Tensor, rows: torch.Tensor) -> None:
     """In place ``S += rows^T rows`` (full symmetric result); ``S`` (d, d) float64, ``rows``
     (R, d) any float dtype. Triton twin of :func:`fused_stats.ops.torch_twin.second_moment_update`."""
-    check_tensor(rows, "rows", 2)
-    check_tensor(S, "S", 2, device=rows.device)
+    check_second_moment_args(S, rows)
+    check_kernel_device(rows, "rows")
     R, d = rows.shape
-    if S.dtype != F64 or tuple(S.shape) != (d, d):
-        raise FusedStatsError(f"S must be float64 of shape {(d, d)} for rows of shape {tuple(rows.shape)}; "
-                              f"got {S.dtype} {tuple(S.shape)}")
     if R == 0 or d == 0:
         return
     device = rows.device

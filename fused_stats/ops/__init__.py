@@ -1,8 +1,10 @@
 """Ops layer: one entry point per fused operation, dispatched to a Triton kernel or its torch twin.
 
 The accumulators call only these functions; ``backend`` is resolved per call from the tensor's
-device (see :mod:`fused_stats.backend`). Kernels are imported lazily so that importing the package
-never imports Triton.
+device (see :mod:`fused_stats.backend`) and every op dispatches the same way, to the Triton
+launcher or to its torch twin; both validate their arguments with the same checks
+(:mod:`fused_stats.contracts`), so bad input raises the same ``FusedStatsError`` on either path.
+Kernels are imported lazily so that importing the package never imports Triton.
 """
 
 from __future__ import annotations
@@ -10,38 +12,56 @@ from __future__ import annotations
 import torch
 
 from ..backend import resolve_backend
+from ..contracts import DEFAULT_GROUP_SIZE, BatchSums, CrossBatch
 from . import cross_twin, torch_twin
-from .cross_twin import CrossBatch
-from .torch_twin import BatchSums
 
 __all__ = ["BatchSums", "CrossBatch", "cross_reduce", "capture_reduce", "second_moment_update", "gram_rows", "implementation"]
 
 
+class _TorchTwins:
+    """The torch twins under the launchers' names (looked up at each call)."""
+
+    _modules = {"capture_reduce": torch_twin, "second_moment_update": torch_twin,
+                "gram_rows": torch_twin, "cross_reduce": cross_twin}
+
+    def __getattr__(self, name: str):
+        if name not in self._modules:
+            raise AttributeError(name)
+        return getattr(self._modules[name], name)
+
+
+TORCH_TWINS = _TorchTwins()
+
+
 def implementation(backend: str, device: torch.device | str):
-    """The module providing the ops for ``backend`` on ``device``."""
+    """What provides the four ops (``capture_reduce``, ``second_moment_update``, ``gram_rows``,
+    ``cross_reduce``) for ``backend`` on ``device``: the torch twins or the Triton launchers."""
     if resolve_backend(backend, device) == "torch":
-        return torch_twin
+        return TORCH_TWINS
     from .. import kernels  # lazy: imports triton
 
     return kernels
 
 
 def capture_reduce(grad, mask, centre, unit, backend="auto") -> BatchSums:
-    return implementation(backend, grad.device).capture_reduce(grad, mask, centre, unit)
+    return implementation(backend, _device(grad)).capture_reduce(grad, mask, centre, unit)
 
 
 def second_moment_update(S, rows, backend="auto") -> None:
-    implementation(backend, rows.device).second_moment_update(S, rows)
+    implementation(backend, _device(rows)).second_moment_update(S, rows)
 
 
 def gram_rows(new_rows, pool_rows, backend="auto") -> torch.Tensor:
-    return implementation(backend, new_rows.device).gram_rows(new_rows, pool_rows)
+    return implementation(backend, _device(new_rows)).gram_rows(new_rows, pool_rows)
 
 
-def cross_reduce(grad, act, mask, w_in, activation, unit, group_size=cross_twin.DEFAULT_GROUP_SIZE,
+def cross_reduce(grad, act, mask, w_in, activation, unit, group_size=DEFAULT_GROUP_SIZE,
                  backend="auto") -> CrossBatch:
-    if resolve_backend(backend, grad.device) == "torch":
-        return cross_twin.cross_reduce(grad, act, mask, w_in, activation, unit, group_size)
-    from .. import kernels  # lazy: imports triton
+    return implementation(backend, _device(grad)).cross_reduce(grad, act, mask, w_in, activation,
+                                                                unit, group_size)
 
-    return kernels.cross_reduce(grad, act, mask, w_in, activation, unit, group_size)
+
+def _device(x) -> torch.device:
+    """Where ``x`` lives, for the dispatch; a non-tensor is left to the op's own check, which
+    raises the same error on every backend."""
+    return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")

@@ -23,7 +23,8 @@ import math
 import torch
 
 from ..contracts import (  # noqa: F401  (re-exported)
-    ACTIVATIONS, DEFAULT_GROUP_SIZE, CrossBatch, tuple_sums)
+    ACTIVATIONS, DEFAULT_GROUP_SIZE, CrossBatch, check_cross_args, tuple_sums)
+from ..errors import FusedStatsError
 
 F64 = torch.float64
 
@@ -42,7 +43,7 @@ def apply_activation(pre: torch.Tensor, activation: str) -> torch.Tensor:
         return pre
     if activation == "constant":
         return torch.ones_like(pre)
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    raise FusedStatsError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
 def fold_groups(k_blocks, d: int, r: int, n: int, c_sum: torch.Tensor) -> CrossBatch:
@@ -64,6 +65,7 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
                  group_size: int = DEFAULT_GROUP_SIZE) -> CrossBatch:
     """One batch: ``grad`` (B, T, d) and ``act`` (B, T, d_in) (the point's output z), ``mask``
     (B, T) or None, ``w_in`` (r, d_in). Returns a :class:`CrossBatch` (module docstring)."""
+    check_cross_args(grad, act, mask, w_in, activation, unit, group_size)
     B, T, d = grad.shape
     r = w_in.shape[0]
     keep = (torch.ones(B, T, dtype=torch.bool, device=grad.device) if mask is None
@@ -80,7 +82,7 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
         blocks = [flat[i:i + group_size] @ flat[i:i + group_size].T
                   for i in range(0, n, group_size)]
         c_sum = c.sum(dim=0) if n else torch.zeros(d, r, dtype=F64, device=grad.device)
-    elif unit == "position":
+    else:  # "position"
         sel = keep.reshape(B * T)
         qs, ps = q.reshape(B * T, d)[sel], phi.reshape(B * T, r)[sel]
         n = qs.shape[0]
@@ -88,8 +90,6 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
                   * (ps[i:i + group_size] @ ps[i:i + group_size].T)
                   for i in range(0, n, group_size)]
         c_sum = qs.T @ ps
-    else:
-        raise ValueError(f"unit must be 'sample' or 'position', got {unit!r}")
     return fold_groups(blocks, d, r, n, c_sum)
 
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 
 from ..contracts import UNITS_CAPTURED, BatchSums  # noqa: F401  (re-exported)
+from ..contracts import check_capture_args, check_gram_args, check_second_moment_args
 
 
 def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor,
                    unit: str) -> BatchSums:
     """One pass over ``grad`` (B, T, d), any float dtype and strides; ``mask`` (B, T) bool or None;
     ``centre`` (d,) float64. Returns :class:`BatchSums` (see module docstring)."""
-    if unit not in UNITS_CAPTURED:
-        raise ValueError(f"unit must be one of {UNITS_CAPTURED}, got {unit!r}")
+    check_capture_args(grad, mask, centre, unit)
     g = grad.to(torch.float64)
     B, T, d = g.shape
     zero = torch.zeros((), dtype=torch.float64, device=g.device)
@@ -66,10 +66,12 @@ def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.
 
 def second_moment_update(S: torch.Tensor, rows: torch.Tensor) -> None:
     """In place ``S += rows^T rows``; ``S`` (d, d) float64, ``rows`` (R, d) any float dtype."""
+    check_second_moment_args(S, rows)
     r = rows.to(torch.float64)
     S.addmm_(r.T, r)
 
 
 def gram_rows(new_rows: torch.Tensor, pool_rows: torch.Tensor) -> torch.Tensor:
     """``new_rows @ pool_rows^T`` as float64: (B, d) x (N, d) -> (B, N)."""
+    check_gram_args(new_rows, pool_rows)
     return new_rows.to(torch.float64) @ pool_rows.to(torch.float64).T
