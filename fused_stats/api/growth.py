@@ -1,7 +1,7 @@
 """Growth operations at a residual point: the depth probe's block spec and zero-block insertion.
 
 * :class:`CrossSpec` describes the zero-output block ``h(z) = W_out φ(W_in z)`` whose cross-gradient
-  ``C = E[Σ_t q_t φ(W_in z_t)ᵀ]`` the probe measures (depth paper; DESIGN section 2).
+  ``C = E[Σ_t q_t φ(W_in z_t)ᵀ]`` the probe measures (depth paper; docs/design.md, section 2).
 * :func:`insert_zero_block` adds such a block (``W_out = 0``) or a zero bias at a point: the point's
   output ``z`` becomes ``z + h(z)``, which equals ``z`` exactly while ``W_out = 0`` (function
   preserving). The block is registered as a child module of the point, so it appears in

@@ -1,4 +1,4 @@
-"""Triton kernels and their launchers (DESIGN section 6); each mirrors a torch twin.
+"""Triton kernels and their launchers (docs/design.md, section 6); each mirrors a torch twin.
 
 =========================  =================================================  ==========================
 launcher                   torch twin (oracle and CPU path)                   module

@@ -1,5 +1,6 @@
 """Ahead-of-time compilation of every kernel for Hopper (sm_90a) at its production configuration,
-and the resource/instruction report the compile gate checks (DESIGN section 6) -- no GPU needed.
+and the resource/instruction report the compile gate checks (docs/design.md, section 6); no GPU
+needed.
 
 ``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32))``
 runs the whole pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin, ptxas from Triton's wheel). The

@@ -1,4 +1,4 @@
-"""Capture-reduce kernel (DESIGN section 6.1): one read of the gradient ``(B, T, d)`` gives the
+"""Capture-reduce kernel (docs/design.md, section 6.1): one read of the gradient ``(B, T, d)`` gives the
 per-sample centred vectors and every batch sum the accumulator needs.
 
 Maths (the torch twin :func:`fused_stats.ops.torch_twin.capture_reduce` is the oracle)::

@@ -1,4 +1,4 @@
-"""Cross-gradient kernel (DESIGN section 6.3; depth paper): the fused Triton twin of
+"""Cross-gradient kernel (docs/design.md, section 6.3; depth paper): the fused Triton twin of
 :func:`fused_stats.ops.cross_twin.cross_reduce` (same signature, same :class:`CrossBatch`).
 
 Maths (the twin is the oracle). For a zero-output block ``h(z) = W_out φ(W_in z)`` at a point with
@@ -28,7 +28,7 @@ groups, so ``φ(W_in z)`` exists only for one chunk at a time, never for all tok
    ``gram_rows`` calls (no d × r per position). The tuple sums of each (m × m) block come from the
    twin's :func:`~fused_stats.ops.cross_twin.tuple_sums` (O(m²) work in torch).
 
-Precision (DESIGN section 2: fp32 products are fine, plain TF32 is not). Loads are cast to the
+Precision (docs/design.md, section 2: fp32 products are fine, plain TF32 is not). Loads are cast to the
 compute dtype right away; the tile products follow :func:`dot_precision` (the same rule as
 :mod:`.second_moment` and :mod:`.gram`):
 

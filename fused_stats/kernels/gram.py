@@ -1,4 +1,5 @@
-"""Gram-rows kernel (DESIGN section 6.2, the pool form of the second moment): ``G_new = X P^T``.
+"""Gram-rows kernel (the pool form of the second moment; docs/design.md, section 6.2):
+``G_new = X P^T``.
 
 ``X`` (B, d) are the batch's new centred rows, ``P`` (N, d) the pool's rows; the result (B, N) is
 float64 (the accumulator stores the pool's Gram matrix in fp64). A plain tiled "NT" GEMM: both

@@ -1,4 +1,4 @@
-"""Second-moment kernel (DESIGN section 6.2): ``S += Y^T Y`` for the dense accumulator.
+"""Second-moment kernel (docs/design.md, section 6.2): ``S += Y^T Y`` for the dense accumulator.
 
 ``S`` is ``d x d`` float64 (the running total), ``Y`` is ``R x d`` (the batch's centred rows, any
 float dtype and strides; for ``unit="position"`` ``R`` is the number of tokens, so this is a real
@@ -7,7 +7,7 @@ or above the diagonal are computed (``n_t = ceil(d / BM)``) and each is also wri
 the diagonal; a diagonal tile is replaced by ``(A + A^T) / 2`` so that ``S`` stays exactly
 symmetric. FLOPs: ``d (d + 1) R`` instead of ``2 d^2 R``.
 
-Precision (DESIGN section 2: fp32 products are fine, plain TF32 is not):
+Precision (docs/design.md, section 2: fp32 products are fine, plain TF32 is not):
 
 =============  ================================  ==================================================
 rows dtype     tile product                      why

@@ -1,4 +1,4 @@
-"""Torch twin of the cross-gradient kernel (depth paper; DESIGN sections 2 and 6.3).
+"""Torch twin of the cross-gradient kernel (depth paper; docs/design.md, sections 2 and 6.3).
 
 A zero-output residual block ``h(z) = W_out φ(W_in z)`` with ``W_out = 0`` inserted at a point has
 one first-order signal, the cross-gradient ``C = E[c_i]`` with ``c_i = Σ_{t∈i} q_t φ_tᵀ`` (d × r),
