@@ -18,7 +18,7 @@ Tolerances: for fp32/fp16/bf16 inputs the kernels compute in fp32 (16-bit values
 so errors are fp32 rounding of sums of a few dozen terms: ``rtol = 2e-6`` relative to each
 quantity's scale (4e-6 for the fourth-power sum). fp64 inputs are computed in fp64: ``1e-12``.
 
-The interpreter flag: these kernels are :class:`fused_stats.kernels._common.DualKernel` objects, so
+The interpreter flag: these kernels are :class:`fused_stats.kernels._triton_compat.DualKernel` objects, so
 they run under the interpreter whatever the order in which Triton and the package were imported;
 ``TRITON_INTERPRET=1`` is set per test (monkeypatch) only because the launchers, like the backend
 resolver, require it before they take CPU tensors. One test repeats a check in a fresh child process

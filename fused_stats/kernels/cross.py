@@ -148,7 +148,7 @@ def _cross_kernel(
     tile = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
     # plain integer maths: tl.cdiv is a jit function, which the interpreter cannot call when
-    # triton was imported without TRITON_INTERPRET (see _common.DualKernel)
+    # triton was imported without TRITON_INTERPRET (see _triton_compat.DualKernel)
     n_tr = (R + BR - 1) // BR
     td = tile // n_tr
     tr = tile - td * n_tr
