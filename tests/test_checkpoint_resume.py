@@ -274,7 +274,7 @@ def test_damaged_checkpoint_is_rejected_and_probe_unchanged(tmp_path, uninterrup
 
 
 def test_manifest_entries_without_kind_are_gradstats(tmp_path, uninterrupted):
-    # checkpoints written before cross statistics were checkpointed have no "kind" per entry
+    # a manifest entry without "kind" is a GradStats entry (the format's default)
     snap = save_probe_state(uninterrupted, tmp_path)
     path = snap / "manifest.json"
     manifest = json.loads(path.read_text())
