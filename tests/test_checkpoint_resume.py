@@ -1,10 +1,12 @@
-"""Probe checkpoints and resumable runs (issue 5, must-show 2).
+"""Probe checkpoints and resumable runs.
 
 Reference: the same Probe on the same model fed the same batches in one uninterrupted
 ``Probe.run``. A run interrupted mid-way (an exception raised by the batch iterator, or a
 subprocess SIGKILLed while it writes a checkpoint) and resumed from its checkpoint directory must
 end with bit-identical accumulator state (``torch.equal`` on every state tensor), identical step
-counters and an identical report. Damaged checkpoints are rejected with FusedStatsError and leave
+counters and an identical report. The resuming side reads every state file through deliberately
+misaligned tensors (``misaligned_loading``), so the bit identity does not hang on whether this
+CPU's BLAS rounds by alignment; the resumed state tensors must be 64-byte aligned. Damaged checkpoints are rejected with FusedStatsError and leave
 the probe unchanged; merged checkpoints of two shards equal one run over both (<= 1e-10).
 """
 
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 import fused_stats as fs
+from misaligned_loading import MisalignedLoading, assert_aligned
 from tiny_models import TanhBlock
 from fused_stats.api.checkpoint import (LATEST, has_checkpoint, latest_snapshot, load_probe_state,
                                         merge_checkpoints, run_with_checkpoints, save_probe_state)
@@ -112,6 +115,19 @@ def interrupt_after(batches, k):
 TRAIN, TEST = make_batches(1, 11), make_batches(2, 7)
 
 
+@pytest.fixture
+def misaligned(monkeypatch):
+    """Every state file this test reads comes back as views off a 64-byte boundary."""
+    return MisalignedLoading(monkeypatch)
+
+
+def assert_resumed_aligned(probe, loading) -> None:
+    loading.check_used()
+    for stream in (probe.stats, probe.test_stats):
+        for name, acc in stream.items():
+            assert_aligned(acc, name)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted():
     probe = new_probe()
@@ -121,7 +137,7 @@ def uninterrupted():
 
 
 # ----------------------------------------------------------------------------- tests
-def test_interrupted_run_resumes_to_identical_state(tmp_path, uninterrupted):
+def test_interrupted_run_resumes_to_identical_state(tmp_path, uninterrupted, misaligned):
     ckpt = tmp_path / "ckpt"
     first = new_probe()
     with pytest.raises(Interrupted):
@@ -137,6 +153,7 @@ def test_interrupted_run_resumes_to_identical_state(tmp_path, uninterrupted):
     third = new_probe()
     assert run_with_checkpoints(third, TEST, loss_fn, ckpt, every=2, stream="test") == len(TEST)
 
+    assert_resumed_aligned(third, misaligned)
     assert_same_state(state_of(third), state_of(uninterrupted))
     assert third.steps == uninterrupted.steps == {"train": len(TRAIN), "test": len(TEST)}
     assert report_of(third) == report_of(uninterrupted)
@@ -165,7 +182,7 @@ KILLED_RUN = textwrap.dedent("""
 """)
 
 
-def test_sigkill_while_writing_a_checkpoint(tmp_path, uninterrupted):
+def test_sigkill_while_writing_a_checkpoint(tmp_path, uninterrupted, misaligned):
     ckpt = tmp_path / "ckpt"
     # 2 points, train only: 2 files a snapshot; call 6 is the 2nd file of snapshot 3 (batch 6)
     script = KILLED_RUN.format(tests=str(Path(__file__).parent), kill_at=6, ckpt=str(ckpt))
@@ -179,16 +196,18 @@ def test_sigkill_while_writing_a_checkpoint(tmp_path, uninterrupted):
     resumed = new_probe()
     run_with_checkpoints(resumed, TRAIN, loss_fn, ckpt, every=2)
     run_with_checkpoints(resumed, TEST, loss_fn, ckpt, every=2, stream="test")
+    assert_resumed_aligned(resumed, misaligned)
     assert_same_state(state_of(resumed), state_of(uninterrupted))
     assert report_of(resumed) == report_of(uninterrupted)
     assert not any(p.name.startswith(".tmp-") for p in ckpt.iterdir())  # cleaned up
     assert sorted(p.name for p in ckpt.iterdir()) == [LATEST, (ckpt / LATEST).read_text()]
 
 
-def test_save_load_round_trip_into_fresh_probe(tmp_path, uninterrupted):
+def test_save_load_round_trip_into_fresh_probe(tmp_path, uninterrupted, misaligned):
     save_probe_state(uninterrupted, tmp_path)
     fresh = new_probe()
     manifest = load_probe_state(fresh, tmp_path)
+    assert_resumed_aligned(fresh, misaligned)
     assert manifest["point_names"] == POINTS
     assert_same_state(state_of(fresh), state_of(uninterrupted))
     assert fresh.dims == uninterrupted.dims and fresh.steps == uninterrupted.steps
@@ -255,7 +274,7 @@ def test_damaged_checkpoint_is_rejected_and_probe_unchanged(tmp_path, uninterrup
 
 
 def test_manifest_entries_without_kind_are_gradstats(tmp_path, uninterrupted):
-    # checkpoints written before cross statistics were checkpointed have no "kind" per entry
+    # a manifest entry without "kind" is a GradStats entry (the format's default)
     snap = save_probe_state(uninterrupted, tmp_path)
     path = snap / "manifest.json"
     manifest = json.loads(path.read_text())
@@ -284,7 +303,7 @@ def test_resume_with_shorter_data_is_an_error(tmp_path):
     assert has_checkpoint(tmp_path)
 
 
-def test_merged_shard_checkpoints_equal_one_run(tmp_path):
+def test_merged_shard_checkpoints_equal_one_run(tmp_path, misaligned):
     one = new_probe("pool")
     shards = []
     for i, (train, test) in enumerate([(TRAIN[:5], TEST[:3]), (TRAIN[5:], TEST[3:])]):
@@ -298,6 +317,7 @@ def test_merged_shard_checkpoints_equal_one_run(tmp_path):
     merge_checkpoints(tmp_path / "merged", shards)
     merged = new_probe("pool")
     load_probe_state(merged, tmp_path / "merged")
+    assert_resumed_aligned(merged, misaligned)
     assert merged.steps == one.steps
     for stream in ("train", "test"):
         for name in POINTS:
@@ -312,7 +332,8 @@ def test_merged_shard_checkpoints_equal_one_run(tmp_path):
         assert math.isclose(merged.realized_alignment(name), one.realized_alignment(name), rel_tol=1e-10)
 
 
-def test_crash_between_snapshot_rename_and_pointer_update(tmp_path, uninterrupted, monkeypatch):
+def test_crash_between_snapshot_rename_and_pointer_update(tmp_path, uninterrupted, monkeypatch,
+                                                          misaligned):
     # the writer dies after its snapshot folder is in place but before LATEST names it: the
     # resumed run must use the previous snapshot and still be able to write new ones
     import fused_stats.api.checkpoint as ckpt_mod
@@ -336,5 +357,6 @@ def test_crash_between_snapshot_rename_and_pointer_update(tmp_path, uninterrupte
     resumed = new_probe()
     run_with_checkpoints(resumed, TRAIN, loss_fn, tmp_path, every=2)
     run_with_checkpoints(resumed, TEST, loss_fn, tmp_path, every=2, stream="test")
+    assert_resumed_aligned(resumed, misaligned)
     assert_same_state(state_of(resumed), state_of(uninterrupted))
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, (tmp_path / LATEST).read_text()]
