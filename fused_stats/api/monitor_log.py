@@ -4,7 +4,7 @@ Role: :class:`MonitorLog` appends, every ``every`` observed steps, one JSON obje
 current estimates at every point; :func:`read_monitor_log` reads such a file back and
 :func:`plot_monitor_log` draws the trajectories (what ``fused-stats report LOG.jsonl`` shows). No
 statistics are computed here: the numbers are the accumulators' finalised estimates
-(DESIGN section 2): ``mu_norm2 = |μ|²``, ``d_par = |μ|⁴/μᵀΣμ``, ``d_2 = |μ|⁴/tr(Σ²)``,
+(docs/design.md, section 2): ``mu_norm2 = |μ|²``, ``d_par = |μ|⁴/μᵀΣμ``, ``d_2 = |μ|⁴/tr(Σ²)``,
 ``d_align = min(d_par, d_2)``, ``AG_max = max_i |q_i|`` and ``AG_mean`` (the depth paper's plateau
 indicator), and, when the probe has cross-gradient statistics, ``|C|_F²`` (its unbiased
 U-statistic, depth paper) with ``|C|_F`` and the saturation verdict.

@@ -15,7 +15,7 @@ For each (width N, depth L, seed) run:
    ``d_align = min(d_par, d_2)``, ``AG_max = max_b |q_b|``; the certificate
    ``B_align = 1/(1 + n_eff d_align)``, ``B_exact`` (Cantelli) and the empirical misalignment
    ``Pr(μ_Mᵀ g_K ≤ 0)`` over random (M, K) splits of the pooled train + test pool, at
-   ``M = K = split`` (DESIGN section 2; width paper, Theorem 1); the train/test realized alignment;
+   ``M = K = split`` (docs/design.md, section 2; width paper, Theorem 1); the train/test realized alignment;
    the held-out loss. The depth paper's cross-gradient saturation signal ``|C|_F²`` is added when
    the installed Probe supports ``cross=`` (:func:`_saturation`).
 
