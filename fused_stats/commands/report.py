@@ -1,12 +1,15 @@
 """``fused-stats report``: render one or several JSON reports as markdown tables and PNG plots,
 and, with ``--sweep width|depth``, a sweep table (median and range over seeds per x value,
 Spearman's ρ against x with a permutation p-value) and the sweep plot. Monitor logs (``.jsonl``
-from ``fs.MonitorLog``, issue 6) are summarised and plotted as trajectories over training steps
-(d_align, AG_max, |C| per point)."""
+from ``fs.MonitorLog``) are summarised and plotted as trajectories over training steps
+(d_align, AG_max, |C| per point), one table and one plot per run when a log holds several runs.
+Every input is read and checked before anything is written."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from ..errors import FusedStatsError
 
 
 def register(sub) -> None:
@@ -16,10 +19,11 @@ def register(sub) -> None:
                    "or monitor logs (.jsonl) written during training")
     p.add_argument("--out", default="fused_stats_out/report", help="output folder")
     p.add_argument("--sweep", choices=["width", "depth"], default=None,
-                   help="also summarise the reports as a sweep over meta['width'] or meta['depth']")
+                   help="also summarise the reports as a sweep over meta['width'] or meta['depth'] "
+                        "(default: no sweep)")
     p.add_argument("--point", default="last",
-                   help="point used by --sweep: last, first, an index or a name (default: last)")
-    p.add_argument("--no-plots", action="store_true")
+                   help="point used by --sweep: last, first, an index or a name")
+    p.add_argument("--no-plots", action="store_true", help="write markdown only, no PNG plots")
     p.set_defaults(func=cmd_report)
 
 
@@ -44,8 +48,17 @@ def cmd_report(args) -> int:
     logs = [p for p in paths if p.suffix == ".jsonl" or _is_monitor_log(p)]
     if logs:
         return _report_monitor_logs(paths, logs, args)
+    from ..api.report import sweep_rows
+
     reports = [Report.from_json(p) for p in paths]  # a bad file raises before anything is written
     point = int(args.point) if args.point.lstrip("-").isdigit() else args.point
+    if args.sweep:
+        missing = [str(p) for p, r in zip(paths, reports) if args.sweep not in r.meta]
+        if missing:
+            raise FusedStatsError(
+                f"--sweep {args.sweep} needs meta[{args.sweep!r}] in every report; missing in "
+                f"{', '.join(missing)}")
+        sweep_rows(reports, args.sweep, point)  # a bad --point raises here, before any output
     out = Path(args.out)
     written = []
     for path, stem, report in zip(paths, _stems(paths), reports):
