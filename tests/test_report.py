@@ -327,14 +327,72 @@ def _exact_spearman(xs, ys):
     ([32, 32, 64, 64, 128, 128], [0.01, 0.03, 0.02, 0.02, 0.05, 0.04]),   # ties
     ([1, 2, 3, 4, 5], [5.0, 3.0, 4.0, 1.0, 2.0]),
 ])
-def test_rank_correlation_matches_exact_permutation_test(xs, ys):
-    from fused_stats.api.report import rank_correlation
+def test_rank_correlation_small_n_is_the_exact_permutation_test(xs, ys):
+    from fused_stats.accumulators.trends import rank_correlation
 
+    # n! <= permutations: every re-pairing is enumerated, so rho and p equal the exact reference
     rho, p = rank_correlation(xs, ys, permutations=20_000, seed=3)
     ref_rho, ref_p = _exact_spearman(xs, ys)
     assert rho == pytest.approx(ref_rho, abs=1e-12)
-    # Monte Carlo p-value: within 4 binomial standard errors of the exact one
+    assert p == pytest.approx(ref_p, abs=1e-12)
+
+
+def test_rank_correlation_monte_carlo_matches_exact_enumeration():
+    from fused_stats.accumulators.trends import rank_correlation
+
+    gen = torch.Generator().manual_seed(11)
+    xs = [16, 16, 32, 32, 64, 64, 128, 128]
+    ys = (torch.tensor([float(x) for x in xs]).log() * 0.3
+          + torch.randn(8, generator=gen, dtype=torch.float64)).tolist()
+    rho, p = rank_correlation(xs, ys, permutations=20_000, seed=5)   # 20000 < 8! = 40320
+    ref_rho, ref_p = _exact_spearman(xs, ys)
+    assert rho == pytest.approx(ref_rho, abs=1e-12)
     assert abs(p - ref_p) <= 4 * math.sqrt(ref_p * (1 - ref_p) / 20_000) + 1e-4
+    assert 0 < ref_p < 1
+
+
+def test_spearman_rho_equals_the_rank_difference_formula():
+    from fused_stats.accumulators.trends import rank_correlation
+
+    gen = torch.Generator().manual_seed(2)
+    for n in (5, 9, 14):
+        xs = torch.randn(n, generator=gen, dtype=torch.float64).tolist()
+        ys = torch.randn(n, generator=gen, dtype=torch.float64).tolist()
+        rank = {v: i + 1 for i, v in enumerate(sorted(xs))}
+        rank_y = {v: i + 1 for i, v in enumerate(sorted(ys))}
+        d2 = sum((rank[a] - rank_y[b]) ** 2 for a, b in zip(xs, ys))
+        # no ties: rho = 1 - 6 sum d^2 / (n (n^2 - 1))   (Spearman's formula)
+        rho, _ = rank_correlation(xs, ys, permutations=200)
+        assert rho == pytest.approx(1 - 6 * d2 / (n * (n * n - 1)), abs=1e-12)
+
+
+def test_p_value_does_not_depend_on_the_order_of_the_runs():
+    from fused_stats.accumulators.trends import rank_correlation
+    from fused_stats.api.report import sweep_summary
+
+    gen = torch.Generator().manual_seed(4)
+    xs = [1, 2, 4, 8] * 3
+    ys = torch.randn(12, generator=gen, dtype=torch.float64).tolist()
+    order = torch.randperm(12, generator=gen).tolist()
+    first = rank_correlation(xs, ys, permutations=5000, seed=0)
+    second = rank_correlation([xs[i] for i in order], [ys[i] for i in order], permutations=5000)
+    assert first == second
+    reports = []
+    for depth, value in zip(xs, ys):
+        data, _ = make_data(points=1, seed=len(reports))
+        data["meta"] = {"depth": depth, "seed": len(reports), "test_loss": value}
+        reports.append(Report(data))
+    text = sweep_summary(reports, "depth")
+    assert sweep_summary([reports[i] for i in order], "depth") == text
+    assert f"p = {first[1]:.3g}" in next(line for line in text.splitlines() if line.startswith("test_loss vs"))
+
+
+def test_cosine_of_the_mean_gradients():
+    from fused_stats.accumulators.trends import cosine
+
+    assert cosine(0.5, 1.0, 4.0) == pytest.approx(0.25)
+    assert cosine(0.5, -1.0, 4.0) is None and cosine(None, 1.0, 1.0) is None
+    assert cosine(math.nan, 1.0, 1.0) is None
 
 
 def test_sweep_summary_medians_and_trend_words():

@@ -18,8 +18,8 @@ The Estimate / Certificate / Misalignment dicts are the ``to_dict()`` of the cla
 :mod:`fused_stats.accumulators`. No numbers are computed here; the report only shows what the
 accumulators finalised: ``|μ|²`` (``mu_norm2``), ``d_par = |μ|⁴/μᵀΣμ``, ``d_2 = |μ|⁴/tr(Σ²)``,
 ``d_align = min(d_par, d_2)``, the certificate bounds ``B_align = 1/(1 + n_eff d_align)`` and
-``B_exact = Var/(Var + |μ|⁴)`` with ``n_eff = MK/(M+K+1)`` (width paper, Theorem 1; DESIGN
-section 2), the empirical misalignment ``Pr(μ_Mᵀg_K ≤ 0)`` over random splits of a pool, the
+``B_exact = Var/(Var + |μ|⁴)`` with ``n_eff = MK/(M+K+1)`` (width paper, Theorem 1;
+docs/design.md, section 2), the empirical misalignment ``Pr(μ_Mᵀg_K ≤ 0)`` over random splits of a pool, the
 realized alignment ``s_trainᵀ s_test/(MK)`` and the depth paper's ``AG_max = max_i |q_i|``.
 
 JSON has no infinity or NaN (``d_par`` is ``inf`` when the ``μᵀΣμ`` estimate is ≤ 0), so
@@ -32,6 +32,7 @@ backend is never switched); matplotlib is imported only when plotting.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -41,17 +42,28 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
+from ..accumulators import trends
+from ..accumulators import Certificate, Estimate, Misalignment
 from ..accumulators.persistence import write_atomic
+from ..accumulators.trends import cosine as trend_cosine
+from ..accumulators.trends import median, rank_correlation  # noqa: F401  (re-exported)
 from ..errors import FusedStatsError
 
 FORMAT = "fused_stats.report"
 VERSION = 1
 
-# Keys a point's sub-dicts must carry; extra keys (e.g. ``effective_rank``) are kept as they are.
-ESTIMATE_KEYS = ("n", "dim", "mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "d_par",
-                 "d_2", "d_align", "ag_max", "ag_mean")
-CERTIFICATE_KEYS = ("M", "K", "n_eff", "b_align", "b_exact")
-MISALIGNMENT_KEYS = ("probability", "stderr", "trials", "M", "K")
+
+
+def _number_fields(cls) -> tuple[str, ...]:
+    """The int and float fields of a result dataclass (the numbers its ``to_dict`` writes)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.type in ("int", "float", int, float))
+
+
+# Keys a point's sub-dicts must carry, as numbers; extra keys (e.g. ``effective_rank``) are kept
+# as they are.
+ESTIMATE_KEYS = _number_fields(Estimate)
+CERTIFICATE_KEYS = _number_fields(Certificate)
+MISALIGNMENT_KEYS = _number_fields(Misalignment)
 TOP_KEYS = ("format", "version", "fused_stats_version", "created", "model", "unit",
             "second_moment", "points", "meta")
 POINT_KEYS = ("name", "index", "dim", "train", "test", "certificate", "misalignment",
@@ -500,70 +512,13 @@ def sweep_rows(reports: list[Report], x: str, point: str | int = "last") -> list
     return rows
 
 
-def rank_correlation(xs, ys, permutations: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """Spearman's ρ of paired values and a two-sided permutation p-value.
-
-    ρ is Pearson's correlation of the ranks (ties get their average rank). The p-value is the
-    fraction of random re-pairings (``ys`` shuffled, ``permutations`` times, seeded) with
-    ``|ρ| ≥`` the observed ``|ρ|`` (the +1 correction keeps it > 0). nan when undefined (fewer
-    than 3 pairs, or a constant side).
-    """
-    import random
-
-    pairs = [(float(a), float(b)) for a, b in zip(xs, ys)
-             if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
-    if len(pairs) < 3:
-        return math.nan, math.nan
-    rx = _ranks([a for a, _ in pairs])
-    ry = _ranks([b for _, b in pairs])
-    rho = _pearson(rx, ry)
-    if math.isnan(rho):
-        return math.nan, math.nan
-    rng = random.Random(seed)
-    shuffled = list(ry)
-    hits = 0
-    for _ in range(permutations):
-        rng.shuffle(shuffled)
-        if abs(_pearson(rx, shuffled)) >= abs(rho) - 1e-12:
-            hits += 1
-    return rho, (hits + 1) / (permutations + 1)
-
-
-def _ranks(values):
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
-
-
-def _pearson(a, b):
-    n = len(a)
-    ma, mb = sum(a) / n, sum(b) / n
-    va = sum((x - ma) ** 2 for x in a)
-    vb = sum((y - mb) ** 2 for y in b)
-    if va == 0 or vb == 0:
-        return math.nan
-    return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / math.sqrt(va * vb)
-
-
 def cosine(point: dict) -> float | None:
-    """Estimated cosine of the train and test mean gradients at a report point:
-    realized alignment / sqrt(|μ_train|² |μ_test|²) with the unbiased |μ|² of each stream
-    (plain |q̄|² would include the noise tr(Σ)/n and bias the cosine towards 0)."""
-    ra, tr, te = point["realized_alignment"], point["train"], point["test"]
-    if ra is None or tr is None or te is None:
+    """Estimated cosine of the train and test mean gradients at a report point
+    (:func:`fused_stats.accumulators.trends.cosine`)."""
+    tr, te = point["train"], point["test"]
+    if tr is None or te is None:
         return None
-    a, b = tr["mu_norm2"], te["mu_norm2"]
-    if not (_is_number(ra) and math.isfinite(ra)) or a <= 0 or b <= 0:
-        return None
-    return ra / math.sqrt(a * b)
+    return trend_cosine(point["realized_alignment"], tr.get("mu_norm2"), te.get("mu_norm2"))
 
 
 # what a sweep table shows per x value: (column title, row key), and the trend checked
@@ -602,7 +557,7 @@ def sweep_summary(reports: Iterable[Report], x: str, point: str | int = "last",
             elif len(vals) == 1:
                 line.append(fmt(vals[0], ".3g"))
             else:
-                line.append(f"{fmt(_median(vals), '.3g')} [{fmt(min(vals), '.3g')}, "
+                line.append(f"{fmt(median(vals), '.3g')} [{fmt(min(vals), '.3g')}, "
                             f"{fmt(max(vals), '.3g')}]")
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
@@ -617,21 +572,10 @@ def sweep_summary(reports: Iterable[Report], x: str, point: str | int = "last",
 
 
 def trend_sentence(rows: list[dict], x: str, key: str, permutations: int = 10_000) -> str:
-    """Spearman's ρ of ``key`` against ``x`` with its permutation p-value, in words."""
+    """Spearman's ρ of ``key`` against ``x`` over sweep rows, with its permutation p-value, in
+    words (:func:`fused_stats.accumulators.trends.trend_sentence`)."""
     pairs = [(r["x"], r[key]) for r in rows if r.get(key) is not None]
-    distinct = len({a for a, _ in pairs})
-    if len(pairs) < 4 or distinct < 2:
-        return (f"{key} vs {x}: too few runs ({len(pairs)} at {distinct} {x} values) to speak "
-                "of a trend")
-    rho, p = rank_correlation([a for a, _ in pairs], [b for _, b in pairs], permutations)
-    if math.isnan(rho):
-        return f"{key} vs {x}: rank correlation undefined (a constant column)"
-    stat = f"Spearman rho = {rho:+.2f}, permutation p = {p:.3g}, {len(pairs)} runs"
-    if p < 0.05:
-        word = "increases" if rho > 0 else "decreases"
-        return f"{key} vs {x}: {word} with {x} in these runs ({stat})"
-    return (f"{key} vs {x}: no clear monotone trend in these runs ({stat}); with this many "
-            "runs and this seed scatter that is not evidence either way")
+    return trends.trend_sentence([a for a, _ in pairs], [b for _, b in pairs], x, key, permutations)
 
 
 def _pick(report: Report, point) -> dict:
@@ -707,19 +651,13 @@ def _spread(ax, rows, key, label):
     if not groups:
         return
     xs = sorted(groups)
-    med = [_median(groups[x]) for x in xs]
+    med = [median(groups[x]) for x in xs]
     lo = [min(groups[x]) for x in xs]
     hi = [max(groups[x]) for x in xs]
     (line,) = ax.plot(xs, med, marker="o", label=f"{label} (median)")
     ax.fill_between(xs, lo, hi, alpha=0.2, color=line.get_color())
     dots = [(x, v) for x in xs for v in groups[x]]
     ax.scatter([d[0] for d in dots], [d[1] for d in dots], s=10, color=line.get_color(), alpha=0.6)
-
-
-def _median(values):
-    v = sorted(values)
-    m = len(v) // 2
-    return v[m] if len(v) % 2 else 0.5 * (v[m - 1] + v[m])
 
 
 def _short(name: str) -> str:
