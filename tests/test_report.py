@@ -290,12 +290,12 @@ def test_failed_write_keeps_existing_file(tmp_path, monkeypatch):
     data, _ = make_data()
     path = Report(data).to_json(tmp_path / "r.json")
     before = path.read_bytes()
-    import fused_stats.api.report as report_mod
+    import fused_stats.accumulators.persistence as persistence
 
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(report_mod.os, "fsync", boom)
+    monkeypatch.setattr(persistence.os, "fsync", boom)
     data2, _ = make_data(seed=5)
     with pytest.raises(OSError, match="disk full"):
         Report(data2).to_json(path)
@@ -417,3 +417,21 @@ def test_sweep_summary_medians_and_trend_words():
         r.data["points"][-1]["train"]["d_align"] = v
     assert "d_align vs width: no clear monotone trend" in sweep_summary(reports, "width")
     assert "too few runs" in sweep_summary(reports[:3], "width")
+
+
+def test_png_files_get_the_permissions_of_the_json_and_markdown(tmp_path):
+    import os
+    import stat
+
+    data, _ = make_data(points=2)
+    report = Report(data)
+    old = os.umask(0o022)
+    try:
+        files = [report.to_json(tmp_path / "r.json"), report.to_markdown_file(tmp_path / "r.md"),
+                 report.plot(tmp_path / "r.png"),
+                 plot_sweep([report, Report(make_data(seed=1)[0])], "width", tmp_path / "s.png")]
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in files}
+    assert modes == {name: 0o644 for name in modes}, modes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.png", "s.png"]

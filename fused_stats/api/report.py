@@ -36,8 +36,6 @@ import dataclasses
 import datetime as _dt
 import json
 import math
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
@@ -607,20 +605,19 @@ def _matplotlib():
     return Figure, FigureCanvasAgg
 
 
-def _save(fig, path) -> Path:
+def save_figure(fig, path, **savefig) -> Path:
+    """Render ``fig`` as PNG and write it like the JSON and markdown files (:func:`write_atomic`:
+    a viewer never reads half a PNG, and the file gets the same permissions)."""
+    import io
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # render to a temp name then rename, as for the JSON: a viewer never reads half a PNG
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", **savefig)
+    write_atomic(path, buffer.getvalue())
     return path
+
+
+_save = save_figure
 
 
 def _finite(value):

@@ -7,6 +7,7 @@ Every input is read and checked before anything is written."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ..errors import FusedStatsError
@@ -93,9 +94,9 @@ def _is_monitor_log(path: Path) -> bool:
 
 
 def _report_monitor_logs(paths: list[Path], logs: list[Path], args) -> int:
-    """Training-time monitor logs: a first/last table per log and the trajectory plot."""
-    from ..api.monitor_log import plot_monitor_log, read_monitor_log, summary_markdown
-    from ..errors import FusedStatsError
+    """Training-time monitor logs: a first/last table and a trajectory plot per log, and per run
+    when a log holds several runs (a file appended to by separate runs)."""
+    from ..api.monitor_log import plot_monitor_log, read_monitor_log, split_runs, summary_markdown
 
     if len(logs) != len(paths):
         raise FusedStatsError(
@@ -105,10 +106,18 @@ def _report_monitor_logs(paths: list[Path], logs: list[Path], args) -> int:
     out = Path(args.out)
     written = []
     for path, stem, recs in zip(logs, _stems(logs), records):
-        print(f"== {path} ==")
-        print(summary_markdown(recs))
-        if not args.no_plots:
-            written.append(plot_monitor_log(recs, out / f"{stem}.png"))
+        runs = split_runs(recs)
+        for number, (run, run_records) in enumerate(runs.items(), 1):
+            if len(runs) == 1:
+                print(f"== {path} ==")
+                name = stem
+            else:
+                print(f"== {path}: run {number} of {len(runs)} (id {run}) ==")
+                tag = re.sub(r"[^A-Za-z0-9_.-]", "_", str(run)) if run else ""
+                name = f"{stem}-run{number}" + (f"-{tag}" if tag else "")
+            print(summary_markdown(run_records))
+            if not args.no_plots:
+                written.append(plot_monitor_log(run_records, out / f"{name}.png"))
     if written:
         print("wrote " + ", ".join(str(w) for w in written))
     return 0
