@@ -363,45 +363,68 @@ class Report:
     # ------------------------------------------------------------------ plots
     def plot(self, path) -> Path:
         """PNG: d_align (train, test) and AG_max per point; certificate bounds vs empirical
-        misalignment per point."""
+        misalignment per point. A panel whose numbers were not computed is left out."""
         Figure, FigureCanvasAgg = _matplotlib()
         pts = self.points
         xs = [p["index"] for p in pts]
         labels = [p["name"] for p in pts]
-        fig = Figure(figsize=(13, 4.2), dpi=100)
+
+        def series(section, key):
+            return [_finite(_cell(p[section], key)) for p in pts]
+
+        def present(section, key):
+            return any(v is not None for v in series(section, key))
+
+        panels = []
+        if present("train", "d_align") or present("test", "d_align"):
+            panels.append("d_align")
+        if present("train", "ag_max") or present("test", "ag_max"):
+            panels.append("ag_max")
+        has_cert = present("certificate", "b_align") or present("certificate", "b_exact")
+        has_mis = present("misalignment", "probability")
+        if has_cert or has_mis:
+            panels.append("transfer")
+        if not panels:
+            raise FusedStatsError("report plot: no point has a finite estimate to plot")
+        fig = Figure(figsize=(4.4 * len(panels) + 0.6, 4.8), dpi=100, layout="constrained")
         FigureCanvasAgg(fig)
-        ax1, ax2, ax3 = fig.subplots(1, 3)
-        for stream, marker in (("train", "o"), ("test", "s")):
-            ys = [_finite(_cell(p[stream], "d_align")) for p in pts]
-            if any(y is not None for y in ys):
-                _line(ax1, xs, ys, marker=marker, label=stream)
-        ax1.set_title("d_align per point")
-        ax1.set_ylabel("d_align = min(d_par, d_2)")
-        for stream, marker in (("train", "o"), ("test", "s")):
-            ys = [_finite(_cell(p[stream], "ag_max")) for p in pts]
-            if any(y is not None for y in ys):
-                _line(ax2, xs, ys, marker=marker, label=stream)
-        ax2.set_title("AG_max = max_i |q_i| per point")
-        ys = [_finite(_cell(p["certificate"], "b_align")) for p in pts]
-        _line(ax3, xs, ys, marker="^", label="B_align (certificate)")
-        ys = [_finite(_cell(p["certificate"], "b_exact")) for p in pts]
-        _line(ax3, xs, ys, marker="v", label="B_exact (Cantelli)")
-        ys = [_finite(_cell(p["misalignment"], "probability")) for p in pts]
-        es = [_finite(_cell(p["misalignment"], "stderr")) for p in pts]
-        _errorbar(ax3, xs, ys, es, marker="o", label="empirical Pr(misaligned)")
-        ax3.set_ylim(-0.02, 1.02)
-        ax3.set_title("certificate bound vs empirical misalignment")
-        for ax in (ax1, ax2, ax3):
+        axes = fig.subplots(1, len(panels), squeeze=False)[0]
+        for ax, panel in zip(axes, panels):
+            if panel in ("d_align", "ag_max"):
+                for stream, marker in (("train", "o"), ("test", "s")):
+                    ys = series(stream, panel)
+                    if any(y is not None for y in ys):
+                        _line(ax, xs, ys, marker=marker, label=f"{stream} stream")
+                if panel == "d_align":
+                    ax.set_title("d_align per point")
+                    ax.set_ylabel("d_align = min(d_par, d_2)")
+                else:
+                    ax.set_title("AG_max per point")
+                    ax.set_ylabel("AG_max = max_i |q_i|")
+            else:
+                if has_cert:
+                    _line(ax, xs, series("certificate", "b_align"), marker="^",
+                          label="B_align (certificate)")
+                    _line(ax, xs, series("certificate", "b_exact"), marker="v",
+                          label="B_exact (Cantelli)")
+                if has_mis:
+                    _errorbar(ax, xs, series("misalignment", "probability"),
+                              series("misalignment", "stderr"), marker="o",
+                              label="empirical Pr(misaligned)")
+                ax.set_ylim(-0.02, 1.02)
+                ax.set_title(" vs ".join(t for t, on in (("certificate bound", has_cert),
+                                                         ("empirical misalignment", has_mis)) if on))
+                ax.set_ylabel("probability of misalignment")
             ax.set_xticks(xs)
             ax.set_xticklabels([_short(n) for n in labels], rotation=45, ha="right", fontsize=7)
             ax.set_xlabel("insertion point")
             ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
+            _scientific(ax)
+            _legend_below(ax)
         fig.suptitle(f"{self.model['class']} ({self.model['num_parameters']:,} params)"
                      + _meta_title(self.meta), fontsize=9)
-        fig.tight_layout()
-        return _save(fig, path)
+        _place_legends(fig, axes)
+        return save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------- sweeps
@@ -410,10 +433,11 @@ def plot_sweep(reports: Iterable[Report], x: str, path, point: str | int = "last
 
     ``x="width"``: d_align (train) vs ``meta["width"]`` at the chosen point (default: the last,
     i.e. highest-index, point), median over seeds with min-max band and every seed as a dot; and
-    the certificate bound and empirical misalignment vs width.
+    the certificate bound and empirical misalignment vs width (when computed).
     ``x="depth"``: AG_max (train) at the chosen point vs ``meta["depth"]``, the same spread; the
-    saturation signal ``cross_frob2`` when present; ``meta["test_loss"]`` when present.
-    ``point`` is "last", "first", an index or a point name.
+    scale-free AG_max, the saturation signal ``cross_frob2`` and ``meta["test_loss"]`` when present.
+    ``point`` is "last", "first", an index or a point name. A panel is drawn only for numbers
+    the reports hold.
     """
     if x not in ("width", "depth"):
         raise FusedStatsError(f"plot_sweep: x must be 'width' or 'depth', got {x!r}")
@@ -422,59 +446,63 @@ def plot_sweep(reports: Iterable[Report], x: str, path, point: str | int = "last
         raise FusedStatsError("plot_sweep needs at least one report")
     rows = sweep_rows(reports, x, point)
     Figure, FigureCanvasAgg = _matplotlib()
-    fig = Figure(figsize=(12 if x == "width" else 16, 4.2), dpi=100)
-    FigureCanvasAgg(fig)
+
+    def has(*keys):
+        return any(r.get(k) is not None for r in rows for k in keys)
+
+    # (title, y label, [(key, legend label)]) per panel, only for data that exists
     if x == "width":
-        ax1, ax2 = fig.subplots(1, 2)
-        _spread(ax1, rows, "d_align", "d_align (train)")
-        ax1.set_ylabel("d_align")
-        positive = [r["d_align"] for r in rows if r.get("d_align") is not None and r["d_align"] > 0]
-        if positive and max(positive) > 20 * min(positive):
-            # values span decades and 0 means "no signal": symlog keeps both visible
-            ax1.set_yscale("symlog", linthresh=min(positive))
-            ax1.set_ylabel("d_align (symlog; 0 = no detectable mean)")
-        ax1.set_title("d_align vs width (spread over seeds)")
-        _spread(ax2, rows, "misalignment", "empirical Pr(misaligned)")
-        _spread(ax2, rows, "b_align", "B_align (certificate)")
-        _spread(ax2, rows, "b_exact", "B_exact (Cantelli)")
-        ax2.set_ylim(-0.02, 1.02)
-        ax2.set_title("transfer: certificate vs empirical misalignment")
-        axes = (ax1, ax2)
-        for ax in axes:
-            ax.set_xscale("log", base=2)
+        panels = [("d_align vs width (spread over seeds)", "d_align (train)",
+                   [("d_align", "d_align (train)")])]
+        parts = [(k, t) for k, t in (("misalignment", "empirical Pr(misaligned)"),
+                                     ("b_align", "B_align (certificate)"),
+                                     ("b_exact", "B_exact (Cantelli)")) if has(k)]
+        if parts:
+            title = " vs ".join(t for t, on in (("certificate bound", has("b_align", "b_exact")),
+                                               ("empirical misalignment", has("misalignment")))
+                                if on)
+            panels.append((f"transfer: {title}", "probability of misalignment", parts))
     else:
-        has_scaled = any(r.get("ag_max_scaled") is not None for r in rows)
-        has_sat = any(r.get("cross_frob2") is not None for r in rows)
-        has_loss = any(r.get("test_loss") is not None for r in rows)
-        n_ax = 1 + has_scaled + has_sat + has_loss
-        axes = fig.subplots(1, n_ax) if n_ax > 1 else [fig.subplots(1, 1)]
-        axes = list(axes)
-        _spread(axes[0], rows, "ag_max", "AG_max (train)")
-        _spread(axes[0], rows, "ag_mean", "AG_mean (train)")
-        axes[0].set_ylabel("|q|")
-        axes[0].set_title("AG_max vs depth (spread over seeds)")
-        k = 1
-        if has_scaled:
-            _spread(axes[k], rows, "ag_max_scaled", "AG_max*|z|/sqrt(d)")
-            axes[k].set_title("AG_max without the stream scale")
-            k += 1
-        if has_sat:
-            _spread(axes[k], rows, "cross_frob2", "|C|_F^2 (saturation signal)")
-            axes[k].set_title("cross-gradient vs depth")
-            k += 1
-        if has_loss:
-            _spread(axes[k], rows, "test_loss", "held-out loss")
-            axes[k].set_title("held-out loss vs depth")
-    for ax in axes:
+        panels = [("AG_max vs depth (spread over seeds)", "gradient norm |q_i| (train)",
+                   [("ag_max", "AG_max (train)"), ("ag_mean", "AG_mean (train)")])]
+        if has("ag_max_scaled"):
+            panels.append(("AG_max without the stream scale", "AG_max * |z| / sqrt(d)",
+                           [("ag_max_scaled", "AG_max*|z|/sqrt(d)")]))
+        if has("cross_frob2"):
+            panels.append(("cross-gradient vs depth", "|C|_F^2 (unbiased)",
+                           [("cross_frob2", "|C|_F^2 (saturation signal)")]))
+        if has("test_loss"):
+            panels.append(("held-out loss vs depth", "held-out loss (nats)",
+                           [("test_loss", "held-out loss")]))
+    fig = Figure(figsize=(4.6 * len(panels) + 1.0, 4.8), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    xs = sorted({r["x"] for r in rows})
+    for ax, (title, ylabel, parts) in zip(axes, panels):
+        for key, label in parts:
+            _spread(ax, rows, key, label)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        xs = sorted({r["x"] for r in rows})
+        if x == "width":
+            ax.set_xscale("log", base=2)
         ax.set_xticks(xs)
         ax.set_xticklabels([str(v) for v in xs])
+        ax.xaxis.set_minor_locator(_null_locator())
+        if ylabel == "probability of misalignment":
+            ax.set_ylim(-0.02, 1.02)
+        _scientific(ax)
+        _legend_below(ax)
+    if x == "width":
+        positive = [r["d_align"] for r in rows if r.get("d_align") is not None and r["d_align"] > 0]
+        if positive and max(positive) > 20 * min(positive):
+            # values span decades and 0 means "no signal": a symlog axis keeps both visible
+            _symlog(axes[0], positive)
+            axes[0].set_ylabel("d_align (train; symlog, 0 = no detectable mean)")
     fig.suptitle(f"sweep over {x}: {len(reports)} reports, point={point!r}", fontsize=9)
-    fig.tight_layout()
-    return _save(fig, path)
+    _place_legends(fig, axes)
+    return save_figure(fig, path)
 
 
 def sweep_rows(reports: list[Report], x: str, point: str | int = "last") -> list[dict]:
@@ -618,6 +646,60 @@ def save_figure(fig, path, **savefig) -> Path:
 
 
 _save = save_figure
+
+
+def _null_locator():
+    from matplotlib.ticker import NullLocator
+
+    return NullLocator()
+
+
+def _scientific(ax) -> None:
+    """Tick labels like 2.5e-4 as a shared ×10⁻⁴ offset instead of long decimals (linear axes)."""
+    if ax.get_yscale() == "linear":
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 4), useMathText=True)
+
+
+def _symlog(ax, positive) -> None:
+    """A symlog y axis with ticks only at 0 and at whole decades from the smallest positive value
+    up: the linear part around 0 gets half a decade of height, so "0" and the first decade's label
+    never overlap."""
+    from matplotlib.ticker import FuncFormatter
+
+    low = math.floor(math.log10(min(positive)))
+    high = math.ceil(math.log10(max(positive)))
+    ax.set_yscale("symlog", linthresh=10.0 ** low, linscale=0.5)
+    ax.set_yticks([0.0] + [10.0 ** k for k in range(low, high + 1)])
+    ax.yaxis.set_major_formatter(FuncFormatter(
+        lambda v, _: "0" if v == 0 else f"$10^{{{round(math.log10(v))}}}$"))
+    ax.yaxis.set_minor_locator(_null_locator())
+    ax.set_ylim(-0.1 * 10.0 ** low, 10.0 ** high)
+
+
+def _legend_below(ax) -> None:
+    """The legend under the axes, below its tick and axis labels (placed by :func:`_place_legends`
+    once the layout is known), never over the data."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=7,
+                  ncol=min(2, len(handles)), frameon=False)
+
+
+def _place_legends(fig, axes) -> None:
+    """Move each axes' legend just under its x axis (tick labels may be rotated and long): lay
+    the figure out, measure the x axis, place, and lay out again with the legends in place."""
+    for _ in range(2):
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in axes:
+            legend = ax.get_legend()
+            if legend is None:
+                continue
+            box = ax.xaxis.get_tightbbox(renderer)
+            if box is None:
+                continue
+            bottom = ax.transAxes.inverted().transform((0, box.y0))[1]
+            legend.set_bbox_to_anchor((0.5, bottom - 0.01), transform=ax.transAxes)
 
 
 def _finite(value):

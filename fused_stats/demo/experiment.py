@@ -336,6 +336,7 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
             lines.append(msg)
             reports.append(report)
     finally:
+        bar.set_description("demo")
         bar.close()
 
     width_runs = [r for r in reports if r.meta["depth"] == cfg.width_sweep_depth
