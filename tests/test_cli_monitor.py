@@ -109,3 +109,26 @@ def test_old_logs_without_run_ids_still_read(tmp_path, gen):
     records = read_monitor_log(path)
     assert list(split_runs(records)) == [None]
     assert plot_monitor_log(records, tmp_path / "old.png").stat().st_size > 1000
+
+
+def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_path, gen, monkeypatch):
+    import fused_stats.api.report as report_mod
+
+    figures = []
+    real = report_mod.save_figure
+    monkeypatch.setattr(report_mod, "save_figure",
+                        lambda fig, path, **kw: figures.append(fig) or real(fig, path, **kw))
+    path = tmp_path / "run.jsonl"
+    run_steps(fs.MonitorLog(path), [1, 2, 3, 4, 5], gen)
+    plot_monitor_log(path, tmp_path / "run.png")
+    (fig,) = figures
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend_box = fig.legends[0].get_window_extent(renderer)
+    for ax in fig.axes:
+        assert ax.get_ylabel().strip() and ax.get_xlabel() == "training step"
+        low, high = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if low <= t <= high]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+        box = ax.get_window_extent(renderer)
+        assert legend_box.x0 >= box.x1 or legend_box.y0 >= box.y1   # beside or above, not on

@@ -435,3 +435,75 @@ def test_png_files_get_the_permissions_of_the_json_and_markdown(tmp_path):
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in files}
     assert modes == {name: 0o644 for name in modes}, modes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.png", "s.png"]
+
+
+# ---------------------------------------------------------------------------- plots as a reader sees them
+@pytest.fixture
+def captured(monkeypatch):
+    """The figures the plot functions save (the PNG is still written)."""
+    import fused_stats.api.report as report_mod
+
+    figures = []
+    real = report_mod.save_figure
+
+    def keep(fig, path, **kw):
+        figures.append(fig)
+        return real(fig, path, **kw)
+
+    monkeypatch.setattr(report_mod, "save_figure", keep)
+    return figures
+
+
+def _check_readable(fig):
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        assert ax.get_ylabel().strip(), ax.get_title()
+        legend = ax.get_legend()
+        if legend is not None:   # the legend sits below the axes and its tick labels
+            assert legend.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0 + 1
+        labels = [t for t in ax.get_yticklabels() if t.get_text() and t.get_visible()]
+        ys = sorted(t.get_window_extent(renderer).y0 for t in labels
+                    if ax.get_ylim()[0] <= t.get_position()[1] <= ax.get_ylim()[1])
+        heights = [t.get_window_extent(renderer).height for t in labels]
+        for a, b in zip(ys, ys[1:]):
+            assert b - a >= 0.9 * max(heights), (ax.get_title(), ys)   # no two labels overlap
+
+
+def test_report_plot_panels_only_for_computed_numbers(tmp_path, captured):
+    data, _ = make_data(points=3)
+    for p in data["points"]:
+        p["misalignment"] = None
+    Report(data).plot(tmp_path / "a.png")
+    (fig,) = captured
+    titles = [ax.get_title() for ax in fig.axes]
+    assert len(titles) == 3 and "misalignment" not in titles[2] and "certificate" in titles[2]
+    _check_readable(fig)
+    for p in data["points"]:
+        p["certificate"] = None
+    Report(data).plot(tmp_path / "b.png")
+    assert len(captured[1].axes) == 2   # no transfer panel at all
+    _check_readable(captured[1])
+
+
+def test_sweep_plots_are_readable_with_symlog_zeros(tmp_path, captured):
+    reports = []
+    values = [0.0, 0.046, 1.3e-4, 7.2e-5, 3.3e-3, 9.9e-5, 8.7e-4, 2.3e-3, 1.2e-3]
+    for i, value in enumerate(values):
+        data, _ = make_data(points=2, seed=i)
+        data["meta"] = {"width": (32, 64, 128)[i // 3], "depth": (1, 2, 4)[i // 3], "seed": i % 3,
+                        "test_loss": 2.0 + 0.01 * i}
+        data["points"][-1]["train"]["d_align"] = value
+        data["points"][-1]["saturation"] = {"cross_frob2": 1e-4 * (i + 1), "cross_frob2_se": 1e-5}
+        reports.append(Report(data))
+    plot_sweep(reports, "width", tmp_path / "w.png")
+    plot_sweep(reports, "depth", tmp_path / "d.png")
+    width_fig, depth_fig = captured
+    assert width_fig.axes[0].get_yscale() == "symlog"
+    texts = [t.get_text() for t in width_fig.axes[0].get_yticklabels()]
+    assert texts[0] == "0" and len(texts) == len(set(texts))
+    for fig in captured:
+        _check_readable(fig)
+    # no stream_norm in meta: no panel for the scale-free AG_max
+    assert [ax.get_title() for ax in depth_fig.axes] == [
+        "AG_max vs depth (spread over seeds)", "cross-gradient vs depth", "held-out loss vs depth"]
