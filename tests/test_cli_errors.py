@@ -164,6 +164,12 @@ def test_unknown_model_type_is_one_short_line(here, text_file, capsys):
     path.write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 8}))
     line = fails(probe_args(path, text_file, "--out", here / "o"), capsys, here, "'no_such_model'")
     assert len(line) < 300
+    folder = here / "odd_model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
+    line = fails(probe_args(folder, text_file, "--out", here / "o"), capsys, here, "'no_such_model'",
+                 "odd_model")
+    assert len(line) < 300
 
 
 # ---------------------------------------------------------------------------- report, merge, plan

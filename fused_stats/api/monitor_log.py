@@ -349,7 +349,7 @@ def plot_monitor_log(source, path, stream: str | None = None) -> Path:
               if any(v for _, v in trajectories(records, key, stream).values())]
     if not panels:
         raise FusedStatsError(
-            "plot_monitor_log: no finite d_align / AG_max / |C| values in the log (every point "
+            "monitor log: no finite d_align / AG_max / |C| values to plot (every point "
             "had fewer than 4 samples at every logged step?)")
     fig = Figure(figsize=(4.6 * len(panels) + 2.2, 3.8), layout="constrained")
     FigureCanvasAgg(fig)

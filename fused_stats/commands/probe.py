@@ -124,6 +124,21 @@ def check_causal_config(config, spec: str) -> None:
             "causal LM (e.g. llama, gpt_neox, gpt2), or set \"is_decoder\": true in the config")
 
 
+def _known_model_type(config_file: Path, spec: str, transformers) -> None:
+    """A folder's config.json with an unknown ``model_type`` gets a one-line error (transformers'
+    own message lists every known type)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        kind = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return  # transformers reports a missing or unreadable config itself
+    if isinstance(kind, str) and kind not in CONFIG_MAPPING:
+        raise FusedStatsError(
+            f"--model {spec!r}: unknown model_type {kind!r} in {config_file.name} for transformers "
+            f"{transformers.__version__} (e.g. \"llama\", \"gpt_neox\", \"gpt2\")")
+
+
 def _config_from_json(spec: str, raw, transformers):
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise FusedStatsError(
@@ -154,6 +169,7 @@ def load_model(spec: str, seed: int, dtype: str):
     path = Path(spec)
     torch_dtype = getattr(torch, dtype)
     if path.is_dir():
+        _known_model_type(path / "config.json", spec, transformers)
         try:
             config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
