@@ -265,14 +265,19 @@ def test_progress_bar_only_on_a_terminal():
     assert quiet.getvalue() == ""
 
 
-def test_probe_progress_in_a_redirected_stderr_has_no_carriage_return(here, capsys):
+def test_probe_progress_in_a_redirected_stderr_has_no_carriage_return(here, capsys, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     config = LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"})
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(here / "model")   # loading it shows HF's bar
     tokens = np.random.default_rng(1).integers(0, 256, size=(20, 12))
     np.save(here / "tokens.npy", tokens)
+    # HF's bars on, as in a fresh process (an earlier command in this process may have silenced them)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    hf_logging.enable_progress_bar()
+    capsys.readouterr()
     rc = main(["probe", "--model", str(here / "model"), "--tokens", str(here / "tokens.npy"),
                "--batches", "2", "--batch-size", "4", "--out", str(here / "o")])
     err = capsys.readouterr().err
