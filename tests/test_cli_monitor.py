@@ -109,6 +109,12 @@ def test_old_logs_without_run_ids_still_read(tmp_path, gen):
     records = read_monitor_log(path)
     assert list(split_runs(records)) == [None]
     assert plot_monitor_log(records, tmp_path / "old.png").stat().st_size > 1000
+    # a second run appended to such a file: its steps restart, which is where it is split
+    with open(path, "a") as handle:
+        handle.write(json.dumps(dict(lines[0], step=1)) + "\n")
+    runs = split_runs(read_monitor_log(path))
+    assert {k: [r["step"] for r in v] for k, v in runs.items()} == {"unnamed-1": [1, 2],
+                                                                   "unnamed-2": [1]}
 
 
 def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_path, gen, monkeypatch):

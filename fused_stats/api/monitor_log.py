@@ -290,11 +290,22 @@ def trajectories(records: list[dict], key: str, stream: str | None = None) -> di
 
 
 def split_runs(records: list[dict]) -> dict:
-    """``{run id: records}`` in file order (lines without a run id form the run ``None``)."""
+    """``{run id: records}`` in file order. Lines without a run id (logs written before run ids
+    existed) form the run ``None``, or, when their step goes backwards (a second run appended to
+    the file), the runs ``"unnamed-1"``, ``"unnamed-2"``, ... split at each such restart."""
     runs: dict = {}
+    unnamed: list[list[dict]] = []
     for record in records:
-        runs.setdefault(record.get("run"), []).append(record)
-    return runs
+        run = record.get("run")
+        if run is not None:
+            runs.setdefault(run, []).append(record)
+        elif unnamed and record["step"] > unnamed[-1][-1]["step"]:
+            unnamed[-1].append(record)
+        else:
+            unnamed.append([record])
+    if len(unnamed) == 1:
+        return {None: unnamed[0], **runs}
+    return {**{f"unnamed-{i}": part for i, part in enumerate(unnamed, 1)}, **runs}
 
 
 def _one_run(records: list[dict], what: str) -> None:
