@@ -370,6 +370,12 @@ def cmd_probe(args) -> int:
         data = certificates_at(probe, report.data, M, K, args.trials, seed=args.seed)
         data["meta"]["certificate_sizes"] = [M, K]
         report = fs.Report(data)
+        missing = [p["name"] for p in report.points if p["certificate"] is None
+                   or (args.trials and p["misalignment"] is None)]
+        if missing:
+            print(f"(note: the certificate or misalignment at M = {M}, K = {K} could not be "
+                  f"computed at {', '.join(missing)}: too few samples for these sizes, or no pool "
+                  "for the misalignment with --second-moment dense)")
     report.to_json(out / "report.json")
     report.to_markdown_file(out / "report.md")
     files = [out / "report.json", out / "report.md"]
