@@ -338,3 +338,39 @@ def test_probe_command_rejects_bad_input(tmp_path, capsys):
     assert main(["probe", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
     assert "neither a folder nor a config" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_probe_command_cross_and_position_mask(tmp_path, capsys):
+    cfg = tmp_path / "llama.json"
+    cfg.write_text(json.dumps(LLAMA))
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(np.random.default_rng(3).integers(32, 127, size=16 * 40).astype(np.uint8).tobytes())
+    common = ["probe", "--model", str(cfg), "--text", str(text), "--batches", "2", "--batch-size",
+              "3", "--seq-len", "16", "--unit", "position", "--trials", "0", "--no-progress"]
+    assert main(common + ["--cross", "4,tanh", "--out", str(tmp_path / "o")]) == 0
+    report = fs.Report.from_json(tmp_path / "o" / "report.json")
+    # 40 windows: the last 4 are the test part; 2 batches of 3 sequences, 15 of 16 positions
+    # predict a next token (the last one's gradient is exactly zero and is not counted)
+    assert report.meta["mask"] == "labels" and report.meta["cross"]["activation"] == "tanh"
+    for point in report.points:
+        assert point["train"]["n"] == 2 * 3 * 15
+        assert point["saturation"] is not None and "cross_frob2" in point["saturation"]
+    assert "saturation" in capsys.readouterr().out
+    assert main(common + ["--mask", "attention", "--out", str(tmp_path / "all")]) == 0
+    every = fs.Report.from_json(tmp_path / "all" / "report.json")
+    assert all(p["train"]["n"] == 2 * 3 * 16 and p["saturation"] is None for p in every.points)
+
+
+def test_demo_and_report_sweep_print_the_same_trend_lines(demo_out, tmp_path, capsys):
+    out, rc, text = demo_out
+    assert rc == 0
+    cfg = DemoConfig.quick()
+    for x, pattern, sweep_value in (("width", f"w*-d{cfg.width_sweep_depth}-*.json", "width"),
+                                    ("depth", f"w{cfg.depth_sweep_width}-d*.json", "depth")):
+        files = sorted(str(p) for p in (out / "runs").glob(pattern))
+        assert main(["report", *files, "--sweep", sweep_value, "--out", str(tmp_path / x),
+                     "--no-plots"]) == 0
+        printed = capsys.readouterr().out
+        ours = [line for line in printed.splitlines() if f" vs {x}:" in line]
+        demo = [line for line in text.splitlines() if f" vs {x}:" in line]
+        assert ours and ours == demo

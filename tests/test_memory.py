@@ -123,7 +123,7 @@ def test_plan_command_llama_shapes(capsys, tmp_path):
     assert row["pool"] == (3 * 2048 + 4 + 1000 * 2048 + 1000 ** 2) * 8
     assert row["total_auto"] == row["pool"] * 16
     assert main(["plan", "--dim", "0", "--points", "3"]) == 2
-    assert "dim must be an int >= 1" in capsys.readouterr().err
+    assert "--dim: must be an integer >= 1, got 0" in capsys.readouterr().err
     assert main(["plan", "--model", str(tmp_path / "missing.json")]) == 2
     assert "cannot read a model config" in capsys.readouterr().err
 

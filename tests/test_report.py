@@ -290,12 +290,12 @@ def test_failed_write_keeps_existing_file(tmp_path, monkeypatch):
     data, _ = make_data()
     path = Report(data).to_json(tmp_path / "r.json")
     before = path.read_bytes()
-    import fused_stats.api.report as report_mod
+    import fused_stats.accumulators.persistence as persistence
 
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(report_mod.os, "fsync", boom)
+    monkeypatch.setattr(persistence.os, "fsync", boom)
     data2, _ = make_data(seed=5)
     with pytest.raises(OSError, match="disk full"):
         Report(data2).to_json(path)
@@ -327,14 +327,72 @@ def _exact_spearman(xs, ys):
     ([32, 32, 64, 64, 128, 128], [0.01, 0.03, 0.02, 0.02, 0.05, 0.04]),   # ties
     ([1, 2, 3, 4, 5], [5.0, 3.0, 4.0, 1.0, 2.0]),
 ])
-def test_rank_correlation_matches_exact_permutation_test(xs, ys):
-    from fused_stats.api.report import rank_correlation
+def test_rank_correlation_small_n_is_the_exact_permutation_test(xs, ys):
+    from fused_stats.accumulators.trends import rank_correlation
 
+    # n! <= permutations: every re-pairing is enumerated, so rho and p equal the exact reference
     rho, p = rank_correlation(xs, ys, permutations=20_000, seed=3)
     ref_rho, ref_p = _exact_spearman(xs, ys)
     assert rho == pytest.approx(ref_rho, abs=1e-12)
-    # Monte Carlo p-value: within 4 binomial standard errors of the exact one
+    assert p == pytest.approx(ref_p, abs=1e-12)
+
+
+def test_rank_correlation_monte_carlo_matches_exact_enumeration():
+    from fused_stats.accumulators.trends import rank_correlation
+
+    gen = torch.Generator().manual_seed(11)
+    xs = [16, 16, 32, 32, 64, 64, 128, 128]
+    ys = (torch.tensor([float(x) for x in xs]).log() * 0.3
+          + torch.randn(8, generator=gen, dtype=torch.float64)).tolist()
+    rho, p = rank_correlation(xs, ys, permutations=20_000, seed=5)   # 20000 < 8! = 40320
+    ref_rho, ref_p = _exact_spearman(xs, ys)
+    assert rho == pytest.approx(ref_rho, abs=1e-12)
     assert abs(p - ref_p) <= 4 * math.sqrt(ref_p * (1 - ref_p) / 20_000) + 1e-4
+    assert 0 < ref_p < 1
+
+
+def test_spearman_rho_equals_the_rank_difference_formula():
+    from fused_stats.accumulators.trends import rank_correlation
+
+    gen = torch.Generator().manual_seed(2)
+    for n in (5, 9, 14):
+        xs = torch.randn(n, generator=gen, dtype=torch.float64).tolist()
+        ys = torch.randn(n, generator=gen, dtype=torch.float64).tolist()
+        rank = {v: i + 1 for i, v in enumerate(sorted(xs))}
+        rank_y = {v: i + 1 for i, v in enumerate(sorted(ys))}
+        d2 = sum((rank[a] - rank_y[b]) ** 2 for a, b in zip(xs, ys))
+        # no ties: rho = 1 - 6 sum d^2 / (n (n^2 - 1))   (Spearman's formula)
+        rho, _ = rank_correlation(xs, ys, permutations=200)
+        assert rho == pytest.approx(1 - 6 * d2 / (n * (n * n - 1)), abs=1e-12)
+
+
+def test_p_value_does_not_depend_on_the_order_of_the_runs():
+    from fused_stats.accumulators.trends import rank_correlation
+    from fused_stats.api.report import sweep_summary
+
+    gen = torch.Generator().manual_seed(4)
+    xs = [1, 2, 4, 8] * 3
+    ys = torch.randn(12, generator=gen, dtype=torch.float64).tolist()
+    order = torch.randperm(12, generator=gen).tolist()
+    first = rank_correlation(xs, ys, permutations=5000, seed=0)
+    second = rank_correlation([xs[i] for i in order], [ys[i] for i in order], permutations=5000)
+    assert first == second
+    reports = []
+    for depth, value in zip(xs, ys):
+        data, _ = make_data(points=1, seed=len(reports))
+        data["meta"] = {"depth": depth, "seed": len(reports), "test_loss": value}
+        reports.append(Report(data))
+    text = sweep_summary(reports, "depth")
+    assert sweep_summary([reports[i] for i in order], "depth") == text
+    assert f"p = {first[1]:.3g}" in next(line for line in text.splitlines() if line.startswith("test_loss vs"))
+
+
+def test_cosine_of_the_mean_gradients():
+    from fused_stats.accumulators.trends import cosine
+
+    assert cosine(0.5, 1.0, 4.0) == pytest.approx(0.25)
+    assert cosine(0.5, -1.0, 4.0) is None and cosine(None, 1.0, 1.0) is None
+    assert cosine(math.nan, 1.0, 1.0) is None
 
 
 def test_sweep_summary_medians_and_trend_words():
@@ -359,3 +417,93 @@ def test_sweep_summary_medians_and_trend_words():
         r.data["points"][-1]["train"]["d_align"] = v
     assert "d_align vs width: no clear monotone trend" in sweep_summary(reports, "width")
     assert "too few runs" in sweep_summary(reports[:3], "width")
+
+
+def test_png_files_get_the_permissions_of_the_json_and_markdown(tmp_path):
+    import os
+    import stat
+
+    data, _ = make_data(points=2)
+    report = Report(data)
+    old = os.umask(0o022)
+    try:
+        files = [report.to_json(tmp_path / "r.json"), report.to_markdown_file(tmp_path / "r.md"),
+                 report.plot(tmp_path / "r.png"),
+                 plot_sweep([report, Report(make_data(seed=1)[0])], "width", tmp_path / "s.png")]
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in files}
+    assert modes == {name: 0o644 for name in modes}, modes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.png", "s.png"]
+
+
+# ---------------------------------------------------------------------------- plots as a reader sees them
+@pytest.fixture
+def captured(monkeypatch):
+    """The figures the plot functions save (the PNG is still written)."""
+    import fused_stats.api.report as report_mod
+
+    figures = []
+    real = report_mod.save_figure
+
+    def keep(fig, path, **kw):
+        figures.append(fig)
+        return real(fig, path, **kw)
+
+    monkeypatch.setattr(report_mod, "save_figure", keep)
+    return figures
+
+
+def _check_readable(fig):
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        assert ax.get_ylabel().strip(), ax.get_title()
+        legend = ax.get_legend()
+        if legend is not None:   # the legend sits below the axes and its tick labels
+            assert legend.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0 + 1
+        labels = [t for t in ax.get_yticklabels() if t.get_text() and t.get_visible()]
+        ys = sorted(t.get_window_extent(renderer).y0 for t in labels
+                    if ax.get_ylim()[0] <= t.get_position()[1] <= ax.get_ylim()[1])
+        heights = [t.get_window_extent(renderer).height for t in labels]
+        for a, b in zip(ys, ys[1:]):
+            assert b - a >= 0.9 * max(heights), (ax.get_title(), ys)   # no two labels overlap
+
+
+def test_report_plot_panels_only_for_computed_numbers(tmp_path, captured):
+    data, _ = make_data(points=3)
+    for p in data["points"]:
+        p["misalignment"] = None
+    Report(data).plot(tmp_path / "a.png")
+    (fig,) = captured
+    titles = [ax.get_title() for ax in fig.axes]
+    assert len(titles) == 3 and "misalignment" not in titles[2] and "certificate" in titles[2]
+    _check_readable(fig)
+    for p in data["points"]:
+        p["certificate"] = None
+    Report(data).plot(tmp_path / "b.png")
+    assert len(captured[1].axes) == 2   # no transfer panel at all
+    _check_readable(captured[1])
+
+
+def test_sweep_plots_are_readable_with_symlog_zeros(tmp_path, captured):
+    reports = []
+    values = [0.0, 0.046, 1.3e-4, 7.2e-5, 3.3e-3, 9.9e-5, 8.7e-4, 2.3e-3, 1.2e-3]
+    for i, value in enumerate(values):
+        data, _ = make_data(points=2, seed=i)
+        data["meta"] = {"width": (32, 64, 128)[i // 3], "depth": (1, 2, 4)[i // 3], "seed": i % 3,
+                        "test_loss": 2.0 + 0.01 * i}
+        data["points"][-1]["train"]["d_align"] = value
+        data["points"][-1]["saturation"] = {"cross_frob2": 1e-4 * (i + 1), "cross_frob2_se": 1e-5}
+        reports.append(Report(data))
+    plot_sweep(reports, "width", tmp_path / "w.png")
+    plot_sweep(reports, "depth", tmp_path / "d.png")
+    width_fig, depth_fig = captured
+    assert width_fig.axes[0].get_yscale() == "symlog"
+    texts = [t.get_text() for t in width_fig.axes[0].get_yticklabels()]
+    assert texts[0] == "0" and len(texts) == len(set(texts))
+    for fig in captured:
+        _check_readable(fig)
+    # no stream_norm in meta: no panel for the scale-free AG_max
+    assert [ax.get_title() for ax in depth_fig.axes] == [
+        "AG_max vs depth (spread over seeds)", "cross-gradient vs depth", "held-out loss vs depth"]

@@ -4,7 +4,7 @@ Role: :class:`MonitorLog` appends, every ``every`` observed steps, one JSON obje
 current estimates at every point; :func:`read_monitor_log` reads such a file back and
 :func:`plot_monitor_log` draws the trajectories (what ``fused-stats report LOG.jsonl`` shows). No
 statistics are computed here: the numbers are the accumulators' finalised estimates
-(DESIGN section 2): ``mu_norm2 = |μ|²``, ``d_par = |μ|⁴/μᵀΣμ``, ``d_2 = |μ|⁴/tr(Σ²)``,
+(docs/design.md, section 2): ``mu_norm2 = |μ|²``, ``d_par = |μ|⁴/μᵀΣμ``, ``d_2 = |μ|⁴/tr(Σ²)``,
 ``d_align = min(d_par, d_2)``, ``AG_max = max_i |q_i|`` and ``AG_mean`` (the depth paper's plateau
 indicator), and, when the probe has cross-gradient statistics, ``|C|_F²`` (its unbiased
 U-statistic, depth paper) with ``|C|_F`` and the saturation verdict.
@@ -19,7 +19,7 @@ Two modes:
 
 Line format (``"format": "fused_stats.monitor"``, version 1)::
 
-    {"format": "fused_stats.monitor", "version": 1, "step": int, "time": unix seconds,
+    {"format": "fused_stats.monitor", "version": 1, "run": str, "step": int, "time": unix seconds,
      "elapsed_s": float, "stream": "train" | "test", "mode": "cumulative" | "window",
      "meta": {...},
      "points": {name: {"n": int, "d_align": float | null, "d_par": ..., "d_2": ..., "mu_norm2": ...,
@@ -30,7 +30,14 @@ Line format (``"format": "fused_stats.monitor"``, version 1)::
 A point with fewer than 4 samples has ``null`` estimates. Non-finite floats are written as the
 strings ``"Infinity"`` / ``"-Infinity"`` / ``"NaN"`` (strict JSON, as in probe reports) and read
 back as floats. Lines are appended and flushed one by one, so a crashed run keeps every line
-written so far and a resumed run may append to the same file.
+written so far.
+
+An existing log is never extended by accident: ``MonitorLog`` on a file that already holds lines
+raises unless ``mode="append"`` (add lines; pass the old ``run_id`` to continue that run, or
+leave it out to start a new run in the same file) or ``mode="overwrite"`` (the file is replaced
+at the first line written). Every line carries its run id (``"run"``, random unless given), and
+:func:`split_runs` separates the runs of a file; :func:`plot_monitor_log` and
+:func:`summary_markdown` take one run (``fused-stats report`` writes a table and a plot per run).
 
 With ``all_reduce=True`` (DDP), every rank must call the log at the same steps: copies of the
 accumulators are merged over the process group (the probe's own accumulators stay local, so later
@@ -45,6 +52,7 @@ import json
 import math
 import os
 import time
+import uuid
 from pathlib import Path
 
 from ..errors import FusedStatsError
@@ -54,8 +62,10 @@ FORMAT = "fused_stats.monitor"
 VERSION = 1
 FIELDS = ("n", "d_align", "d_par", "d_2", "mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2",
           "ag_max", "ag_mean")
+WRITE_MODES = (None, "append", "overwrite")
 CROSS_FIELDS = ("cross_frob2", "cross_frob2_se", "cross_frob", "p_value", "saturated")
 # panels of the trajectory plot: (key, title, log scale)
+AXIS_LABELS = {"d_align": "d_align", "ag_max": "AG_max", "cross_frob": "|C|_F"}
 PANELS = (("d_align", "d_align = min(d_par, d_2)", True),
           ("ag_max", "AG_max = max_i |q_i|", True),
           ("cross_frob", "|C|_F (cross-gradient)", True))
@@ -78,6 +88,13 @@ class MonitorLog:
         Merge the ranks' statistics (a collective) before estimating; rank 0 writes.
     meta : dict, optional
         Copied into every line (e.g. run name, width, learning rate).
+    mode : {None, "append", "overwrite"}
+        What to do when ``path`` already holds lines: None (default) raises
+        :class:`FusedStatsError`, ``"append"`` adds lines, ``"overwrite"`` replaces the file at the
+        first line written.
+    run_id : str, optional
+        Written into every line (default: a random 12-digit hex id); pass a previous run's id with
+        ``mode="append"`` to continue that run after a restart.
 
     Examples
     --------
@@ -87,7 +104,8 @@ class MonitorLog:
     """
 
     def __init__(self, path, every: int = 1, window: bool = False, all_reduce: bool = False,
-                 meta: dict | None = None, group=None):
+                 meta: dict | None = None, group=None, mode: str | None = None,
+                 run_id: str | None = None):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise FusedStatsError(f"every must be a positive int, got {every!r}")
         if meta is not None and not isinstance(meta, dict):
@@ -95,7 +113,20 @@ class MonitorLog:
         if path is None and not all_reduce:
             raise FusedStatsError("MonitorLog needs a path (None is allowed only for ranks > 0 "
                                   "with all_reduce=True)")
+        if mode not in WRITE_MODES:
+            raise FusedStatsError(f"mode must be one of {WRITE_MODES}, got {mode!r}")
+        if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
+            raise FusedStatsError(f"run_id must be a non-empty string, got {run_id!r}")
         self.path = None if path is None else Path(path)
+        if self.path is not None and mode is None and _holds_lines(self.path):
+            raise FusedStatsError(
+                f"monitor log {str(self.path)!r} already exists; pass mode='append' to add this "
+                "run's lines to it or mode='overwrite' to replace it")
+        if self.path is not None and self.path.is_dir():
+            raise FusedStatsError(f"monitor log {str(self.path)!r} is a folder, not a file")
+        self.mode = mode
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self._replace = mode == "overwrite"
         self.every = every
         self.window = bool(window)
         self.all_reduce = bool(all_reduce)
@@ -108,7 +139,8 @@ class MonitorLog:
 
     def __repr__(self) -> str:
         mode = "window" if self.window else "cumulative"
-        return f"MonitorLog({str(self.path)!r}, every={self.every}, {mode}, lines={self.lines})"
+        return (f"MonitorLog({str(self.path)!r}, every={self.every}, {mode}, run={self.run_id!r}, "
+                f"lines={self.lines})")
 
     def observed(self, probe, stream: str = "train", step: int | None = None) -> dict | None:
         """Count one observed step; on every ``every``-th, write a line (returned as a dict)."""
@@ -122,7 +154,7 @@ class MonitorLog:
         accs = probe._stream(stream)
         source = self._reduced(probe) if self.all_reduce else probe
         record = {
-            "format": FORMAT, "version": VERSION,
+            "format": FORMAT, "version": VERSION, "run": self.run_id,
             "step": int(self.count if step is None else step),
             "time": time.time(), "elapsed_s": time.time() - self._start,
             "stream": stream, "mode": "window" if self.window else "cumulative",
@@ -132,9 +164,10 @@ class MonitorLog:
         if self._is_writer():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             text = json.dumps(_encode(record), allow_nan=False)
-            with open(self.path, "a", encoding="utf-8") as handle:
+            with open(self.path, "w" if self._replace else "a", encoding="utf-8") as handle:
                 handle.write(text + "\n")
                 handle.flush()
+            self._replace = False
             self.lines += 1
         if self.window:
             # the probe creates fresh accumulators at its next step
@@ -168,6 +201,13 @@ class MonitorLog:
             if isinstance(getattr(probe, attr, None), dict):
                 setattr(shadow, attr, dict(getattr(probe, attr)))
         return all_reduce_probe(shadow, self.group)
+
+
+def _holds_lines(path: Path) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def point_record(probe, name: str, stream: str) -> dict:
@@ -249,10 +289,39 @@ def trajectories(records: list[dict], key: str, stream: str | None = None) -> di
     return out
 
 
+def split_runs(records: list[dict]) -> dict:
+    """``{run id: records}`` in file order. Lines without a run id (logs written before run ids
+    existed) form the run ``None``, or, when their step goes backwards (a second run appended to
+    the file), the runs ``"unnamed-1"``, ``"unnamed-2"``, ... split at each such restart."""
+    runs: dict = {}
+    unnamed: list[list[dict]] = []
+    for record in records:
+        run = record.get("run")
+        if run is not None:
+            runs.setdefault(run, []).append(record)
+        elif unnamed and record["step"] > unnamed[-1][-1]["step"]:
+            unnamed[-1].append(record)
+        else:
+            unnamed.append([record])
+    if len(unnamed) == 1:
+        return {None: unnamed[0], **runs}
+    return {**{f"unnamed-{i}": part for i, part in enumerate(unnamed, 1)}, **runs}
+
+
+def _one_run(records: list[dict], what: str) -> None:
+    runs = split_runs(records)
+    if len(runs) > 1:
+        raise FusedStatsError(
+            f"{what}: the records belong to {len(runs)} runs ({', '.join(map(repr, runs))}); "
+            "give one run's records (split_runs)")
+
+
 def summary_markdown(records: list[dict]) -> str:
-    """A markdown table of the first and last logged values of each point."""
+    """A markdown table of the first and last logged values of each point (one run)."""
+    _one_run(records, "summary_markdown")
     first, last = records[0], records[-1]
-    lines = [f"monitor log: {len(records)} records, steps {first['step']} .. {last['step']} "
+    run = f"run {last['run']}, " if last.get("run") else ""
+    lines = [f"monitor log: {run}{len(records)} records, steps {first['step']} .. {last['step']} "
              f"({last.get('mode', '?')}, stream {last.get('stream', '?')})", "",
              "| point | n | d_align (first -> last) | AG_max (first -> last) | ‖C‖_F (last) |",
              "|---|---|---|---|---|"]
@@ -270,23 +339,30 @@ def summary_markdown(records: list[dict]) -> str:
 def plot_monitor_log(source, path, stream: str | None = None) -> Path:
     """PNG of d_align, AG_max and (when logged) |C|_F per point against the training step.
 
-    ``source``: a log path or the records of :func:`read_monitor_log`. Points are coloured from
-    shallow (light) to deep (dark). Returns the written path.
+    ``source``: a log path or the records of :func:`read_monitor_log`, of one run (a log holding
+    several runs raises; :func:`split_runs` separates them). Points are coloured from shallow
+    (light) to deep (dark); values <= 0 on a log axis are marked on a floor. Returns the written
+    path.
     """
-    records = read_monitor_log(source) if isinstance(source, (str, os.PathLike)) else list(source)
-    if not records:
-        raise FusedStatsError("plot_monitor_log: no records")
     from matplotlib import cm
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
+    from .report import save_figure
+
+    records = read_monitor_log(source) if isinstance(source, (str, os.PathLike)) else list(source)
+    if not records:
+        raise FusedStatsError("plot_monitor_log: no records")
+    _one_run(records, f"plot_monitor_log({str(source)!r})" if isinstance(source, (str, os.PathLike))
+             else "plot_monitor_log")
     panels = [(key, title, logy) for key, title, logy in PANELS
               if any(v for _, v in trajectories(records, key, stream).values())]
     if not panels:
         raise FusedStatsError(
-            "plot_monitor_log: no finite d_align / AG_max / |C| values in the log (every point "
+            "monitor log: no finite d_align / AG_max / |C| values to plot (every point "
             "had fewer than 4 samples at every logged step?)")
-    fig = Figure(figsize=(5.0 * len(panels), 3.8), layout="constrained")
+    fig = Figure(figsize=(4.6 * len(panels) + 2.2, 3.8), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     names = list(records[-1]["points"])
@@ -302,13 +378,12 @@ def plot_monitor_log(source, path, stream: str | None = None) -> Path:
             steps, values = series.get(name, ([], []))
             if not steps:
                 continue
+            marker = "." if len(steps) < 40 else None
             if floor is None:
-                ax.plot(steps, values, marker="." if len(steps) < 40 else None, color=colour,
-                        label=name, linewidth=1.2)
+                ax.plot(steps, values, marker=marker, color=colour, label=name, linewidth=1.2)
                 continue
             shown = [v if v > 0 else float("nan") for v in values]
-            ax.plot(steps, shown, marker="." if len(steps) < 40 else None, color=colour,
-                    label=name, linewidth=1.2)
+            ax.plot(steps, shown, marker=marker, color=colour, label=name, linewidth=1.2)
             low = [s for s, v in zip(steps, values) if v <= 0]
             if low:
                 marked = True
@@ -316,15 +391,17 @@ def plot_monitor_log(source, path, stream: str | None = None) -> Path:
                         markersize=4)
         if floor is not None:
             ax.set_yscale("log")
-        if marked:
-            title += "  (v: value <= 0)"
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title + ("\n(v on the floor: value <= 0)" if marked else ""), fontsize=10)
+        ax.set_ylabel(AXIS_LABELS[key] + (" (log scale)" if floor is not None else ""))
         ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="best")
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:  # beside the panels, never over the curves
+        fig.legend(handles, labels, loc="outside right upper", fontsize=7, title="point",
+                   title_fontsize=8)
     mode = records[-1].get("mode", "cumulative")
-    fig.suptitle(f"training-time monitoring ({mode} estimates, {len(records)} records)", fontsize=11)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    return out
+    run = f", run {records[-1]['run']}" if records[-1].get("run") else ""
+    fig.suptitle(f"training-time monitoring ({mode} estimates, {len(records)} records{run})",
+                 fontsize=11)
+    return save_figure(fig, path, dpi=110)

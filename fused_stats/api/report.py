@@ -18,8 +18,8 @@ The Estimate / Certificate / Misalignment dicts are the ``to_dict()`` of the cla
 :mod:`fused_stats.accumulators`. No numbers are computed here; the report only shows what the
 accumulators finalised: ``|μ|²`` (``mu_norm2``), ``d_par = |μ|⁴/μᵀΣμ``, ``d_2 = |μ|⁴/tr(Σ²)``,
 ``d_align = min(d_par, d_2)``, the certificate bounds ``B_align = 1/(1 + n_eff d_align)`` and
-``B_exact = Var/(Var + |μ|⁴)`` with ``n_eff = MK/(M+K+1)`` (width paper, Theorem 1; DESIGN
-section 2), the empirical misalignment ``Pr(μ_Mᵀg_K ≤ 0)`` over random splits of a pool, the
+``B_exact = Var/(Var + |μ|⁴)`` with ``n_eff = MK/(M+K+1)`` (width paper, Theorem 1;
+docs/design.md, section 2), the empirical misalignment ``Pr(μ_Mᵀg_K ≤ 0)`` over random splits of a pool, the
 realized alignment ``s_trainᵀ s_test/(MK)`` and the depth paper's ``AG_max = max_i |q_i|``.
 
 JSON has no infinity or NaN (``d_par`` is ``inf`` when the ``μᵀΣμ`` estimate is ≤ 0), so
@@ -32,26 +32,36 @@ backend is never switched); matplotlib is imported only when plotting.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import math
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
+from ..accumulators import trends
+from ..accumulators import Certificate, Estimate, Misalignment
 from ..accumulators.persistence import write_atomic
+from ..accumulators.trends import cosine as trend_cosine
+from ..accumulators.trends import median, rank_correlation  # noqa: F401  (re-exported)
 from ..errors import FusedStatsError
 
 FORMAT = "fused_stats.report"
 VERSION = 1
 
-# Keys a point's sub-dicts must carry; extra keys (e.g. ``effective_rank``) are kept as they are.
-ESTIMATE_KEYS = ("n", "dim", "mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "d_par",
-                 "d_2", "d_align", "ag_max", "ag_mean")
-CERTIFICATE_KEYS = ("M", "K", "n_eff", "b_align", "b_exact")
-MISALIGNMENT_KEYS = ("probability", "stderr", "trials", "M", "K")
+
+
+def _number_fields(cls) -> tuple[str, ...]:
+    """The int and float fields of a result dataclass (the numbers its ``to_dict`` writes)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.type in ("int", "float", int, float))
+
+
+# Keys a point's sub-dicts must carry, as numbers; extra keys (e.g. ``effective_rank``) are kept
+# as they are.
+ESTIMATE_KEYS = _number_fields(Estimate)
+CERTIFICATE_KEYS = _number_fields(Certificate)
+MISALIGNMENT_KEYS = _number_fields(Misalignment)
 TOP_KEYS = ("format", "version", "fused_stats_version", "created", "model", "unit",
             "second_moment", "points", "meta")
 POINT_KEYS = ("name", "index", "dim", "train", "test", "certificate", "misalignment",
@@ -353,45 +363,68 @@ class Report:
     # ------------------------------------------------------------------ plots
     def plot(self, path) -> Path:
         """PNG: d_align (train, test) and AG_max per point; certificate bounds vs empirical
-        misalignment per point."""
+        misalignment per point. A panel whose numbers were not computed is left out."""
         Figure, FigureCanvasAgg = _matplotlib()
         pts = self.points
         xs = [p["index"] for p in pts]
         labels = [p["name"] for p in pts]
-        fig = Figure(figsize=(13, 4.2), dpi=100)
+
+        def series(section, key):
+            return [_finite(_cell(p[section], key)) for p in pts]
+
+        def present(section, key):
+            return any(v is not None for v in series(section, key))
+
+        panels = []
+        if present("train", "d_align") or present("test", "d_align"):
+            panels.append("d_align")
+        if present("train", "ag_max") or present("test", "ag_max"):
+            panels.append("ag_max")
+        has_cert = present("certificate", "b_align") or present("certificate", "b_exact")
+        has_mis = present("misalignment", "probability")
+        if has_cert or has_mis:
+            panels.append("transfer")
+        if not panels:
+            raise FusedStatsError("report plot: no point has a finite estimate to plot")
+        fig = Figure(figsize=(4.4 * len(panels) + 0.6, 4.8), dpi=100, layout="constrained")
         FigureCanvasAgg(fig)
-        ax1, ax2, ax3 = fig.subplots(1, 3)
-        for stream, marker in (("train", "o"), ("test", "s")):
-            ys = [_finite(_cell(p[stream], "d_align")) for p in pts]
-            if any(y is not None for y in ys):
-                _line(ax1, xs, ys, marker=marker, label=stream)
-        ax1.set_title("d_align per point")
-        ax1.set_ylabel("d_align = min(d_par, d_2)")
-        for stream, marker in (("train", "o"), ("test", "s")):
-            ys = [_finite(_cell(p[stream], "ag_max")) for p in pts]
-            if any(y is not None for y in ys):
-                _line(ax2, xs, ys, marker=marker, label=stream)
-        ax2.set_title("AG_max = max_i |q_i| per point")
-        ys = [_finite(_cell(p["certificate"], "b_align")) for p in pts]
-        _line(ax3, xs, ys, marker="^", label="B_align (certificate)")
-        ys = [_finite(_cell(p["certificate"], "b_exact")) for p in pts]
-        _line(ax3, xs, ys, marker="v", label="B_exact (Cantelli)")
-        ys = [_finite(_cell(p["misalignment"], "probability")) for p in pts]
-        es = [_finite(_cell(p["misalignment"], "stderr")) for p in pts]
-        _errorbar(ax3, xs, ys, es, marker="o", label="empirical Pr(misaligned)")
-        ax3.set_ylim(-0.02, 1.02)
-        ax3.set_title("certificate bound vs empirical misalignment")
-        for ax in (ax1, ax2, ax3):
+        axes = fig.subplots(1, len(panels), squeeze=False)[0]
+        for ax, panel in zip(axes, panels):
+            if panel in ("d_align", "ag_max"):
+                for stream, marker in (("train", "o"), ("test", "s")):
+                    ys = series(stream, panel)
+                    if any(y is not None for y in ys):
+                        _line(ax, xs, ys, marker=marker, label=f"{stream} stream")
+                if panel == "d_align":
+                    ax.set_title("d_align per point")
+                    ax.set_ylabel("d_align = min(d_par, d_2)")
+                else:
+                    ax.set_title("AG_max per point")
+                    ax.set_ylabel("AG_max = max_i |q_i|")
+            else:
+                if has_cert:
+                    _line(ax, xs, series("certificate", "b_align"), marker="^",
+                          label="B_align (certificate)")
+                    _line(ax, xs, series("certificate", "b_exact"), marker="v",
+                          label="B_exact (Cantelli)")
+                if has_mis:
+                    _errorbar(ax, xs, series("misalignment", "probability"),
+                              series("misalignment", "stderr"), marker="o",
+                              label="empirical Pr(misaligned)")
+                ax.set_ylim(-0.02, 1.02)
+                ax.set_title(" vs ".join(t for t, on in (("certificate bound", has_cert),
+                                                         ("empirical misalignment", has_mis)) if on))
+                ax.set_ylabel("probability of misalignment")
             ax.set_xticks(xs)
             ax.set_xticklabels([_short(n) for n in labels], rotation=45, ha="right", fontsize=7)
             ax.set_xlabel("insertion point")
             ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
+            _scientific(ax)
+            _legend_below(ax)
         fig.suptitle(f"{self.model['class']} ({self.model['num_parameters']:,} params)"
                      + _meta_title(self.meta), fontsize=9)
-        fig.tight_layout()
-        return _save(fig, path)
+        _place_legends(fig, axes)
+        return save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------- sweeps
@@ -400,10 +433,11 @@ def plot_sweep(reports: Iterable[Report], x: str, path, point: str | int = "last
 
     ``x="width"``: d_align (train) vs ``meta["width"]`` at the chosen point (default: the last,
     i.e. highest-index, point), median over seeds with min-max band and every seed as a dot; and
-    the certificate bound and empirical misalignment vs width.
+    the certificate bound and empirical misalignment vs width (when computed).
     ``x="depth"``: AG_max (train) at the chosen point vs ``meta["depth"]``, the same spread; the
-    saturation signal ``cross_frob2`` when present; ``meta["test_loss"]`` when present.
-    ``point`` is "last", "first", an index or a point name.
+    scale-free AG_max, the saturation signal ``cross_frob2`` and ``meta["test_loss"]`` when present.
+    ``point`` is "last", "first", an index or a point name. A panel is drawn only for numbers
+    the reports hold.
     """
     if x not in ("width", "depth"):
         raise FusedStatsError(f"plot_sweep: x must be 'width' or 'depth', got {x!r}")
@@ -412,59 +446,63 @@ def plot_sweep(reports: Iterable[Report], x: str, path, point: str | int = "last
         raise FusedStatsError("plot_sweep needs at least one report")
     rows = sweep_rows(reports, x, point)
     Figure, FigureCanvasAgg = _matplotlib()
-    fig = Figure(figsize=(12 if x == "width" else 16, 4.2), dpi=100)
-    FigureCanvasAgg(fig)
+
+    def has(*keys):
+        return any(r.get(k) is not None for r in rows for k in keys)
+
+    # (title, y label, [(key, legend label)]) per panel, only for data that exists
     if x == "width":
-        ax1, ax2 = fig.subplots(1, 2)
-        _spread(ax1, rows, "d_align", "d_align (train)")
-        ax1.set_ylabel("d_align")
-        positive = [r["d_align"] for r in rows if r.get("d_align") is not None and r["d_align"] > 0]
-        if positive and max(positive) > 20 * min(positive):
-            # values span decades and 0 means "no signal": symlog keeps both visible
-            ax1.set_yscale("symlog", linthresh=min(positive))
-            ax1.set_ylabel("d_align (symlog; 0 = no detectable mean)")
-        ax1.set_title("d_align vs width (spread over seeds)")
-        _spread(ax2, rows, "misalignment", "empirical Pr(misaligned)")
-        _spread(ax2, rows, "b_align", "B_align (certificate)")
-        _spread(ax2, rows, "b_exact", "B_exact (Cantelli)")
-        ax2.set_ylim(-0.02, 1.02)
-        ax2.set_title("transfer: certificate vs empirical misalignment")
-        axes = (ax1, ax2)
-        for ax in axes:
-            ax.set_xscale("log", base=2)
+        panels = [("d_align vs width (spread over seeds)", "d_align (train)",
+                   [("d_align", "d_align (train)")])]
+        parts = [(k, t) for k, t in (("misalignment", "empirical Pr(misaligned)"),
+                                     ("b_align", "B_align (certificate)"),
+                                     ("b_exact", "B_exact (Cantelli)")) if has(k)]
+        if parts:
+            title = " vs ".join(t for t, on in (("certificate bound", has("b_align", "b_exact")),
+                                               ("empirical misalignment", has("misalignment")))
+                                if on)
+            panels.append((f"transfer: {title}", "probability of misalignment", parts))
     else:
-        has_scaled = any(r.get("ag_max_scaled") is not None for r in rows)
-        has_sat = any(r.get("cross_frob2") is not None for r in rows)
-        has_loss = any(r.get("test_loss") is not None for r in rows)
-        n_ax = 1 + has_scaled + has_sat + has_loss
-        axes = fig.subplots(1, n_ax) if n_ax > 1 else [fig.subplots(1, 1)]
-        axes = list(axes)
-        _spread(axes[0], rows, "ag_max", "AG_max (train)")
-        _spread(axes[0], rows, "ag_mean", "AG_mean (train)")
-        axes[0].set_ylabel("|q|")
-        axes[0].set_title("AG_max vs depth (spread over seeds)")
-        k = 1
-        if has_scaled:
-            _spread(axes[k], rows, "ag_max_scaled", "AG_max*|z|/sqrt(d)")
-            axes[k].set_title("AG_max without the stream scale")
-            k += 1
-        if has_sat:
-            _spread(axes[k], rows, "cross_frob2", "|C|_F^2 (saturation signal)")
-            axes[k].set_title("cross-gradient vs depth")
-            k += 1
-        if has_loss:
-            _spread(axes[k], rows, "test_loss", "held-out loss")
-            axes[k].set_title("held-out loss vs depth")
-    for ax in axes:
+        panels = [("AG_max vs depth (spread over seeds)", "gradient norm |q_i| (train)",
+                   [("ag_max", "AG_max (train)"), ("ag_mean", "AG_mean (train)")])]
+        if has("ag_max_scaled"):
+            panels.append(("AG_max without the stream scale", "AG_max * |z| / sqrt(d)",
+                           [("ag_max_scaled", "AG_max*|z|/sqrt(d)")]))
+        if has("cross_frob2"):
+            panels.append(("cross-gradient vs depth", "|C|_F^2 (unbiased)",
+                           [("cross_frob2", "|C|_F^2 (saturation signal)")]))
+        if has("test_loss"):
+            panels.append(("held-out loss vs depth", "held-out loss (nats)",
+                           [("test_loss", "held-out loss")]))
+    fig = Figure(figsize=(4.6 * len(panels) + 1.0, 4.8), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    xs = sorted({r["x"] for r in rows})
+    for ax, (title, ylabel, parts) in zip(axes, panels):
+        for key, label in parts:
+            _spread(ax, rows, key, label)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        xs = sorted({r["x"] for r in rows})
+        if x == "width":
+            ax.set_xscale("log", base=2)
         ax.set_xticks(xs)
         ax.set_xticklabels([str(v) for v in xs])
+        ax.xaxis.set_minor_locator(_null_locator())
+        if ylabel == "probability of misalignment":
+            ax.set_ylim(-0.02, 1.02)
+        _scientific(ax)
+        _legend_below(ax)
+    if x == "width":
+        positive = [r["d_align"] for r in rows if r.get("d_align") is not None and r["d_align"] > 0]
+        if positive and max(positive) > 20 * min(positive):
+            # values span decades and 0 means "no signal": a symlog axis keeps both visible
+            _symlog(axes[0], positive)
+            axes[0].set_ylabel("d_align (train; symlog, 0 = no detectable mean)")
     fig.suptitle(f"sweep over {x}: {len(reports)} reports, point={point!r}", fontsize=9)
-    fig.tight_layout()
-    return _save(fig, path)
+    _place_legends(fig, axes)
+    return save_figure(fig, path)
 
 
 def sweep_rows(reports: list[Report], x: str, point: str | int = "last") -> list[dict]:
@@ -500,70 +538,13 @@ def sweep_rows(reports: list[Report], x: str, point: str | int = "last") -> list
     return rows
 
 
-def rank_correlation(xs, ys, permutations: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """Spearman's ρ of paired values and a two-sided permutation p-value.
-
-    ρ is Pearson's correlation of the ranks (ties get their average rank). The p-value is the
-    fraction of random re-pairings (``ys`` shuffled, ``permutations`` times, seeded) with
-    ``|ρ| ≥`` the observed ``|ρ|`` (the +1 correction keeps it > 0). nan when undefined (fewer
-    than 3 pairs, or a constant side).
-    """
-    import random
-
-    pairs = [(float(a), float(b)) for a, b in zip(xs, ys)
-             if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
-    if len(pairs) < 3:
-        return math.nan, math.nan
-    rx = _ranks([a for a, _ in pairs])
-    ry = _ranks([b for _, b in pairs])
-    rho = _pearson(rx, ry)
-    if math.isnan(rho):
-        return math.nan, math.nan
-    rng = random.Random(seed)
-    shuffled = list(ry)
-    hits = 0
-    for _ in range(permutations):
-        rng.shuffle(shuffled)
-        if abs(_pearson(rx, shuffled)) >= abs(rho) - 1e-12:
-            hits += 1
-    return rho, (hits + 1) / (permutations + 1)
-
-
-def _ranks(values):
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
-
-
-def _pearson(a, b):
-    n = len(a)
-    ma, mb = sum(a) / n, sum(b) / n
-    va = sum((x - ma) ** 2 for x in a)
-    vb = sum((y - mb) ** 2 for y in b)
-    if va == 0 or vb == 0:
-        return math.nan
-    return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / math.sqrt(va * vb)
-
-
 def cosine(point: dict) -> float | None:
-    """Estimated cosine of the train and test mean gradients at a report point:
-    realized alignment / sqrt(|μ_train|² |μ_test|²) with the unbiased |μ|² of each stream
-    (plain |q̄|² would include the noise tr(Σ)/n and bias the cosine towards 0)."""
-    ra, tr, te = point["realized_alignment"], point["train"], point["test"]
-    if ra is None or tr is None or te is None:
+    """Estimated cosine of the train and test mean gradients at a report point
+    (:func:`fused_stats.accumulators.trends.cosine`)."""
+    tr, te = point["train"], point["test"]
+    if tr is None or te is None:
         return None
-    a, b = tr["mu_norm2"], te["mu_norm2"]
-    if not (_is_number(ra) and math.isfinite(ra)) or a <= 0 or b <= 0:
-        return None
-    return ra / math.sqrt(a * b)
+    return trend_cosine(point["realized_alignment"], tr.get("mu_norm2"), te.get("mu_norm2"))
 
 
 # what a sweep table shows per x value: (column title, row key), and the trend checked
@@ -602,7 +583,7 @@ def sweep_summary(reports: Iterable[Report], x: str, point: str | int = "last",
             elif len(vals) == 1:
                 line.append(fmt(vals[0], ".3g"))
             else:
-                line.append(f"{fmt(_median(vals), '.3g')} [{fmt(min(vals), '.3g')}, "
+                line.append(f"{fmt(median(vals), '.3g')} [{fmt(min(vals), '.3g')}, "
                             f"{fmt(max(vals), '.3g')}]")
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
@@ -617,21 +598,10 @@ def sweep_summary(reports: Iterable[Report], x: str, point: str | int = "last",
 
 
 def trend_sentence(rows: list[dict], x: str, key: str, permutations: int = 10_000) -> str:
-    """Spearman's ρ of ``key`` against ``x`` with its permutation p-value, in words."""
+    """Spearman's ρ of ``key`` against ``x`` over sweep rows, with its permutation p-value, in
+    words (:func:`fused_stats.accumulators.trends.trend_sentence`)."""
     pairs = [(r["x"], r[key]) for r in rows if r.get(key) is not None]
-    distinct = len({a for a, _ in pairs})
-    if len(pairs) < 4 or distinct < 2:
-        return (f"{key} vs {x}: too few runs ({len(pairs)} at {distinct} {x} values) to speak "
-                "of a trend")
-    rho, p = rank_correlation([a for a, _ in pairs], [b for _, b in pairs], permutations)
-    if math.isnan(rho):
-        return f"{key} vs {x}: rank correlation undefined (a constant column)"
-    stat = f"Spearman rho = {rho:+.2f}, permutation p = {p:.3g}, {len(pairs)} runs"
-    if p < 0.05:
-        word = "increases" if rho > 0 else "decreases"
-        return f"{key} vs {x}: {word} with {x} in these runs ({stat})"
-    return (f"{key} vs {x}: no clear monotone trend in these runs ({stat}); with this many "
-            "runs and this seed scatter that is not evidence either way")
+    return trends.trend_sentence([a for a, _ in pairs], [b for _, b in pairs], x, key, permutations)
 
 
 def _pick(report: Report, point) -> dict:
@@ -663,20 +633,73 @@ def _matplotlib():
     return Figure, FigureCanvasAgg
 
 
-def _save(fig, path) -> Path:
+def save_figure(fig, path, **savefig) -> Path:
+    """Render ``fig`` as PNG and write it like the JSON and markdown files (:func:`write_atomic`:
+    a viewer never reads half a PNG, and the file gets the same permissions)."""
+    import io
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # render to a temp name then rename, as for the JSON: a viewer never reads half a PNG
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", **savefig)
+    write_atomic(path, buffer.getvalue())
     return path
+
+
+_save = save_figure
+
+
+def _null_locator():
+    from matplotlib.ticker import NullLocator
+
+    return NullLocator()
+
+
+def _scientific(ax) -> None:
+    """Tick labels like 2.5e-4 as a shared ×10⁻⁴ offset instead of long decimals (linear axes)."""
+    if ax.get_yscale() == "linear":
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 4), useMathText=True)
+
+
+def _symlog(ax, positive) -> None:
+    """A symlog y axis with ticks only at 0 and at whole decades from the smallest positive value
+    up: the linear part around 0 gets half a decade of height, so "0" and the first decade's label
+    never overlap."""
+    from matplotlib.ticker import FuncFormatter
+
+    low = math.floor(math.log10(min(positive)))
+    high = math.ceil(math.log10(max(positive)))
+    ax.set_yscale("symlog", linthresh=10.0 ** low, linscale=0.5)
+    ax.set_yticks([0.0] + [10.0 ** k for k in range(low, high + 1)])
+    ax.yaxis.set_major_formatter(FuncFormatter(
+        lambda v, _: "0" if v == 0 else f"$10^{{{round(math.log10(v))}}}$"))
+    ax.yaxis.set_minor_locator(_null_locator())
+    ax.set_ylim(-0.1 * 10.0 ** low, 10.0 ** high)
+
+
+def _legend_below(ax) -> None:
+    """The legend under the axes, below its tick and axis labels (placed by :func:`_place_legends`
+    once the layout is known), never over the data."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=7,
+                  ncol=min(2, len(handles)), frameon=False)
+
+
+def _place_legends(fig, axes) -> None:
+    """Move each axes' legend just under its x axis (tick labels may be rotated and long): lay
+    the figure out, measure the x axis, place, and lay out again with the legends in place."""
+    for _ in range(2):
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in axes:
+            legend = ax.get_legend()
+            if legend is None:
+                continue
+            box = ax.xaxis.get_tightbbox(renderer)
+            if box is None:
+                continue
+            bottom = ax.transAxes.inverted().transform((0, box.y0))[1]
+            legend.set_bbox_to_anchor((0.5, bottom - 0.01), transform=ax.transAxes)
 
 
 def _finite(value):
@@ -707,19 +730,13 @@ def _spread(ax, rows, key, label):
     if not groups:
         return
     xs = sorted(groups)
-    med = [_median(groups[x]) for x in xs]
+    med = [median(groups[x]) for x in xs]
     lo = [min(groups[x]) for x in xs]
     hi = [max(groups[x]) for x in xs]
     (line,) = ax.plot(xs, med, marker="o", label=f"{label} (median)")
     ax.fill_between(xs, lo, hi, alpha=0.2, color=line.get_color())
     dots = [(x, v) for x in xs for v in groups[x]]
     ax.scatter([d[0] for d in dots], [d[1] for d in dots], s=10, color=line.get_color(), alpha=0.6)
-
-
-def _median(values):
-    v = sorted(values)
-    m = len(v) // 2
-    return v[m] if len(v) % 2 else 0.5 * (v[m - 1] + v[m])
 
 
 def _short(name: str) -> str:

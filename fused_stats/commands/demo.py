@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-
-def _ints(text: str) -> tuple:
-    return tuple(int(v) for v in text.replace(",", " ").split())
+from .args import int_at_least, int_list, positive_float, positive_int
 
 
 def register(sub) -> None:
@@ -18,19 +16,32 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help="tiny sweep for a smoke test (30 s wall on a shared 2-core Intel Xeon VM)")
     p.add_argument("--out", default="fused_stats_out", help="output folder (default: %(default)s)")
-    p.add_argument("--seeds", type=_ints, nargs="+", help="seeds, e.g. --seeds 0 1 2")
-    p.add_argument("--widths", type=_ints, nargs="+", help="widths of the width sweep (multiples of 16)")
-    p.add_argument("--depths", type=_ints, nargs="+", help="depths of the depth sweep")
-    p.add_argument("--width-sweep-depth", type=int, help="depth of every width-sweep model")
-    p.add_argument("--depth-sweep-width", type=int, help="width of every depth-sweep model")
-    p.add_argument("--steps", type=int, help="training steps per model (batches of 16 x 64 bytes)")
-    p.add_argument("--probe-batches", type=int, help="probe batches per stream (16 sequences each)")
-    p.add_argument("--lr", type=float, help="base learning rate (scaled by 32/width)")
-    p.add_argument("--split", type=int, help="M = K of the certificate and misalignment")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--seeds", type=int_list(0), nargs="+",
+                   help="seeds, e.g. --seeds 0 1 2 (default: 0 1 2; --quick: 0 1)")
+    p.add_argument("--widths", type=int_list(16), nargs="+",
+                   help="widths of the width sweep, multiples of 16 (default: 32 64 128; "
+                        "--quick: 32 64)")
+    p.add_argument("--depths", type=int_list(1), nargs="+",
+                   help="depths of the depth sweep (default: 1 2 4 8; --quick: 1 2)")
+    p.add_argument("--width-sweep-depth", type=positive_int,
+                   help="depth of every width-sweep model (default: 4; --quick: 2)")
+    p.add_argument("--depth-sweep-width", type=int_at_least(16),
+                   help="width of every depth-sweep model (default: 64; --quick: 32)")
+    p.add_argument("--steps", type=positive_int,
+                   help="training steps per model, batches of 16 x 64 bytes (default: 128; "
+                        "--quick: 24)")
+    p.add_argument("--probe-batches", type=positive_int,
+                   help="probe batches per stream, 16 sequences each (default: 16; --quick: 4)")
+    p.add_argument("--lr", type=positive_float,
+                   help="base learning rate, scaled by 32/width (default: 0.003)")
+    p.add_argument("--split", type=positive_int,
+                   help="M = K of the certificate and misalignment (default: 32; --quick: 16)")
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (default 1: these small models gain little from more, "
                         "and a second OpenMP thread on a busy machine ran 4-10x slower)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress output (default: a bar on a terminal, a line every 30 s "
+                        "otherwise)")
     p.set_defaults(func=cmd_demo)
 
 
@@ -49,13 +60,10 @@ def cmd_demo(args) -> int:
         if value is not None:
             overrides[key] = value
     cfg = DemoConfig.quick(**overrides) if args.quick else DemoConfig(**overrides)
+    cfg.validate()  # every bad value is reported before a thread count or a folder changes
     if args.threads is not None:
         import torch
 
-        from ..errors import FusedStatsError
-
-        if args.threads < 1:
-            raise FusedStatsError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     run_demo(cfg, args.out, progress=False if args.no_progress else None)
     return 0

@@ -3,7 +3,7 @@
 ``fused-stats merge OUT.safetensors IN1.safetensors IN2.safetensors ...`` loads every saved state,
 merges them exactly and saves the result atomically: the merged state equals that of one
 accumulator fed every shard's samples. :meth:`GradStats.save` files merge by shifting to a common
-centre and adding (DESIGN section 2); :meth:`CrossStats.save` files (the depth probe's
+centre and adding (docs/design.md, section 2); :meth:`CrossStats.save` files (the depth probe's
 cross-gradient sums) merge by adding every sum, and only if they describe the same zero-output
 block (dim, rank, activation, ``w_in``) with the same unit. The kind is read from each file's
 metadata; all inputs must be of one kind. With directories, ``fused-stats merge OUT_DIR IN_DIR1
@@ -24,9 +24,11 @@ def register(sub) -> None:
                       "from separate jobs",
         description="Merge saved accumulator states exactly: OUT = IN1 + IN2 + ... (all GradStats "
                     "files, all CrossStats files, or all probe checkpoint directories).")
-    cmd.add_argument("out", help="output .safetensors file (or checkpoint directory)")
+    cmd.add_argument("out", help="output .safetensors file (or checkpoint directory); the folder "
+                                 "it goes in must exist")
     cmd.add_argument("inputs", nargs="+", help="input state files (or checkpoint directories)")
-    cmd.add_argument("--force", action="store_true", help="replace an existing output")
+    cmd.add_argument("--force", action="store_true",
+                     help="replace an existing output (default: refuse)")
     cmd.set_defaults(func=cmd_merge)
 
 
@@ -90,6 +92,11 @@ def cmd_merge(args) -> int:
         raise FusedStatsError(
             "merge: mix of files and directories; give either state files or probe "
             f"checkpoint directories, got {[str(p) for p in inputs]}")
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        raise FusedStatsError(
+            f"merge: the folder {str(out.parent)!r} for the output {str(out)!r} does not exist "
+            "(create it first)")
     same = any(out.resolve() == p.resolve() for p in inputs)
     if out.exists() and not same and not args.force:
         raise FusedStatsError(f"merge: {str(out)!r} exists; pass --force to replace it")

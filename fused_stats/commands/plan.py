@@ -8,6 +8,8 @@ all it prints the LLaMA-7B and LLaMA-70B shapes. Bytes are exact counts of the f
 
 from __future__ import annotations
 
+from .args import int_at_least, nonnegative_int, positive_int
+
 
 def register(sub) -> None:
     from ..api.plan import PRESETS
@@ -16,15 +18,20 @@ def register(sub) -> None:
         "plan", help="accumulator memory per point (dense / pool / auto) for a model shape",
         description="Bytes of accumulator state per point and for the whole probe, per second-moment "
                     "mode, before a run starts.")
-    cmd.add_argument("--dim", type=int, help="feature dimension d (hidden size)")
-    cmd.add_argument("--points", type=int, help="number of insertion points")
-    cmd.add_argument("--pool", type=int, default=None,
-                     help="samples per accumulator (pool size N) for the pool and auto modes")
-    cmd.add_argument("--model", help="model config JSON (or a model directory holding config.json)")
+    cmd.add_argument("--dim", type=positive_int,
+                     help="feature dimension d (hidden size); with --points (default: from --model)")
+    cmd.add_argument("--points", type=positive_int,
+                     help="number of insertion points; with --dim (default: from --model)")
+    cmd.add_argument("--pool", type=nonnegative_int, default=None,
+                     help="samples per accumulator (pool size N) for the pool and auto modes "
+                          "(default: unknown; auto is shown at its dense bound)")
+    cmd.add_argument("--model", help="model config JSON, or a model directory holding config.json "
+                                     "(default: none)")
     cmd.add_argument("--preset", action="append", choices=sorted(PRESETS),
-                     help="a named shape (repeatable)")
-    cmd.add_argument("--streams", type=int, default=2,
-                     help="accumulators per point: 2 = train + test streams (default), 1 = one")
+                     help="a named shape, repeatable (default: llama-7b and llama-70b when no "
+                          "shape is given)")
+    cmd.add_argument("--streams", type=int_at_least(1), default=2, choices=[1, 2],
+                     help="accumulators per point: 2 = train + test streams, 1 = one")
     cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cmd.set_defaults(func=cmd_plan)
 
@@ -34,6 +41,11 @@ def cmd_plan(args) -> int:
 
     from ..api.plan import format_table, plan_memory
 
+    from ..errors import FusedStatsError
+
+    if args.model is None and (args.dim is None) != (args.points is None):
+        given, missing = ("--dim", "--points") if args.points is None else ("--points", "--dim")
+        raise FusedStatsError(f"{given} needs {missing} too (or --model CONFIG for the shape)")
     plans = []
     if args.model is not None:
         plans.append(plan_memory(dim=args.dim, points=args.points, pool_size=args.pool,

@@ -22,39 +22,142 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..contracts import ACTIVATIONS
 from ..errors import FusedStatsError
+from .args import int_at_least, nonnegative_int, positive_int, refuse_existing
 
 HELD_OUT = 0.1
+MASKS = ("labels", "attention", "none")
+OUTPUTS = ("report.json", "report.md", "report.png")
 
 
 def register(sub) -> None:
     p = sub.add_parser(
         "probe", help="probe a local HF model (folder or config JSON) on a text/token file",
         description=__doc__.split("\n\n")[0].replace("``", "'"))
-    p.add_argument("--model", required=True, help="local HF model folder, or a config .json")
+    p.add_argument("--model", required=True, help="local HF causal-LM folder, or a config .json "
+                                                  "with a 'model_type' (required)")
     data = p.add_mutually_exclusive_group()
-    data.add_argument("--text", help="text file (model tokenizer if present, else bytes)")
-    data.add_argument("--tokens", help=".npy or .pt file of integer token ids, 1-D or (N, T)")
+    data.add_argument("--text", help="text file, tokenised with the model folder's tokenizer if it "
+                                     "has one, else read as bytes (default: the stdlib source)")
+    data.add_argument("--tokens", help=".npy or .pt file of integer token ids, 1-D or (N, T) "
+                                       "(default: the stdlib source)")
     p.add_argument("--points", nargs="+", default=None,
                    help="module names to probe (default: the residual stream after every block)")
-    p.add_argument("--batches", type=int, default=8, help="train-stream batches (default 8)")
-    p.add_argument("--test-batches", type=int, default=None,
+    p.add_argument("--batches", type=positive_int, default=8, help="train-stream batches")
+    p.add_argument("--test-batches", type=positive_int, default=None,
                    help="test-stream batches (default: as --batches)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--unit", default="sample", choices=["sample", "position", "flat"])
-    p.add_argument("--second-moment", default="auto", choices=["auto", "dense", "pool"])
-    p.add_argument("--trials", type=int, default=2000, help="misalignment Monte Carlo splits")
-    p.add_argument("--split", type=int, nargs=2, metavar=("M", "K"), default=None,
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per batch")
+    p.add_argument("--seq-len", type=int_at_least(2), default=128,
+                   help="tokens per sequence (windows cut from 1-D data)")
+    p.add_argument("--unit", default="sample", choices=["sample", "position", "flat"],
+                   help="one sample per sequence (summed over its positions), per position, or "
+                        "the flattened (T*d) gradient")
+    p.add_argument("--mask", default=None, choices=list(MASKS),
+                   help="counted positions: 'labels' = positions that predict a next token (the "
+                        "last one has an exactly zero gradient), 'attention' = every position of "
+                        "the sequence, 'none' = every position (default: labels for --unit "
+                        "position, attention otherwise)")
+    p.add_argument("--cross", type=cross_spec, default=None, metavar="RANK[,ACTIVATION]",
+                   help="also measure the depth probe's cross-gradient |C| and its saturation test "
+                        "for a zero-output block of RANK features (activation one of "
+                        f"{', '.join(ACTIVATIONS)}; default: off, gelu when only RANK is given)")
+    p.add_argument("--second-moment", default="auto", choices=["auto", "dense", "pool"],
+                   help="second-moment mode of the accumulators")
+    p.add_argument("--trials", type=nonnegative_int, default=2000,
+                   help="misalignment Monte Carlo splits (0: skip the empirical misalignment)")
+    p.add_argument("--split", type=positive_int, nargs=2, metavar=("M", "K"), default=None,
                    help="certificate/misalignment sizes (default: train n, test n)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
-    p.add_argument("--seed", type=int, default=0, help="init seed for a config-built model")
-    p.add_argument("--out", default="fused_stats_out/probe", help="output folder")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
+                   help="model dtype")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the model and batches, e.g. cpu, cuda, cuda:1")
+    p.add_argument("--seed", type=nonnegative_int, default=0,
+                   help="init seed for a config-built model (and the misalignment splits)")
+    p.add_argument("--out", default="fused_stats_out/probe",
+                   help="output folder for report.json, report.md, report.png")
+    p.add_argument("--force", action="store_true",
+                   help="replace report files already in --out (default: refuse)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress output, and no Hugging Face loading bar (default: a bar on a "
+                        "terminal, a line every 30 s otherwise)")
     p.set_defaults(func=cmd_probe)
 
 
+def cross_spec(text: str):
+    """``RANK[,ACTIVATION]`` -> ``(rank, activation)`` (argparse type of ``--cross``)."""
+    import argparse
+
+    rank, _, activation = text.partition(",")
+    try:
+        value = int(rank)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"RANK must be an integer >= 1, got {rank!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"RANK must be an integer >= 1, got {value}")
+    activation = activation.strip() or "gelu"
+    if activation not in ACTIVATIONS:
+        raise argparse.ArgumentTypeError(
+            f"ACTIVATION must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    return value, activation
+
+
 # ---------------------------------------------------------------------------- model
+def check_causal_config(config, spec: str) -> None:
+    """Raise unless ``config`` describes a decoder-only causal LM (the probe's loss is the
+    next-token loss, which needs a model whose position t sees only tokens <= t)."""
+    from transformers.models.auto import modeling_auto
+
+    kind = getattr(config, "model_type", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise FusedStatsError(
+            f"--model {spec!r} is an encoder-decoder ({kind!r}) config; the probe needs a "
+            "decoder-only causal LM (e.g. llama, gpt_neox, gpt2)")
+    if kind not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise FusedStatsError(
+            f"--model {spec!r}: model_type {kind!r} has no causal-LM head in transformers; the probe "
+            "needs a decoder-only causal LM (e.g. llama, gpt_neox, gpt2)")
+    if kind in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        raise FusedStatsError(
+            f"--model {spec!r}: model_type {kind!r} is a bidirectional encoder (masked LM); its "
+            "positions see later tokens, so a next-token loss is not causal. Use a decoder-only "
+            "causal LM (e.g. llama, gpt_neox, gpt2), or set \"is_decoder\": true in the config")
+
+
+def _known_model_type(config_file: Path, spec: str, transformers) -> None:
+    """A folder's config.json with an unknown ``model_type`` gets a one-line error (transformers'
+    own message lists every known type)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        kind = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return  # transformers reports a missing or unreadable config itself
+    if isinstance(kind, str) and kind not in CONFIG_MAPPING:
+        raise FusedStatsError(
+            f"--model {spec!r}: unknown model_type {kind!r} in {config_file.name} for transformers "
+            f"{transformers.__version__} (e.g. \"llama\", \"gpt_neox\", \"gpt2\")")
+
+
+def _config_from_json(spec: str, raw, transformers):
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise FusedStatsError(
+            f"config {spec!r} needs a 'model_type' (e.g. \"llama\", \"gpt_neox\", \"gpt2\"); "
+            f"got keys {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
+    raw = dict(raw)
+    kind = raw.pop("model_type")
+    from transformers import CONFIG_MAPPING
+
+    if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
+        raise FusedStatsError(
+            f"config {spec!r}: unknown model_type {kind!r} for transformers "
+            f"{transformers.__version__} (e.g. \"llama\", \"gpt_neox\", \"gpt2\")")
+    try:
+        return transformers.AutoConfig.for_model(kind, **raw)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FusedStatsError(f"config {spec!r}: {exc}") from None
+
+
 def load_model(spec: str, seed: int, dtype: str):
     """``(model, tokenizer or None, description)`` from a local folder or a config JSON."""
     import torch
@@ -66,6 +169,12 @@ def load_model(spec: str, seed: int, dtype: str):
     path = Path(spec)
     torch_dtype = getattr(torch, dtype)
     if path.is_dir():
+        _known_model_type(path / "config.json", spec, transformers)
+        try:
+            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise FusedStatsError(f"cannot read a model config in folder {spec!r}: {exc}") from None
+        check_causal_config(config, spec)
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, dtype=torch_dtype)
@@ -84,16 +193,8 @@ def load_model(spec: str, seed: int, dtype: str):
             raw = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise FusedStatsError(f"cannot read model config {spec!r} as JSON: {exc}") from None
-        if not isinstance(raw, dict) or "model_type" not in raw:
-            raise FusedStatsError(
-                f"config {spec!r} needs a 'model_type' (e.g. \"llama\", \"gpt_neox\", \"gpt2\"); "
-                f"got keys {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
-        raw = dict(raw)
-        kind = raw.pop("model_type")
-        try:
-            config = transformers.AutoConfig.for_model(kind, **raw)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise FusedStatsError(f"config {spec!r}: {exc}") from None
+        config = _config_from_json(spec, raw, transformers)
+        check_causal_config(config, spec)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             try:
@@ -153,7 +254,7 @@ def load_tokens(args, tokenizer):
         return _split_stream(ids.to(torch.int64), T, f"{args.text} ({ids.numel():,} {how})")
     from ..demo.corpus import StdlibCorpus
 
-    test_batches = args.test_batches or args.batches
+    test_batches = args.test_batches or args.batches  # None: as --batches
     corpus = StdlibCorpus(T)
     train = torch.cat(list(corpus.batches("train", 0, args.batch_size, args.batches)))
     test = torch.cat(list(corpus.batches("test", 0, args.batch_size, test_batches)))
@@ -176,49 +277,105 @@ def _split_rows(rows, what: str):
     return rows[:n - n_test], rows[n - n_test:], f"{what}; first {n - n_test} sequences -> train, last {n_test} -> test"
 
 
-def _batches(rows, batch_size: int, count: int):
-    out = [rows[i:i + batch_size] for i in range(0, rows.shape[0], batch_size)][:count]
-    return [{"input_ids": b} for b in out]
+def _batches(rows, batch_size: int, count: int, device):
+    """Batches of ``input_ids`` with ``labels`` (the same ids: ``causal_lm_loss`` shifts them)."""
+    out = [rows[i:i + batch_size].to(device) for i in range(0, rows.shape[0], batch_size)][:count]
+    return [{"input_ids": b, "labels": b} for b in out]
 
 
 # ---------------------------------------------------------------------------- command
-def cmd_probe(args) -> int:
-    import fused_stats as fs
+def check_arguments(args):
+    """Every check that needs neither the model nor the data; returns ``(device, out)``."""
+    import torch
 
-    from ..demo.experiment import certificates_at
+    if args.cross is not None and args.unit == "flat":
+        raise FusedStatsError("--cross needs --unit sample or position (the cross-gradient sums "
+                              "q_t phi_t^T over positions); got --unit flat")
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError) as exc:
+        raise FusedStatsError(f"--device {args.device!r} is not a torch device ({exc})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FusedStatsError(f"--device {args.device!r}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise FusedStatsError(f"--device {args.device!r}: this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise FusedStatsError(f"--device {args.device!r}: only cpu and cuda devices are supported")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise FusedStatsError(f"--out {args.out!r} is a file; the probe writes a folder of reports")
+    refuse_existing([out / name for name in OUTPUTS], args.force, what="--out holds")
+    return device, out
 
-    for name in ("batches", "batch_size", "seq_len"):
-        if getattr(args, name) < 1:
-            raise FusedStatsError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    model, tokenizer, model_what = load_model(args.model, args.seed, args.dtype)
-    train, test, data_what = load_tokens(args, tokenizer)
+
+def check_data(args, model, train, test):
+    """Checks of the loaded data against the model and the requested split sizes."""
     vocab = model.get_input_embeddings().num_embeddings
-    top = int(max(train.max(), test.max()))
-    if top >= vocab or int(min(train.min(), test.min())) < 0:
+    low, top = int(min(train.min(), test.min())), int(max(train.max(), test.max()))
+    if top >= vocab or low < 0:
         raise FusedStatsError(
-            f"token ids span [{int(min(train.min(), test.min()))}, {top}] but the model's vocabulary "
-            f"has {vocab} entries (byte-level data needs vocab_size >= 256)")
+            f"token ids span [{low}, {top}] but the model's vocabulary has {vocab} entries "
+            "(byte-level data needs vocab_size >= 256)")
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if limit is not None and train.shape[1] > limit:
         raise FusedStatsError(
             f"sequences of length {train.shape[1]} exceed the model's {limit} positions; lower --seq-len")
-    probe = fs.Probe(model, points=args.points or "residual", unit=args.unit,
-                     second_moment=args.second_moment)
+    if args.split and args.unit == "sample":
+        M, K = args.split
+        n_train = min(train.shape[0], args.batches * args.batch_size)
+        n_test = min(test.shape[0], (args.test_batches or args.batches) * args.batch_size)
+        if M + K > n_train + n_test:
+            raise FusedStatsError(
+                f"--split {M} {K}: the misalignment draws disjoint M + K = {M + K} samples from the "
+                f"pooled {n_train} train + {n_test} test sequences; lower M, K or add batches")
+
+
+def cmd_probe(args) -> int:
+    import fused_stats as fs
+
+    from ..demo.experiment import certificates_at
+    from ..progress import Progress, quiet_hf_progress, stderr_is_terminal
+
+    device, out = check_arguments(args)
     progress = not args.no_progress
+    if not (progress and stderr_is_terminal()):
+        quiet_hf_progress()  # the loading bars redraw with \r: only on a terminal
+    model, tokenizer, model_what = load_model(args.model, args.seed, args.dtype)
+    train, test, data_what = load_tokens(args, tokenizer)
+    check_data(args, model, train, test)
+    model = model.to(device)
+    mask = args.mask or ("labels" if args.unit == "position" else "attention")
+    cross = None if args.cross is None else fs.CrossSpec(rank=args.cross[0], activation=args.cross[1],
+                                                         seed=args.seed)
+    probe = fs.Probe(model, points=args.points or "residual", unit=args.unit,
+                     second_moment=args.second_moment, cross=cross)
     test_count = args.test_batches or args.batches
-    n_train = probe.run(_batches(train, args.batch_size, args.batches), fs.causal_lm_loss,
-                        stream="train", progress=progress)
-    n_test = probe.run(_batches(test, args.batch_size, test_count), fs.causal_lm_loss,
-                       stream="test", progress=progress)
-    meta = {"model_source": model_what, "data": data_what, "train_batches": n_train,
-            "test_batches": n_test, "batch_size": args.batch_size, "seq_len": int(train.shape[1])}
+    counts = {}
+    for stream, rows, count in (("train", train, args.batches), ("test", test, test_count)):
+        batches = _batches(rows, args.batch_size, count, device)
+        with Progress(len(batches), f"probe {stream}", enabled=progress, unit="batches") as bar:
+            for batch in batches:
+                probe.step(batch, fs.causal_lm_loss, stream=stream, mask=mask)
+                bar.update()
+        counts[stream] = len(batches)
+    meta = {"model_source": model_what, "data": data_what, "train_batches": counts["train"],
+            "test_batches": counts["test"], "batch_size": args.batch_size,
+            "seq_len": int(train.shape[1]), "mask": mask, "device": str(device)}
+    if cross is not None:
+        meta["cross"] = {"rank": cross.rank, "activation": cross.activation, "seed": cross.seed}
     report = probe.report(meta=meta, misalignment_trials=args.trials)
     if args.split:
         M, K = args.split
         data = certificates_at(probe, report.data, M, K, args.trials, seed=args.seed)
         data["meta"]["certificate_sizes"] = [M, K]
         report = fs.Report(data)
-    out = Path(args.out)
+        missing = [p["name"] for p in report.points if p["certificate"] is None
+                   or (args.trials and p["misalignment"] is None)]
+        if missing:
+            print(f"(note: the certificate or misalignment at M = {M}, K = {K} could not be "
+                  f"computed at {', '.join(missing)}: too few samples for these sizes, or no pool "
+                  "for the misalignment with --second-moment dense)")
     report.to_json(out / "report.json")
     report.to_markdown_file(out / "report.md")
     files = [out / "report.json", out / "report.md"]

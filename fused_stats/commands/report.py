@@ -1,12 +1,16 @@
 """``fused-stats report``: render one or several JSON reports as markdown tables and PNG plots,
 and, with ``--sweep width|depth``, a sweep table (median and range over seeds per x value,
 Spearman's ρ against x with a permutation p-value) and the sweep plot. Monitor logs (``.jsonl``
-from ``fs.MonitorLog``, issue 6) are summarised and plotted as trajectories over training steps
-(d_align, AG_max, |C| per point)."""
+from ``fs.MonitorLog``) are summarised and plotted as trajectories over training steps
+(d_align, AG_max, |C| per point), one table and one plot per run when a log holds several runs.
+Every input is read and checked before anything is written."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+from ..errors import FusedStatsError
 
 
 def register(sub) -> None:
@@ -16,10 +20,11 @@ def register(sub) -> None:
                    "or monitor logs (.jsonl) written during training")
     p.add_argument("--out", default="fused_stats_out/report", help="output folder")
     p.add_argument("--sweep", choices=["width", "depth"], default=None,
-                   help="also summarise the reports as a sweep over meta['width'] or meta['depth']")
+                   help="also summarise the reports as a sweep over meta['width'] or meta['depth'] "
+                        "(default: no sweep)")
     p.add_argument("--point", default="last",
-                   help="point used by --sweep: last, first, an index or a name (default: last)")
-    p.add_argument("--no-plots", action="store_true")
+                   help="point used by --sweep: last, first, an index or a name")
+    p.add_argument("--no-plots", action="store_true", help="write markdown only, no PNG plots")
     p.set_defaults(func=cmd_report)
 
 
@@ -44,8 +49,17 @@ def cmd_report(args) -> int:
     logs = [p for p in paths if p.suffix == ".jsonl" or _is_monitor_log(p)]
     if logs:
         return _report_monitor_logs(paths, logs, args)
+    from ..api.report import sweep_rows
+
     reports = [Report.from_json(p) for p in paths]  # a bad file raises before anything is written
     point = int(args.point) if args.point.lstrip("-").isdigit() else args.point
+    if args.sweep:
+        missing = [str(p) for p, r in zip(paths, reports) if args.sweep not in r.meta]
+        if missing:
+            raise FusedStatsError(
+                f"--sweep {args.sweep} needs meta[{args.sweep!r}] in every report; missing in "
+                f"{', '.join(missing)}")
+        sweep_rows(reports, args.sweep, point)  # a bad --point raises here, before any output
     out = Path(args.out)
     written = []
     for path, stem, report in zip(paths, _stems(paths), reports):
@@ -80,9 +94,9 @@ def _is_monitor_log(path: Path) -> bool:
 
 
 def _report_monitor_logs(paths: list[Path], logs: list[Path], args) -> int:
-    """Training-time monitor logs: a first/last table per log and the trajectory plot."""
-    from ..api.monitor_log import plot_monitor_log, read_monitor_log, summary_markdown
-    from ..errors import FusedStatsError
+    """Training-time monitor logs: a first/last table and a trajectory plot per log, and per run
+    when a log holds several runs (a file appended to by separate runs)."""
+    from ..api.monitor_log import plot_monitor_log, read_monitor_log, split_runs, summary_markdown
 
     if len(logs) != len(paths):
         raise FusedStatsError(
@@ -92,10 +106,18 @@ def _report_monitor_logs(paths: list[Path], logs: list[Path], args) -> int:
     out = Path(args.out)
     written = []
     for path, stem, recs in zip(logs, _stems(logs), records):
-        print(f"== {path} ==")
-        print(summary_markdown(recs))
-        if not args.no_plots:
-            written.append(plot_monitor_log(recs, out / f"{stem}.png"))
+        runs = split_runs(recs)
+        for number, (run, run_records) in enumerate(runs.items(), 1):
+            if len(runs) == 1:
+                print(f"== {path} ==")
+                name = stem
+            else:
+                print(f"== {path}: run {number} of {len(runs)} (id {run}) ==")
+                tag = re.sub(r"[^A-Za-z0-9_.-]", "_", str(run)) if run else ""
+                name = f"{stem}-run{number}" + (f"-{tag}" if tag else "")
+            print(summary_markdown(run_records))
+            if not args.no_plots:
+                written.append(plot_monitor_log(run_records, out / f"{name}.png"))
     if written:
         print("wrote " + ", ".join(str(w) for w in written))
     return 0

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 
+from .args import int_at_least, nonnegative_int, positive_int
+
+
 def register(sub) -> None:
-    syn = sub.add_parser("synthetic", help="estimates on a synthetic population with known values")
-    syn.add_argument("--dim", type=int, default=64)
-    syn.add_argument("--mean", type=float, default=1.0)
-    syn.add_argument("--batches", type=int, default=50)
-    syn.add_argument("--batch-size", type=int, default=200)
-    syn.add_argument("--second-moment", default="auto", choices=["auto", "dense", "pool"])
-    syn.add_argument("--seed", type=int, default=0)
+    syn = sub.add_parser("synthetic", help="estimates on a synthetic population with known values",
+                         description="Feed a spiked Gaussian population (mean mu = MEAN * e_1, "
+                                     "covariance I + 4 v v^T with a random unit v) through GradStats "
+                                     "and print each unbiased estimate next to its population value.")
+    syn.add_argument("--dim", type=positive_int, default=64, help="feature dimension d")
+    syn.add_argument("--mean", type=float, default=1.0, help="length of the population mean mu")
+    syn.add_argument("--batches", type=positive_int, default=50, help="batches fed in")
+    # the degree-4 estimates need n >= 4 samples
+    syn.add_argument("--batch-size", type=int_at_least(4), default=200, help="samples per batch")
+    syn.add_argument("--second-moment", default="auto", choices=["auto", "dense", "pool"],
+                     help="second-moment mode of the accumulator")
+    syn.add_argument("--seed", type=nonnegative_int, default=0, help="random seed")
     syn.set_defaults(func=cmd_synthetic)
 
 

@@ -15,7 +15,7 @@ For each (width N, depth L, seed) run:
    ``d_align = min(d_par, d_2)``, ``AG_max = max_b |q_b|``; the certificate
    ``B_align = 1/(1 + n_eff d_align)``, ``B_exact`` (Cantelli) and the empirical misalignment
    ``Pr(μ_Mᵀ g_K ≤ 0)`` over random (M, K) splits of the pooled train + test pool, at
-   ``M = K = split`` (DESIGN section 2; width paper, Theorem 1); the train/test realized alignment;
+   ``M = K = split`` (docs/design.md, section 2; width paper, Theorem 1); the train/test realized alignment;
    the held-out loss. The depth paper's cross-gradient saturation signal ``|C|_F²`` is added when
    the installed Probe supports ``cross=`` (:func:`_saturation`).
 
@@ -39,7 +39,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,7 +103,7 @@ class DemoConfig:
 
 def _saturation(probe, name: str):
     """The depth probe's saturation signal at ``name`` as a dict, or None where the installed
-    Probe has no cross-gradient support yet (hook for issue 4: ``Probe(cross=CrossSpec)`` and
+    Probe has no cross-gradient support (``Probe(cross=CrossSpec)`` and
     ``probe.saturation(point)``)."""
     if getattr(probe, "cross", None) is None or not hasattr(probe, "saturation"):
         return None
@@ -295,10 +294,10 @@ def _header(cfg: DemoConfig, corpus) -> list[str]:
 def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> dict:
     """Run both sweeps, print tables, write reports/plots under ``out``; returns a summary dict.
 
-    ``progress``: tqdm bar on stderr (None = only on a terminal).
+    ``progress``: False = no progress output; True or None = the rule of
+    :mod:`fused_stats.progress` (a bar on a terminal, a plain line every 30 s otherwise).
     """
-    from tqdm.auto import tqdm
-
+    from ..progress import Progress
     from ..api.report import Report, plot_sweep, sweep_summary
     from .corpus import StdlibCorpus
 
@@ -319,8 +318,8 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
     # the model that gets the interventions: the deepest of the depth sweep, first seed
     keep = (cfg.depth_sweep_width, max(cfg.depths), cfg.seeds[0])
     kept = None
-    bar = tqdm(total=len(runs) * cfg.train_steps, unit="step", desc="demo",
-               disable=(None if progress is None else not progress), file=sys.stderr)
+    bar = Progress(len(runs) * cfg.train_steps, "demo", enabled=progress is not False,
+                   unit="training steps")
     try:
         for width, depth, seed in runs:
             bar.set_description(f"width {width} depth {depth} seed {seed}")
@@ -333,11 +332,11 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
             msg = (f"run width={width:<4} depth={depth:<2} seed={seed}: loss {m['first_loss']:.2f} "
                    f"-> {m['train_loss']:.3f} (held-out {m['test_loss']:.3f}), "
                    f"train {m['train_seconds']:.1f} s, probe {m['probe_seconds']:.1f} s")
-            with tqdm.external_write_mode(file=sys.stderr):  # keep the bar intact on a tty
-                echo(msg)
+            bar.write(msg, echo)  # keeps a terminal bar intact
             lines.append(msg)
             reports.append(report)
     finally:
+        bar.set_description("demo")
         bar.close()
 
     width_runs = [r for r in reports if r.meta["depth"] == cfg.width_sweep_depth

@@ -7,7 +7,7 @@ Role: the models whose residual streams the demo probes. Built from ``transforme
   at least one), so attention is the same per head at every width; untied embeddings.
 * Training: AdamW (β = 0.9, 0.95; no weight decay), linear warm-up over the first 10 % of steps,
   then cosine decay to 10 %. Learning rate ``lr(N) = base_lr · 32 / N``: the 1/width scaling that,
-  in the small experiments of DESIGN section 9, was needed for any width trend to appear (muP-style
+  in the small experiments of docs/design.md, section 9, was needed for any width trend to appear (muP-style
   reasoning, Yang et al., "Tensor Programs V", 2022: Adam's update size per weight does not shrink
   with fan-in, so the step on a hidden layer's output grows with N unless lr ∝ 1/N).
 * Single pass over fresh text: every batch is new windows of the training split (no epochs).
