@@ -1,11 +1,14 @@
 """fused_stats: exact streaming statistics of activation gradients at residual insertion points.
 
-See README.md and DESIGN.md. Public names only; everything else lives in submodules.
+See README.md and docs/design.md. Public names only; everything else lives in submodules.
 """
 
 from .errors import FusedStatsError
 from .accumulators import (
+    Alignment,
     Certificate,
+    CrossEstimate,
+    CrossStats,
     Estimate,
     GradStats,
     Misalignment,
@@ -21,12 +24,15 @@ from .api.intervene import intervene
 from .accumulators.cross_stats import Saturation
 from .api.monitor_log import MonitorLog
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "FusedStatsError",
     "GradStats",
+    "CrossStats",
     "Estimate",
+    "CrossEstimate",
+    "Alignment",
     "Certificate",
     "Misalignment",
     "misalignment_probability",

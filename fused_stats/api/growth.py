@@ -149,7 +149,7 @@ def remove_inserted_block(model: nn.Module, point: str) -> None:
 def _auto_feature_dim(module: nn.Module, z: torch.Tensor) -> int:
     """The Probe's default feature axis: 1 for (B, C, H, W) maps and 3-d outputs of conv-only
     modules, else -1."""
-    from .probe import _is_conv_stack
+    from .points import is_conv_stack as _is_conv_stack
 
     return 1 if z.dim() >= 4 or (z.dim() == 3 and _is_conv_stack(module)) else -1
 

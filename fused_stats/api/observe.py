@@ -6,7 +6,7 @@ tensor hooks (``z.register_hook``) on each point's output ``z``; during the user
 receive ``G = ∂ℒ/∂z`` and only keep a reference to it (the hook returns ``None``, so the gradient
 that flows on, every weight gradient and the optimizer step are untouched). When the block exits,
 the gradients are rescaled to those of the per-sample losses and folded into the probe's
-accumulators by the same code as :meth:`~fused_stats.Probe.step` (``Probe._fold``: the same
+accumulators by the same code as :meth:`~fused_stats.Probe.step` (``Probe.fold``: the same
 masks, units, validation, callbacks and all-or-nothing update).
 
 **Per-sample scaling.** :meth:`~fused_stats.Probe.step` differentiates ``Σ_b ℓ_b`` (``ℓ_b``: the
@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import types
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -213,7 +212,7 @@ class Observation:
     def __init__(self, probe, loss_reduction: str | None = None, scale=None, mask=None,
                  stream: str = "train", batch=None, loss_scale=1.0, log=None,
                  step: int | None = None, nonfinite: str | None = None):
-        probe._stream(stream)  # validates the name
+        probe.check_stream(stream)
         if loss_reduction is None and scale is None:
             raise FusedStatsError(
                 "observe needs loss_reduction='mean' | 'sum' | 'token_mean' (how the training loss "
@@ -267,7 +266,7 @@ class Observation:
         # lean path: with unit="sample" and nothing that needs the whole gradient (callbacks,
         # cross statistics), each gradient is reduced to per-sample sums the moment it arrives
         probe = self.probe
-        self._keep_activations = bool(probe._callbacks) or getattr(probe, "cross", None) is not None
+        self._keep_activations = probe.needs_activations
         self._lean = probe.unit == "sample" and not self._keep_activations
 
     # ------------------------------------------------------------------ hooks
@@ -367,25 +366,23 @@ class Observation:
         """The counted-position mask of this step's batch (as ``Probe.step`` resolves it), once."""
         if self._mask_cache is _UNSET:
             batch = self._the_batch()
-            self._mask_cache = self.probe._mask_for(batch if batch is not None else {}, self.mask)
+            self._mask_cache = self.probe.mask_for(batch if batch is not None else {}, self.mask)
         return self._mask_cache
 
     def _reduce(self, record: _Record, g: torch.Tensor) -> torch.Tensor | None:
         """Lean path: ``r_b = Σ_{t counted} G[b, t]`` (B, d), or None to keep ``G`` whole.
 
         Per-sample scaling commutes with the sum over positions, so ``s_b r_b`` at exit is the
-        ``q_b`` that ``Probe._fold`` would form from the whole scaled gradient; only (B, d) per point
+        ``q_b`` that ``Probe.fold`` would form from the whole scaled gradient; only (B, d) per point
         is kept instead of (B, *positions, d). Sums are taken in the gradient's precision (fp32
-        for half-precision gradients), as DESIGN allows for per-batch products. Whenever anything
+        for half-precision gradients), as the design allows for per-batch products. Whenever anything
         is unusual (feature axis not last, a mask that does not fit, a non-finite masked sum on
         CPU, where ``Probe``'s exact masking rules matter) the whole gradient is kept instead.
         """
         if not self._lean or g.dim() < 2 or g.shape != record.tensor.shape:
             return None
         probe, name = self.probe, record.name
-        fd = probe.feature_dims.get(name)
-        if fd is None:
-            fd = probe._resolve_feature_dim(name, record.tensor)
+        fd = probe.feature_dim(name, record.tensor)
         if fd % g.dim() != g.dim() - 1:
             return None
         m = self._positions_mask()
@@ -396,7 +393,7 @@ class Observation:
         if m is None or tuple(m.shape) == (B,):
             return g3.sum(dim=1, dtype=acc)
         if tuple(m.shape) != (B, *positions):
-            return None  # Probe._fold names the mismatch at exit
+            return None  # Probe.fold names the mismatch at exit
         keep = (m != 0).to(g.device).reshape(B, -1)
         if g.device.type != "cpu":
             # no host sync inside the user's backward: where() keeps a NaN at an uncounted
@@ -591,16 +588,7 @@ class Observation:
                 else:
                     pm = mask if mask.dtype == torch.bool else mask != 0
                     mask = pm & keep.to(pm.device).view((B,) + (1,) * (pm.dim() - 1))
-        capture = types.SimpleNamespace(captured=acts)
-        before = probe.nonfinite
-        if self.nonfinite is not None:
-            probe.nonfinite = self.nonfinite
-        try:
-            steps = probe.steps[self.stream]
-            probe._fold(probe._stream(self.stream), self.stream, capture, grads, mask)
-            folded = probe.steps[self.stream] > steps
-        finally:
-            probe.nonfinite = before
+        folded = probe.fold(self.stream, acts, grads, mask, nonfinite=self.nonfinite)
         self.scale = factor
         self.batch_size = B
         self.folded = folded
@@ -630,9 +618,7 @@ class Observation:
             g = record.grad
             acts[name] = record.tensor.detach()
             if pm is not None and pm.dim() > 1:
-                fd = probe.feature_dims.get(name)
-                if fd is None:
-                    fd = probe._resolve_feature_dim(name, record.tensor)
+                fd = probe.feature_dim(name, record.tensor)
                 if tuple(pm.shape) != tuple(sz for i, sz in enumerate(g.shape) if i != fd % g.dim()):
                     raise FusedStatsError(
                         f"mask of shape {tuple(pm.shape)} does not fit point {name!r} with output "

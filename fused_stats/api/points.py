@@ -179,3 +179,11 @@ def resolve_points(model: nn.Module, points) -> list[str]:
             raise FusedStatsError(f"point {name!r} is listed twice")
         seen.add(name)
     return names
+
+
+def is_conv_stack(module: nn.Module) -> bool:
+    """Whether ``module`` holds convolutions and no linear layer (its 3-d outputs are (B, C, L)
+    feature maps, channels on axis 1)."""
+    mods = list(module.modules())
+    return (any(isinstance(m, nn.modules.conv._ConvNd) for m in mods)
+            and not any(isinstance(m, nn.Linear) for m in mods))
