@@ -212,7 +212,8 @@ class Accumulator:
         present = self.present_fields(counters)
         missing = [f.name for f in present if state.get(f.name) is None and not f.optional]
         if missing:
-            raise FusedStatsError(f"{where} lacks tensors {missing}")
+            held = sorted(k for k in state if k not in self.COUNTERS and state[k] is not None)
+            raise FusedStatsError(f"{where} holds tensors {held} and lacks tensors {missing}")
         extra = sorted(f.name for f in self.FIELDS
                        if f not in present and state.get(f.name) is not None)
         if extra:
