@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -159,9 +159,9 @@ class CrossStats(Accumulator):
         # c of the last batch if it held exactly one sample: paired with the next such batch
         Field("carry", _block, "local", optional=True),
     )
-    COUNTERS = {"n": "sum", "batches": "sum", "p": "sum_list", "unit": "label",
-                "skipped_batches": "sum"}
-    COUNTER_DEFAULTS = {"skipped_batches": 0}
+    COUNTERS: ClassVar[dict[str, str]] = {"n": "sum", "batches": "sum", "p": "sum_list",
+                                          "unit": "label", "skipped_batches": "sum"}
+    COUNTER_DEFAULTS: ClassVar[dict] = {"skipped_batches": 0}
 
     def __init__(self, dim: int, w_in: torch.Tensor, activation: str = "gelu", device=None,
                  backend: Backend = "auto", name: str | None = None, group_size: int = 256,
@@ -328,7 +328,7 @@ class CrossStats(Accumulator):
                 "nonfinite": self.nonfinite}
 
     @classmethod
-    def from_config(cls, config, tensors, device=None, backend="auto") -> "CrossStats":
+    def from_config(cls, config, tensors, device=None, backend="auto") -> CrossStats:
         dim, rank, in_dim = int(config["dim"]), int(config["rank"]), int(config["in_dim"])
         activation, group_size = config["activation"], int(config["group_size"])
         w_in = tensors.get("w_in")
@@ -356,7 +356,7 @@ class CrossStats(Accumulator):
         n, batches, p, unit = counters["n"], counters["batches"], counters["p"], counters["unit"]
         bounds = (n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3))
         if (n < 0 or not 0 <= batches <= max(n, 0) or len(p) != 3
-                or any(not 0 <= v <= b for v, b in zip(p, bounds)) or unit not in (None,) + UNITS
+                or any(not 0 <= v <= b for v, b in zip(p, bounds)) or unit not in (None, *UNITS)
                 or (n > 0) != (unit is not None) or (n > 0) != (batches > 0)
                 or counters["skipped_batches"] < 0):
             raise FusedStatsError(

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -44,7 +44,7 @@ Unit = Literal["sample", "position", "flat"]
 SECOND_MOMENTS: tuple[str, ...] = ("auto", "dense", "pool")
 UNITS: tuple[str, ...] = ("sample", "position", "flat")
 F64 = torch.float64
-__all__ = ["GradStats", "shift", "auto_pool_limit", "NONFINITE_POLICIES", "SECOND_MOMENTS", "UNITS"]
+__all__ = ["NONFINITE_POLICIES", "SECOND_MOMENTS", "UNITS", "GradStats", "auto_pool_limit", "shift"]
 
 
 def auto_pool_limit(dim: int) -> int:
@@ -175,7 +175,8 @@ class GradStats(Accumulator):
         Field("pool", lambda acc, c: (c["n"], acc.dim), "rows", present=_pooled),
         Field("gram", lambda acc, c: (c["n"], c["n"]), "gram", present=_pooled, rows="pool"),
     )
-    COUNTERS = {"n": "sum", "mode": "label", "unit": "label", "skipped_batches": "sum"}
+    COUNTERS: ClassVar[dict[str, str]] = {"n": "sum", "mode": "label", "unit": "label",
+                                          "skipped_batches": "sum"}
 
     def __init__(self, dim: int, second_moment: SecondMoment = "auto",
                  pool_capacity: int | None = None, device=None, backend: Backend = "auto",
@@ -512,7 +513,7 @@ class GradStats(Accumulator):
                 "pool_capacity": self.pool_capacity, "nonfinite": self.nonfinite, "name": self.name}
 
     @classmethod
-    def from_config(cls, config, tensors=None, device=None, backend="auto") -> "GradStats":
+    def from_config(cls, config, tensors=None, device=None, backend="auto") -> GradStats:
         return cls(config["dim"], config["second_moment"], config["pool_capacity"], device,
                    backend, config["nonfinite"], config["name"])
 

@@ -12,7 +12,7 @@ largest per-sample norm as its saturation indicator; the histogram shows the who
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -42,7 +42,7 @@ class NormHistogram(Accumulator):
     FORMAT = "fused_stats.NormHistogram"
     VERSION = 1
     FIELDS = (Field("counts", lambda acc, c: (acc.bins + 2,), "sum"),)
-    COUNTERS = {"n": "sum", "unit": "label", "skipped_batches": "sum"}
+    COUNTERS: ClassVar[dict[str, str]] = {"n": "sum", "unit": "label", "skipped_batches": "sum"}
 
     def __init__(self, dim: int, low: float = 1e-6, high: float = 1e6, bins: int = 48,
                  device=None, backend: Backend = "auto", nonfinite: Nonfinite = "raise",
@@ -155,7 +155,7 @@ class NormHistogram(Accumulator):
                 "nonfinite": self.nonfinite, "name": self.name}
 
     @classmethod
-    def from_config(cls, config, tensors=None, device=None, backend="auto") -> "NormHistogram":
+    def from_config(cls, config, tensors=None, device=None, backend="auto") -> NormHistogram:
         return cls(int(config["dim"]), float(config["low"]), float(config["high"]),
                    int(config["bins"]), device, backend, config["nonfinite"], config["name"])
 

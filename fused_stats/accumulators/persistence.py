@@ -27,7 +27,6 @@ import torch
 from ..errors import FusedStatsError
 
 
-
 def tensors_checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> str:
     """SHA-256 over the tensors (sorted by name) and the metadata entries other than ``sha256``."""
     digest = hashlib.sha256()
@@ -112,7 +111,7 @@ def _open(path, tensors: bool = True) -> tuple[dict[str, torch.Tensor], dict[str
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             meta = handle.metadata() or {}
-            values = ({key: fresh_copy(handle.get_tensor(key)) for key in handle.keys()}
+            values = ({key: fresh_copy(handle.get_tensor(key)) for key in handle.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
                       if tensors else {})
     except FusedStatsError:
         raise

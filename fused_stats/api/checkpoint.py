@@ -82,7 +82,7 @@ class _AttributeTable(MutableMapping):
             yield kind, stream, attr, table
 
     def _dict(self, kind, stream):
-        for k, s, attr, table in self._dicts():
+        for k, s, _, table in self._dicts():
             if (k, s) == (kind, stream):
                 return table
         raise FusedStatsError(f"the probe has no {LEGACY_ATTRS.get((kind, stream), kind)!r} for "

@@ -22,8 +22,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..accumulators.distributed import all_reduce_many, comm_device, gather_rows, names_digest
-from ..accumulators.distributed import require_initialised
+from ..accumulators.distributed import (
+    all_reduce_many,
+    comm_device,
+    gather_rows,
+    names_digest,
+    require_initialised,
+)
 from ..errors import FusedStatsError
 from .table import KINDS, STREAMS
 

@@ -88,17 +88,17 @@ UNEQUAL_COUNTS = 2.0
 SCALE_RTOL = 1e-4
 
 _UNSET = object()
-_active: "weakref.WeakSet" = weakref.WeakSet()   # probes inside an observe block
-_bn_warned: "weakref.WeakSet" = weakref.WeakSet()
+_active: weakref.WeakSet = weakref.WeakSet()   # probes inside an observe block
+_bn_warned: weakref.WeakSet = weakref.WeakSet()
 
 
 class _Record:
     """One forward call of one point: the output ``z`` and, once it arrives, ``∂ℒ/∂z`` (kept
     whole, or already reduced to per-sample sums in the lean path)."""
 
-    __slots__ = ("owner", "name", "tensor", "version", "modified", "grad", "reduced", "arrivals")
+    __slots__ = ("arrivals", "grad", "modified", "name", "owner", "reduced", "tensor", "version")
 
-    def __init__(self, owner: "Observation", name: str, tensor: torch.Tensor):
+    def __init__(self, owner: Observation, name: str, tensor: torch.Tensor):
         self.owner = owner
         self.name = name
         self.tensor = tensor
@@ -119,7 +119,7 @@ class _Record:
         self.modified = self.tensor._version != self.version
         try:
             self.reduced = self.owner._reduce(self, g)
-        except Exception:  # noqa: BLE001 - any failure: keep the whole gradient, check at exit
+        except Exception:
             self.reduced = None
         if self.reduced is None:
             self.grad = g
@@ -270,7 +270,7 @@ class Observation:
         self._lean = probe.unit == "sample" and not self._keep_activations
 
     # ------------------------------------------------------------------ hooks
-    def __enter__(self) -> "Observation":
+    def __enter__(self) -> Observation:
         probe = self.probe
         if self._entered:
             raise FusedStatsError("this Observation is already in use; call probe.observe(...) per step")
@@ -414,9 +414,9 @@ class Observation:
             return None
         args, kwargs = self._calls[0]
         batch = dict(kwargs)
-        if args and isinstance(args[0], torch.Tensor) and "input_ids" not in batch:
-            if args[0].dim() == 2 and not args[0].is_floating_point():
-                batch["input_ids"] = args[0]
+        if (args and isinstance(args[0], torch.Tensor) and "input_ids" not in batch
+                and args[0].dim() == 2 and not args[0].is_floating_point()):
+            batch["input_ids"] = args[0]
         return batch
 
     def _gradients(self):

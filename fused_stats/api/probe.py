@@ -55,6 +55,7 @@ random disjoint (M, K) splits of that pooled pool.
 
 from __future__ import annotations
 
+import contextlib
 import copy as _copy
 import datetime as _dt
 import math
@@ -64,16 +65,26 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..accumulators import (Accumulator, Alignment, Certificate, CrossEstimate, CrossStats,
-                            Estimate, GradStats, Misalignment, NormHistogram,
-                            misalignment_probability, realized_alignment)
+from ..accumulators import (
+    Accumulator,
+    Alignment,
+    Certificate,
+    CrossEstimate,
+    CrossStats,
+    Estimate,
+    GradStats,
+    Misalignment,
+    NormHistogram,
+    misalignment_probability,
+    realized_alignment,
+)
 from ..accumulators.base import Nonfinite
 from ..accumulators.grad_stats import NONFINITE_POLICIES, SECOND_MOMENTS, UNITS, SecondMoment, Unit
 from ..backend import Backend, validate_backend
 from ..errors import FusedStatsError
 from .hooks import ActivationCapture
 from .points import is_conv_stack as _is_conv_stack
-from .points import resolve_points, residual_points
+from .points import residual_points, resolve_points
 from .table import KINDS, STREAMS, TableView
 
 MASK_MODES = ("attention", "labels", "none")
@@ -118,10 +129,8 @@ def model_summary(model: nn.Module, points: list[str] | None = None) -> dict:
         config["width"] = width
     if "hidden_size" in config:
         config.setdefault("width", config["hidden_size"])
-    try:
+    with contextlib.suppress(FusedStatsError):
         config["depth"] = len(residual_points(model))
-    except FusedStatsError:
-        pass
     if points is not None:
         config["num_points"] = len(points)
     return {"class": type(model).__name__, "num_parameters": int(num), "config": config}
@@ -262,7 +271,7 @@ class Probe:
         for key in [k for k in self.table if k[1] == stream]:
             del self.table[key]
 
-    def state_copy(self) -> "Probe":
+    def state_copy(self) -> Probe:
         """A shallow copy of this probe (same model and settings) holding copies of every
         accumulator and counter, e.g. to all-reduce without touching this probe's state."""
         out = _copy.copy(self)
@@ -654,7 +663,7 @@ class Probe:
         return done
 
     # ------------------------------------------------------------------ scale-out
-    def all_reduce(self, group=None) -> "Probe":
+    def all_reduce(self, group=None) -> Probe:
         """Sum every accumulator (GradStats and, with ``cross=``, CrossStats; both streams) and the
         step counters over the ranks of ``group`` (a collective):
         :func:`fused_stats.api.distributed_probe.all_reduce_probe`."""
@@ -747,28 +756,28 @@ class Probe:
         if not self.dims:
             raise FusedStatsError("nothing probed yet: run Probe.step (or run) before a report")
 
-        def attempt(fn):
+        def attempt(fn, *args, **kwargs):
             try:
-                return fn()
+                result = fn(*args, **kwargs)
             except FusedStatsError:
                 return None
+            return result.to_dict() if hasattr(result, "to_dict") else result
 
         points = []
         for index, name in enumerate(self.points):
-            train = attempt(lambda: self._acc(name, "train").estimate().to_dict())
-            test = attempt(lambda: self._acc(name, "test").estimate().to_dict())
-            cert = attempt(lambda: self.certificate(name).to_dict())
             mis = None
             if misalignment_trials:
-                mis = attempt(lambda: self.misalignment(name, trials=misalignment_trials).to_dict())
+                mis = attempt(self.misalignment, name, trials=misalignment_trials)
             hist = self.table.get(("norm_hist", "train", name))
+            realized = attempt(self.realized_alignment, name)
             points.append({
                 "name": name, "index": index, "dim": self.dims[name],
-                "norm_histogram": None if hist is None else hist.to_dict(),
-                "train": train, "test": test, "certificate": cert, "misalignment": mis,
-                "realized_alignment": attempt(lambda: self.realized_alignment(name)),
-                "saturation": (attempt(lambda: self.saturation(name).to_dict())
-                               if self.cross is not None else None),
+                "train": attempt(self.estimate, name, "train"),
+                "test": attempt(self.estimate, name, "test"),
+                "certificate": attempt(self.certificate, name), "misalignment": mis,
+                "realized_alignment": None if realized is None else realized["value"],
+                "saturation": attempt(self.saturation, name) if self.cross is not None else None,
+                **({} if hist is None else {"norm_histogram": hist.to_dict()}),
             })
         return {
             "format": "fused_stats.report", "version": 1, "fused_stats_version": __version__,
