@@ -36,7 +36,7 @@ import torch
 from .. import ops
 from ..backend import Backend, validate_backend
 from ..errors import FusedStatsError
-from .base import NONFINITE_POLICIES, Accumulator, Field, Nonfinite, Prepared
+from .base import NONFINITE_POLICIES, Accumulator, Field, Nonfinite, Prepared, extend_gram
 from .estimators import Estimate, finalize
 
 SecondMoment = Literal["auto", "dense", "pool"]
@@ -61,9 +61,6 @@ def sums_finite(batch) -> bool:
     """A NaN/Inf anywhere in a counted position makes A1 = Σ|y|² non-finite; values so large that
     Σ|y|⁴ overflows would poison every later estimate just the same."""
     return bool(torch.isfinite(torch.stack([batch.a1, batch.a2, batch.norm_sum])).all())
-
-
-PreparedBatch = Prepared  # the name the prepare/commit split had before the protocol
 
 
 def shift(sums: Mapping, delta: torch.Tensor) -> dict:
@@ -409,49 +406,26 @@ class GradStats(Accumulator):
         self.norm_sum += part.norm_sum
         torch.maximum(self.norm_max, part.norm_max, out=self.norm_max)
 
-    def _add_second_moment(self, count: int, rows: torch.Tensor | None = None,
-                           dense: torch.Tensor | None = None) -> None:
-        """Add ``count`` samples' ``rows`` (centred at this centre) or another dense ``S`` to the
-        second moment, before ``n`` grows; ``auto`` turns dense when the pool would pass its limit.
-        New tensors are built completely before any attribute is assigned."""
+    def _add_second_moment(self, count: int, rows: torch.Tensor) -> None:
+        """Add ``count`` samples' ``rows`` (centred at this centre) to the second moment, before
+        ``n`` grows; ``auto`` turns dense when the pool would pass its limit. New tensors are
+        built completely before any attribute is assigned."""
         if self.mode == "dense":
-            if rows is not None:
-                ops.second_moment_update(self.S, rows, self.backend)
-            else:
-                self.S += dense
+            ops.second_moment_update(self.S, rows, self.backend)
             return
         limit = self.pool_limit
-        if rows is None or (self.second_moment == "auto" and limit is not None
-                            and self.n + count > limit):
+        if self.second_moment == "auto" and limit is not None and self.n + count > limit:
             S = self._dense_from_pool()
-            if rows is not None:
-                ops.second_moment_update(S, rows, self.backend)
-            else:
-                S += dense
+            ops.second_moment_update(S, rows, self.backend)
             self.S, self.pool, self.gram, self.mode = S, None, None, "dense"
             return
-        self.pool, self.gram = self._appended(rows)
-
-    def _appended(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool and its Gram matrix with ``rows`` appended (new tensors; state untouched)."""
-        cross = ops.gram_rows(rows, self.pool, self.backend)  # (B, N)
-        inner = ops.gram_rows(rows, rows, self.backend)  # (B, B)
-        N, B = self.pool.shape[0], rows.shape[0]
-        gram = torch.empty(N + B, N + B, dtype=F64, device=self.gram.device)
-        gram[:N, :N] = self.gram
-        gram[N:, :N] = cross
-        gram[:N, N:] = cross.T
-        gram[N:, N:] = inner
-        return torch.cat([self.pool, rows.to(F64)], dim=0), gram
+        gram = extend_gram(self.gram, self.pool, rows, self.backend)
+        self.pool, self.gram = torch.cat([self.pool, rows.to(F64)], dim=0), gram
 
     def _dense_from_pool(self) -> torch.Tensor:
         S = torch.zeros(self.dim, self.dim, dtype=F64, device=self.device)
         ops.second_moment_update(S, self.pool, self.backend)
         return S
-
-    def _to_dense(self) -> None:
-        S = self._dense_from_pool()
-        self.S, self.pool, self.gram, self.mode = S, None, None, "dense"
 
     # ------------------------------------------------------------------ results
     def estimate(self) -> Estimate:
