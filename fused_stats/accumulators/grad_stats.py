@@ -36,7 +36,7 @@ import torch
 from .. import ops
 from ..backend import Backend, validate_backend
 from ..errors import FusedStatsError
-from .base import NONFINITE_POLICIES, Accumulator, Field, Nonfinite, Prepared, extend_gram
+from .base import NONFINITE_POLICIES, Accumulator, Field, IncompatibleStates, Nonfinite, Prepared, extend_gram
 from .estimators import Estimate, finalize
 
 SecondMoment = Literal["auto", "dense", "pool"]
@@ -505,19 +505,19 @@ class GradStats(Accumulator):
 
     def check_compatible(self, other) -> None:
         if not isinstance(other, GradStats):
-            raise FusedStatsError(f"can only merge a GradStats, got {type(other).__name__}")
+            raise IncompatibleStates(f"can only merge a GradStats, got {type(other).__name__}")
         if other.dim != self.dim:
-            raise FusedStatsError(f"cannot merge dim={other.dim} into dim={self.dim}{self._where()}")
+            raise IncompatibleStates(f"cannot merge dim={other.dim} into dim={self.dim}{self._where()}")
         if self.unit and other.unit and self.unit != other.unit:
-            raise FusedStatsError(f"cannot merge unit={other.unit!r} into unit={self.unit!r}")
+            raise IncompatibleStates(f"cannot merge unit={other.unit!r} into unit={self.unit!r}")
         if self.device is not None and other.device is not None and self.device != other.device:
-            raise FusedStatsError(
+            raise IncompatibleStates(
                 f"cannot merge state on {other.device} into state on {self.device}{self._where()}")
         if self.second_moment == "pool" and other.n and other.mode == "dense":
-            raise FusedStatsError("cannot merge a dense accumulator into a second_moment='pool' one")
+            raise IncompatibleStates("cannot merge a dense accumulator into a second_moment='pool' one")
         if self.second_moment == "pool" and self.pool_limit is not None \
                 and self.n + other.n > self.pool_limit:
-            raise FusedStatsError(
+            raise IncompatibleStates(
                 f"merge would put {self.n + other.n} samples ({self.n} + {other.n}) in the "
                 f"pool{self._where()} of capacity {self.pool_limit}")
 
@@ -573,16 +573,16 @@ class GradStats(Accumulator):
             if len(set(values)) > 1:
                 if col == 3:
                     values = [SECOND_MOMENTS[v] for v in values]
-                raise FusedStatsError(f"all_reduce{where}: ranks disagree on {what}: {values} (by rank)")
+                raise IncompatibleStates(f"all_reduce{where}: ranks disagree on {what}: {values} (by rank)")
         units = {int(u) for u, n in zip(table[:, 4], table[:, 1]) if n > 0}
         if len(units) > 1:
-            raise FusedStatsError(
+            raise IncompatibleStates(
                 f"all_reduce{where}: ranks were fed different units: "
                 f"{[None if u < 0 else UNITS[u] for u in table[:, 4].tolist()]} (by rank)")
         total = int(table[:, 1].sum())
         if self.second_moment == "pool" and self.pool_capacity is not None \
                 and total > self.pool_capacity:
-            raise FusedStatsError(
+            raise IncompatibleStates(
                 f"all_reduce{where}: the ranks hold {table[:, 1].tolist()} samples, {total} in all, "
                 f"more than pool_capacity={self.pool_capacity}. Use second_moment='auto' or 'dense'")
 

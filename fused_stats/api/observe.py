@@ -76,7 +76,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..accumulators.grad_stats import NONFINITE_POLICIES
+from ..accumulators.base import NONFINITE_POLICIES, Nonfinite
 from ..errors import FusedStatsError
 from .hooks import _split
 
@@ -211,7 +211,7 @@ class Observation:
 
     def __init__(self, probe, loss_reduction: str | None = None, scale=None, mask=None,
                  stream: str = "train", batch=None, loss_scale=1.0, log=None,
-                 step: int | None = None, nonfinite: str | None = None):
+                 step: int | None = None, nonfinite: Nonfinite | None = None):
         probe.check_stream(stream)
         if loss_reduction is None and scale is None:
             raise FusedStatsError(

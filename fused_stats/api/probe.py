@@ -502,7 +502,7 @@ class Probe:
                 "the losses do not depend on any probed point (no graph); was the loss computed "
                 "under torch.no_grad() or from detached outputs?")
         tensors = [acts[name] for name in self.points]
-        # sum, never mean: each sample's gradient must be that of its own loss (DESIGN section 5)
+        # sum, never mean: each sample's gradient must be that of its own loss (docs/design.md, section 5)
         grads = torch.autograd.grad(losses.sum(), tensors, allow_unused=True, materialize_grads=True)
         return dict(zip(self.points, grads))
 
