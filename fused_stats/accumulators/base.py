@@ -242,9 +242,11 @@ class Accumulator:
         if check:
             self.check_state(state, f"state for {type(self).__name__}{self._where()}")
         target = torch.device(device) if device is not None else self.device
+        counters = {key: state.get(key) for key in self.COUNTERS}
+        present = {f.name for f in self.present_fields(counters)}
         tensors = {}
         for f in self.FIELDS:
-            value = state.get(f.name)
+            value = state.get(f.name) if f.name in present else None
             if value is None:
                 tensors[f.name] = None
                 continue

@@ -70,6 +70,9 @@ def reduce_fields(acc, state: dict, counters: dict | None, table: torch.Tensor, 
     out = dict(state)
     out.update(counters)
     present = acc.present_fields(counters)
+    for f in acc.FIELDS:
+        if f not in present:
+            out[f.name] = None
     state_device = acc.device if acc.device is not None else device
     for op, reduction in ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max")):
         fields = [f for f in present if f.reduction == reduction]

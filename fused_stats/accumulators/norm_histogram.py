@@ -150,6 +150,11 @@ class NormHistogram(Accumulator):
     def describe(self) -> dict:
         return {"bins": self.bins, "unit": self.unit}
 
+    def block_digest(self) -> int:
+        from .distributed import names_digest
+
+        return names_digest([repr(self.low), repr(self.high), str(self.bins)])
+
     def config(self) -> dict:
         return {"dim": self.dim, "low": self.low, "high": self.high, "bins": self.bins,
                 "nonfinite": self.nonfinite, "name": self.name}

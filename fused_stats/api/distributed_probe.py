@@ -83,12 +83,17 @@ def _fill_missing(probe, group, device) -> None:
             first: dict = {}
             groups = [first.setdefault(int(b), len(first)) if d > 0 else None
                       for b, d in zip(block_col, dim_col)]
-            what = "cross statistics" if kind == "cross" else f"{kind} statistics"
+            kept_by_rank = [bool(k & bit) for k in kept]
+            if kind == "cross":
+                raise FusedStatsError(
+                    f"all_reduce_probe: cross statistics at point {name!r} ({stream}) differ "
+                    f"between ranks: dim {dim_col.tolist()}, W_in dtype code {dtype_col.tolist()} "
+                    f"(1 float32, 2 float64, 0 none), block (activation, W_in) groups {groups}, "
+                    f"probe built with cross= {kept_by_rank} (by rank)")
             raise FusedStatsError(
-                f"all_reduce_probe: {what} at point {name!r} ({stream}) differ between "
-                f"ranks: dim {dim_col.tolist()}, W_in dtype code {dtype_col.tolist()} "
-                f"(1 float32, 2 float64, 0 none), block (activation, W_in) groups {groups}, probe "
-                f"built with cross= {[bool(k & bit) for k in kept]} (by rank)")
+                f"all_reduce_probe: {kind} statistics at point {name!r} ({stream}) differ between "
+                f"ranks: dim {dim_col.tolist()}, settings groups {groups}, probe keeps {kind} "
+                f"{kept_by_rank} (by rank)")
         if (kind, stream, name) not in probe.table:
             dtype = {code: dt for dt, code in _DTYPES.items()}[codes.pop()] if codes else None
             new.append((kind, stream, name, dims.pop(), dtype))

@@ -208,6 +208,11 @@ class Probe:
             raise FusedStatsError(f"norm_histogram must be a bool or a dict, got {norm_histogram!r}")
         self.norm_histogram = dict(norm_histogram) if isinstance(norm_histogram, Mapping) else (
             {} if norm_histogram else None)
+        if self.norm_histogram is not None:
+            unknown = sorted(set(self.norm_histogram) - {"low", "high", "bins"})
+            if unknown:
+                raise FusedStatsError(f"norm_histogram takes low, high and bins; got {unknown}")
+            NormHistogram(1, **self.norm_histogram)  # the settings are checked now, not at a step
         self.model = model
         self.points = resolve_points(model, points)
         self.unit = unit
