@@ -247,3 +247,30 @@ def test_cross_estimate_plugin_and_mean_against_per_sample_c(gen):
     assert math.isclose(est.mean_sq_norm, sum(float(c.square().sum()) for c in cs) / n, rel_tol=1e-12)
     # plug-in minus unbiased is the bias (Σ|c_i|² − |Σc_i|²/n)/(n(n−1)) ≥ 0
     assert est.plugin_frob2 > est.cross_frob2
+
+
+def test_checkpoint_round_trip_of_a_probe_with_histograms(tmp_path, gen):
+    def make(hist=True):
+        return fs.Probe(Net().double(), points=["first", "second"], second_moment="dense",
+                        norm_histogram={"bins": 6} if hist else False)
+
+    probe = make()
+    x, y = torch.randn(5, 4, generator=gen, dtype=F64), torch.randint(0, 3, (5,), generator=gen)
+    probe.step((x, y), fs.classification_loss)
+    probe.save_state(tmp_path / "ckpt")
+    back = make()
+    back.load_state(tmp_path / "ckpt")
+    assert set(back.table) == set(probe.table)
+    for key, acc in probe.table.items():
+        assert back.table[key].same_state(acc), key
+    # a probe that does not keep histograms refuses them; one that does refuses a checkpoint
+    # without them (its histogram would miss the checkpointed batches)
+    with pytest.raises(fs.FusedStatsError, match="does not keep norm_hist"):
+        make(hist=False).load_state(tmp_path / "ckpt")
+    plain = make(hist=False)
+    plain.step((x, y), fs.classification_loss)
+    plain.save_state(tmp_path / "plain")
+    victim = make()
+    with pytest.raises(fs.FusedStatsError, match="no norm_hist statistics"):
+        victim.load_state(tmp_path / "plain")
+    assert not victim.table

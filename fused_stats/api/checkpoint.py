@@ -417,6 +417,22 @@ def _install(probe, accs: dict, manifest: dict) -> None:
                 f"the checkpoint holds samples at {lacking} but no cross-gradient statistics there "
                 "(written by a probe without cross=?); this probe has cross= and would report "
                 "|C|_F^2 of only the batches after the resume")
+    kept = getattr(probe, "kinds", None)
+    if kept is not None:
+        for kind, stream, name in accs:
+            if kind not in kept and kind != "cross":  # cross: refused above, naming cross=
+                raise FusedStatsError(
+                    f"checkpoint holds {kind} statistics at point {name!r} ({stream}), but this "
+                    f"probe does not keep {kind} statistics; build it as the checkpointed run was")
+        for kind in kept:
+            lacking = [f"{name} ({stream})" for k, stream, name in accs
+                       if kind not in ("grad", "cross") and k == "grad" and accs[(k, stream, name)].n
+                       and (kind, stream, name) not in accs]
+            if lacking:
+                raise FusedStatsError(
+                    f"the checkpoint holds samples at {lacking} but no {kind} statistics there; "
+                    f"this probe keeps {kind} statistics and would count only the batches after "
+                    "the resume")
     extra = sorted(set(current) - set(accs))
     if any(current[key].n for key in extra):
         raise FusedStatsError(
