@@ -13,12 +13,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from per_sample_reference import classification_sample_loss, point_grads_one_sample
-from tiny_models import TanhBlock
 from torch import nn
 
 import fused_stats as fs
 from fused_stats.accumulators import NormHistogram, shift, state_differences
+
+from per_sample_reference import classification_sample_loss, point_grads_one_sample
+from tiny_models import TanhBlock
 
 F64 = torch.float64
 
