@@ -119,7 +119,7 @@ class _Record:
         self.modified = self.tensor._version != self.version
         try:
             self.reduced = self.owner._reduce(self, g)
-        except Exception:
+        except Exception:  # any failure: keep the whole gradient, check at exit
             self.reduced = None
         if self.reduced is None:
             self.grad = g
