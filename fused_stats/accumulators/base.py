@@ -224,9 +224,11 @@ class Accumulator:
             value = state.get(f.name)
             if value is None:
                 continue
+            if not isinstance(value, torch.Tensor):
+                raise FusedStatsError(f"{where}: {f.name} is a {type(value).__name__}, not a tensor")
             shape = tuple(f.shape(self, counters))
             dtype_ok = value.is_floating_point() if f.dtype is None else value.dtype == f.dtype
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or not dtype_ok:
+            if tuple(value.shape) != shape or not dtype_ok:
                 wanted = "floating point" if f.dtype is None else str(f.dtype).replace("torch.", "")
                 raise FusedStatsError(
                     f"{where} is inconsistent: {f.name} has shape {tuple(value.shape)} and dtype "
