@@ -1,46 +1,51 @@
 """fused_stats: exact streaming statistics of activation gradients at residual insertion points.
 
-See README.md and DESIGN.md. Public names only; everything else lives in submodules.
+See README.md and docs/design.md. Public names only; everything else lives in submodules.
 """
 
-from .errors import FusedStatsError
+from ._version import __version__
 from .accumulators import (
+    Alignment,
     Certificate,
+    CrossEstimate,
+    CrossStats,
     Estimate,
     GradStats,
     Misalignment,
     misalignment_probability,
     realized_alignment,
 )
-from .api.report import Report
-from .api.probe import Probe
-from .api.points import residual_points
-from .api.losses import causal_lm_loss, classification_loss
+from .accumulators.cross_stats import Saturation
 from .api.growth import CrossSpec, insert_zero_block, remove_inserted_block
 from .api.intervene import intervene
-from .accumulators.cross_stats import Saturation
+from .api.losses import causal_lm_loss, classification_loss
 from .api.monitor_log import MonitorLog
-
-__version__ = "0.1.0"
+from .api.points import residual_points
+from .api.probe import Probe
+from .api.report import Report
+from .errors import FusedStatsError
 
 __all__ = [
+    "Alignment",
+    "Certificate",
+    "CrossEstimate",
+    "CrossSpec",
+    "CrossStats",
+    "Estimate",
     "FusedStatsError",
     "GradStats",
-    "Estimate",
-    "Certificate",
     "Misalignment",
-    "misalignment_probability",
-    "realized_alignment",
-    "Report",
+    "MonitorLog",
     "Probe",
-    "residual_points",
+    "Report",
+    "Saturation",
+    "__version__",
     "causal_lm_loss",
     "classification_loss",
-    "CrossSpec",
     "insert_zero_block",
-    "remove_inserted_block",
     "intervene",
-    "Saturation",
-    "MonitorLog",
-    "__version__",
+    "misalignment_probability",
+    "realized_alignment",
+    "remove_inserted_block",
+    "residual_points",
 ]

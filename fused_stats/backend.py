@@ -11,11 +11,14 @@ from __future__ import annotations
 import functools
 import os
 
+from typing import Literal
+
 import torch
 
 from .errors import FusedStatsError
 
-BACKENDS = ("auto", "triton", "torch")
+Backend = Literal["auto", "triton", "torch"]
+BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
 
 
 def interpreter_enabled() -> bool:

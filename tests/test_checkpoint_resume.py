@@ -26,12 +26,12 @@ from torch import nn
 
 import fused_stats as fs
 from misaligned_loading import MisalignedLoading, assert_aligned
+from fused_stats.accumulators import state_differences
 from tiny_models import TanhBlock
 from fused_stats.api.checkpoint import (LATEST, has_checkpoint, latest_snapshot, load_probe_state,
                                         merge_checkpoints, run_with_checkpoints, save_probe_state)
 from fused_stats import Probe
 
-STATE_KEYS = ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram")
 POINTS = ["blocks.0", "blocks.1"]
 EST_FIELDS = ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "ag_max", "ag_mean")
 
@@ -76,21 +76,14 @@ def new_probe(second_moment="auto"):
 
 
 def state_of(probe) -> dict:
-    out = {}
-    for stream, accs in (("train", probe.stats), ("test", probe.test_stats)):
-        for name, acc in accs.items():
-            out[(stream, name)] = (acc.n, acc.mode, acc.unit, {
-                k: getattr(acc, k).clone() for k in STATE_KEYS if getattr(acc, k) is not None})
-    return out
+    return {(stream, name): acc.state_dict() for (kind, stream, name), acc in probe.table.items()
+            if kind == "grad"}
 
 
 def assert_same_state(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        assert a[key][:3] == b[key][:3], key
-        assert a[key][3].keys() == b[key][3].keys(), key
-        for k in a[key][3]:
-            assert torch.equal(a[key][3][k], b[key][3][k]), (key, k)
+        assert not state_differences(a[key], b[key]), (key, state_differences(a[key], b[key]))
 
 
 def report_of(probe):

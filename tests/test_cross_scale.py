@@ -27,13 +27,13 @@ from torch import nn
 import fused_stats as fs
 from tiny_models import TanhBlock
 from gloo_harness import init_gloo, run_two_ranks
+from fused_stats.accumulators import state_differences
 from fused_stats.accumulators.cross_stats import CrossStats
 from fused_stats.accumulators.persistence import save_checked
 from fused_stats.api.checkpoint import merge_checkpoints, run_with_checkpoints
 from fused_stats.cli import main
 
 F64 = torch.float64
-GRAD_KEYS = ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram")
 SAT_FIELDS = ("cross_frob2", "cross_frob2_se", "cross_frob2_se_null", "z", "p_value")
 
 
@@ -86,15 +86,13 @@ def explicit_frob2(batches, w_in, unit):
     return total / (n * (n - 1))
 
 
-def cross_state(acc) -> tuple:
-    return (acc.n, acc.batches, list(acc.p), acc.unit, acc.activation, acc.c_sum.clone(),
-            acc.sq_norm_sum.clone(), acc.u.clone(), acc.w_in.clone())
+def cross_state(acc) -> dict:
+    """The declared state (counters and tensors, ``w_in`` included) and the block's settings."""
+    return {**acc.state_dict(), "config": acc.config()}
 
 
-def assert_bit_identical(a: tuple, b: tuple) -> None:
-    assert a[:5] == b[:5]
-    for x, y in zip(a[5:], b[5:]):
-        assert x.dtype == y.dtype and torch.equal(x, y)
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert not state_differences(a, b), state_differences(a, b)
 
 
 def assert_same_sums(got: CrossStats, ref: CrossStats, rel=1e-10) -> None:
@@ -344,25 +342,15 @@ def new_probe(spec=SPEC, **kwargs):
 def probe_state(probe) -> dict:
     """Every state tensor of every accumulator of every point and stream, plus the counters."""
     out = {"steps": dict(probe.steps), "skipped": dict(probe.skipped_steps), "dims": dict(probe.dims)}
-    for label, table in (("train", probe.stats), ("test", probe.test_stats)):
-        for name, acc in table.items():
-            out[f"grad/{label}/{name}"] = (acc.n, acc.mode, acc.unit, {
-                k: getattr(acc, k).clone() for k in GRAD_KEYS if getattr(acc, k) is not None})
-    for label, table in (("train", probe.cross_stats), ("test", probe.test_cross_stats)):
-        for name, acc in table.items():
-            out[f"cross/{label}/{name}"] = cross_state(acc)
+    for (kind, stream, name), acc in probe.table.items():
+        out[f"{kind}/{stream}/{name}"] = cross_state(acc)
     return out
 
 
 def assert_same_probe_state(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        if key.startswith("grad/"):
-            assert a[key][:3] == b[key][:3], key
-            assert a[key][3].keys() == b[key][3].keys(), key
-            for k in a[key][3]:
-                assert torch.equal(a[key][3][k], b[key][3][k]), (key, k)
-        elif key.startswith("cross/"):
+        if "/" in key:
             assert_bit_identical(a[key], b[key])
         else:
             assert a[key] == b[key], key
@@ -582,8 +570,7 @@ def _worker(rank: int, world: int, outdir: str) -> None:
                 acc.all_reduce()
                 results["mismatch"][name] = None
             except fs.FusedStatsError as exc:
-                now = cross_state(acc)
-                same = now[:5] == before[:5] and all(torch.equal(x, y) for x, y in zip(now[5:], before[5:]))
+                same = not state_differences(cross_state(acc), before)
                 results["mismatch"][name] = {"message": str(exc), "unchanged": same}
 
         probe = new_probe()

@@ -18,6 +18,7 @@ import math
 import os
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -102,14 +103,11 @@ def summary(acc) -> dict:
 
 
 def state_tensors(acc) -> dict:
-    return {key: getattr(acc, key).clone() for key in
-            ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram")
-            if getattr(acc, key) is not None}
+    return acc.state_dict()
 
 
 def same_state(acc, saved: dict) -> bool:
-    now = state_tensors(acc)
-    return now.keys() == saved.keys() and all(torch.equal(now[k], saved[k]) for k in now)
+    return acc.same_state(saved)
 
 
 class TinyNet(torch.nn.Module):
@@ -216,6 +214,13 @@ def _worker(rank: int, world: int, outdir: str) -> None:
                             for stream, accs in (("train", probe.stats), ("test", probe.test_stats))
                             for name in PROBE_POINTS}
         results["probe_steps"] = probe.steps
+        # a third kind of accumulator goes through the same table and reduce
+        hist = run_probe(fs.Probe(TinyNet(), points=PROBE_POINTS, norm_histogram=HIST),
+                         *probe_data(rank))
+        all_reduce_probe(hist)
+        results["histograms"] = {f"{kind}/{stream}/{name}": acc.counts.tolist()
+                                 for (kind, stream, name), acc in hist.table.items()
+                                 if kind == "norm_hist"}
         # ranks probing different points (also different numbers of them): an error on both
         # ranks, not a hang
         mismatch = []
@@ -319,6 +324,30 @@ def test_mismatch_raises_on_every_rank(ranks, case, words):
         for word in words:
             assert word in err["message"], (word, err["message"])
         assert err["unchanged"]
+
+
+HIST = {"low": 1e-3, "high": 1e1, "bins": 8}
+
+
+def test_probe_all_reduce_of_norm_histograms(ranks):
+    (train0, test0), (train1, test1) = probe_data(0), probe_data(1)
+    ref = run_probe(fs.Probe(TinyNet(), points=PROBE_POINTS, norm_histogram=HIST),
+                    train0 + train1, test0 + test1)
+    # the one-stream reference: numpy's histogram of the per-sample norms the GradStats pools hold
+    pooled = run_probe(fs.Probe(TinyNet(), points=PROBE_POINTS, second_moment="pool"),
+                       train0 + train1, test0 + test1)
+    edges = np.logspace(-3, 1, 9)
+    for rank in range(2):
+        got = ranks[rank]["histograms"]
+        assert len(got) == 2 * len(PROBE_POINTS)
+        for stream, accs in (("train", pooled.stats), ("test", pooled.test_stats)):
+            for name in PROBE_POINTS:
+                norms = accs[name].pool_rows().norm(dim=1).numpy()
+                inside = np.histogram(norms[(norms >= 1e-3) & (norms < 1e1)], bins=edges)[0]
+                want = [int((norms < 1e-3).sum()), *inside.tolist(), int((norms >= 1e1).sum())]
+                assert [int(v) for v in got[f"norm_hist/{stream}/{name}"]] == want
+                assert got[f"norm_hist/{stream}/{name}"] == \
+                    ref.table[("norm_hist", stream, name)].counts.tolist()
 
 
 def test_probe_all_reduce(ranks):

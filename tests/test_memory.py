@@ -24,14 +24,13 @@ from fused_stats.accumulators import auto_pool_limit
 from fused_stats.api.plan import model_shape, plan_memory
 from fused_stats.cli import main
 
-STATE_KEYS = ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram")
 
 
 def allocated_bytes(acc) -> int:
     """Bytes of the distinct storages the state tensors keep alive."""
     seen = {}
-    for key in STATE_KEYS:
-        value = getattr(acc, key)
+    for field in acc.FIELDS:
+        value = getattr(acc, field.name)
         if value is not None:
             storage = value.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()

@@ -132,7 +132,7 @@ def training_loss(model, batch, reduction):
 
 
 def assert_same_stats(ref: fs.Probe, obs: fs.Probe, rel=1e-6, stream="train"):
-    ref_accs, obs_accs = ref._stream(stream), obs._stream(stream)
+    ref_accs, obs_accs = ref.accumulators("grad", stream), obs.accumulators("grad", stream)
     assert list(ref_accs) == list(obs_accs) == ref.points
     for point in ref.points:
         a, b = ref_accs[point], obs_accs[point]

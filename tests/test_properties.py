@@ -39,10 +39,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fused_stats as fs
+from fused_stats.accumulators import state_differences
 from tiny_models import TanhBlock
 
 F64 = torch.float64
-STATE_KEYS = ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram")
 TARGETS = ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2")
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
@@ -128,17 +128,15 @@ def reference_vectors(grad, mask, unit: str, feature_dim: int) -> list[torch.Ten
 
 # ----------------------------------------------------------------------------- state helpers
 def snapshot(acc) -> dict:
-    tensors = {k: getattr(acc, k).clone() for k in STATE_KEYS if getattr(acc, k) is not None}
-    return {"tensors": tensors, "n": acc.n, "unit": acc.unit, "mode": acc.mode,
-            "skipped": acc.skipped_batches, "device": acc.device}
+    state = acc.state_dict()
+    return {"state": state, "skipped": state.pop("skipped_batches"), "device": acc.device}
 
 
 def assert_unchanged(acc, before: dict) -> None:
     after = snapshot(acc)
-    assert after["tensors"].keys() == before["tensors"].keys()
-    for key, value in before["tensors"].items():
-        assert torch.equal(after["tensors"][key], value), key
-    for key in ("n", "unit", "mode", "skipped", "device"):
+    changed = state_differences(after["state"], before["state"])
+    assert not changed, changed
+    for key in ("skipped", "device"):
         assert after[key] == before[key], key
 
 
@@ -362,12 +360,7 @@ def saved_state(tmp_path, gen, mode="pool"):
 
 
 def same_loaded(acc, loaded) -> bool:
-    a, b = snapshot(acc), snapshot(loaded)
-    return (a["tensors"].keys() == b["tensors"].keys()
-            and all(torch.equal(a["tensors"][k], b["tensors"][k]) for k in a["tensors"])
-            and (a["n"], a["unit"], a["mode"], a["skipped"]) == (b["n"], b["unit"], b["mode"], b["skipped"])
-            and (acc.dim, acc.second_moment, acc.pool_capacity, acc.name, acc.nonfinite)
-            == (loaded.dim, loaded.second_moment, loaded.pool_capacity, loaded.name, loaded.nonfinite))
+    return acc.same_state(loaded) and acc.config() == loaded.config()
 
 
 @settings(max_examples=200, **SETTINGS)

@@ -1,4 +1,4 @@
-"""Empirical transfer diagnostics from accumulated samples (width paper, DESIGN section 2).
+"""Empirical transfer diagnostics from accumulated samples (width paper; docs/design.md, section 2).
 
 * :func:`misalignment_probability`: over random disjoint splits (A of size M, B of size K) of a
   pool of N per-sample vectors, the fraction with ``μ_Mᵀg_K = 1_Aᵀ G_raw 1_B / (MK) ≤ 0``, where
@@ -7,6 +7,10 @@
   ``1_Aᵀ G_raw 1_B = 1_Aᵀ G 1_B + K Σ_A u + M Σ_B u + MK |c|²``. Splits are vectorised as
   products of indicator matrices with ``G``, a chunk of trials at a time.
 * :func:`realized_alignment`: ``s_trainᵀ s_test / (M K)`` for two streams (uncentred sums).
+
+Both return a result with ``value`` (the number), the sizes ``M`` and ``K``, ``to_dict()`` and
+``float(result)``: :class:`Misalignment` (``value`` = ``probability``) and :class:`Alignment`
+(a float itself, so arithmetic and comparisons with the plain number keep working).
 """
 
 from __future__ import annotations
@@ -36,8 +40,38 @@ class Misalignment:
     def __float__(self) -> float:
         return self.probability
 
+    @property
+    def value(self) -> float:
+        """The estimated probability (the result's number, as :attr:`Alignment.value`)."""
+        return self.probability
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class Alignment(float):
+    """``μ_Mᵀ g_K = s_trainᵀ s_test / (M K)`` of a train stream (M samples) and a test stream (K).
+
+    A ``float`` (the value) with ``value``, ``M``, ``K`` and ``to_dict()``, like
+    :class:`Misalignment`."""
+
+    M: int
+    K: int
+
+    def __new__(cls, value: float, M: int, K: int):
+        out = super().__new__(cls, value)
+        out.M, out.K = int(M), int(K)
+        return out
+
+    @property
+    def value(self) -> float:
+        return float(self)
+
+    def to_dict(self) -> dict:
+        return {"value": float(self), "M": self.M, "K": self.K}
+
+    def __reduce__(self):
+        return (Alignment, (float(self), self.M, self.K))
 
 
 def split_alignments(acc, M: int, K: int, trials: int, seed: int = 0,
@@ -78,7 +112,7 @@ def misalignment_probability(acc, M: int, K: int, trials: int = 10_000, seed: in
                         mean_alignment=float(values.mean()))
 
 
-def realized_alignment(train_acc, test_acc) -> float:
+def realized_alignment(train_acc, test_acc) -> Alignment:
     """``μ_Mᵀ g_K = s_trainᵀ s_test / (M K)`` from the uncentred sums of two streams."""
     if train_acc.dim != test_acc.dim:
         raise FusedStatsError(f"streams differ in dim: {train_acc.dim} vs {test_acc.dim}")
@@ -88,4 +122,4 @@ def realized_alignment(train_acc, test_acc) -> float:
             f"test n={test_acc.n})")
     a = train_acc.raw_sum().to("cpu")
     b = test_acc.raw_sum().to("cpu")
-    return float(a @ b) / (train_acc.n * test_acc.n)
+    return Alignment(float(a @ b) / (train_acc.n * test_acc.n), train_acc.n, test_acc.n)

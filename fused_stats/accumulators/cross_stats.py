@@ -1,4 +1,4 @@
-"""Streaming cross-gradient statistics and the depth-saturation test (depth paper, DESIGN section 2).
+"""Streaming cross-gradient statistics and the depth-saturation test (depth paper; docs/design.md, section 2).
 
 For a zero-output block ``h(z) = W_out φ(W_in z)`` at a point, ``c_i = Σ_{t∈i} q_t φ(W_in z_t)ᵀ``
 and ``C = E[c_i]``. The state is ``n``, ``Σ c_i`` (d × r, fp64), ``Σ |c_i|_F²`` and, from pairs of
@@ -6,7 +6,7 @@ samples inside each batch, sums of ``k_ij²``, ``k_ij k_jk``, ``k_ij k_kl`` over
 (``k_ij = <c_i, c_j>``) with their counts. Estimates:
 
 * ``|C|_F² = (|Σ c_i|_F² − Σ |c_i|_F²) / (n(n−1))`` — the U-statistic with kernel ``<c_i, c_j>``,
-  exactly unbiased (DESIGN section 2).
+  exactly unbiased.
 * Its variance (Hoeffding): ``Var = (4(n−2) ζ1 + 2 ζ2) / (n(n−1))`` with ``ζ1 = Cᵀ Σ_c C =
   E[k_ij k_jk] − |C|⁴`` and ``ζ2 = Var(k_ij) = E[k_ij²] − |C|⁴``; the three expectations are
   estimated without bias by the within-batch tuple averages (``|C|⁴`` by ``E[k_ij k_kl]``).
@@ -24,35 +24,39 @@ samples inside each batch, sums of ``k_ij²``, ``k_ij k_jk``, ``k_ij k_kl`` over
   another unbiased term of ``E[k_ij²]``. The previous single sample's ``c`` (d × r) is the only
   state this needs (``carry``; saved, not summed in merges or all-reduce).
 
-Scale-out (issue 5). Every state entry is a plain sum over samples or over within-batch tuples —
+Scale-out. Every state entry is a plain sum over samples or over within-batch tuples —
 ``n``, ``batches``, ``Σ c_i``, ``Σ |c_i|_F²``, the three tuple sums ``u`` and their counts ``p`` — and
 none is taken about a centre, so two accumulators of the same block merge by adding them and a
-``torch.distributed`` all-reduce is a plain SUM of each
-(:func:`fused_stats.accumulators.distributed.all_reduce_cross_stats`); the U-statistic and its
+``torch.distributed`` all-reduce is a plain SUM of each (the state is declared in
+:attr:`CrossStats.FIELDS`; merge, all-reduce and save/load derive from it,
+:mod:`fused_stats.accumulators.base`); the U-statistic and its
 variance estimate of the merged state are those of one stream fed every batch (the tuple sums stay
 within batches, exactly as one stream would have formed them). "Same block" means equal ``dim``,
 ``rank``, ``in_dim``, ``activation``, ``w_in`` (dtype and every value) and, once both hold samples,
-the same ``unit``; anything else is refused with the differences named. :meth:`CrossStats.save` /
-:meth:`CrossStats.load` use the shared safetensors helpers of
-:mod:`fused_stats.accumulators.persistence` (versioned, SHA-256 over tensors and metadata, atomic).
+the same ``unit``; anything else is refused with the differences named. Saved files are
+safetensors, versioned, with a SHA-256 over tensors and metadata, written atomically.
+
+The plug-in ``|C̄|_F²`` (``C̄ = Σ c_i / n``, biased upwards by ``tr Σ_c / n``) and ``C̄`` itself are
+exposed by :meth:`CrossStats.estimate` for comparison with other tools.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
+from typing import ClassVar, Literal
 
 import torch
 
 from .. import ops
+from ..backend import Backend
+from ..contracts import ACTIVATIONS
 from ..errors import FusedStatsError
+from .base import NONFINITE_POLICIES, Accumulator, Field, IncompatibleStates, Nonfinite, Prepared
 
 F64 = torch.float64
-UNITS = ("sample", "position")
-FORMAT = "fused_stats.CrossStats"
-VERSION = 1
-TENSOR_KEYS = ("w_in", "c_sum", "sq_norm_sum", "u")
+CrossUnit = Literal["sample", "position"]
+UNITS: tuple[str, ...] = ("sample", "position")
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,31 @@ class Saturation:
         return out
 
 
+@dataclass(frozen=True)
+class CrossEstimate:
+    """The cross-gradient ``C = E[c_i]`` at one point (``c_i = Σ_{t∈i} q_t φ(W_in z_t)ᵀ``).
+
+    * ``n``: samples; ``rank``: columns of ``C`` (the block's width ``r``); ``dim``: rows (``d``).
+    * ``cross_frob2 = (|Σ c_i|_F² − Σ |c_i|_F²) / (n(n−1))``: the unbiased ``|C|_F²``.
+    * ``plugin_frob2 = |C̄|_F²`` with ``C̄ = Σ c_i / n``: the plug-in value other tools report;
+      its expectation is ``|C|_F² + tr Σ_c / n`` (biased upwards).
+    * ``mean_sq_norm = Σ |c_i|_F² / n``: estimates ``E|c|_F² = |C|_F² + tr Σ_c``.
+    * ``c_mean``: ``C̄`` itself (d × r, fp64, on CPU).
+    """
+
+    n: int
+    dim: int
+    rank: int
+    cross_frob2: float
+    plugin_frob2: float
+    mean_sq_norm: float
+    c_mean: torch.Tensor
+
+    def to_dict(self) -> dict:
+        """The scalar fields (``c_mean`` left out: a matrix)."""
+        return {k: v for k, v in asdict(self).items() if k != "c_mean"}
+
+
 def normal_sf(z: float) -> float:
     """Upper tail of the standard normal."""
     return 0.5 * math.erfc(z / math.sqrt(2.0))
@@ -98,7 +127,11 @@ def null_tail(value: float, n: int, tr1: float, tr2: float) -> tuple[float, floa
     return z, normal_sf(z)
 
 
-class CrossStats:
+def _block(acc, c) -> tuple:
+    return (acc.dim, acc.rank)
+
+
+class CrossStats(Accumulator):
     """Streaming ``|C|_F²`` for a zero-output block with input projection ``w_in`` (r × d_in).
 
     Parameters
@@ -109,44 +142,63 @@ class CrossStats:
         (rank, d_in) projection; the block's features are ``φ(w_in z_t)``.
     activation : str
         One of ``gelu, relu, silu, tanh, identity, constant`` (``constant``: φ ≡ 1, a bias).
+    device, backend, name, group_size
+        Where the state lives, the ops backend, the name used in messages, the tuple-sum group.
+    nonfinite : {"raise", "skip"}
+        A batch with non-finite sums raises, or is skipped and counted in ``skipped_batches``.
     """
 
-    def __init__(self, dim: int, w_in: torch.Tensor, activation: str = "gelu", device=None,
-                 backend: str = "auto", name: str | None = None, group_size: int = 256):
-        from ..contracts import ACTIVATIONS
+    KIND = "cross"
+    FORMAT = "fused_stats.CrossStats"
+    VERSION = 1
+    FIELDS = (
+        Field("w_in", lambda acc, c: (acc.rank, acc.in_dim), "same", dtype=None),
+        Field("c_sum", _block, "sum"),
+        Field("sq_norm_sum", lambda acc, c: (), "sum"),
+        Field("u", lambda acc, c: (3,), "sum"),  # Σ k², Σ k k', Σ k k''
+        # c of the last batch if it held exactly one sample: paired with the next such batch
+        Field("carry", _block, "local", optional=True),
+    )
+    COUNTERS: ClassVar[dict[str, str]] = {"n": "sum", "batches": "sum", "p": "sum_list",
+                                          "unit": "label", "skipped_batches": "sum"}
+    COUNTER_DEFAULTS: ClassVar[dict] = {"skipped_batches": 0}
 
+    def __init__(self, dim: int, w_in: torch.Tensor, activation: str = "gelu", device=None,
+                 backend: Backend = "auto", name: str | None = None, group_size: int = 256,
+                 nonfinite: Nonfinite = "raise"):
         if activation not in ACTIVATIONS:
             raise FusedStatsError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         if w_in.dim() != 2:
             raise FusedStatsError(f"w_in must be (rank, d_in), got shape {tuple(w_in.shape)}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise FusedStatsError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.dim = dim
         self.rank, self.in_dim = w_in.shape
         self.activation = activation
         self.backend = backend
         self.name = name
         self.group_size = group_size
+        self.nonfinite = nonfinite
         self.device = torch.device(device) if device is not None else w_in.device
         self.w_in = w_in.detach().to(self.device)
         self.n = 0
         self.batches = 0
+        self.skipped_batches = 0
         self.c_sum = torch.zeros(dim, self.rank, dtype=F64, device=self.device)
         self.sq_norm_sum = torch.zeros((), dtype=F64, device=self.device)
-        self.u = torch.zeros(3, dtype=F64, device=self.device)  # Σ k², Σ k k', Σ k k''
+        self.u = torch.zeros(3, dtype=F64, device=self.device)
         self.p = [0, 0, 0]
         self.unit: str | None = None  # set by the first batch with samples
-        self.carry: torch.Tensor | None = None  # c of the last batch if it held exactly one sample
-
-    def _where(self) -> str:
-        return f" at point {self.name!r}" if self.name else ""
+        self.carry: torch.Tensor | None = None
 
     def prepare(self, grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None = None,
-                unit: str = "sample", allow_nonfinite: bool = False):
-        """Check one batch and compute its sums (a :class:`~fused_stats.ops.CrossBatch`) WITHOUT
-        changing the state; :meth:`commit` adds them. Callers that must update several
-        accumulators all-or-nothing (the probe) prepare every one before committing any.
+                unit: CrossUnit = "sample") -> Prepared:
+        """Check one batch and compute its sums WITHOUT changing the state; :meth:`commit` adds
+        them. Callers that must update several accumulators all-or-nothing (the probe) prepare
+        every one before committing any.
 
-        Raises :class:`FusedStatsError` for bad shapes, devices, masks or units and, unless
-        ``allow_nonfinite``, for non-finite sums (check :meth:`is_finite` yourself then)."""
+        Raises :class:`FusedStatsError` for bad shapes, devices, masks or units; a batch with
+        non-finite sums comes back with ``finite=False`` (``commit`` applies ``nonfinite``)."""
         w = self._where()
         if unit not in UNITS:
             raise FusedStatsError(f"cross gradient{w}: unit must be one of {UNITS}, got {unit!r}")
@@ -177,23 +229,35 @@ class CrossStats:
                 f"cross gradient{w}: mask has shape {tuple(mask.shape)}, expected {tuple(grad.shape[:2])}")
         batch = ops.cross_reduce(grad, act, mask, self.w_in, self.activation, unit,
                                  self.group_size, self.backend)
-        if batch.n and not allow_nonfinite and not self.is_finite(batch):
-            raise FusedStatsError(
-                f"non-finite gradient or activation{w} (grad shape {tuple(grad.shape)}, dtype "
-                f"{grad.dtype}); nothing was accumulated")
-        return batch
+        finite = not batch.n or self._finite(batch)
+        return Prepared(unit=unit, base_n=self.n, batch=batch, finite=finite)
 
     @staticmethod
-    def is_finite(batch) -> bool:
-        """Whether every sum of a prepared batch is finite (also the tuple sums, which square
+    def _finite(batch) -> bool:
+        """Whether every sum of a batch is finite (also the tuple sums, which square
         ``<c_i, c_j>`` and overflow first)."""
         scalars = torch.stack([batch.sq_norm_sum, batch.u2, batch.u3, batch.u4])
         return bool(torch.isfinite(scalars).all()) and bool(torch.isfinite(batch.c_sum).all())
 
-    def commit(self, batch, unit: str = "sample") -> None:
-        """Add a batch from :meth:`prepare` (same ``unit``) to the state."""
-        if batch.n == 0:
+    def commit(self, prepared) -> None:
+        """Add a batch from :meth:`prepare` to the state. A bare ops-layer ``CrossBatch`` is
+        taken as a finite ``unit="sample"`` batch (for callers that form the sums themselves)."""
+        if not isinstance(prepared, Prepared):
+            prepared = Prepared(unit="sample", base_n=self.n, batch=prepared)
+        if prepared.base_n != self.n:
+            raise FusedStatsError(
+                f"stale prepared batch{self._where()}: prepared at n={prepared.base_n}, the state "
+                f"now has n={self.n}; prepare it again")
+        batch, unit = prepared.batch, prepared.unit
+        if batch is None or batch.n == 0:
             return
+        if not prepared.finite:
+            if self.nonfinite == "skip":
+                self.skipped_batches += 1
+                return
+            raise FusedStatsError(
+                f"non-finite gradient or activation{self._where()} (cross-gradient sums of a batch "
+                f"of {batch.n} samples); nothing was accumulated")
         self.n += batch.n
         self.batches += 1
         self.unit = unit
@@ -211,15 +275,14 @@ class CrossStats:
             self.carry = None
 
     def update(self, grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None = None,
-               unit: str = "sample") -> None:
+               unit: CrossUnit = "sample") -> None:
         """``grad`` and ``act``: (B, T, d) and (B, T, d_in) (or (B, d)/(B, d_in)); ``mask`` (B, T).
 
         A rejected batch (:class:`FusedStatsError`) leaves the state unchanged."""
-        self.commit(self.prepare(grad, act, mask, unit), unit)
+        self.commit(self.prepare(grad, act, mask, unit))
 
-    # ------------------------------------------------------------------ merging
-    def differences(self, other: "CrossStats") -> list[str]:
-        """What keeps ``other`` from being merged into this accumulator (empty: compatible)."""
+    # ------------------------------------------------------------------ protocol hooks
+    def _differences(self, other) -> list[str]:
         if not isinstance(other, CrossStats):
             return [f"other is a {type(other).__name__}, not a CrossStats"]
         out = [f"{attr} {getattr(self, attr)!r} vs {getattr(other, attr)!r}"
@@ -237,120 +300,108 @@ class CrossStats:
             out.append(f"device {self.device} vs {other.device}")
         return out
 
-    def merge(self, other: "CrossStats") -> "CrossStats":
-        """Add ``other``'s samples (a plain sum of every state entry; ``other`` is unchanged).
-
-        Raises :class:`FusedStatsError` naming every difference (dim, rank, in_dim, activation,
-        w_in, unit, device) when the two are not statistics of the same block."""
-        diffs = self.differences(other)
+    def check_compatible(self, other) -> None:
+        """Raise :class:`~fused_stats.accumulators.base.IncompatibleStates` naming every
+        difference (dim, rank, in_dim, activation, w_in, unit, device) when the two are not
+        statistics of the same block."""
+        diffs = self._differences(other)
         if diffs:
             theirs = other._where() if isinstance(other, CrossStats) else ""
-            raise FusedStatsError(
+            raise IncompatibleStates(
                 f"cannot merge cross statistics{theirs} into those{self._where()} of a different "
-                "block or unit; they differ in " + "; ".join(diffs))
-        self.n += other.n
-        self.batches += other.batches
-        self.c_sum += other.c_sum
-        self.sq_norm_sum += other.sq_norm_sum
-        self.u += other.u
-        self.p = [a + b for a, b in zip(self.p, other.p)]
-        if other.unit is not None:
-            self.unit = other.unit
-        return self
+                "block or unit; they differ in " + "; ".join(diffs), diffs)
 
-    def _adopt(self, other: "CrossStats") -> None:
-        """Take ``other``'s block and state (in place, so references to ``self`` stay valid)."""
-        for key in ("dim", "rank", "in_dim", "activation", "group_size", "device", "w_in", "n",
-                    "batches", "unit", "c_sum", "sq_norm_sum", "u", "p", "carry"):
-            setattr(self, key, getattr(other, key))
+    def describe(self) -> dict:
+        return {"rank": self.rank, "activation": self.activation, "unit": self.unit}
 
-    def copy(self) -> "CrossStats":
-        out = CrossStats(self.dim, self.w_in.clone(), self.activation, self.device, self.backend,
-                         self.name, self.group_size)
-        out.n, out.batches, out.unit, out.p = self.n, self.batches, self.unit, list(self.p)
-        out.c_sum, out.sq_norm_sum, out.u = self.c_sum.clone(), self.sq_norm_sum.clone(), self.u.clone()
-        out.carry = None if self.carry is None else self.carry.clone()
-        return out
+    def block_digest(self) -> int:
+        from .distributed import names_digest, tensor_digest
 
-    def all_reduce(self, group=None) -> "CrossStats":
-        """Sum this accumulator over the ranks of ``group`` (a collective; see
-        :func:`fused_stats.accumulators.distributed.all_reduce_cross_stats`)."""
-        from .distributed import all_reduce_cross_stats
+        return names_digest([self.activation, str(tensor_digest(self.w_in))])
 
-        all_reduce_cross_stats(self, group)
-        return self
+    def factory_dtype(self) -> torch.dtype:
+        return self.w_in.dtype
 
-    # ------------------------------------------------------------------ persistence
-    def save(self, path) -> None:
-        """Write the state atomically to ``path`` (safetensors, versioned, SHA-256 over the
-        tensors and the metadata; the shared helpers of :mod:`.persistence`)."""
-        from .persistence import save_checked
-
-        tensors = {"w_in": self.w_in, "c_sum": self.c_sum, "sq_norm_sum": self.sq_norm_sum,
-                   "u": self.u}
-        if self.carry is not None:
-            tensors["carry"] = self.carry
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-        meta = {
-            "format": FORMAT, "version": str(VERSION),
-            "config": json.dumps({"dim": self.dim, "rank": self.rank, "in_dim": self.in_dim,
-                                  "activation": self.activation, "group_size": self.group_size,
-                                  "name": self.name}),
-            "state": json.dumps({"n": self.n, "batches": self.batches, "p": list(self.p),
-                                 "unit": self.unit}),
-        }
-        save_checked(path, tensors, meta)
+    def config(self) -> dict:
+        return {"dim": self.dim, "rank": self.rank, "in_dim": self.in_dim,
+                "activation": self.activation, "group_size": self.group_size, "name": self.name,
+                "nonfinite": self.nonfinite}
 
     @classmethod
-    def load(cls, path, device=None, backend: str = "auto") -> "CrossStats":
-        """Read a state written by :meth:`save` onto ``device`` (default CPU). The file's format,
-        version, checksum, every tensor's shape/dtype and the counts are checked; loading never
-        executes code."""
-        from ..contracts import ACTIVATIONS
-        from .persistence import read_checked
-
-        tensors, meta = read_checked(path, FORMAT, VERSION)
-        where = f"cross state file {str(path)!r}"
-        try:
-            config, state = json.loads(meta["config"]), json.loads(meta["state"])
-            dim, rank, in_dim = int(config["dim"]), int(config["rank"]), int(config["in_dim"])
-            activation, group_size, name = config["activation"], int(config["group_size"]), config["name"]
-            n, batches, unit = int(state["n"]), int(state["batches"]), state["unit"]
-            p = [int(v) for v in state["p"]]
-        except (KeyError, ValueError, TypeError) as exc:
-            raise FusedStatsError(f"{where} has unreadable or invalid metadata: {exc}") from exc
-        if sorted(set(tensors) - {"carry"}) != sorted(TENSOR_KEYS):
+    def from_config(cls, config, tensors, device=None, backend="auto") -> CrossStats:
+        dim, rank, in_dim = int(config["dim"]), int(config["rank"]), int(config["in_dim"])
+        activation, group_size = config["activation"], int(config["group_size"])
+        w_in = tensors.get("w_in")
+        if min(dim, rank, in_dim, group_size) < 1 or activation not in ACTIVATIONS:
             raise FusedStatsError(
-                f"{where} holds tensors {sorted(tensors)}, expected {sorted(TENSOR_KEYS)} (and "
-                "optionally 'carry')")
-        shapes = {"w_in": (rank, in_dim), "c_sum": (dim, rank), "sq_norm_sum": (), "u": (3,)}
-        if "carry" in tensors:
-            shapes["carry"] = (dim, rank)
-        for key, shape in shapes.items():
-            value = tensors[key]
-            wanted = value.is_floating_point() if key == "w_in" else value.dtype == F64
-            if tuple(value.shape) != shape or not wanted:
-                raise FusedStatsError(
-                    f"{where} is inconsistent: {key} has shape {tuple(value.shape)} and dtype "
-                    f"{value.dtype}, expected {shape} "
-                    f"{'floating point' if key == 'w_in' else 'float64'} for dim={dim}, rank={rank}")
+                f"dim={dim}, rank={rank}, in_dim={in_dim}, activation={activation!r}, "
+                f"group_size={group_size} do not describe a block")
+        if not isinstance(w_in, torch.Tensor) or tuple(w_in.shape) != (rank, in_dim) \
+                or not w_in.is_floating_point():
+            shape = None if w_in is None else (tuple(w_in.shape), w_in.dtype)
+            raise FusedStatsError(
+                f"w_in is {shape}, expected ({rank}, {in_dim}) floating point for dim={dim}, "
+                f"rank={rank}")
+        return cls(dim, w_in, activation, device, backend, config["name"], group_size,
+                   config.get("nonfinite", "raise"))
+
+    @classmethod
+    def _file_label(cls) -> str:
+        return "cross state file"
+
+    def _state_label(self, counters) -> str:
+        return f"dim={self.dim}, rank={self.rank}, n={counters['n']}"
+
+    def _check_counters(self, counters, where: str) -> None:
+        n, batches, p, unit = counters["n"], counters["batches"], counters["p"], counters["unit"]
         bounds = (n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3))
-        if (min(dim, rank, in_dim, group_size) < 1 or activation not in ACTIVATIONS or n < 0
-                or not 0 <= batches <= max(n, 0) or len(p) != 3
-                or any(not 0 <= v <= b for v, b in zip(p, bounds)) or unit not in (None,) + UNITS
-                or (n > 0) != (unit is not None) or (n > 0) != (batches > 0)):
+        if (n < 0 or not 0 <= batches <= max(n, 0) or len(p) != 3
+                or any(not 0 <= v <= b for v, b in zip(p, bounds)) or unit not in (None, *UNITS)
+                or (n > 0) != (unit is not None) or (n > 0) != (batches > 0)
+                or counters["skipped_batches"] < 0):
             raise FusedStatsError(
-                f"{where} is inconsistent: dim={dim}, rank={rank}, in_dim={in_dim}, "
-                f"activation={activation!r}, n={n}, batches={batches}, p={p}, unit={unit!r}")
-        target = torch.device(device) if device is not None else torch.device("cpu")
-        acc = cls(dim, tensors["w_in"], activation, target, backend, name, group_size)
-        acc.n, acc.batches, acc.unit, acc.p = n, batches, unit, p
-        acc.c_sum = tensors["c_sum"].to(target)
-        acc.sq_norm_sum = tensors["sq_norm_sum"].to(target)
-        acc.u = tensors["u"].to(target)
-        acc.carry = tensors["carry"].to(target) if "carry" in tensors else None
-        return acc
+                f"{where} is inconsistent: dim={self.dim}, rank={self.rank}, in_dim={self.in_dim}, "
+                f"activation={self.activation!r}, n={n}, batches={batches}, p={p}, unit={unit!r}")
 
+    def settings_row(self) -> list[int]:
+        from .distributed import tensor_digest
+
+        return [self.dim, self.rank, self.in_dim, ACTIVATIONS.index(self.activation),
+                -1 if self.unit is None else UNITS.index(self.unit), self.n, self.batches,
+                *self.p, tensor_digest(self.w_in), self.skipped_batches]
+
+    def check_settings(self, table: torch.Tensor) -> None:
+        where = self._where()
+        diffs = []
+        for col, what in ((0, "dim"), (1, "rank"), (2, "in_dim"), (3, "activation"), (10, "w_in")):
+            values = table[:, col].tolist()
+            if len(set(values)) > 1:
+                if col == 3:
+                    values = [ACTIVATIONS[v] for v in values]
+                if col == 10:
+                    # which ranks share a projection: group labels by first occurrence
+                    first: dict = {}
+                    values = [first.setdefault(v, len(first)) for v in values]
+                    diffs.append(f"w_in (dtype or values; projection groups by rank {values})")
+                else:
+                    diffs.append(f"{what} {values} (by rank)")
+        units = {int(u) for u, n in zip(table[:, 4], table[:, 5]) if n > 0}
+        if len(units) > 1:
+            diffs.append(f"unit {[None if u < 0 else UNITS[u] for u in table[:, 4].tolist()]} "
+                         "(by rank)")
+        if diffs:
+            raise IncompatibleStates(f"all_reduce of cross statistics{where}: ranks disagree on "
+                                     + "; ".join(diffs), diffs)
+
+    def _reduce_start(self, table: torch.Tensor, group, device):
+        totals = table.sum(dim=0).tolist()
+        units = [int(u) for u, n in zip(table[:, 4], table[:, 5]) if n > 0]
+        counters = {"n": int(totals[5]), "batches": int(totals[6]),
+                    "p": [int(totals[7]), int(totals[8]), int(totals[9])],
+                    "unit": UNITS[units[0]] if units else None, "skipped_batches": int(totals[11])}
+        return self.state_dict(), counters
+
+    # ------------------------------------------------------------------ results
     def cross_frob2(self) -> float:
         """Unbiased ``|C|_F²`` (module docstring)."""
         if self.n < 2:
@@ -381,6 +432,14 @@ class CrossStats:
         return Saturation(n=n, rank=self.rank, cross_frob2=value, cross_frob2_se=se,
                           cross_frob2_se_null=se0, z=z, p_value=p, alpha=alpha,
                           saturated=p > alpha, ag_max=ag_max, ag_mean=ag_mean)
+
+    def estimate(self) -> CrossEstimate:
+        """Unbiased ``|C|_F²`` with the plug-in ``|C̄|_F²`` and ``C̄`` (:class:`CrossEstimate`)."""
+        value = self.cross_frob2()
+        mean = (self.c_sum / self.n).detach().to("cpu")
+        return CrossEstimate(n=self.n, dim=self.dim, rank=self.rank, cross_frob2=value,
+                             plugin_frob2=float(mean.square().sum()),
+                             mean_sq_norm=float(self.sq_norm_sum) / self.n, c_mean=mean)
 
     def state_nbytes(self) -> int:
         return (self.c_sum.numel() + self.w_in.numel() + 4) * 8

@@ -1,6 +1,6 @@
 """fp64 finalisation: unbiased estimates, the transfer certificate, alignment diagnostics.
 
-Formulas (DESIGN section 2; width paper, "The Effective Alignment Dimension", 2026). With sums
+Formulas (docs/design.md, section 2; width paper, "The Effective Alignment Dimension", 2026). With sums
 centred at the sample mean ``q̄`` (so ``s = 0``), ``F = tr(S²)``, ``κ = |q̄|²``, ``β = q̄ᵀ S q̄``,
 ``τ = q̄ᵀ t`` and ``(n)_k = n (n-1) ... (n-k+1)``::
 
@@ -27,7 +27,15 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(frozen=True)
 class Certificate:
-    """Finite-sample transfer certificate for train size ``M`` and test size ``K``."""
+    """Finite-sample transfer certificate for train size ``M`` and test size ``K``.
+
+    * ``n_eff = MK/(M+K+1)``;
+    * ``b_align = 1/(1 + n_eff·d_align)``;
+    * ``b_exact = Var/(Var + |μ|⁴)`` (Cantelli) with ``Var = (1/M + 1/K) μᵀΣμ + tr(Σ²)/(MK)``;
+      ``Pr(μ_Mᵀg_K ≤ 0) ≤ b_exact ≤ b_align``;
+    * ``certified``: False (and both bounds 1) when the ``|μ|⁴`` estimate is ``≤ 0``; ``reason``
+      says why.
+    """
 
     M: int
     K: int
@@ -43,7 +51,26 @@ class Certificate:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Unbiased estimates at one point (all floats are fp64 results)."""
+    """Unbiased estimates at one point (all floats are fp64 results).
+
+    With per-sample vectors ``q_1..q_n`` (mean ``μ``, covariance ``Σ``), ``g_ij = q_iᵀq_j`` and
+    averages over ordered tuples of distinct indices ``U1 = avg g_ij``, ``U2 = avg g_ij²``,
+    ``U3 = avg g_ij g_jk``, ``U4 = avg g_ij g_kl``:
+
+    * ``n``: samples; ``dim``: their dimension ``d``;
+    * ``mu_norm2 = U1`` estimates ``|μ|²``; ``mu_norm4 = U4`` estimates ``|μ|⁴``;
+    * ``mu_sigma_mu = U3 − U4`` estimates ``μᵀΣμ``;
+    * ``trace_sigma2 = U2 − 2U3 + U4`` estimates ``tr(Σ²)``;
+    * ``trace_sigma = Σ|q_i − q̄|²/(n−1)`` estimates ``tr Σ``;
+    * ``d_par = mu_norm4/mu_sigma_mu``, ``d_2 = mu_norm4/trace_sigma2``,
+      ``d_align = min(d_par, d_2)`` (ratios of unbiased estimates; ``inf`` where the denominator
+      estimate is ``≤ 0``, and 0 when ``has_signal`` is False);
+    * ``ag_max = max_i |q_i|``, ``ag_mean = Σ|q_i|/n`` (the depth paper's indicators);
+    * ``has_signal``: whether ``mu_norm4 > 0`` (else no certificate).
+
+    All are computed in fp64 from centred streaming sums (module docstring), exactly equal to the
+    U-statistics above.
+    """
 
     n: int
     dim: int

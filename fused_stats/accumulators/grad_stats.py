@@ -1,4 +1,4 @@
-"""Streaming accumulator of per-sample activation-gradient statistics (DESIGN sections 2 and 7).
+"""Streaming accumulator of per-sample activation-gradient statistics (docs/design.md, sections 2, 7).
 
 State, centred at ``c`` (the first batch's mean; rounded to fp32 so that the fp32 kernels subtract
 it exactly): ``y_i = q_i − c``, ``n``, ``s = Σy``, ``t = Σ|y|²y``, ``A1 = Σ|y|²``, ``A2 = Σ|y|⁴``,
@@ -12,7 +12,7 @@ the largest and the summed ``|q_i|``, and a second moment, either
 dense ``S``. Running totals are fp64; the per-batch work goes through the ops layer (Triton on
 CUDA, the fp64 torch twin on CPU).
 
-Moving the centre by ``δ`` is exact (DESIGN section 2)::
+Moving the centre by ``δ`` is exact (:func:`shift`)::
 
     s' = s − nδ                 S' = S − δsᵀ − sδᵀ + nδδᵀ          A1' = A1 − 2δᵀs + n|δ|²
     t' = t − 2Sδ − A1δ + |δ|²s + 2(δᵀs)δ − n|δ|²δ
@@ -21,23 +21,30 @@ Moving the centre by ``δ`` is exact (DESIGN section 2)::
 and in pool form ``Y' = Y − 1δᵀ``, ``G' = G − u1ᵀ − 1uᵀ + |δ|² 11ᵀ`` with ``u = Yδ``. Merging shifts
 one state to the other's centre and adds (Chan et al.-style); with a shared centre a plain sum
 (all-reduce) is a valid merge. :meth:`GradStats.estimate` shifts a copy to ``q̄`` and finalises.
+The state is declared once (:attr:`GradStats.FIELDS`); copy, save/load, merge and all-reduce
+derive from it (:mod:`fused_stats.accumulators.base`), the centre move being the one alignment hook.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import ClassVar, Literal
+
 import torch
 
 from .. import ops
-from ..backend import validate_backend
+from ..backend import Backend, validate_backend
 from ..errors import FusedStatsError
+from .base import NONFINITE_POLICIES, Accumulator, Field, IncompatibleStates, Nonfinite, Prepared, extend_gram
 from .estimators import Estimate, finalize
 
-SECOND_MOMENTS = ("auto", "dense", "pool")
-UNITS = ("sample", "position", "flat")
-NONFINITE_POLICIES = ("raise", "skip")
+SecondMoment = Literal["auto", "dense", "pool"]
+Unit = Literal["sample", "position", "flat"]
+SECOND_MOMENTS: tuple[str, ...] = ("auto", "dense", "pool")
+UNITS: tuple[str, ...] = ("sample", "position", "flat")
 F64 = torch.float64
+__all__ = ["NONFINITE_POLICIES", "SECOND_MOMENTS", "UNITS", "GradStats", "auto_pool_limit", "shift"]
 
 
 def auto_pool_limit(dim: int) -> int:
@@ -56,22 +63,69 @@ def sums_finite(batch) -> bool:
     return bool(torch.isfinite(torch.stack([batch.a1, batch.a2, batch.norm_sum])).all())
 
 
-@dataclass
-class PreparedBatch:
-    """A validated, reduced batch waiting for :meth:`GradStats.commit`."""
+def shift(sums: Mapping, delta: torch.Tensor) -> dict:
+    """The centred sums after moving their centre by ``delta`` (a pure function; new tensors).
 
-    unit: str
-    base_n: int  # the accumulator's n when prepared: commit refuses a stale batch
-    centre: torch.Tensor | None
-    batch: ops.BatchSums | None
-    finite: bool
+    ``sums``: ``n``, ``s``, ``t``, ``a1``, ``a2`` and either ``S`` (dense) or ``pool`` and ``gram``
+    (a pool of centred rows). With ``δ = delta`` (docs/design.md, section 2)::
 
-    @property
-    def n(self) -> int:
-        return 0 if self.batch is None else self.batch.n
+        s' = s − nδ            S' = S − δsᵀ − sδᵀ + nδδᵀ            A1' = A1 − 2δᵀs + n|δ|²
+        t' = t − 2Sδ − A1δ + |δ|²s + 2(δᵀs)δ − n|δ|²δ
+        A2' = A2 − 4δᵀt + 4δᵀSδ + 2|δ|²A1 − 4|δ|²δᵀs + n|δ|⁴
+        pool: Y' = Y − 1δᵀ,  G' = G − u1ᵀ − 1uᵀ + |δ|² 11ᵀ  with  u = Yδ
+
+    Returns the moved ``s, t, a1, a2`` and ``S`` or ``pool, gram`` (``a1``, ``a2`` as 0-d fp64).
+    """
+    n, s, t = sums["n"], sums["s"], sums["t"]
+    a1, a2 = float(sums["a1"]), float(sums["a2"])
+    dense = sums.get("S") is not None
+    dd = float(delta @ delta)
+    ds = float(delta @ s)
+    if dense:
+        S = sums["S"]
+        S_delta = S @ delta
+        dSd = float(delta @ S_delta)
+    else:
+        pool = sums["pool"]
+        u = pool @ delta
+        S_delta = pool.T @ u
+        dSd = float(u @ u)
+    out = {
+        "s": s - n * delta,
+        "t": t - 2 * S_delta - a1 * delta + dd * s + 2 * ds * delta - n * dd * delta,
+        "a1": torch.tensor(a1 - 2 * ds + n * dd, dtype=F64, device=s.device),
+        "a2": torch.tensor(a2 - 4 * float(delta @ t) + 4 * dSd + 2 * dd * a1 - 4 * dd * ds
+                           + n * dd * dd, dtype=F64, device=s.device),
+    }
+    if dense:
+        out["S"] = S - torch.outer(delta, s) - torch.outer(s, delta) + n * torch.outer(delta, delta)
+    else:
+        out["pool"] = pool - delta
+        out["gram"] = sums["gram"] - u[:, None] - u[None, :] + dd
+    return out
 
 
-class GradStats:
+def _held(acc, c) -> bool:
+    return c["n"] > 0
+
+
+def _dense(acc, c) -> bool:
+    return c["n"] > 0 and c["mode"] == "dense"
+
+
+def _pooled(acc, c) -> bool:
+    return c["n"] > 0 and c["mode"] == "pool"
+
+
+def _vector(acc, c) -> tuple:
+    return (acc.dim,)
+
+
+def _scalar(acc, c) -> tuple:
+    return ()
+
+
+class GradStats(Accumulator):
     """Exact streaming statistics of per-sample vectors ``q_i ∈ R^dim``.
 
     Parameters
@@ -103,9 +157,27 @@ class GradStats:
     (32, 8)
     """
 
-    def __init__(self, dim: int, second_moment: str = "auto", pool_capacity: int | None = None,
-                 device=None, backend: str = "auto", nonfinite: str = "raise",
-                 name: str | None = None):
+    KIND = "grad"
+    FORMAT = "fused_stats.GradStats"
+    VERSION = 1
+    FIELDS = (
+        Field("centre", _vector, "same", present=_held),
+        Field("s", _vector, "sum", present=_held),
+        Field("t", _vector, "sum", present=_held),
+        Field("a1", _scalar, "sum", present=_held),
+        Field("a2", _scalar, "sum", present=_held),
+        Field("norm_max", _scalar, "max", present=_held),
+        Field("norm_sum", _scalar, "sum", present=_held),
+        Field("S", lambda acc, c: (acc.dim, acc.dim), "sum", present=_dense),
+        Field("pool", lambda acc, c: (c["n"], acc.dim), "rows", present=_pooled),
+        Field("gram", lambda acc, c: (c["n"], c["n"]), "gram", present=_pooled, rows="pool"),
+    )
+    COUNTERS: ClassVar[dict[str, str]] = {"n": "sum", "mode": "label", "unit": "label",
+                                          "skipped_batches": "sum"}
+
+    def __init__(self, dim: int, second_moment: SecondMoment = "auto",
+                 pool_capacity: int | None = None, device=None, backend: Backend = "auto",
+                 nonfinite: Nonfinite = "raise", name: str | None = None):
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
             raise FusedStatsError(f"dim must be a positive int, got {dim!r}")
         if second_moment not in SECOND_MOMENTS:
@@ -179,9 +251,6 @@ class GradStats:
         where = f", name={self.name!r}" if self.name else ""
         return f"GradStats(dim={self.dim}, n={self.n}, mode={self.mode!r}{where})"
 
-    def _where(self) -> str:
-        return f" at point {self.name!r}" if self.name else ""
-
     # ------------------------------------------------------------------ update
     def _as_batch(self, grad, mask, unit: str, feature_dim: int):
         """Validate and view ``grad`` as (B, T, d) and ``mask`` as (B, T) bool or None."""
@@ -250,7 +319,7 @@ class GradStats:
             m = m != 0
         return g, m
 
-    def update(self, grad: torch.Tensor, mask: torch.Tensor | None = None, unit: str = "sample",
+    def update(self, grad: torch.Tensor, mask: torch.Tensor | None = None, unit: Unit = "sample",
                feature_dim: int = -1) -> None:
         """Fold one batch into the state.
 
@@ -263,8 +332,8 @@ class GradStats:
         """
         self.commit(self.prepare(grad, mask, unit, feature_dim))
 
-    def prepare(self, grad: torch.Tensor, mask: torch.Tensor | None = None, unit: str = "sample",
-                feature_dim: int = -1) -> PreparedBatch:
+    def prepare(self, grad: torch.Tensor, mask: torch.Tensor | None = None, unit: Unit = "sample",
+                feature_dim: int = -1) -> Prepared:
         """Validate and reduce a batch without changing the state.
 
         Raises :class:`FusedStatsError` for anything :meth:`commit` could not take (shapes, dtype,
@@ -274,7 +343,7 @@ class GradStats:
         """
         g, m = self._as_batch(grad, mask, unit, feature_dim)
         op_unit = "sample" if unit == "flat" else unit
-        empty = PreparedBatch(unit=unit, base_n=self.n, centre=None, batch=None, finite=True)
+        empty = Prepared(unit=unit, base_n=self.n, batch=None)
         if g.shape[0] == 0 or g.shape[1] == 0:
             return empty
         if self.centre is None:
@@ -283,7 +352,7 @@ class GradStats:
             if first.n == 0:
                 return empty
             if not sums_finite(first):
-                return PreparedBatch(unit, self.n, None, first, finite=False)
+                return Prepared(unit, self.n, first, finite=False)
             centre = first.s / first.n
             if g.dtype != F64:  # exactly representable for the fp32 kernels (exact subtraction)
                 centre = centre.to(torch.float32).to(F64)
@@ -293,15 +362,15 @@ class GradStats:
         if batch.n == 0:
             return empty
         if not sums_finite(batch):
-            return PreparedBatch(unit, self.n, centre, batch, finite=False)
+            return Prepared(unit, self.n, batch, finite=False, centre=centre)
         limit = self.pool_limit
         if self.second_moment == "pool" and limit is not None and self.n + batch.n > limit:
             raise FusedStatsError(
                 f"pool{self._where()} holds {self.n} samples; {batch.n} more exceed "
                 f"pool_capacity={limit}. Use second_moment='auto' or 'dense', or a larger capacity")
-        return PreparedBatch(unit, self.n, centre, batch, finite=True)
+        return Prepared(unit, self.n, batch, finite=True, centre=centre)
 
-    def commit(self, prepared: PreparedBatch) -> None:
+    def commit(self, prepared: Prepared) -> None:
         """Fold a batch returned by :meth:`prepare` (on this accumulator, with no update between)."""
         if prepared.base_n != self.n:
             raise FusedStatsError(
@@ -337,94 +406,26 @@ class GradStats:
         self.norm_sum += part.norm_sum
         torch.maximum(self.norm_max, part.norm_max, out=self.norm_max)
 
-    def _add_second_moment(self, count: int, rows: torch.Tensor | None = None,
-                           dense: torch.Tensor | None = None) -> None:
-        """Add ``count`` samples' ``rows`` (centred at this centre) or another dense ``S`` to the
-        second moment, before ``n`` grows; ``auto`` turns dense when the pool would pass its limit.
-        New tensors are built completely before any attribute is assigned."""
+    def _add_second_moment(self, count: int, rows: torch.Tensor) -> None:
+        """Add ``count`` samples' ``rows`` (centred at this centre) to the second moment, before
+        ``n`` grows; ``auto`` turns dense when the pool would pass its limit. New tensors are
+        built completely before any attribute is assigned."""
         if self.mode == "dense":
-            if rows is not None:
-                ops.second_moment_update(self.S, rows, self.backend)
-            else:
-                self.S += dense
+            ops.second_moment_update(self.S, rows, self.backend)
             return
         limit = self.pool_limit
-        if rows is None or (self.second_moment == "auto" and limit is not None
-                            and self.n + count > limit):
+        if self.second_moment == "auto" and limit is not None and self.n + count > limit:
             S = self._dense_from_pool()
-            if rows is not None:
-                ops.second_moment_update(S, rows, self.backend)
-            else:
-                S += dense
+            ops.second_moment_update(S, rows, self.backend)
             self.S, self.pool, self.gram, self.mode = S, None, None, "dense"
             return
-        self.pool, self.gram = self._appended(rows)
-
-    def _appended(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool and its Gram matrix with ``rows`` appended (new tensors; state untouched)."""
-        cross = ops.gram_rows(rows, self.pool, self.backend)  # (B, N)
-        inner = ops.gram_rows(rows, rows, self.backend)  # (B, B)
-        N, B = self.pool.shape[0], rows.shape[0]
-        gram = torch.empty(N + B, N + B, dtype=F64, device=self.gram.device)
-        gram[:N, :N] = self.gram
-        gram[N:, :N] = cross
-        gram[:N, N:] = cross.T
-        gram[N:, N:] = inner
-        return torch.cat([self.pool, rows.to(F64)], dim=0), gram
+        gram = extend_gram(self.gram, self.pool, rows, self.backend)
+        self.pool, self.gram = torch.cat([self.pool, rows.to(F64)], dim=0), gram
 
     def _dense_from_pool(self) -> torch.Tensor:
         S = torch.zeros(self.dim, self.dim, dtype=F64, device=self.device)
         ops.second_moment_update(S, self.pool, self.backend)
         return S
-
-    def _to_dense(self) -> None:
-        S = self._dense_from_pool()
-        self.S, self.pool, self.gram, self.mode = S, None, None, "dense"
-
-    # ------------------------------------------------------------------ centring
-    def _moved_sums(self, delta: torch.Tensor):
-        """``(t', A1', A2')`` after moving the centre by ``delta`` (module docstring)."""
-        n, s, a1 = self.n, self.s, self.a1.item()
-        dd = float(delta @ delta)
-        ds = float(delta @ s)
-        if self.mode == "dense":
-            S_delta = self.S @ delta
-            dSd = float(delta @ S_delta)
-        else:
-            u = self.pool @ delta
-            S_delta = self.pool.T @ u
-            dSd = float(u @ u)
-        t_new = self.t - 2 * S_delta - a1 * delta + dd * s + 2 * ds * delta - n * dd * delta
-        a1_new = a1 - 2 * ds + n * dd
-        a2_new = (self.a2.item() - 4 * float(delta @ self.t) + 4 * dSd + 2 * dd * a1
-                  - 4 * dd * ds + n * dd * dd)
-        return t_new, a1_new, a2_new
-
-    def _moved_second_moment(self, delta: torch.Tensor) -> torch.Tensor:
-        """``S'`` (dense) or ``G'`` (pool) after moving the centre by ``delta``."""
-        if self.mode == "dense":
-            s, n = self.s, self.n
-            return (self.S - torch.outer(delta, s) - torch.outer(s, delta)
-                    + n * torch.outer(delta, delta))
-        u = self.pool @ delta
-        return self.gram - u[:, None] - u[None, :] + float(delta @ delta)
-
-    def _recentre(self, new_centre: torch.Tensor) -> None:
-        """Move the stored state to ``new_centre`` in place (used by merge and all-reduce)."""
-        new_centre = new_centre.to(device=self.device, dtype=F64)
-        delta = new_centre - self.centre
-        t, a1, a2 = self._moved_sums(delta)
-        moved = self._moved_second_moment(delta)
-        if self.mode == "dense":
-            self.S = moved
-        else:
-            self.gram = moved
-            self.pool = self.pool - delta
-        self.t = t
-        self.a1 = torch.tensor(a1, dtype=F64, device=self.device)
-        self.a2 = torch.tensor(a2, dtype=F64, device=self.device)
-        self.s = self.s - self.n * delta
-        self.centre = new_centre.clone()
 
     # ------------------------------------------------------------------ results
     def estimate(self) -> Estimate:
@@ -434,17 +435,22 @@ class GradStats:
                 f"estimate(){self._where()} needs at least 4 samples (degree-4 U-statistics), "
                 f"have n={self.n}")
         delta = self.s / self.n
-        t, a1, a2 = self._moved_sums(delta)
-        moved = self._moved_second_moment(delta)  # S' (d x d) or G' (N x N): tr(S'^2) = |.|_F^2
+        moved = shift(self._sums(), delta)
+        # tr(S'^2) = |S'|_F^2 (dense) or |G'|_F^2 (pool: G' = Y'Y'^T has the same nonzero spectrum)
+        second = moved["S"] if self.mode == "dense" else moved["gram"]
         mean = self.centre + delta
         if self.mode == "dense":
-            beta = float(mean @ (moved @ mean))
+            beta = float(mean @ (second @ mean))
         else:
-            beta = float(((self.pool - delta) @ mean).square().sum())
+            beta = float((moved["pool"] @ mean).square().sum())
         return finalize(
-            n=self.n, dim=self.dim, kappa=float(mean @ mean), a1=a1, a2=a2,
-            F=float(moved.square().sum()), beta=beta, tau=float(mean @ t),
-            ag_max=self.norm_max.item(), ag_sum=self.norm_sum.item())
+            n=self.n, dim=self.dim, kappa=float(mean @ mean), a1=float(moved["a1"]),
+            a2=float(moved["a2"]), F=float(second.square().sum()), beta=beta,
+            tau=float(mean @ moved["t"]), ag_max=self.norm_max.item(), ag_sum=self.norm_sum.item())
+
+    def _sums(self) -> dict:
+        return {"n": self.n, "s": self.s, "t": self.t, "a1": self.a1, "a2": self.a2, "S": self.S,
+                "pool": self.pool, "gram": self.gram}
 
     def mean(self) -> torch.Tensor:
         """The sample mean ``q̄`` (fp64)."""
@@ -471,84 +477,155 @@ class GradStats:
                 "use second_moment='pool', or 'auto' with fewer samples than its switch point "
                 f"({self.pool_limit})")
 
-    # ------------------------------------------------------------------ merging
-    def _check_compatible(self, other: "GradStats") -> None:
-        if not isinstance(other, GradStats):
-            raise FusedStatsError(f"can only merge a GradStats, got {type(other).__name__}")
-        if other.dim != self.dim:
-            raise FusedStatsError(f"cannot merge dim={other.dim} into dim={self.dim}{self._where()}")
-        if self.unit and other.unit and self.unit != other.unit:
-            raise FusedStatsError(f"cannot merge unit={other.unit!r} into unit={self.unit!r}")
-        if self.device is not None and other.device is not None and self.device != other.device:
-            raise FusedStatsError(
-                f"cannot merge state on {other.device} into state on {self.device}{self._where()}")
-        if self.second_moment == "pool" and other.n and other.mode == "dense":
-            raise FusedStatsError("cannot merge a dense accumulator into a second_moment='pool' one")
 
-    def merge(self, other: "GradStats") -> "GradStats":
-        """Add ``other``'s samples to this accumulator (exact; ``other`` is not modified)."""
-        self._check_compatible(other)
-        if other.n == 0:
-            self.skipped_batches += other.skipped_batches
-            return self
-        if self.second_moment == "pool" and self.pool_limit is not None \
-                and self.n + other.n > self.pool_limit:
-            raise FusedStatsError(
-                f"merge would put {self.n + other.n} samples ({self.n} + {other.n}) in the "
-                f"pool{self._where()} of capacity {self.pool_limit}")
-        theirs = other.copy()
-        if self.n == 0:
-            skipped = self.skipped_batches
-            self._adopt(theirs)
-            limit = self.pool_limit
-            # the adopted state keeps THIS accumulator's representation rules: a pool too large for
-            # 'auto' (or any pool for 'dense') is folded into S at once
-            if self.mode == "pool" and (self.second_moment == "dense" or (
-                    self.second_moment == "auto" and limit is not None and self.n > limit)):
-                self._to_dense()
-            self.skipped_batches += skipped
-            return self
-        theirs._recentre(self.centre)
-        # second moment first (allocations, kernels), then the sums: see commit()
-        if theirs.mode == "pool":
-            self._add_second_moment(theirs.n, rows=theirs.pool)
-        else:
-            self._add_second_moment(theirs.n, dense=theirs.S)
-        self._add_sums(theirs)
-        self.skipped_batches += theirs.skipped_batches
-        return self
+    # ------------------------------------------------------------------ protocol hooks
+    def describe(self) -> dict:
+        return {"mode": self.mode, "second_moment": self.second_moment}
 
-    def _adopt(self, other: "GradStats") -> None:
-        for key in ("n", "mode", "centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S",
-                    "pool", "gram", "unit", "device", "skipped_batches"):
-            setattr(self, key, getattr(other, key))
-
-    def copy(self) -> "GradStats":
-        out = GradStats(self.dim, self.second_moment, self.pool_capacity, self.device,
-                        self.backend, self.nonfinite, self.name)
-        out._adopt(self)
-        for key in ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram"):
-            value = getattr(self, key)
-            setattr(out, key, None if value is None else value.clone())
-        return out
-
-    def all_reduce(self, group=None) -> "GradStats":
-        """Sum this accumulator over the ranks of ``group`` (see :mod:`fused_stats.accumulators.distributed`)."""
-        from .distributed import all_reduce_grad_stats
-
-        all_reduce_grad_stats(self, group)
-        return self
-
-    # ------------------------------------------------------------------ persistence
-    def save(self, path) -> None:
-        """Write the state atomically to ``path`` (safetensors, versioned and checksummed)."""
-        from .persistence import save_grad_stats
-
-        save_grad_stats(self, path)
+    def config(self) -> dict:
+        return {"dim": self.dim, "second_moment": self.second_moment,
+                "pool_capacity": self.pool_capacity, "nonfinite": self.nonfinite, "name": self.name}
 
     @classmethod
-    def load(cls, path, device=None, backend: str = "auto") -> "GradStats":
-        """Read a state written by :meth:`save`; never executes code from the file."""
-        from .persistence import load_grad_stats
+    def from_config(cls, config, tensors=None, device=None, backend="auto") -> GradStats:
+        return cls(config["dim"], config["second_moment"], config["pool_capacity"], device,
+                   backend, config["nonfinite"], config["name"])
 
-        return load_grad_stats(path, device=device, backend=backend)
+    def _state_label(self, counters) -> str:
+        return f"dim={self.dim}, n={counters['n']}, mode={counters['mode']!r}"
+
+    def _check_counters(self, counters, where: str) -> None:
+        n, mode, unit = counters["n"], counters["mode"], counters["unit"]
+        allowed_modes = {"dense": ("dense",), "pool": ("pool",), "auto": ("pool", "dense")}
+        if (not isinstance(n, int) or n < 0 or mode not in allowed_modes[self.second_moment]
+                or unit not in (None, *UNITS) or not isinstance(counters["skipped_batches"], int)):
+            raise FusedStatsError(
+                f"{where} is inconsistent: n={n}, mode={mode!r}, unit={unit!r} for "
+                f"second_moment={self.second_moment!r}")
+
+    def check_compatible(self, other) -> None:
+        if not isinstance(other, GradStats):
+            raise IncompatibleStates(f"can only merge a GradStats, got {type(other).__name__}")
+        if other.dim != self.dim:
+            raise IncompatibleStates(f"cannot merge dim={other.dim} into dim={self.dim}{self._where()}")
+        if self.unit and other.unit and self.unit != other.unit:
+            raise IncompatibleStates(f"cannot merge unit={other.unit!r} into unit={self.unit!r}")
+        if self.device is not None and other.device is not None and self.device != other.device:
+            raise IncompatibleStates(
+                f"cannot merge state on {other.device} into state on {self.device}{self._where()}")
+        if self.second_moment == "pool" and other.n and other.mode == "dense":
+            raise IncompatibleStates("cannot merge a dense accumulator into a second_moment='pool' one")
+        if self.second_moment == "pool" and self.pool_limit is not None \
+                and self.n + other.n > self.pool_limit:
+            raise IncompatibleStates(
+                f"merge would put {self.n + other.n} samples ({self.n} + {other.n}) in the "
+                f"pool{self._where()} of capacity {self.pool_limit}")
+
+    def _target_mode(self, modes_with_data, total: int) -> str:
+        """The representation one accumulator fed every sample would end in: dense once any part
+        turned dense (``auto`` never switches back) or the total passes the switch point."""
+        if self.second_moment == "dense" or any(m == "dense" for m in modes_with_data):
+            return "dense"
+        limit = self.pool_limit
+        if self.second_moment == "auto" and limit is not None and total > limit:
+            return "dense"
+        return "pool"
+
+    def _as_mode(self, state: dict, mode: str) -> dict:
+        """``state`` (a state_dict with samples) in representation ``mode`` (pool -> dense only)."""
+        if state["mode"] == mode:
+            return state
+        S = torch.zeros(self.dim, self.dim, dtype=F64, device=state["pool"].device)
+        ops.second_moment_update(S, state["pool"], self.backend)
+        return dict(state, S=S, pool=None, gram=None, mode="dense")
+
+    def _align(self, other):
+        """The alignment hook of merge: ``other`` moved to this centre (:func:`shift`) and both in
+        the representation the merged state takes."""
+        theirs = other.state_dict()
+        if other.n == 0:
+            mine = self.state_dict()
+            mine["skipped_batches"] += other.skipped_batches
+            return mine, None, mine
+        total = self.n + other.n
+        modes = [m for m, k in ((self.mode, self.n), (other.mode, other.n)) if k]
+        target = self._target_mode(modes, total)
+        if self.n == 0:
+            merged = self._as_mode(theirs, target)
+            merged["skipped_batches"] += self.skipped_batches
+            return merged, None, merged
+        moved = shift(theirs, self.centre - other.centre)
+        theirs.update(moved, centre=self.centre)
+        mine = self._as_mode(self.state_dict(), target)
+        theirs = self._as_mode(theirs, target)
+        return mine, theirs, self._combined_counters(mine, dict(theirs, mode=target))
+
+    def settings_row(self) -> list[int]:
+        return [self.dim, self.n, 1 if self.mode == "pool" else 0,
+                SECOND_MOMENTS.index(self.second_moment),
+                -1 if self.unit is None else UNITS.index(self.unit),
+                -1 if self.pool_capacity is None else self.pool_capacity, self.skipped_batches]
+
+    def check_settings(self, table: torch.Tensor) -> None:
+        where = self._where()
+        for col, what in ((0, "dim"), (3, "second_moment"), (5, "pool_capacity")):
+            values = table[:, col].tolist()
+            if len(set(values)) > 1:
+                if col == 3:
+                    values = [SECOND_MOMENTS[v] for v in values]
+                raise IncompatibleStates(f"all_reduce{where}: ranks disagree on {what}: {values} (by rank)")
+        units = {int(u) for u, n in zip(table[:, 4], table[:, 1]) if n > 0}
+        if len(units) > 1:
+            raise IncompatibleStates(
+                f"all_reduce{where}: ranks were fed different units: "
+                f"{[None if u < 0 else UNITS[u] for u in table[:, 4].tolist()]} (by rank)")
+        total = int(table[:, 1].sum())
+        if self.second_moment == "pool" and self.pool_capacity is not None \
+                and total > self.pool_capacity:
+            raise IncompatibleStates(
+                f"all_reduce{where}: the ranks hold {table[:, 1].tolist()} samples, {total} in all, "
+                f"more than pool_capacity={self.pool_capacity}. Use second_moment='auto' or 'dense'")
+
+    def _row_counts(self, table: torch.Tensor) -> list[int]:
+        return [int(v) for v in table[:, 1]]
+
+    def _reduce_start(self, table: torch.Tensor, group, device):
+        """The alignment hook of all-reduce: the centre of the lowest rank with data is
+        broadcast and every rank moves its sums there (:func:`shift`); an empty rank takes part
+        with zeros at that centre."""
+        import torch.distributed as dist
+
+        from .distributed import global_rank
+
+        counts = table[:, 1]
+        total = int(counts.sum())
+        skipped = int(table[:, 6].sum())
+        if total == 0:
+            return self.state_dict() | {"skipped_batches": skipped}, None
+        state_device = self.device if self.device is not None else device
+        modes = ["pool" if p else "dense" for p, n in zip(table[:, 2].tolist(), counts) if n > 0]
+        target = self._target_mode(modes, total)
+        units = [int(u) for u, n in zip(table[:, 4], counts) if n > 0]
+        source = int(torch.nonzero(counts > 0)[0, 0])
+        centre = (self.centre.to(device=device, dtype=F64, copy=True)
+                  if dist.get_rank(group) == source
+                  else torch.zeros(self.dim, dtype=F64, device=device))
+        dist.broadcast(centre, src=global_rank(group, source), group=group)
+        centre = centre.to(state_device)
+        if self.n == 0:
+            d = self.dim
+            zero = torch.zeros((), dtype=F64, device=state_device)
+            state = {"n": 0, "mode": target, "unit": None, "skipped_batches": 0,
+                     "s": torch.zeros(d, dtype=F64, device=state_device),
+                     "t": torch.zeros(d, dtype=F64, device=state_device),
+                     "a1": zero, "a2": zero, "norm_max": zero, "norm_sum": zero,
+                     "S": torch.zeros(d, d, dtype=F64, device=state_device) if target == "dense" else None,
+                     "pool": torch.zeros(0, d, dtype=F64, device=state_device),
+                     "gram": torch.zeros(0, 0, dtype=F64, device=state_device)}
+        else:
+            state = self.state_dict()
+            state.update(shift(state, centre - self.centre))
+            state = self._as_mode(state, target)
+        state["centre"] = centre
+        counters = {"n": total, "mode": target, "unit": UNITS[units[0]], "skipped_batches": skipped}
+        return state, counters

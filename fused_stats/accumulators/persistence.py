@@ -1,17 +1,17 @@
-"""Saving and loading accumulator state: safetensors, versioned, checksummed, written atomically.
+"""State files: safetensors, versioned, checksummed, written atomically.
 
 A file holds only tensors and string metadata (no pickle, so loading never runs code). The
-metadata carries ``format``, ``version``, the constructor arguments, ``n`` and a SHA-256 over the
-tensors' bytes (in sorted name order) and every other metadata entry (so an edit of, say, ``n`` in
-the header is caught too); loading recomputes it, and checks every tensor's shape against ``dim``,
-``n`` and the mode, so a truncated or edited file is reported as damaged instead of silently giving
-wrong statistics. Writes go to a temporary file in
-the same folder, are fsync'ed, then renamed over the target (atomic on POSIX).
+metadata carries ``format``, ``version``, the constructor arguments (``config``), the counters
+(``state``) and a SHA-256 over the tensors' bytes (in sorted name order) and every other metadata
+entry (so an edit of, say, ``n`` in the header is caught too); loading recomputes it. Writes go
+to a temporary file in the same folder, are fsync'ed, then renamed over the target (atomic on
+POSIX). Every loaded tensor is copied into a fresh allocation (:func:`fresh_copy`).
 
-The helpers :func:`tensors_checksum`, :func:`write_atomic`, :func:`save_checked` and
-:func:`read_checked` (the latter two parameterised by ``format``/``version``) are shared with the
-other accumulators' files (:class:`~fused_stats.accumulators.cross_stats.CrossStats`);
-:func:`peek_format` tells which kind of state a file holds without checking or loading it.
+What the tensors must look like is the accumulator's declaration
+(:mod:`fused_stats.accumulators.base`): ``Accumulator.save``/``load`` call :func:`save_checked` and
+:func:`read_checked` and check every tensor's shape and dtype against it, so a truncated or edited
+file is reported as damaged instead of silently giving wrong statistics. :func:`peek_format`
+tells which kind of state a file holds without checking or loading it.
 """
 
 from __future__ import annotations
@@ -25,10 +25,6 @@ from pathlib import Path
 import torch
 
 from ..errors import FusedStatsError
-
-FORMAT = "fused_stats.GradStats"
-VERSION = 1
-TENSOR_KEYS = ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum", "S", "pool", "gram")
 
 
 def tensors_checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> str:
@@ -83,27 +79,6 @@ def write_atomic(path: Path, payload: bytes) -> None:
         os.close(folder)
 
 
-def state_to_tensors(acc) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The state as CPU tensors plus string metadata (no checksum yet)."""
-    tensors = {}
-    if acc.n:
-        for key in TENSOR_KEYS:
-            value = getattr(acc, key)
-            if value is not None:
-                tensors[key] = value.detach().to("cpu").contiguous()
-    meta = {
-        "format": FORMAT,
-        "version": str(VERSION),
-        "config": json.dumps({
-            "dim": acc.dim, "second_moment": acc.second_moment,
-            "pool_capacity": acc.pool_capacity, "nonfinite": acc.nonfinite, "name": acc.name,
-        }),
-        "state": json.dumps({"n": acc.n, "mode": acc.mode, "unit": acc.unit,
-                             "skipped_batches": acc.skipped_batches}),
-    }
-    return tensors, meta
-
-
 def save_checked(path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     """Write ``tensors`` (CPU, contiguous) with ``meta`` plus its SHA-256 as one safetensors file,
     atomically. ``meta`` must already hold ``format`` and ``version``."""
@@ -112,11 +87,6 @@ def save_checked(path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -
     meta = dict(meta)
     meta["sha256"] = tensors_checksum(tensors, meta)
     write_atomic(Path(path), save(tensors, metadata=meta))
-
-
-def save_grad_stats(acc, path) -> None:
-    tensors, meta = state_to_tensors(acc)
-    save_checked(path, tensors, meta)
 
 
 def fresh_copy(value: torch.Tensor) -> torch.Tensor:
@@ -141,7 +111,7 @@ def _open(path, tensors: bool = True) -> tuple[dict[str, torch.Tensor], dict[str
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             meta = handle.metadata() or {}
-            values = ({key: fresh_copy(handle.get_tensor(key)) for key in handle.keys()}
+            values = ({key: fresh_copy(handle.get_tensor(key)) for key in handle.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
                       if tensors else {})
     except FusedStatsError:
         raise
@@ -155,8 +125,7 @@ def peek_format(path) -> str | None:
     return _open(path, tensors=False)[1].get("format")
 
 
-def read_checked(path, format: str = FORMAT, version: int = VERSION
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_checked(path, format: str, version: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors and metadata of a state file, after format, version and checksum checks."""
     tensors, meta = _open(path)
     path = Path(path)
@@ -169,49 +138,3 @@ def read_checked(path, format: str = FORMAT, version: int = VERSION
     if tensors_checksum(tensors, meta) != meta.get("sha256"):
         raise FusedStatsError(f"state file {str(path)!r} failed its checksum (damaged or edited)")
     return tensors, meta
-
-
-def load_grad_stats(path, device=None, backend="auto"):
-    from .grad_stats import GradStats
-
-    tensors, meta = read_checked(path)
-    where = f"state file {str(path)!r}"
-    try:
-        config = json.loads(meta["config"])
-        state = json.loads(meta["state"])
-        acc = GradStats(config["dim"], config["second_moment"], config["pool_capacity"], device,
-                        backend, config["nonfinite"], config["name"])
-        skipped, unit, n, mode = (int(state["skipped_batches"]), state["unit"], int(state["n"]),
-                                  state["mode"])
-    except (KeyError, ValueError, TypeError) as exc:  # FusedStatsError is a ValueError too
-        raise FusedStatsError(f"{where} has unreadable or invalid metadata: {exc}") from exc
-    unknown = sorted(set(tensors) - set(TENSOR_KEYS))
-    if unknown:
-        raise FusedStatsError(f"{where} holds unexpected tensors {unknown}")
-    allowed_modes = {"dense": ("dense",), "pool": ("pool",), "auto": ("pool", "dense")}
-    if n < 0 or mode not in allowed_modes[acc.second_moment] or unit not in (None, "sample", "position", "flat"):
-        raise FusedStatsError(
-            f"{where} is inconsistent: n={n}, mode={mode!r}, unit={unit!r} for "
-            f"second_moment={acc.second_moment!r}")
-    acc.skipped_batches = skipped
-    acc.unit = unit
-    if n:
-        target = torch.device(device) if device is not None else torch.device("cpu")
-        needed = ("centre", "s", "t", "a1", "a2", "norm_max", "norm_sum") + (
-            ("S",) if mode == "dense" else ("pool", "gram"))
-        missing = [key for key in needed if key not in tensors]
-        if missing:
-            raise FusedStatsError(f"{where} lacks tensors {missing}")
-        d = acc.dim
-        shapes = {"centre": (d,), "s": (d,), "t": (d,), "a1": (), "a2": (), "norm_max": (),
-                  "norm_sum": (), "S": (d, d), "pool": (n, d), "gram": (n, n)}
-        for key in needed:
-            value = tensors[key]
-            if tuple(value.shape) != shapes[key] or value.dtype != torch.float64:
-                raise FusedStatsError(
-                    f"{where} is inconsistent: {key} has shape {tuple(value.shape)} and dtype "
-                    f"{value.dtype}, expected {shapes[key]} float64 for dim={d}, n={n}, mode={mode!r}")
-        acc.mode, acc.n, acc.device = mode, n, target
-        for key in needed:
-            setattr(acc, key, tensors[key].to(target))
-    return acc

@@ -1,10 +1,9 @@
 """Probe checkpoints: save / load every accumulator of a probe, resumable runs, offline merge.
 
-A probe keeps one :class:`~fused_stats.GradStats` per insertion point and stream (``probe.stats``
-for the training stream, ``probe.test_stats`` for the held-out one) and, when built with
-``cross=``, one :class:`~fused_stats.accumulators.cross_stats.CrossStats` per point and stream
-(``probe.cross_stats``, ``probe.test_cross_stats``: the depth probe's cross-gradient sums). A
-checkpoint directory holds complete *snapshots* and a pointer to the newest::
+A probe keeps one table of accumulators keyed by ``(kind, stream, point)`` (``probe.table``:
+GradStats of kind ``"grad"``, and, as configured, CrossStats of kind ``"cross"``, norm
+histograms of kind ``"norm_hist"``); a checkpoint holds every entry of it. A checkpoint
+directory holds complete *snapshots* and a pointer to the newest::
 
     directory/
         LATEST                  the name of the newest complete snapshot (replaced atomically)
@@ -13,9 +12,9 @@ checkpoint directory holds complete *snapshots* and a pointer to the newest::
             train-0000.safetensors, test-0000.safetensors, ...   (GradStats.save format)
             cross-train-0000.safetensors, ...                    (CrossStats.save format)
 
-Every manifest entry names its ``kind`` (``"grad"`` or ``"cross"``; an entry without one, as
-written before cross statistics were checkpointed, is ``"grad"``), so the format stays version 1:
-an older reader meets a CrossStats file as a state of the wrong format and refuses it.
+Every manifest entry names its ``kind`` (an entry without one is ``"grad"``), so the format stays
+version 1: a reader that does not know a kind meets its file as a state of the wrong format and
+refuses it.
 
 A snapshot is written into a temporary folder beside it, every file fsync'ed, the manifest last;
 the folder is then renamed to its final name and only then is ``LATEST`` replaced (temp file +
@@ -33,8 +32,8 @@ batches that snapshot already holds. The skip assumes the iterable yields the sa
 same order on every run (a seeded loader), as any exact resume must.
 
 :func:`merge_checkpoints` merges the snapshots of separate jobs (e.g. shards of a data set) point by
-point; the merged statistics equal those of one run over all shards (DESIGN section 2, merging;
-cross statistics are plain sums, so their merge is an addition).
+point; the merged statistics equal those of one run over all shards (docs/design.md, section 2,
+merging; cross statistics are plain sums, so their merge is an addition).
 """
 
 from __future__ import annotations
@@ -44,57 +43,94 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import torch
 
-from ..accumulators import GradStats
+from ..accumulators.base import IncompatibleStates, accumulator_class
 from ..accumulators.cross_stats import CrossStats
 from ..accumulators.persistence import write_atomic
 from ..errors import FusedStatsError
 
 FORMAT = "fused_stats.ProbeCheckpoint"
 VERSION = 1
-STREAMS = {"train": "stats", "test": "test_stats"}  # stream -> the probe's attribute
-CROSS_STREAMS = {"train": "cross_stats", "test": "test_cross_stats"}
-KINDS = {"grad": (GradStats, STREAMS), "cross": (CrossStats, CROSS_STREAMS)}
+STREAMS = ("train", "test")
 LATEST = "LATEST"
 PREFIX = "ckpt-"
+# the dict attributes of a probe-like object without a table: (kind, stream) -> attribute
+LEGACY_ATTRS = {("grad", "train"): "stats", ("grad", "test"): "test_stats",
+                ("cross", "train"): "cross_stats", ("cross", "test"): "test_cross_stats"}
 
 
 # ---------------------------------------------------------------------------- helpers
-def _tables(probe, kind: str) -> dict:
-    cls, attrs = KINDS[kind]
-    out = {}
-    for stream, attr in attrs.items():
-        table = getattr(probe, attr, None)
-        if table is None:
-            continue
-        if not isinstance(table, dict):
-            raise FusedStatsError(
-                f"probe.{attr} must be a dict point -> {cls.__name__}, got {type(table).__name__}")
-        for name, acc in table.items():
-            if not isinstance(acc, cls):
-                raise FusedStatsError(
-                    f"probe.{attr}[{name!r}] is a {type(acc).__name__}, expected {cls.__name__}")
-            out[(stream, name)] = acc
-    return out
+class _AttributeTable(MutableMapping):
+    """``(kind, stream, point) -> accumulator`` over an object holding plain dicts ``stats``,
+    ``test_stats`` (and ``cross_stats``, ``test_cross_stats``) instead of a probe table."""
+
+    def __init__(self, owner):
+        self.owner = owner
+
+    def _dicts(self):
+        for (kind, stream), attr in LEGACY_ATTRS.items():
+            table = getattr(self.owner, attr, None)
+            if table is None:
+                continue
+            if not isinstance(table, MutableMapping):
+                raise FusedStatsError(f"probe.{attr} must be a dict point -> accumulator, got "
+                                      f"{type(table).__name__}")
+            yield kind, stream, attr, table
+
+    def _dict(self, kind, stream):
+        for k, s, _, table in self._dicts():
+            if (k, s) == (kind, stream):
+                return table
+        raise FusedStatsError(f"the probe has no {LEGACY_ATTRS.get((kind, stream), kind)!r} for "
+                              f"stream {stream!r}")
+
+    def __getitem__(self, key):
+        kind, stream, name = key
+        try:
+            return self._dict(kind, stream)[name]
+        except FusedStatsError:
+            raise KeyError(key) from None
+
+    def __setitem__(self, key, acc) -> None:
+        self._dict(key[0], key[1])[key[2]] = acc
+
+    def __delitem__(self, key) -> None:
+        del self._dict(key[0], key[1])[key[2]]
+
+    def __iter__(self):
+        for kind, stream, _, table in list(self._dicts()):
+            for name in list(table):
+                yield (kind, stream, name)
+
+    def __len__(self) -> int:
+        return sum(len(table) for *_, table in self._dicts())
 
 
-def probe_accumulators(probe) -> dict[tuple[str, str], GradStats]:
-    """``{(stream, point): GradStats}`` of every stream a probe has (``stats``, ``test_stats``)."""
-    return _tables(probe, "grad")
-
-
-def probe_cross_accumulators(probe) -> dict[tuple[str, str], CrossStats]:
-    """``{(stream, point): CrossStats}`` (``cross_stats``, ``test_cross_stats``; empty without
-    ``cross=``)."""
-    return _tables(probe, "cross")
+def accumulator_table(probe) -> MutableMapping:
+    """The ``(kind, stream, point) -> accumulator`` table of ``probe`` (``probe.table``; for an
+    object with plain ``stats``/``test_stats`` dicts instead, a view over those)."""
+    table = getattr(probe, "table", None)
+    if isinstance(table, MutableMapping):
+        return table
+    return _AttributeTable(probe)
 
 
 def probe_state(probe) -> dict:
-    """``{(kind, stream, point): GradStats | CrossStats}`` of everything a checkpoint holds."""
-    return {(kind, *key): acc for kind in KINDS for key, acc in _tables(probe, kind).items()}
+    """``{(kind, stream, point): accumulator}`` of everything a checkpoint holds (a copy of the
+    table's mapping; the accumulators are the probe's own)."""
+    out = {}
+    for key, acc in accumulator_table(probe).items():
+        cls = accumulator_class(key[0])
+        if not isinstance(acc, cls):
+            raise FusedStatsError(
+                f"the probe's {key[0]} accumulator at {key[2]!r} ({key[1]}) is a "
+                f"{type(acc).__name__}, expected {cls.__name__}")
+        out[key] = acc
+    return out
 
 
 def _keyed(accs: dict) -> dict:
@@ -104,7 +140,7 @@ def _keyed(accs: dict) -> dict:
 
 def _label(key) -> str:
     kind, stream, name = key
-    return f"{name!r} ({stream}{', cross' if kind == 'cross' else ''})"
+    return f"{name!r} ({stream}{'' if kind == 'grad' else ', ' + kind})"
 
 
 def _file_sha256(path: Path) -> str:
@@ -155,9 +191,8 @@ def write_snapshot(directory, accs: dict, consumed: dict | None = None,
                    extra: dict | None = None) -> Path:
     """Write ``accs`` as a new snapshot of ``directory`` and point ``LATEST`` at it (module doc).
 
-    ``accs``: ``{(kind, stream, point): GradStats | CrossStats}`` (or ``{(stream, point):
-    GradStats}``)."""
-    from .. import __version__
+    ``accs``: ``{(kind, stream, point): accumulator}`` (or ``{(stream, point): GradStats}``)."""
+    from .._version import __version__
 
     accs = _keyed(accs)
     directory = Path(directory)
@@ -177,17 +212,13 @@ def write_snapshot(directory, accs: dict, consumed: dict | None = None,
         for key in sorted(accs, key=lambda k: (k[0] != "grad", k)):
             kind, stream, name = key
             acc = accs[key]
-            prefix = stream if kind == "grad" else f"cross-{stream}"
+            prefix = stream if kind == "grad" else f"{kind}-{stream}"
             index = counters.get(prefix, 0)
             counters[prefix] = index + 1
             filename = f"{prefix}-{index:04d}.safetensors"
             acc.save(tmp / filename)
             entry = {"kind": kind, "stream": stream, "name": name, "file": filename,
-                     "dim": acc.dim, "n": acc.n}
-            if kind == "grad":
-                entry.update(mode=acc.mode, second_moment=acc.second_moment)
-            else:
-                entry.update(rank=acc.rank, activation=acc.activation, unit=acc.unit)
+                     "dim": acc.dim, "n": acc.n, **acc.describe()}
             entry["sha256"] = _file_sha256(tmp / filename)
             points.append(entry)
         manifest = {
@@ -266,8 +297,8 @@ def read_manifest(snapshot: Path) -> dict:
 
 
 def read_snapshot(directory, device=None, backend: str = "auto"):
-    """``(manifest, {(kind, stream, point): GradStats | CrossStats})`` of the newest snapshot;
-    everything is checked.
+    """``(manifest, {(kind, stream, point): accumulator})`` of the newest snapshot; everything is
+    checked.
 
     ``device``: where the states go (default CPU), or a callable ``(kind, stream, point) -> device``.
     """
@@ -282,10 +313,11 @@ def read_snapshot(directory, device=None, backend: str = "auto"):
             kind = entry.get("kind", "grad")
         except (KeyError, TypeError, AttributeError) as exc:
             raise FusedStatsError(f"checkpoint {str(snap)!r}: bad point entry {entry!r}") from exc
-        if kind not in KINDS:
+        try:
+            cls = accumulator_class(kind)
+        except FusedStatsError as exc:
             raise FusedStatsError(
-                f"checkpoint {str(snap)!r}: point {name!r} ({stream}) has kind {kind!r}, expected "
-                f"one of {tuple(KINDS)}")
+                f"checkpoint {str(snap)!r}: point {name!r} ({stream}) has kind {kind!r}: {exc}") from None
         key = (kind, stream, name)
         if key in accs:
             raise FusedStatsError(f"checkpoint {str(snap)!r} lists point {_label(key)} twice")
@@ -298,7 +330,7 @@ def read_snapshot(directory, device=None, backend: str = "auto"):
                 f"checkpoint {str(snap)!r}: {filename!r} (point {name!r}, {stream}) does not match "
                 "the manifest's SHA-256 (damaged or replaced)")
         where = device(*key) if callable(device) else device
-        acc = KINDS[kind][0].load(path, device=where, backend=backend)
+        acc = cls.load(path, device=where, backend=backend)
         if acc.dim != entry.get("dim") or acc.n != entry.get("n"):
             raise FusedStatsError(
                 f"checkpoint {str(snap)!r}: {filename!r} holds dim={acc.dim}, n={acc.n}; the "
@@ -316,7 +348,11 @@ def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -
             f"checkpoint holds cross-gradient statistics at point {name!r} ({stream}), but this "
             "probe was built without cross=; build it with the CrossSpec of the checkpointed run")
     if mine is not None:
-        diffs = [d for d in loaded.differences(mine) if not d.startswith("device")]
+        try:
+            loaded.check_compatible(mine)
+            diffs = []
+        except IncompatibleStates as exc:  # loaded onto the probe's device: no device difference
+            diffs = [d for d in exc.differences if not d.startswith("device")]
     else:  # compare with the block the probe would build at this point
         diffs = []
         if loaded.activation != spec.activation:
@@ -342,6 +378,7 @@ def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -
 def _install(probe, accs: dict, manifest: dict) -> None:
     """Put loaded accumulators into the probe, after checking all of them (all or nothing)."""
     accs = _keyed(accs)
+    table = accumulator_table(probe)
     current = probe_state(probe)
     points = getattr(probe, "points", None)
     for key, loaded in accs.items():
@@ -355,9 +392,13 @@ def _install(probe, accs: dict, manifest: dict) -> None:
         mine = current.get(key)
         if kind == "cross":
             _check_cross_fits(probe, key, loaded, mine)
-        attr = KINDS[kind][1][stream]
-        if getattr(probe, attr, None) is None:
-            raise FusedStatsError(f"the probe has no {attr!r} for stream {stream!r}")
+        if isinstance(table, _AttributeTable):
+            table._dict(kind, stream)  # raises when the object has no dict for this stream
+        if kind != "grad" and kind != "cross" and mine is not None:
+            try:
+                loaded.check_compatible(mine)
+            except FusedStatsError as exc:
+                raise FusedStatsError(f"checkpoint point {_label(key)}: {exc}") from exc
         if kind == "grad" and mine is not None and (
                 mine.dim, mine.second_moment, mine.pool_capacity) != (
                 loaded.dim, loaded.second_moment, loaded.pool_capacity):
@@ -376,6 +417,22 @@ def _install(probe, accs: dict, manifest: dict) -> None:
                 f"the checkpoint holds samples at {lacking} but no cross-gradient statistics there "
                 "(written by a probe without cross=?); this probe has cross= and would report "
                 "|C|_F^2 of only the batches after the resume")
+    kept = getattr(probe, "kinds", None)
+    if kept is not None:
+        for kind, stream, name in accs:
+            if kind not in kept and kind != "cross":  # cross: refused above, naming cross=
+                raise FusedStatsError(
+                    f"checkpoint holds {kind} statistics at point {name!r} ({stream}), but this "
+                    f"probe does not keep {kind} statistics; build it as the checkpointed run was")
+        for kind in kept:
+            lacking = [f"{name} ({stream})" for k, stream, name in accs
+                       if kind not in ("grad", "cross") and k == "grad" and accs[(k, stream, name)].n
+                       and (kind, stream, name) not in accs]
+            if lacking:
+                raise FusedStatsError(
+                    f"the checkpoint holds samples at {lacking} but no {kind} statistics there; "
+                    f"this probe keeps {kind} statistics and would count only the batches after "
+                    "the resume")
     extra = sorted(set(current) - set(accs))
     if any(current[key].n for key in extra):
         raise FusedStatsError(
@@ -397,12 +454,12 @@ def _install(probe, accs: dict, manifest: dict) -> None:
         if mine is None:
             if backend is not None:
                 loaded.backend = backend
-            getattr(probe, KINDS[kind][1][stream])[name] = loaded
+            table[key] = loaded
         else:
             # in place, so references the probe keeps to its accumulators stay valid
-            mine._adopt(loaded)
-    for kind, stream, name in extra:  # empty accumulators the checkpoint does not know
-        getattr(probe, KINDS[kind][1][stream]).pop(name)
+            mine.load_state_dict(loaded.state_dict(), check=False)
+    for key in extra:  # empty accumulators the checkpoint does not know
+        del table[key]
     for attr, value in counters.items():
         mine = getattr(probe, attr, None)
         if isinstance(mine, dict):
@@ -423,8 +480,8 @@ def _probe_device(probe):
 
 
 def load_probe_state(probe, directory, device=None) -> dict:
-    """Restore every accumulator of ``probe`` (GradStats and, with ``cross=``, CrossStats) from
-    the newest snapshot in ``directory``.
+    """Restore every accumulator of ``probe`` (its whole table) from the newest snapshot in
+    ``directory``.
 
     Each state goes to the device of the probe's accumulator it replaces (else ``device``, else
     the probe's model's device, else CPU). Returns the manifest (``consumed``, the probe's
@@ -491,7 +548,7 @@ def merge_checkpoints(out_directory, directories) -> Path:
     """Merge the newest snapshots of several probe checkpoints (separate jobs) into a new one.
 
     Every input must hold the same (kind, stream, point) entries; the accumulators of each are
-    merged exactly (:meth:`GradStats.merge`, :meth:`CrossStats.merge`) and the result is written
+    merged exactly (each accumulator's ``merge``) and the result is written
     as a snapshot of ``out_directory`` whose manifest sums the inputs' ``consumed`` counts and
     lists them under ``merged_from``. All inputs are read, checked and merged before anything is
     written; an incompatible pair raises naming the point and the input.

@@ -1,23 +1,20 @@
 """All-reduce of a whole probe over ``torch.distributed`` (data-parallel probing).
 
 Each rank runs the same probe on its own share of the batches; :func:`all_reduce_probe` then
-replaces, on every rank, each point's train and test accumulators by their merge over all ranks
-(:func:`fused_stats.accumulators.distributed.all_reduce_grad_stats`: common centre broadcast from
-the lowest rank with data, exact recentring, SUM of the centred sums, MAX of ``max |q|``, pools
-all-gathered), and sums the probe's step counters. With ``cross=`` the cross-gradient statistics
-of every point and stream are reduced too
-(:func:`fused_stats.accumulators.distributed.all_reduce_cross_stats`: a SUM of ``n``, ``Σ c_i``,
-``Σ |c_i|_F²``, the tuple sums and counts, after checking that every rank probes the same block).
-Afterwards every rank reports the statistics of the full data set (``probe.report()``,
-``probe.saturation(point)``), exactly as one process fed every rank's batches would.
+replaces, on every rank, every accumulator of the probe's table (``(kind, stream, point)``:
+GradStats and, as configured, CrossStats and norm histograms) by its merge over all ranks (each
+accumulator's ``all_reduce``: settings row, alignment, SUM / MAX / gather per declared field), and
+sums the probe's step counters. Afterwards every rank reports the statistics of the full data set
+(``probe.report()``, ``probe.saturation(point)``), exactly as one process fed every rank's batches
+would.
 
-A :class:`~fused_stats.Probe` creates a point's accumulators at its first step, so a rank that saw
-no batch of a stream has none. Before reducing, the ranks exchange, for every (stream, point) of
-``probe.points``, the dimension of its GradStats and of its CrossStats (and the dtype of the
-latter's ``W_in``); a rank lacking an accumulator that another rank has creates an empty one
-through the probe's own factories (``Probe._new_accumulator``, ``Probe._new_cross_accumulator``:
-same settings and names as the probe's), so that every rank takes part in every reduce. A rank
-whose probe has no ``cross=`` while another holds cross statistics is an error on every rank.
+A probe creates a point's accumulators at its first step, so a rank that saw no batch of a stream
+has none. Before reducing, the ranks exchange, for every (kind, stream, point), the dimension of
+the accumulator (0: none), the dtype it was built with and a digest of its block (e.g. the cross
+block's activation and ``W_in``); a rank lacking an accumulator that another rank has creates an
+empty one through :meth:`Probe.new_accumulator <fused_stats.Probe.new_accumulator>` (same settings
+and names), so that every rank takes part in every reduce. A rank whose probe does not keep a kind
+that another rank holds (e.g. no ``cross=``) is an error on every rank.
 """
 
 from __future__ import annotations
@@ -25,50 +22,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..accumulators import GradStats
-from ..accumulators.distributed import (_require_initialised, all_reduce_many, comm_device,
-                                         names_digest, tensor_digest)
+from ..accumulators.distributed import (
+    all_reduce_many,
+    comm_device,
+    gather_rows,
+    names_digest,
+    require_initialised,
+)
 from ..errors import FusedStatsError
-from .checkpoint import (CROSS_STREAMS, STREAMS, _probe_device, probe_accumulators,
-                         probe_cross_accumulators)
+from .table import KINDS, STREAMS
 
-# W_in dtype codes exchanged between ranks (0: no cross accumulator)
-_W_DTYPES = {torch.float32: 1, torch.float64: 2}
-
-
-def _new_accumulator(probe, stream: str, name: str, dim: int) -> GradStats:
-    """An empty GradStats made as ``probe`` makes its own.
-
-    A :class:`~fused_stats.Probe` has the factory; a probe-shaped stand-in (e.g. the copies a
-    MonitorLog reduces) borrows the Probe's with its own ``second_moment``/``pool_capacity``/
-    ``backend`` attributes, so the settings and naming live in one place."""
-    factory = getattr(probe, "_new_accumulator", None)
-    if factory is None:
-        from .probe import Probe
-
-        return Probe._new_accumulator(probe, stream, name, dim)
-    return factory(stream, name, dim)
-
-
-def _new_cross_accumulator(probe, stream: str, name: str, dim: int, dtype, device):
-    factory = getattr(probe, "_new_cross_accumulator", None)
-    if factory is None:
-        from .probe import Probe
-
-        return Probe._new_cross_accumulator(probe, stream, name, dim, dtype, device)
-    return factory(stream, name, dim, dtype, device)
-
-
-def _gather(row: list[int], group, device) -> torch.Tensor:
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
-    table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(table, mine, group=group)
-    return torch.stack(table).cpu()
+# dtype codes exchanged between ranks (0: no accumulator, or the kind's default)
+_DTYPES = {torch.float32: 1, torch.float64: 2}
 
 
 def _check_points(points: list[str], group, device) -> None:
     # before any collective whose size depends on the points: unequal sizes would hang, not fail
-    table = _gather([names_digest(points), len(points)], group, device)
+    table = gather_rows([names_digest(points), len(points)], group, device)
     if bool((table != table[0]).any()):
         raise FusedStatsError(
             f"all_reduce_probe: ranks probe different points (counts by rank {table[:, 1].tolist()}); "
@@ -76,72 +46,80 @@ def _check_points(points: list[str], group, device) -> None:
 
 
 def _fill_missing(probe, group, device) -> None:
-    points = list(getattr(probe, "points", None) or [])
+    points = list(probe.points)
     _check_points(points, group, device)
     if not points:
         return
-    keys = [(stream, name) for stream in STREAMS for name in points]
-    accs = probe_accumulators(probe)
-    cross = probe_cross_accumulators(probe)
-    has_spec = getattr(probe, "cross", None) is not None
-    # one row per rank: [has cross=, then per key: GradStats dim, CrossStats dim, W_in dtype code,
-    # digest of (activation, W_in)]; the block is compared here, before any accumulator is reduced,
-    # so a mismatch at a later point cannot leave earlier points already reduced
-    row = [int(has_spec)]
+    keys = [(kind, stream, name) for kind in KINDS for stream in STREAMS for name in points]
+    held = probe.kinds
+    # one row per rank: [kinds the probe keeps (bits)], then per key: dim, dtype code, block
+    # digest. The blocks are compared here, before any accumulator is reduced, so a mismatch at
+    # a later point cannot leave earlier points already reduced
+    row = [sum(1 << i for i, kind in enumerate(KINDS) if kind in held)]
     for key in keys:
-        c = cross.get(key)
-        if c is not None and c.w_in.dtype not in _W_DTYPES:
-            raise FusedStatsError(f"all_reduce_probe: cross statistics at {key[1]!r} ({key[0]}) have "
-                                  f"W_in of dtype {c.w_in.dtype}; expected float32 or float64")
-        row += [accs[key].dim if key in accs else 0, 0 if c is None else c.dim,
-                0 if c is None else _W_DTYPES[c.w_in.dtype],
-                0 if c is None else names_digest([c.activation, str(tensor_digest(c.w_in))])]
-    table = _gather(row, group, device)
-    specs = table[:, 0].tolist()
+        acc = probe.table.get(key)
+        dtype = None if acc is None else acc.factory_dtype()
+        if dtype is not None and dtype not in _DTYPES:
+            raise FusedStatsError(f"all_reduce_probe: the {key[0]} statistics at {key[2]!r} "
+                                  f"({key[1]}) are built with dtype {dtype}; expected float32 or float64")
+        row += [0 if acc is None else acc.dim, 0 if dtype is None else _DTYPES[dtype],
+                0 if acc is None else acc.block_digest()]
+    table = gather_rows(row, group, device)
+    kept = table[:, 0].tolist()
     new = []
-    for index, (stream, name) in enumerate(keys):
-        grad_col, cross_col, dtype_col, block_col = (table[:, 1 + 4 * index + k] for k in range(4))
-        dims = {int(v) for v in grad_col if v > 0}
-        if len(dims) > 1:
-            raise FusedStatsError(
-                f"all_reduce_probe: point {name!r} ({stream}) has dim {grad_col.tolist()} "
-                "by rank (0 = no accumulator)")
-        if dims and (stream, name) not in accs:
-            new.append(("grad", stream, name, dims.pop(), None))
-        cdims = {int(v) for v in cross_col if v > 0}
-        if not cdims:
+    for index, (kind, stream, name) in enumerate(keys):
+        dim_col, dtype_col, block_col = (table[:, 1 + 3 * index + k] for k in range(3))
+        dims = {int(v) for v in dim_col if v > 0}
+        if not dims:
             continue
+        bit = 1 << KINDS.index(kind)
         codes = {int(v) for v in dtype_col if v > 0}
-        blocks = [int(v) for v in block_col if v > 0]
-        if len(cdims) > 1 or len(codes) > 1 or len(set(blocks)) > 1 or not all(specs):
-            first: dict = {}
-            groups = [first.setdefault(int(v), len(first)) if v > 0 else None for v in block_col]
+        blocks = [int(v) for v, d in zip(block_col, dim_col) if d > 0]
+        if kind == "grad" and len(dims) > 1:
             raise FusedStatsError(
-                f"all_reduce_probe: cross statistics at point {name!r} ({stream}) differ between "
-                f"ranks: dim {cross_col.tolist()}, W_in dtype code {dtype_col.tolist()} "
-                f"(1 float32, 2 float64, 0 none), block (activation, W_in) groups {groups}, probe "
-                f"built with cross= {[bool(s) for s in specs]} (by rank)")
-        if (stream, name) not in cross:
-            dtype = {code: dt for dt, code in _W_DTYPES.items()}[codes.pop()]
-            new.append(("cross", stream, name, cdims.pop(), dtype))
+                f"all_reduce_probe: point {name!r} ({stream}) has dim {dim_col.tolist()} "
+                "by rank (0 = no accumulator)")
+        if len(dims) > 1 or len(codes) > 1 or len(set(blocks)) > 1 or not all(k & bit for k in kept):
+            first: dict = {}
+            groups = [first.setdefault(int(b), len(first)) if d > 0 else None
+                      for b, d in zip(block_col, dim_col)]
+            kept_by_rank = [bool(k & bit) for k in kept]
+            if kind == "cross":
+                raise FusedStatsError(
+                    f"all_reduce_probe: cross statistics at point {name!r} ({stream}) differ "
+                    f"between ranks: dim {dim_col.tolist()}, W_in dtype code {dtype_col.tolist()} "
+                    f"(1 float32, 2 float64, 0 none), block (activation, W_in) groups {groups}, "
+                    f"probe built with cross= {kept_by_rank} (by rank)")
+            raise FusedStatsError(
+                f"all_reduce_probe: {kind} statistics at point {name!r} ({stream}) differ between "
+                f"ranks: dim {dim_col.tolist()}, settings groups {groups}, probe keeps {kind} "
+                f"{kept_by_rank} (by rank)")
+        if (kind, stream, name) not in probe.table:
+            dtype = {code: dt for dt, code in _DTYPES.items()}[codes.pop()] if codes else None
+            new.append((kind, stream, name, dims.pop(), dtype))
     # ---- every rank agreed: create the missing (empty) accumulators
     if new:
-        state_device = _probe_device(probe) or torch.device("cpu")
+        state_device = _probe_device(probe)
     for kind, stream, name, dim, dtype in new:
+        probe.table[(kind, stream, name)] = probe.new_accumulator(
+            kind, stream, name, dim, dtype=dtype,
+            device=None if kind == "grad" else state_device)
         if kind == "grad":
-            getattr(probe, STREAMS[stream])[name] = _new_accumulator(probe, stream, name, dim)
-            if isinstance(getattr(probe, "dims", None), dict):
-                probe.dims.setdefault(name, dim)
-        else:
-            getattr(probe, CROSS_STREAMS[stream])[name] = _new_cross_accumulator(
-                probe, stream, name, dim, dtype, state_device)
+            probe.dims.setdefault(name, dim)
+
+
+def _probe_device(probe) -> torch.device:
+    """Where the probe's accumulators live: those it holds, else its model's parameters."""
+    for acc in probe.table.values():
+        if acc.device is not None:
+            return acc.device
+    for param in probe.model.parameters():
+        return param.device
+    return torch.device("cpu")
 
 
 def _sum_counters(probe, group, device) -> None:
-    tables = [getattr(probe, attr, None) for attr in ("steps", "skipped_steps")]
-    tables = [t for t in tables if isinstance(t, dict)]
-    if not tables:
-        return
+    tables = [probe.steps, probe.skipped_steps]
     values = torch.tensor([int(t.get(stream, 0)) for t in tables for stream in STREAMS],
                           dtype=torch.int64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
@@ -152,21 +130,18 @@ def _sum_counters(probe, group, device) -> None:
 
 
 def all_reduce_probe(probe, group=None):
-    """Sum every accumulator of ``probe`` (``stats`` and ``test_stats`` and, with ``cross=``,
-    ``cross_stats`` and ``test_cross_stats``) over ``group``; a collective.
+    """Sum every accumulator of ``probe.table`` over ``group``; a collective.
 
     All ranks must probe the same points (and the same cross block); a mismatch raises
     :class:`~fused_stats.FusedStatsError` on every rank. ``probe.steps`` and
     ``probe.skipped_steps`` become the totals over the ranks. Returns ``probe``.
     """
-    _require_initialised()
-    accs = probe_accumulators(probe)
-    some = next(iter(accs.values()), None)
+    require_initialised()
+    some = next(iter(probe.table.values()), None)
     device = comm_device(group, None if some is None else some.device)
     _fill_missing(probe, group, device)
-    named = {f"{stream}/{name}": acc for (stream, name), acc in probe_accumulators(probe).items()}
-    named.update({f"cross/{stream}/{name}": acc
-                  for (stream, name), acc in probe_cross_accumulators(probe).items()})
+    named = {"/".join(key if key[0] != "grad" else key[1:]): acc
+             for key, acc in probe.table.items()}
     all_reduce_many(named, group)
     _sum_counters(probe, group, device)
     return probe

@@ -47,7 +47,6 @@ merged ``|C|`` fields too.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -151,7 +150,7 @@ class MonitorLog:
 
     def write(self, probe, stream: str = "train", step: int | None = None) -> dict:
         """Write one line now with ``stream``'s current estimates (and reset it in window mode)."""
-        accs = probe._stream(stream)
+        probe.check_stream(stream)
         source = self._reduced(probe) if self.all_reduce else probe
         record = {
             "format": FORMAT, "version": VERSION, "run": self.run_id,
@@ -171,10 +170,7 @@ class MonitorLog:
             self.lines += 1
         if self.window:
             # the probe creates fresh accumulators at its next step
-            accs.clear()
-            cross = getattr(probe, "cross_stats" if stream == "train" else "test_cross_stats", None)
-            if isinstance(cross, dict):
-                cross.clear()
+            probe.clear_stream(stream)
         self.last = record
         return record
 
@@ -192,15 +188,7 @@ class MonitorLog:
         """A shallow copy of the probe whose accumulators are merged COPIES of the probe's own."""
         from .distributed_probe import all_reduce_probe
 
-        shadow = copy.copy(probe)
-        for attr in ("stats", "test_stats", "cross_stats", "test_cross_stats"):
-            table = getattr(probe, attr, None)
-            if isinstance(table, dict):
-                setattr(shadow, attr, {k: v.copy() for k, v in table.items()})
-        for attr in ("steps", "skipped_steps", "dims"):
-            if isinstance(getattr(probe, attr, None), dict):
-                setattr(shadow, attr, dict(getattr(probe, attr)))
-        return all_reduce_probe(shadow, self.group)
+        return all_reduce_probe(probe.state_copy(), self.group)
 
 
 def _holds_lines(path: Path) -> bool:
@@ -212,7 +200,7 @@ def _holds_lines(path: Path) -> bool:
 
 def point_record(probe, name: str, stream: str) -> dict:
     """``{"n", "d_align", ...}`` of one point (null estimates below 4 samples)."""
-    acc = probe._stream(stream).get(name)
+    acc = probe.table.get(("grad", stream, name))
     n = 0 if acc is None else int(acc.n)
     out = {key: None for key in FIELDS}
     out["n"] = n

@@ -6,7 +6,7 @@ tensor hooks (``z.register_hook``) on each point's output ``z``; during the user
 receive ``G = ∂ℒ/∂z`` and only keep a reference to it (the hook returns ``None``, so the gradient
 that flows on, every weight gradient and the optimizer step are untouched). When the block exits,
 the gradients are rescaled to those of the per-sample losses and folded into the probe's
-accumulators by the same code as :meth:`~fused_stats.Probe.step` (``Probe._fold``: the same
+accumulators by the same code as :meth:`~fused_stats.Probe.step` (``Probe.fold``: the same
 masks, units, validation, callbacks and all-or-nothing update).
 
 **Per-sample scaling.** :meth:`~fused_stats.Probe.step` differentiates ``Σ_b ℓ_b`` (``ℓ_b``: the
@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import types
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -77,7 +76,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..accumulators.grad_stats import NONFINITE_POLICIES
+from ..accumulators.base import NONFINITE_POLICIES, Nonfinite
 from ..errors import FusedStatsError
 from .hooks import _split
 
@@ -89,17 +88,17 @@ UNEQUAL_COUNTS = 2.0
 SCALE_RTOL = 1e-4
 
 _UNSET = object()
-_active: "weakref.WeakSet" = weakref.WeakSet()   # probes inside an observe block
-_bn_warned: "weakref.WeakSet" = weakref.WeakSet()
+_active: weakref.WeakSet = weakref.WeakSet()   # probes inside an observe block
+_bn_warned: weakref.WeakSet = weakref.WeakSet()
 
 
 class _Record:
     """One forward call of one point: the output ``z`` and, once it arrives, ``∂ℒ/∂z`` (kept
     whole, or already reduced to per-sample sums in the lean path)."""
 
-    __slots__ = ("owner", "name", "tensor", "version", "modified", "grad", "reduced", "arrivals")
+    __slots__ = ("arrivals", "grad", "modified", "name", "owner", "reduced", "tensor", "version")
 
-    def __init__(self, owner: "Observation", name: str, tensor: torch.Tensor):
+    def __init__(self, owner: Observation, name: str, tensor: torch.Tensor):
         self.owner = owner
         self.name = name
         self.tensor = tensor
@@ -120,7 +119,7 @@ class _Record:
         self.modified = self.tensor._version != self.version
         try:
             self.reduced = self.owner._reduce(self, g)
-        except Exception:  # noqa: BLE001 - any failure: keep the whole gradient, check at exit
+        except Exception:  # any failure: keep the whole gradient, check at exit
             self.reduced = None
         if self.reduced is None:
             self.grad = g
@@ -212,8 +211,8 @@ class Observation:
 
     def __init__(self, probe, loss_reduction: str | None = None, scale=None, mask=None,
                  stream: str = "train", batch=None, loss_scale=1.0, log=None,
-                 step: int | None = None, nonfinite: str | None = None):
-        probe._stream(stream)  # validates the name
+                 step: int | None = None, nonfinite: Nonfinite | None = None):
+        probe.check_stream(stream)
         if loss_reduction is None and scale is None:
             raise FusedStatsError(
                 "observe needs loss_reduction='mean' | 'sum' | 'token_mean' (how the training loss "
@@ -267,11 +266,11 @@ class Observation:
         # lean path: with unit="sample" and nothing that needs the whole gradient (callbacks,
         # cross statistics), each gradient is reduced to per-sample sums the moment it arrives
         probe = self.probe
-        self._keep_activations = bool(probe._callbacks) or getattr(probe, "cross", None) is not None
+        self._keep_activations = probe.needs_activations
         self._lean = probe.unit == "sample" and not self._keep_activations
 
     # ------------------------------------------------------------------ hooks
-    def __enter__(self) -> "Observation":
+    def __enter__(self) -> Observation:
         probe = self.probe
         if self._entered:
             raise FusedStatsError("this Observation is already in use; call probe.observe(...) per step")
@@ -367,25 +366,23 @@ class Observation:
         """The counted-position mask of this step's batch (as ``Probe.step`` resolves it), once."""
         if self._mask_cache is _UNSET:
             batch = self._the_batch()
-            self._mask_cache = self.probe._mask_for(batch if batch is not None else {}, self.mask)
+            self._mask_cache = self.probe.mask_for(batch if batch is not None else {}, self.mask)
         return self._mask_cache
 
     def _reduce(self, record: _Record, g: torch.Tensor) -> torch.Tensor | None:
         """Lean path: ``r_b = Σ_{t counted} G[b, t]`` (B, d), or None to keep ``G`` whole.
 
         Per-sample scaling commutes with the sum over positions, so ``s_b r_b`` at exit is the
-        ``q_b`` that ``Probe._fold`` would form from the whole scaled gradient; only (B, d) per point
+        ``q_b`` that ``Probe.fold`` would form from the whole scaled gradient; only (B, d) per point
         is kept instead of (B, *positions, d). Sums are taken in the gradient's precision (fp32
-        for half-precision gradients), as DESIGN allows for per-batch products. Whenever anything
+        for half-precision gradients), as the design allows for per-batch products. Whenever anything
         is unusual (feature axis not last, a mask that does not fit, a non-finite masked sum on
         CPU, where ``Probe``'s exact masking rules matter) the whole gradient is kept instead.
         """
         if not self._lean or g.dim() < 2 or g.shape != record.tensor.shape:
             return None
         probe, name = self.probe, record.name
-        fd = probe.feature_dims.get(name)
-        if fd is None:
-            fd = probe._resolve_feature_dim(name, record.tensor)
+        fd = probe.feature_dim(name, record.tensor)
         if fd % g.dim() != g.dim() - 1:
             return None
         m = self._positions_mask()
@@ -396,7 +393,7 @@ class Observation:
         if m is None or tuple(m.shape) == (B,):
             return g3.sum(dim=1, dtype=acc)
         if tuple(m.shape) != (B, *positions):
-            return None  # Probe._fold names the mismatch at exit
+            return None  # Probe.fold names the mismatch at exit
         keep = (m != 0).to(g.device).reshape(B, -1)
         if g.device.type != "cpu":
             # no host sync inside the user's backward: where() keeps a NaN at an uncounted
@@ -417,9 +414,9 @@ class Observation:
             return None
         args, kwargs = self._calls[0]
         batch = dict(kwargs)
-        if args and isinstance(args[0], torch.Tensor) and "input_ids" not in batch:
-            if args[0].dim() == 2 and not args[0].is_floating_point():
-                batch["input_ids"] = args[0]
+        if (args and isinstance(args[0], torch.Tensor) and "input_ids" not in batch
+                and args[0].dim() == 2 and not args[0].is_floating_point()):
+            batch["input_ids"] = args[0]
         return batch
 
     def _gradients(self):
@@ -591,16 +588,7 @@ class Observation:
                 else:
                     pm = mask if mask.dtype == torch.bool else mask != 0
                     mask = pm & keep.to(pm.device).view((B,) + (1,) * (pm.dim() - 1))
-        capture = types.SimpleNamespace(captured=acts)
-        before = probe.nonfinite
-        if self.nonfinite is not None:
-            probe.nonfinite = self.nonfinite
-        try:
-            steps = probe.steps[self.stream]
-            probe._fold(probe._stream(self.stream), self.stream, capture, grads, mask)
-            folded = probe.steps[self.stream] > steps
-        finally:
-            probe.nonfinite = before
+        folded = probe.fold(self.stream, acts, grads, mask, nonfinite=self.nonfinite)
         self.scale = factor
         self.batch_size = B
         self.folded = folded
@@ -630,9 +618,7 @@ class Observation:
             g = record.grad
             acts[name] = record.tensor.detach()
             if pm is not None and pm.dim() > 1:
-                fd = probe.feature_dims.get(name)
-                if fd is None:
-                    fd = probe._resolve_feature_dim(name, record.tensor)
+                fd = probe.feature_dim(name, record.tensor)
                 if tuple(pm.shape) != tuple(sz for i, sz in enumerate(g.shape) if i != fd % g.dim()):
                     raise FusedStatsError(
                         f"mask of shape {tuple(pm.shape)} does not fit point {name!r} with output "

@@ -179,3 +179,4 @@ def resolve_points(model: nn.Module, points) -> list[str]:
             raise FusedStatsError(f"point {name!r} is listed twice")
         seen.add(name)
     return names
+

@@ -2,7 +2,7 @@
 
 Role: :class:`Probe` runs the user's per-sample loss, takes ONE activation-only backward for all
 points and folds the gradients into one :class:`~fused_stats.GradStats` per point and stream
-(DESIGN sections 4 and 5). What one step computes, for per-sample losses ``ℓ_1..ℓ_B``::
+(docs/design.md, sections 4 and 5). What one step computes, for per-sample losses ``ℓ_1..ℓ_B``::
 
     L = Σ_b ℓ_b                       (a sum, never a mean: a mean would scale every q by 1/B)
     G_p = ∂L/∂z_p                     (z_p: the output of point p, e.g. (B, T, d) or (B, C, H, W))
@@ -36,6 +36,15 @@ attention lets them depend on ``z_t``.
 nonzero = counted; a (B,) mask selects whole samples. A sample with no counted position is not a
 sample.
 
+**The accumulator table.** :attr:`Probe.table` maps ``(kind, stream, point)`` to an accumulator:
+kind ``"grad"`` (:class:`~fused_stats.GradStats`), ``"cross"`` (:class:`~fused_stats.CrossStats`,
+with ``cross=``), ``"norm_hist"`` (:class:`~fused_stats.accumulators.NormHistogram`, with
+``norm_histogram=``); stream ``"train"`` or ``"test"``. :attr:`stats`, :attr:`test_stats`,
+:attr:`cross_stats` and :attr:`test_cross_stats` are live views ``point -> accumulator`` of it.
+Checkpoints, the all-reduce, merges and logs iterate the table. Drivers other than :meth:`step`
+(:meth:`observe`, streamed or sharded models) use :meth:`fold`, :meth:`mask_for`,
+:meth:`feature_dim`, :meth:`new_accumulator` and :attr:`needs_activations`.
+
 **Train and test streams.** :attr:`stats` (train) and :attr:`test_stats` (held-out) hold one
 accumulator per point. :meth:`realized_alignment` is ``s_trainᵀ s_test/(M K)``;
 :meth:`certificate` evaluates the width paper's Theorem 1 at ``M`` = train n, ``K`` = test n with
@@ -46,6 +55,8 @@ random disjoint (M, K) splits of that pooled pool.
 
 from __future__ import annotations
 
+import contextlib
+import copy as _copy
 import datetime as _dt
 import math
 from collections.abc import Mapping
@@ -54,16 +65,28 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..accumulators import (Certificate, Estimate, GradStats, Misalignment,
-                            misalignment_probability, realized_alignment)
-from ..accumulators.grad_stats import NONFINITE_POLICIES, SECOND_MOMENTS, UNITS
-from ..backend import validate_backend
+from ..accumulators import (
+    Accumulator,
+    Alignment,
+    Certificate,
+    CrossEstimate,
+    CrossStats,
+    Estimate,
+    GradStats,
+    Misalignment,
+    NormHistogram,
+    misalignment_probability,
+    realized_alignment,
+)
+from ..accumulators.base import Nonfinite
+from ..accumulators.grad_stats import NONFINITE_POLICIES, SECOND_MOMENTS, UNITS, SecondMoment, Unit
+from ..backend import Backend, validate_backend
 from ..errors import FusedStatsError
 from .feature_axis import resolve_feature_dim
 from .hooks import ActivationCapture
-from .points import resolve_points, residual_points
+from .points import residual_points, resolve_points
+from .table import KINDS, STREAMS, TableView
 
-STREAMS = ("train", "test")
 MASK_MODES = ("attention", "labels", "none")
 IGNORE_INDEX = -100
 
@@ -106,10 +129,8 @@ def model_summary(model: nn.Module, points: list[str] | None = None) -> dict:
         config["width"] = width
     if "hidden_size" in config:
         config.setdefault("width", config["hidden_size"])
-    try:
+    with contextlib.suppress(FusedStatsError):
         config["depth"] = len(residual_points(model))
-    except FusedStatsError:
-        pass
     if points is not None:
         config["num_points"] = len(points)
     return {"class": type(model).__name__, "num_parameters": int(num), "config": config}
@@ -128,7 +149,7 @@ class Probe:
         Passed to every :class:`GradStats`; ``"pool"`` keeps per-sample vectors (needed by
         :meth:`misalignment`).
     cross : None or fs.CrossSpec
-        The depth probe (issue 4): one :class:`~fused_stats.accumulators.cross_stats.CrossStats`
+        The depth probe: one :class:`~fused_stats.accumulators.cross_stats.CrossStats`
         per point and stream (:attr:`cross_stats`, :attr:`test_cross_stats`) for the zero-output
         block ``W_out φ(W_in z)`` that reads the point's output ``z`` and writes into the stream at
         the same point, so its cross-gradient is ``Σ_t q_t φ(W_in z_t)ᵀ`` over the counted
@@ -144,6 +165,9 @@ class Probe:
     nonfinite : {"raise", "skip"}
         A step whose gradient is NaN/Inf at a counted position raises (default) or is skipped and
         counted in :attr:`skipped_steps`; either way no accumulator changes.
+    norm_histogram : bool or dict
+        Also keep a :class:`~fused_stats.accumulators.NormHistogram` of ``|q_i|`` per point and
+        stream (a dict: its ``low``/``high``/``bins``); needs unit "sample" or "position".
 
     Examples
     --------
@@ -157,9 +181,10 @@ class Probe:
     8
     """
 
-    def __init__(self, model: nn.Module, points="residual", unit: str = "sample",
-                 second_moment: str = "auto", cross=None, pool_capacity: int | None = None,
-                 backend: str = "auto", feature_dim=None, nonfinite: str = "raise"):
+    def __init__(self, model: nn.Module, points="residual", unit: Unit = "sample",
+                 second_moment: SecondMoment = "auto", cross=None,
+                 pool_capacity: int | None = None, backend: Backend = "auto", feature_dim=None,
+                 nonfinite: Nonfinite = "raise", norm_histogram: bool | Mapping = False):
         if not isinstance(model, nn.Module):
             raise FusedStatsError(f"Probe needs a torch.nn.Module, got {type(model).__name__}")
         if unit not in UNITS:
@@ -178,6 +203,17 @@ class Probe:
             if unit == "flat":
                 raise FusedStatsError("cross= needs unit='sample' or 'position' (a cross-gradient sums "
                                       "q_t φ_tᵀ over positions); got unit='flat'")
+        if norm_histogram and unit == "flat":
+            raise FusedStatsError("norm_histogram= needs unit='sample' or 'position'; got unit='flat'")
+        if not isinstance(norm_histogram, (bool, Mapping)):
+            raise FusedStatsError(f"norm_histogram must be a bool or a dict, got {norm_histogram!r}")
+        self.norm_histogram = dict(norm_histogram) if isinstance(norm_histogram, Mapping) else (
+            {} if norm_histogram else None)
+        if self.norm_histogram is not None:
+            unknown = sorted(set(self.norm_histogram) - {"low", "high", "bins"})
+            if unknown:
+                raise FusedStatsError(f"norm_histogram takes low, high and bins; got {unknown}")
+            NormHistogram(1, **self.norm_histogram)  # the settings are checked now, not at a step
         self.model = model
         self.points = resolve_points(model, points)
         self.unit = unit
@@ -189,13 +225,91 @@ class Probe:
         self._feature_dim_arg = self._check_feature_dim(feature_dim)
         self.feature_dims: dict[str, int] = {}  # resolved at the first step
         self.dims: dict[str, int] = {}
-        self.stats: dict[str, GradStats] = {}
-        self.test_stats: dict[str, GradStats] = {}
+        # (kind, stream, point) -> accumulator; created at a point's first committed step
+        self.table: dict[tuple[str, str, str], Accumulator] = {}
         self.steps = {s: 0 for s in STREAMS}
         self.skipped_steps = {s: 0 for s in STREAMS}
         self._callbacks: list = []
-        self.cross_stats: dict = {}  # point -> CrossStats (train stream), when cross= is given
-        self.test_cross_stats: dict = {}
+
+    # ------------------------------------------------------------------ the table
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The accumulator kinds this probe keeps at every point ("grad" and, as configured,
+        "cross", "norm_hist")."""
+        return ("grad",) + (("cross",) if self.cross is not None else ()) + (
+            ("norm_hist",) if self.norm_histogram is not None else ())
+
+    def accumulators(self, kind: str = "grad", stream: str = "train") -> TableView:
+        """The live view ``point -> accumulator`` of ``kind`` in ``stream``."""
+        self.check_stream(stream)
+        if kind not in KINDS:
+            raise FusedStatsError(f"kind must be one of {KINDS}, got {kind!r}")
+        return TableView(self.table, kind, stream)
+
+    @property
+    def stats(self) -> TableView:
+        """Train-stream GradStats per point (a view of :attr:`table`)."""
+        return TableView(self.table, "grad", "train")
+
+    @property
+    def test_stats(self) -> TableView:
+        """Test-stream GradStats per point."""
+        return TableView(self.table, "grad", "test")
+
+    @property
+    def cross_stats(self) -> TableView:
+        """Train-stream CrossStats per point (``cross=``)."""
+        return TableView(self.table, "cross", "train")
+
+    @property
+    def test_cross_stats(self) -> TableView:
+        """Test-stream CrossStats per point (``cross=``)."""
+        return TableView(self.table, "cross", "test")
+
+    def check_stream(self, stream: str) -> str:
+        if stream not in STREAMS:
+            raise FusedStatsError(f"stream must be one of {STREAMS}, got {stream!r}")
+        return stream
+
+    def clear_stream(self, stream: str) -> None:
+        """Drop every accumulator of ``stream`` (the next step creates fresh ones)."""
+        self.check_stream(stream)
+        for key in [k for k in self.table if k[1] == stream]:
+            del self.table[key]
+
+    def state_copy(self) -> Probe:
+        """A shallow copy of this probe (same model and settings) holding copies of every
+        accumulator and counter, e.g. to all-reduce without touching this probe's state."""
+        out = _copy.copy(self)
+        out.table = {key: acc.copy() for key, acc in self.table.items()}
+        out.steps, out.skipped_steps = dict(self.steps), dict(self.skipped_steps)
+        out.dims, out.feature_dims = dict(self.dims), dict(self.feature_dims)
+        out._callbacks = list(self._callbacks)
+        return out
+
+    def new_accumulator(self, kind: str, stream: str, point: str, dim: int, dtype=None,
+                        device=None) -> Accumulator:
+        """An empty accumulator of ``kind`` with this probe's settings for ``point`` (the one
+        place a probe creates accumulators). Named like the point (test stream:
+        ``"<point> [test]"``); ``dtype``: of a cross block's ``W_in`` (default fp32);
+        ``device``: where the state lives (None: the first batch's device)."""
+        name = point if stream == "train" else f"{point} [test]"
+        if kind == "grad":
+            return GradStats(int(dim), self.second_moment, self.pool_capacity, device=device,
+                             backend=self.backend, nonfinite="raise", name=name)
+        if kind == "cross":
+            w_in = self.cross.projection(int(dim), dtype=dtype or torch.float32, device=device)
+            return CrossStats(int(dim), w_in, self.cross.activation, backend=self.backend,
+                              name=name)
+        if kind == "norm_hist":
+            return NormHistogram(int(dim), device=device or "cpu", backend=self.backend,
+                                 name=name, **(self.norm_histogram or {}))
+        raise FusedStatsError(f"kind must be one of {KINDS}, got {kind!r}")
+
+    @property
+    def needs_activations(self) -> bool:
+        """Whether folding needs each point's forward output as well as its gradient."""
+        return bool(self._callbacks) or self.cross is not None
 
     # ------------------------------------------------------------------ set-up helpers
     def _check_feature_dim(self, feature_dim):
@@ -224,34 +338,9 @@ class Probe:
             raise FusedStatsError(f"callback must be callable, got {type(fn).__name__}")
         self._callbacks.append(fn)
 
-    def _stream(self, stream: str) -> dict[str, GradStats]:
-        if stream == "train":
-            return self.stats
-        if stream == "test":
-            return self.test_stats
-        raise FusedStatsError(f"stream must be one of {STREAMS}, got {stream!r}")
-
-    def _new_accumulator(self, stream: str, name: str, dim: int) -> GradStats:
-        """An empty GradStats with this probe's settings, named as the probe names its own
-        (train: the point's name, test: ``"<point> [test]"``)."""
-        return GradStats(int(dim), self.second_moment, self.pool_capacity, backend=self.backend,
-                         nonfinite="raise", name=name if stream == "train" else f"{name} [test]")
-
-    def _new_cross_accumulator(self, stream: str, name: str, dim: int, dtype=torch.float32,
-                               device=None):
-        """An empty CrossStats for this probe's block (``cross=``) at a point of width ``dim``;
-        ``dtype``: of ``W_in`` (fp64 for fp64 activations, else fp32), named like the GradStats."""
-        from ..accumulators.cross_stats import CrossStats
-
-        w_in = self.cross.projection(int(dim), dtype=dtype, device=device)
-        return CrossStats(int(dim), w_in, self.cross.activation, backend=self.backend,
-                          name=name if stream == "train" else f"{name} [test]")
-
-    def _cross_batch(self, name: str, stream: str, act: torch.Tensor, grad: torch.Tensor, mask,
-                     fd: int):
-        """``(CrossStats, CrossBatch)`` of one point for the ``cross=`` statistics, computed and
-        checked but not committed: features last, positions flattened to (B, P, d)."""
-        accs = self.cross_stats if stream == "train" else self.test_cross_stats
+    def _cross_inputs(self, act: torch.Tensor, grad: torch.Tensor, mask, fd: int):
+        """Gradient, activation and mask of one point as the cross statistics take them:
+        features last, positions flattened to (B, P, d)."""
         g = grad.movedim(fd, -1)
         z = act.movedim(fd, -1)
         B, d = g.shape[0], g.shape[-1]
@@ -260,26 +349,34 @@ class Probe:
         m = mask
         if m is not None:
             m = m[:, None].expand(B, P) if m.dim() == 1 else m.reshape(B, P)
-        acc = accs.get(name)
-        if acc is None:
-            acc = self._new_cross_accumulator(
-                stream, name, d, torch.float64 if z.dtype == torch.float64 else torch.float32, z.device)
-        return acc, acc.prepare(g, z, m, unit=self.unit, allow_nonfinite=True)
+        return g, z, m
 
     def saturation(self, point: str, alpha: float = 0.05, stream: str = "train"):
         """The depth-saturation test at ``point`` (:class:`~fused_stats.Saturation`): unbiased
         ``|C|_F²`` with its standard error and the decision at level ``alpha``, plus ``AG_max`` and
         the mean per-sample norm from the point's GradStats in ``stream``."""
-        if self.cross is None:
-            raise FusedStatsError("saturation() needs a Probe built with cross=fs.CrossSpec(...)")
         acc = self._acc(point, stream)
-        cross = (self.cross_stats if stream == "train" else self.test_cross_stats).get(point)
-        if cross is None:
-            raise FusedStatsError(f"point {point!r} has no cross-gradient samples in the {stream} stream")
+        cross = self._cross_acc(point, stream)
         return cross.saturation(alpha, ag_max=float(acc.norm_max), ag_mean=float(acc.norm_sum) / acc.n)
 
+    def _cross_acc(self, point: str, stream: str) -> CrossStats:
+        if self.cross is None:
+            raise FusedStatsError("saturation() needs a Probe built with cross=fs.CrossSpec(...)")
+        self.check_stream(stream)
+        cross = self.table.get(("cross", stream, point))
+        if cross is None:
+            raise FusedStatsError(f"point {point!r} has no cross-gradient samples in the {stream} stream")
+        return cross
+
+    def cross_estimate(self, point: str, stream: str = "train") -> CrossEstimate:
+        """The cross-gradient at ``point`` (:class:`~fused_stats.accumulators.CrossEstimate`):
+        the unbiased ``|C|_F²``, the plug-in ``|C̄|_F²`` and ``C̄`` itself."""
+        if point not in self.points:
+            raise FusedStatsError(f"{point!r} is not a point of this probe; points: {self.points}")
+        return self._cross_acc(point, stream).estimate()
+
     # ------------------------------------------------------------------ masks
-    def _mask_for(self, batch, mask) -> torch.Tensor | None:
+    def mask_for(self, batch, mask) -> torch.Tensor | None:
         """The counted-position mask of ``batch`` (module docstring), or None = everything."""
         if callable(mask) and not isinstance(mask, torch.Tensor):
             mask = mask(batch)
@@ -322,10 +419,10 @@ class Probe:
         its parameters, their ``requires_grad`` flags and its modules' training flags are left as
         they were, also when ``loss_fn`` raises. A rejected step changes no accumulator.
         """
-        accs = self._stream(stream)
+        self.check_stream(stream)
         if torch.is_inference_mode_enabled():
             raise FusedStatsError("Probe.step cannot run inside torch.inference_mode(): it needs autograd")
-        positions_mask = self._mask_for(batch, mask)
+        positions_mask = self.mask_for(batch, mask)
         model = self.model
         params = list(model.parameters())
         flags = [p.requires_grad for p in params]
@@ -345,11 +442,11 @@ class Probe:
                 p.requires_grad_(flag)
             for m, training in modes:
                 m.training = training
-        self._fold(accs, stream, capture, grads, positions_mask)
+        self.fold(stream, capture.captured, grads, positions_mask)
 
     def observe(self, loss_reduction: str | None = None, scale=None, mask=None,
                 stream: str = "train", **options):
-        """Collect the statistics during the user's own training step (issue 6).
+        """Collect the statistics during the user's own training step.
 
         ``with probe.observe(loss_reduction="token_mean"): model(**batch).loss.backward()``:
         tensor hooks at the points receive ``∂ℒ/∂z`` during that backward (weight gradients and
@@ -403,73 +500,100 @@ class Probe:
                 "the losses do not depend on any probed point (no graph); was the loss computed "
                 "under torch.no_grad() or from detached outputs?")
         tensors = [acts[name] for name in self.points]
-        # sum, never mean: each sample's gradient must be that of its own loss (DESIGN section 5)
+        # sum, never mean: each sample's gradient must be that of its own loss (docs/design.md, section 5)
         grads = torch.autograd.grad(losses.sum(), tensors, allow_unused=True, materialize_grads=True)
         return dict(zip(self.points, grads))
 
-    def _fold(self, accs, stream, capture, grads, positions_mask) -> None:
-        """Validate every point, then update all accumulators (all or nothing).
+    def feature_dim(self, point: str, activation: torch.Tensor) -> int:
+        """The feature axis of ``point``'s output: the one fixed at its first step, else inferred
+        from ``activation`` (and the ``feature_dim=`` argument)."""
+        fd = self.feature_dims.get(point)
+        return self._resolve_feature_dim(point, activation) if fd is None else fd
 
-        With ``cross=`` the cross-gradient sums of every point are computed and checked in the
-        validation pass too, so a step that any accumulator of any point would reject (e.g. a
-        non-finite activation at a counted position, which only the cross statistics see) changes
-        none of them."""
+    def fold(self, stream: str, activations: Mapping[str, torch.Tensor],
+             grads: Mapping[str, torch.Tensor], positions_mask=None,
+             nonfinite: Nonfinite | None = None) -> bool:
+        """Fold one batch's per-sample activation gradients into every accumulator of ``stream``
+        (all or nothing); returns whether it was folded (False: skipped as non-finite).
+
+        ``activations[point]``: the point's forward output ``z`` (its shape fixes the feature
+        axis, and the cross statistics read it); ``grads[point]``: ``∂L/∂z`` of the summed
+        per-sample losses, same shape; ``positions_mask``: counted positions (B, ...) or None.
+        Every point and kind is validated and reduced before any accumulator changes, so a step
+        that any of them would reject (e.g. a non-finite activation at a counted position, which
+        only the cross statistics see) changes none. ``nonfinite`` overrides the probe's policy.
+        """
+        self.check_stream(stream)
+        policy = self.nonfinite if nonfinite is None else nonfinite
         unit = self.unit
         plan = []
         for name in self.points:
-            act, grad = capture.captured[name], grads[name]
-            fd = self.feature_dims.get(name)
-            if fd is None:
-                fd = self._resolve_feature_dim(name, act)
+            act, grad = activations[name], grads[name]
+            fd = self.feature_dim(name, act)
             m = self._point_mask(name, act, fd, positions_mask)
             g = grad
             if unit == "flat" and m is not None:
                 g, m = self._flat_masked(g, m, fd), None
-            acc = accs.get(name)
-            if acc is None:
-                dim = math.prod(act.shape[1:]) if unit == "flat" else act.shape[fd]
-                if name in self.dims and self.dims[name] != dim:
-                    raise FusedStatsError(
-                        f"point {name!r}: output shape {tuple(act.shape)} gives dim {dim}, but the "
-                        f"other stream has dim {self.dims[name]}")
-                acc = self._new_accumulator(stream, name, dim)  # kept only if the step commits
-            # the accumulator's own validation and reduction, before any accumulator changes
-            prepared = acc.prepare(g, m, unit, fd if unit != "flat" else -1)
-            if not prepared.finite:
-                return self._skip_or_raise(
-                    stream, f"non-finite activation gradient at point {name!r} ({stream} stream, "
-                    f"grad shape {tuple(grad.shape)}, dtype {grad.dtype}): NaN/Inf at a counted "
-                    "position, or values so large that |q|^4 overflows")
-            cross = None
-            if self.cross is not None:
-                cross = self._cross_batch(name, stream, act.detach(), g, m, fd)
-                if cross[1].n and not cross[0].is_finite(cross[1]):
-                    return self._skip_or_raise(
-                        stream, f"non-finite cross-gradient sums at point {name!r} ({stream} "
-                        f"stream): NaN/Inf in the activation (shape {tuple(act.shape)}, dtype "
-                        f"{act.dtype}) or the gradient at a counted position, or values so large "
-                        "that they overflow")
-            plan.append((name, acc, prepared, g, m, fd, act, cross))
+            dim = math.prod(act.shape[1:]) if unit == "flat" else act.shape[fd]
+            if ("grad", stream, name) not in self.table and name in self.dims \
+                    and self.dims[name] != dim:
+                raise FusedStatsError(
+                    f"point {name!r}: output shape {tuple(act.shape)} gives dim {dim}, but the "
+                    f"other stream has dim {self.dims[name]}")
+            for kind in self.kinds:
+                key = (kind, stream, name)
+                acc = self.table.get(key)
+                if kind == "cross":
+                    cg, z, cm = self._cross_inputs(act.detach(), g, m, fd)
+                    if acc is None:  # kept only if the step commits
+                        acc = self.new_accumulator(
+                            kind, stream, name, cg.shape[-1],
+                            torch.float64 if z.dtype == torch.float64 else torch.float32, z.device)
+                    prepared = acc.prepare(cg, z, cm, unit=unit)
+                else:
+                    if acc is None:
+                        acc = self.new_accumulator(kind, stream, name, dim,
+                                                   device=g.device if kind == "norm_hist" else None)
+                    prepared = acc.prepare(g, m, unit, fd if unit != "flat" else -1)
+                if not prepared.finite:
+                    return self._skip_or_raise(stream, self._nonfinite_message(
+                        kind, name, stream, grad, act), policy)
+                plan.append((key, acc, prepared))
         # ---- commit
-        cross_accs = self.cross_stats if stream == "train" else self.test_cross_stats
-        for name, acc, prepared, g, m, fd, act, cross in plan:
+        for key, acc, prepared in plan:
             acc.commit(prepared)
-            accs.setdefault(name, acc)
-            self.feature_dims[name] = fd
-            self.dims[name] = acc.dim
-            if cross is not None:
-                cross[0].commit(cross[1], unit)
-                cross_accs.setdefault(name, cross[0])
+            self.table.setdefault(key, acc)
+            if key[0] == "grad":
+                self.dims[key[2]] = acc.dim
+        for name in self.points:
+            self.feature_dims[name] = self.feature_dim(name, activations[name])
         self.steps[stream] += 1
-        for name, acc, prepared, g, m, fd, act, cross in plan:
-            for fn in self._callbacks:
-                fn(PointCapture(name, stream, act.detach(), g, m, unit, fd))
+        if self._callbacks:
+            for name in self.points:
+                act, fd = activations[name], self.feature_dims[name]
+                m = self._point_mask(name, act, fd, positions_mask)
+                g = grads[name]
+                if unit == "flat" and m is not None:
+                    g, m = self._flat_masked(g, m, fd), None
+                for fn in self._callbacks:
+                    fn(PointCapture(name, stream, act.detach(), g, m, unit, fd))
+        return True
 
-    def _skip_or_raise(self, stream: str, what: str) -> None:
+    @staticmethod
+    def _nonfinite_message(kind, name, stream, grad, act) -> str:
+        if kind == "cross":
+            return (f"non-finite cross-gradient sums at point {name!r} ({stream} stream): NaN/Inf "
+                    f"in the activation (shape {tuple(act.shape)}, dtype {act.dtype}) or the "
+                    "gradient at a counted position, or values so large that they overflow")
+        return (f"non-finite activation gradient at point {name!r} ({stream} stream, grad shape "
+                f"{tuple(grad.shape)}, dtype {grad.dtype}): NaN/Inf at a counted position, or "
+                "values so large that |q|^4 overflows")
+
+    def _skip_or_raise(self, stream: str, what: str, policy: str) -> bool:
         """A step some point rejects: counted and skipped (``nonfinite="skip"``) or an error."""
-        if self.nonfinite == "skip":
+        if policy == "skip":
             self.skipped_steps[stream] += 1
-            return
+            return False
         raise FusedStatsError(f"{what}; nothing was accumulated. Pass nonfinite='skip' to skip such "
                               "steps and count them")
 
@@ -508,7 +632,7 @@ class Probe:
 
         Returns the number of batches folded in.
         """
-        self._stream(stream)
+        self.check_stream(stream)
         total = max_batches
         if total is None:
             try:
@@ -536,8 +660,8 @@ class Probe:
                 bar.close()
         return done
 
-    # ------------------------------------------------------------------ scale-out (issue 5)
-    def all_reduce(self, group=None) -> "Probe":
+    # ------------------------------------------------------------------ scale-out
+    def all_reduce(self, group=None) -> Probe:
         """Sum every accumulator (GradStats and, with ``cross=``, CrossStats; both streams) and the
         step counters over the ranks of ``group`` (a collective):
         :func:`fused_stats.api.distributed_probe.all_reduce_probe`."""
@@ -563,32 +687,36 @@ class Probe:
     def _acc(self, point: str, stream: str = "train") -> GradStats:
         if point not in self.points:
             raise FusedStatsError(f"{point!r} is not a point of this probe; points: {self.points}")
-        accs = self._stream(stream)
-        if point not in accs or accs[point].n == 0:
+        self.check_stream(stream)
+        acc = self.table.get(("grad", stream, point))
+        if acc is None or acc.n == 0:
             raise FusedStatsError(f"point {point!r} has no samples in the {stream} stream yet")
-        return accs[point]
+        return acc
+
+    def estimate(self, point: str, stream: str = "train") -> Estimate:
+        """The unbiased :class:`~fused_stats.Estimate` at ``point`` from ``stream`` alone."""
+        return self._acc(point, stream).estimate()
 
     def estimates(self, stream: str = "train") -> dict[str, Estimate]:
         """Point name -> :class:`Estimate` for ``stream`` (raises for a point with n < 4)."""
-        return {p: self._acc(p, stream).estimate() for p in self.points}
+        return {p: self.estimate(p, stream) for p in self.points}
 
     def pooled(self, point: str) -> GradStats:
         """A new accumulator holding the train and test samples of ``point`` (exact merge)."""
-        train = self._acc(point, "train")
-        out = train.copy()
-        test = self.test_stats.get(point)
+        out = self._acc(point, "train").copy()
+        test = self.table.get(("grad", "test", point))
         if test is not None and test.n:
             out.merge(test)
         return out
 
-    def realized_alignment(self, point: str) -> float:
+    def realized_alignment(self, point: str) -> Alignment:
         """``μ_Mᵀ g_K = s_trainᵀ s_test / (M K)`` at ``point`` (needs both streams)."""
         return realized_alignment(self._acc(point, "train"), self._acc(point, "test"))
 
     def _sizes(self, point, M, K):
         M = self._acc(point, "train").n if M is None else M
         if K is None:
-            test = self.test_stats.get(point)
+            test = self.table.get(("grad", "test", point))
             if test is None or test.n == 0:
                 raise FusedStatsError(
                     f"point {point!r}: K defaults to the test stream's n, which is empty; "
@@ -597,11 +725,14 @@ class Probe:
         return M, K
 
     def certificate(self, point: str, M: int | None = None, K: int | None = None,
-                    pooled: bool = True) -> Certificate:
-        """Theorem 1 at ``(M, K)`` (default: train n, test n), moments from the pooled
-        train + test estimate (``pooled=False``: the train stream alone)."""
+                    pooled: bool = True, stream: str | None = None) -> Certificate:
+        """Theorem 1 at ``(M, K)`` (default: train n, test n). The moments come from the pooled
+        train + test estimate, or from ``stream`` alone when it is given (``pooled=False`` is
+        ``stream="train"``)."""
         M, K = self._sizes(point, M, K)
-        acc = self.pooled(point) if pooled else self._acc(point, "train")
+        if stream is None and not pooled:
+            stream = "train"
+        acc = self.pooled(point) if stream is None else self._acc(point, stream)
         return acc.estimate().certificate(M, K)
 
     def misalignment(self, point: str, M: int | None = None, K: int | None = None,
@@ -618,31 +749,33 @@ class Probe:
     # ------------------------------------------------------------------ report
     def _report_data(self, meta: dict | None = None, misalignment_trials: int = 2000) -> dict:
         """The version-1 report dict (see :mod:`fused_stats.api.report`); weak points get None."""
-        from .. import __version__
+        from .._version import __version__
 
         if not self.dims:
             raise FusedStatsError("nothing probed yet: run Probe.step (or run) before a report")
 
-        def attempt(fn):
+        def attempt(fn, *args, **kwargs):
             try:
-                return fn()
+                result = fn(*args, **kwargs)
             except FusedStatsError:
                 return None
+            return result.to_dict() if hasattr(result, "to_dict") else result
 
         points = []
         for index, name in enumerate(self.points):
-            train = attempt(lambda: self._acc(name, "train").estimate().to_dict())
-            test = attempt(lambda: self._acc(name, "test").estimate().to_dict())
-            cert = attempt(lambda: self.certificate(name).to_dict())
             mis = None
             if misalignment_trials:
-                mis = attempt(lambda: self.misalignment(name, trials=misalignment_trials).to_dict())
+                mis = attempt(self.misalignment, name, trials=misalignment_trials)
+            hist = self.table.get(("norm_hist", "train", name))
+            realized = attempt(self.realized_alignment, name)
             points.append({
                 "name": name, "index": index, "dim": self.dims[name],
-                "train": train, "test": test, "certificate": cert, "misalignment": mis,
-                "realized_alignment": attempt(lambda: self.realized_alignment(name)),
-                "saturation": (attempt(lambda: self.saturation(name).to_dict())
-                               if self.cross is not None else None),
+                "train": attempt(self.estimate, name, "train"),
+                "test": attempt(self.estimate, name, "test"),
+                "certificate": attempt(self.certificate, name), "misalignment": mis,
+                "realized_alignment": None if realized is None else realized["value"],
+                "saturation": attempt(self.saturation, name) if self.cross is not None else None,
+                **({} if hist is None else {"norm_histogram": hist.to_dict()}),
             })
         return {
             "format": "fused_stats.report", "version": 1, "fused_stats_version": __version__,
@@ -660,6 +793,7 @@ class Probe:
         return Report(self._report_data(meta, misalignment_trials))
 
     def __repr__(self) -> str:
-        n = {s: (next(iter(self._stream(s).values())).n if self._stream(s) else 0) for s in STREAMS}
+        n = {s: next((a.n for (k, st, _), a in self.table.items() if k == "grad" and st == s), 0)
+             for s in STREAMS}
         return (f"Probe({type(self.model).__name__}, points={len(self.points)}, unit={self.unit!r}, "
                 f"second_moment={self.second_moment!r}, n_train={n['train']}, n_test={n['test']})")

@@ -34,13 +34,11 @@ def register(sub) -> None:
 
 def _state_class(inputs):
     """GradStats or CrossStats, from the files' metadata (all inputs must agree)."""
-    from ..accumulators import GradStats
-    from ..accumulators.cross_stats import FORMAT as CROSS_FORMAT
-    from ..accumulators.cross_stats import CrossStats
-    from ..accumulators.persistence import FORMAT as GRAD_FORMAT
+    from ..accumulators import CrossStats, GradStats
     from ..accumulators.persistence import peek_format
     from ..errors import FusedStatsError
 
+    GRAD_FORMAT, CROSS_FORMAT = GradStats.FORMAT, CrossStats.FORMAT
     classes = {GRAD_FORMAT: GradStats, CROSS_FORMAT: CrossStats}
     formats = [peek_format(path) for path in inputs]
     unknown = [f"{str(p)!r} ({f!r})" for p, f in zip(inputs, formats) if f not in classes]
