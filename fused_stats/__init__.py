@@ -20,6 +20,7 @@ from .api.growth import CrossSpec, insert_zero_block, remove_inserted_block
 from .api.intervene import intervene
 from .accumulators.cross_stats import Saturation
 from .api.monitor_log import MonitorLog
+from .api.streaming import stream_blocks
 
 __version__ = "0.1.0"
 
@@ -42,5 +43,6 @@ __all__ = [
     "intervene",
     "Saturation",
     "MonitorLog",
+    "stream_blocks",
     "__version__",
 ]
