@@ -159,7 +159,16 @@ class _Checkpoint:
             by_file.setdefault(path, []).append((local, name))
         out = {}
         for path, names in by_file.items():
-            _read_header(path)  # the shard may have changed since the last read
+            fresh = _read_header(path)  # the shard may have changed since it was first checked
+            for _, name in names:
+                was, now = self.headers[path][name], fresh.get(name)
+                if now is None:
+                    raise FusedStatsError(f"tensor {name!r} is missing from checkpoint shard {path}")
+                if (now["dtype"], list(now["shape"])) != (was["dtype"], list(was["shape"])):
+                    raise FusedStatsError(
+                        f"tensor {name!r} in {path} has shape {tuple(now['shape'])} and dtype "
+                        f"{now['dtype']}; the config gives shape {tuple(was['shape'])}, dtype "
+                        f"{was['dtype']}")
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as handle:
                     for local, name in names:
