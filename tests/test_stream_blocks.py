@@ -210,13 +210,13 @@ RSS_SCRIPT = textwrap.dedent("""
 def test_peak_rss_of_a_fresh_process(tmp_path):
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to reset the peak RSS")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=768, intermediate_size=2048,
-                                   num_hidden_layers=8, num_attention_heads=12,
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=640, intermediate_size=1792,
+                                   num_hidden_layers=8, num_attention_heads=10,
                                    max_position_embeddings=32)
     with torch.device("meta"):
         shapes = transformers.AutoModelForCausalLM.from_config(cfg)
     param_bytes = sum(p.numel() * 4 for p in shapes.parameters())
-    assert param_bytes > 200e6
+    assert param_bytes > 150e6
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(tmp_path, max_shard_size="64MB")
