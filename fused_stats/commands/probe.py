@@ -51,6 +51,10 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="init seed for a config-built model")
     p.add_argument("--out", default="fused_stats_out/probe", help="output folder")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--stream-blocks", action="store_true",
+                   help="stream the --model folder's block weights from its safetensors shards, one "
+                        "block at a time (models larger than the device)")
+    p.add_argument("--device", default=None, help="where the model runs, e.g. cuda (default: cpu)")
     p.set_defaults(func=cmd_probe)
 
 
@@ -102,6 +106,29 @@ def load_model(spec: str, seed: int, dtype: str):
                 raise FusedStatsError(f"config {spec!r} does not describe a causal LM: {exc}") from None
         return model.to(torch_dtype), None, f"random init (seed {seed}) from {path}"
     raise FusedStatsError(f"--model {spec!r} is neither a folder nor a config .json file")
+
+
+def load_streamed(spec: str, device, dtype: str):
+    """``(streamed model, tokenizer or None, description)``: :func:`fused_stats.stream_blocks` on
+    a checkpoint folder (the streamer stays open until the process ends)."""
+    import torch
+
+    import fused_stats as fs
+
+    if not Path(spec).is_dir():
+        raise FusedStatsError(f"--stream-blocks needs a checkpoint folder as --model, got {spec!r}")
+    streamer = fs.stream_blocks(spec, device=device, dtype=getattr(torch, dtype))
+    tokenizer = None
+    path = Path(spec)
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        import transformers
+
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError):
+            tokenizer = None
+    return streamer.model, tokenizer, (f"weights streamed block by block from {path} "
+                                       f"({streamer.block_bytes:,} bytes a block)")
 
 
 # ---------------------------------------------------------------------------- data
@@ -190,8 +217,14 @@ def cmd_probe(args) -> int:
     for name in ("batches", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
             raise FusedStatsError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    model, tokenizer, model_what = load_model(args.model, args.seed, args.dtype)
+    if args.stream_blocks:
+        model, tokenizer, model_what = load_streamed(args.model, args.device, args.dtype)
+    else:
+        model, tokenizer, model_what = load_model(args.model, args.seed, args.dtype)
+        model = model.to(args.device) if args.device else model
     train, test, data_what = load_tokens(args, tokenizer)
+    if args.device:
+        train, test = train.to(args.device), test.to(args.device)
     vocab = model.get_input_embeddings().num_embeddings
     top = int(max(train.max(), test.max()))
     if top >= vocab or int(min(train.min(), test.min())) < 0:
