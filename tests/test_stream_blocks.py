@@ -438,3 +438,45 @@ def test_streamed_to_gpu_equals_in_memory(folders):
             assert_same_probe(probe(st.model, "sample", to(train), to(test)), want)
             assert st.peak_resident_bytes <= 2 * st.block_bytes
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- CLI and plan
+def test_cli_probe_stream_blocks_equals_in_memory(tmp_path):
+    from fused_stats.cli import main
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=24,
+                                   num_hidden_layers=3, num_attention_heads=4,
+                                   max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=F64).save_pretrained(
+        tmp_path / "ckpt", max_shard_size="40KB")
+    reports = {}
+    for flag in ([], ["--stream-blocks"]):
+        out = tmp_path / ("streamed" if flag else "plain")
+        rc = main(["probe", "--model", str(tmp_path / "ckpt"), *flag, "--batches", "2",
+                   "--batch-size", "3", "--seq-len", "16", "--dtype", "float64", "--trials", "0",
+                   "--no-progress", "--out", str(out)])
+        assert rc == 0
+        reports[bool(flag)] = json.loads((out / "report.json").read_text())
+    for got, want in zip(reports[True]["points"], reports[False]["points"]):
+        assert got["name"] == want["name"]
+        assert_close(got["train"], want["train"], got["name"])
+
+
+def test_plan_stream_blocks_counts_the_models_parameters(capsys):
+    from fused_stats.api.plan import plan_streaming
+    from fused_stats.cli import main
+
+    cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                                   num_hidden_layers=1, num_attention_heads=64,
+                                   num_key_value_heads=8, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    resident = sum(p.numel() for n, p in model.named_parameters() if ".layers." not in n)
+    plan = plan_streaming("llama-70b", tokens=4096, prefetch=1, pool_size=64)
+    assert (plan.block_params, plan.resident_params) == (block, resident)
+    assert plan.streamed_blocks_bytes == 2 * 2 * block
+    assert plan.saved_input_bytes == 80 * 4096 * 8192 * 2
+    assert main(["plan", "--preset", "llama-70b", "--stream-blocks", "--tokens", "4096"]) == 0
+    assert "2 blocks" in capsys.readouterr().out
