@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 import threading
@@ -98,7 +99,8 @@ def _read_header(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FusedStatsError(f"checkpoint shard {path} has an unreadable header: {exc}") from None
     header.pop("__metadata__", None)
-    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    header["\0base"] = 8 + length
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "\0base"), default=0)
     if 8 + length + end > size:
         raise FusedStatsError(f"checkpoint shard {path} is truncated: its tensors need "
                               f"{8 + length + end} bytes, the file has {size}")
@@ -125,7 +127,8 @@ class _Checkpoint:
         self.headers = {path: _read_header(path) for path in shards}
         self.aliases: dict[str, str] = {}
         if self.files is None:
-            self.files = {name: folder / SINGLE_FILE for name in self.headers[folder / SINGLE_FILE]}
+            self.files = {name: folder / SINGLE_FILE for name in self.headers[folder / SINGLE_FILE]
+                          if name != "\0base"}
         for name, path in self.files.items():
             if name not in self.headers[path]:
                 raise FusedStatsError(f"checkpoint index {index} puts tensor {name!r} in {path.name}, "
@@ -149,18 +152,19 @@ class _Checkpoint:
                                   f"gives {want}")
         return path, name
 
-    def load(self, entries: dict[str, tuple[Path, str]]) -> dict[str, torch.Tensor]:
-        """Read ``local name -> (shard, tensor name)`` from the shards (each shard opened once,
-        its size re-checked first), as CPU tensors."""
-        from safetensors import safe_open
-
+    def load(self, entries: dict[str, tuple[Path, str]], pin: bool = False) -> dict[str, torch.Tensor]:
+        """Read ``local name -> (shard, tensor name)`` from the shards as CPU tensors, all views
+        of ONE fresh buffer (pinned when ``pin``): the bytes go from the file straight into it
+        (safetensors layout: little-endian data at the header's offsets; no pickle, nothing else
+        read), and one allocation per block is returned to the system when the block is dropped.
+        Each shard's header is re-checked first (the file may have changed since it was opened)."""
         by_file: dict[Path, list] = {}
         for local, (path, name) in entries.items():
             by_file.setdefault(path, []).append((local, name))
-        out = {}
+        layout, total = [], 0
         for path, names in by_file.items():
-            fresh = _read_header(path)  # the shard may have changed since it was first checked
-            for _, name in names:
+            fresh = _read_header(path)
+            for local, name in names:
                 was, now = self.headers[path][name], fresh.get(name)
                 if now is None:
                     raise FusedStatsError(f"tensor {name!r} is missing from checkpoint shard {path}")
@@ -169,15 +173,33 @@ class _Checkpoint:
                         f"tensor {name!r} in {path} has shape {tuple(now['shape'])} and dtype "
                         f"{now['dtype']}; the config gives shape {tuple(was['shape'])}, dtype "
                         f"{was['dtype']}")
-            try:
-                with safe_open(str(path), framework="pt", device="cpu") as handle:
-                    for local, name in names:
-                        out[local] = handle.get_tensor(name)
-            except FusedStatsError:
-                raise
-            except Exception as exc:  # safetensors raises its own error types
-                raise FusedStatsError(f"cannot read tensors {[n for _, n in names][:3]} from "
-                                      f"checkpoint shard {path}: {exc}") from None
+                begin, stop = (int(x) for x in now["data_offsets"])
+                layout.append((local, name, path, fresh["\0base"] + begin, stop - begin, total,
+                               _ST_DTYPES[now["dtype"]], tuple(now["shape"])))
+                total += (stop - begin + 63) // 64 * 64  # 64-byte aligned views
+        if pin:
+            buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        else:
+            # its own anonymous mapping, unmapped when the last view is dropped: a malloc'd block
+            # would raise glibc's dynamic mmap threshold and leave later activations on the heap
+            buffer = torch.frombuffer(mmap.mmap(-1, max(total, 1)), dtype=torch.uint8)[:total]
+        raw = buffer.numpy()
+        out = {}
+        handles = {}
+        try:
+            for local, name, path, offset, size, at, dtype, shape in layout:
+                handle = handles.get(path) or handles.setdefault(path, open(path, "rb"))
+                handle.seek(offset)
+                got = handle.readinto(memoryview(raw[at:at + size]))
+                if got != size:
+                    raise FusedStatsError(f"checkpoint shard {path} is truncated: tensor {name!r} "
+                                          f"needs {size} bytes at offset {offset}, read {got}")
+                out[local] = buffer[at:at + size].view(dtype).view(shape)
+        except OSError as exc:
+            raise FusedStatsError(f"cannot read checkpoint shard {path}: {exc}") from None
+        finally:
+            for handle in handles.values():
+                handle.close()
         return out
 
 
@@ -368,8 +390,10 @@ class _FolderWeights:
     def nbytes(self, i) -> int:
         return self.sizes[i]
 
+    pin = False
+
     def host(self, i) -> dict[str, torch.Tensor]:
-        out = self.checkpoint.load(self.entries[i])
+        out = self.checkpoint.load(self.entries[i], pin=self.pin)
         out.update({k: v.detach() for k, v in self.extra[i].items()})
         return out
 
@@ -466,8 +490,11 @@ class BlockStreamer:
         with torch.cuda.stream(self._side):
             for k, t in host.items():
                 dtype = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
-                pinned = torch.empty(t.shape, dtype=dtype, pin_memory=True)
-                pinned.copy_(t)
+                if t.is_pinned() and t.dtype == dtype:
+                    pinned = t  # read from the checkpoint straight into pinned memory
+                else:
+                    pinned = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+                    pinned.copy_(t)
                 out[k] = pinned.to(dev, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._side)
@@ -767,6 +794,7 @@ def _from_folder(folder: Path, dev, dtype, prefetch) -> BlockStreamer:
         else:
             keep[key] = t
     weights = _FolderWeights(checkpoint, blocks, names, dtype, declared, strip)
+    weights.pin = dev.type == "cuda"
     loaded = checkpoint.load(entries)
     resident_seen = []
     for key, group in slots.items():
