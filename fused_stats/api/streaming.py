@@ -487,7 +487,7 @@ class BlockStreamer:
                 dtype = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
                 out[k] = t.to(device=dev if dev is not None else t.device, dtype=dtype)
             return out
-        with torch.cuda.stream(self._side):
+        with torch.cuda.device(dev), torch.cuda.stream(self._side):  # this thread's device too
             for k, t in host.items():
                 dtype = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
                 if t.is_pinned() and t.dtype == dtype:
