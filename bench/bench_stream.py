@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import torch  # noqa: E402
 
-import fused_stats as fs  # noqa: E402
-from _harness import apply_threads, build_llama, size_parser, sizes, write_result  # noqa: E402
+from _harness import apply_threads, build_llama, size_parser, sizes, write_result
+
+import fused_stats as fs
 
 RSS_CHILD = """
 import json, sys, torch

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import TanhBlock, padded_lm_batch
 
 import fused_stats as fs
-from tiny_models import TanhBlock, padded_lm_batch
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -431,7 +431,7 @@ def test_state_on_each_points_device_two_gpus():
 def test_streamed_to_gpu_equals_in_memory(folders):
     model = tiny("llama")
     train, test = data(10)
-    to = lambda bs: [{k: v.cuda() for k, v in b.items()} for b in bs]  # noqa: E731
+    to = lambda bs: [{k: v.cuda() for k, v in b.items()} for b in bs]
     want = probe(tiny("llama").cuda(), "sample", to(train), to(test))
     for source in (model, folders["llama"]):
         with fs.stream_blocks(source, device="cuda") as st:

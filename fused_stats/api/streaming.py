@@ -295,7 +295,7 @@ class StreamedBlock(nn.Module):
     """Stands in for block ``index`` of a :class:`BlockStreamer` (module docstring); the real block
     is its ``block`` child, whose weights the streamer materialises per call."""
 
-    def __init__(self, streamer: "BlockStreamer", index: int, block: nn.Module):
+    def __init__(self, streamer: BlockStreamer, index: int, block: nn.Module):
         super().__init__()
         self.streamer = streamer  # a plain attribute: not a module, not in state_dict
         self.index = index
@@ -615,7 +615,7 @@ class BlockStreamer:
         self._restore()
         self.closed = True
 
-    def __enter__(self) -> "BlockStreamer":
+    def __enter__(self) -> BlockStreamer:
         return self
 
     def __exit__(self, *exc) -> None:
