@@ -229,7 +229,7 @@ def test_peak_rss_of_a_fresh_process(tmp_path):
     growth = json.loads(out.stdout.strip().splitlines()[-1])
     assert growth["streamed"] < 0.5 * param_bytes, (growth, param_bytes)
     # the measurement sees a full copy of the weights when there is one
-    assert growth["in_memory"] > param_bytes, (growth, param_bytes)
+    assert growth["in_memory"] > 0.8 * param_bytes, (growth, param_bytes)
 
 
 # ----------------------------------------------------------------------------- close()
