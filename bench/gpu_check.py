@@ -24,6 +24,8 @@ rewritten after each section (``$OUT/gpu_check.json`` when ``OUT`` is set, else
 add peers (torch.compile, configuration sweep) are skipped once ``--budget-s`` seconds (default
 420, i.e. 7 minutes) have passed, so the whole run stays under 8 minutes.
 The cross-gradient kernel (issue 4) is checked against its twin when it exists (``cross`` section).
+The weight-streamed probe step (``stream`` section): LLaMA-shaped bf16 model with its weights in pinned
+host memory, block host-to-device GB/s against a pinned copy, streamed / in-memory step ratio.
 ``--skip a,b`` leaves sections out.
 """
 
@@ -53,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="directory for gpu_check.json")
     p.add_argument("--tokens", type=int, default=65536, help="B x T of the capture/GEMM problems")
     p.add_argument("--d", type=int, default=4096, help="feature dimension")
+    p.add_argument("--stream-blocks", type=int, default=4,
+                   help="blocks of the LLaMA-shaped model of the weight-streaming section")
     p.add_argument("--skip", default="", help="comma-separated sections to leave out")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="skip optional sections (compile peers, sweep) after this many seconds")
@@ -565,6 +569,106 @@ def section_cross(run, ctx):
     return out
 
 
+# ---------------------------------------------------------------------------- weight streaming
+def _wall(fn, reps, cuda):
+    """Median seconds of ``fn()`` over ``reps`` calls (synchronised on a GPU)."""
+    import statistics
+    import torch
+
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def section_stream(run, ctx):
+    """fs.stream_blocks on a LLaMA-shaped bf16 model with its weights in pinned host memory:
+    achieved host-to-device GB/s of one block's materialisation against a measured pinned copy of
+    the same bytes, and the streamed / in-memory probe step ratio at --tokens tokens a batch
+    (target <= 1.2 with prefetch). Dry run: a tiny fp32 model on CPU, streamed from the module and
+    from a sharded checkpoint folder, checked against the in-memory statistics."""
+    import copy
+    import tempfile
+
+    import torch
+    import transformers
+
+    import fused_stats as fs
+
+    transformers.logging.set_verbosity_error()
+    dry, cuda = run.args.dry_run, ctx.cuda
+    if dry:
+        hidden, ff, heads, kv, blocks, seq, vocab = 64, 160, 4, 2, 3, 32, 128
+        tokens = 128
+    else:
+        hidden, ff, heads, kv, blocks, seq, vocab = 4096, 14336, 32, 8, run.args.stream_blocks, 4096, 32000
+        tokens = ctx.tokens
+    batch_size = max(tokens // seq, 1)
+    dtype = torch.bfloat16 if cuda and not dry else torch.float32
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=ff, num_hidden_layers=blocks,
+                                   num_attention_heads=heads, num_key_value_heads=kv,
+                                   vocab_size=vocab, max_position_embeddings=seq, use_cache=False)
+    torch.manual_seed(0)
+    host_model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch_size, seq), generator=gen)
+    batch = {"input_ids": ids.to(ctx.device), "attention_mask": torch.ones_like(ids).to(ctx.device),
+             "labels": ids.to(ctx.device)}
+    out = {"tokens": batch_size * seq, "blocks": blocks, "hidden": hidden, "dtype": str(dtype)}
+    reps = 1 if dry else 3
+
+    device_model = copy.deepcopy(host_model).to(ctx.device)
+    reference = fs.Probe(device_model)
+    t_memory = _wall(lambda: reference.step(batch, fs.causal_lm_loss), reps, cuda)
+    del device_model
+    if cuda:
+        torch.cuda.empty_cache()
+        for p in host_model.parameters():  # the weights sit in pinned host memory
+            p.data = p.data.pin_memory()
+    sources = {"host": host_model}
+    tmp = None
+    if dry:  # also a sharded folder (reading, the prefetch thread)
+        tmp = tempfile.TemporaryDirectory()
+        host_model.save_pretrained(tmp.name, max_shard_size="100KB")
+        sources["folder"] = tmp.name
+    try:
+        for name, source in sources.items():
+            with fs.stream_blocks(source, device=ctx.device, prefetch=1) as st:
+                probe = fs.Probe(st.model)
+                t_stream = _wall(lambda: probe.step(batch, fs.causal_lm_loss), reps, cuda)
+                check = fs.Probe(st.model)
+                check.step(batch, fs.causal_lm_loss)
+                worst = max(abs(check.stats[p].estimate().trace_sigma2
+                                / reference.stats[p].estimate().trace_sigma2 - 1) for p in reference.points)
+                out[f"{name}_step_s"] = t_stream
+                out[f"{name}_max_rel_diff_trace_sigma2"] = worst
+                out[f"{name}_peak_over_block"] = st.peak_resident_bytes / st.block_bytes
+                run.row("stream", f"streamed/in-memory step ({name})", t_stream, "s", t_memory,
+                        note=f"target <= 1.2; {batch_size * seq} tokens, {blocks} blocks")
+                run.row("stream", f"rel diff trace_sigma2 ({name})", worst, "", note="vs in memory")
+                if cuda:
+                    nbytes = st.block_bytes
+                    t_block = _wall(lambda: st._materialise(1), reps, cuda)
+                    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                    t_copy = _wall(lambda: pinned.to(ctx.device, non_blocking=True), reps, cuda)
+                    out[f"{name}_h2d_GBps"] = nbytes / t_block / 1e9
+                    out["pinned_copy_GBps"] = nbytes / t_copy / 1e9
+                    run.row("stream", f"block H2D GB/s ({name})", nbytes / t_block / 1e9, "GB/s",
+                            nbytes / t_copy / 1e9, note="vs a pinned copy of one block's bytes")
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    out["in_memory_step_s"] = t_memory
+    out["_status"] = "ok"
+    return out
+
+
 SECTIONS = [
     ("env", section_env, False),
     ("ceilings", section_ceilings, False),
@@ -574,6 +678,7 @@ SECTIONS = [
     ("gram", section_gram, False),
     ("grad_stats", section_grad_stats, False),
     ("cross", section_cross, False),
+    ("stream", section_stream, False),
     ("capture_sweep", section_capture_sweep, True),
     ("syrk_sweep", section_syrk_sweep, True),
     ("compile_peers", section_compile_peers, True),

@@ -23,6 +23,7 @@ from .api.monitor_log import MonitorLog
 from .api.points import residual_points
 from .api.probe import Probe
 from .api.report import Report
+from .api.streaming import stream_blocks
 from .errors import FusedStatsError
 
 __all__ = [
@@ -48,4 +49,5 @@ __all__ = [
     "realized_alignment",
     "remove_inserted_block",
     "residual_points",
+    "stream_blocks",
 ]

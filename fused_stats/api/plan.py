@@ -180,3 +180,123 @@ def format_table(plans) -> str:
             f"{human_bytes(p.total('dense')):>13}{human_bytes(p.total('pool')):>13}"
             f"{human_bytes(p.total('auto')):>13}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- weight streaming
+# full shapes of common models for the weight-streaming plan: (hidden, blocks, intermediate,
+# attention heads, key/value heads, vocabulary, tied embeddings)
+STREAM_PRESETS = {
+    "gpt2": (768, 12, 3072, 12, 12, 50257, True),
+    "pythia-1b": (2048, 16, 8192, 8, 8, 50304, False),
+    "llama-7b": (4096, 32, 11008, 32, 32, 32000, False),
+    "llama-13b": (5120, 40, 13824, 40, 40, 32000, False),
+    "llama-70b": (8192, 80, 28672, 64, 8, 128256, False),  # LLaMA-3 70B
+}
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """Memory of a weight-streamed probe step (:func:`fused_stats.stream_blocks`), in bytes.
+
+    Device: the resident parts (embeddings, final norm, head), ``(1 + prefetch)`` blocks, one
+    block's activations while its backward is recomputed, every point's output and gradient
+    (the probe differentiates with respect to all points at once: ``2 L N d`` numbers for ``N``
+    tokens) and the accumulators. Host: the saved block inputs (``L N d`` numbers) and, when the
+    weights are streamed from host memory rather than from a checkpoint folder, the blocks.
+    """
+
+    label: str
+    tokens: int
+    dtype_bytes: int
+    prefetch: int
+    block_params: int
+    resident_params: int
+    blocks: int
+    block_bytes: int
+    resident_bytes: int
+    streamed_blocks_bytes: int  # (1 + prefetch) blocks
+    block_activation_bytes: int
+    point_bytes: int  # every point's output and gradient
+    accumulator_bytes: int
+    saved_input_bytes: int  # host
+    host_weight_bytes: int  # host, when streaming from host memory
+
+    @property
+    def device_bytes(self) -> int:
+        return (self.resident_bytes + self.streamed_blocks_bytes + self.block_activation_bytes
+                + self.point_bytes + self.accumulator_bytes)
+
+    @property
+    def model_bytes(self) -> int:
+        return self.resident_bytes + self.blocks * self.block_bytes
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(device_bytes=self.device_bytes, model_bytes=self.model_bytes)
+        return out
+
+
+def _stream_shape(model) -> tuple:
+    if isinstance(model, str) and model in STREAM_PRESETS:
+        return STREAM_PRESETS[model]
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise FusedStatsError(f"cannot read a model config from {str(model)!r}: {exc}") from exc
+    d, layers = model_shape(config)
+    get = lambda *keys, default=None: next((config[k] for k in keys if isinstance(config.get(k), int)),  # noqa: E731
+                                           default)
+    heads = get("num_attention_heads", "n_head", default=1)
+    return (d, layers, get("intermediate_size", "n_inner", default=4 * d) or 4 * d, heads,
+            get("num_key_value_heads", default=heads), get("vocab_size", default=0),
+            bool(config.get("tie_word_embeddings", False)))
+
+
+def plan_streaming(model, tokens: int = 8192, dtype_bytes: int = 2, prefetch: int = 1,
+                   streams: int = 2, pool_size: int | None = None,
+                   from_folder: bool = True) -> StreamPlan:
+    """:class:`StreamPlan` of a LLaMA-shaped model (a preset of :data:`STREAM_PRESETS`, or a
+    config JSON / model folder) probed with weights streamed block by block.
+
+    Counted per block: attention ``2 d² + 2 d d_kv`` (``d_kv = d · kv_heads / heads``), a gated MLP
+    ``3 d f`` and two norms ``2 d``. One block's activations: ``N (8 d + 3 f)`` numbers (what
+    autograd keeps for a LLaMA block's recomputed backward with fused attention, an estimate).
+    Accumulators: :func:`plan_memory`'s ``auto`` total at ``pool_size`` (its dense bound without).
+    """
+    tokens = _positive("tokens", tokens)
+    if prefetch not in (0, 1):
+        raise FusedStatsError(f"prefetch must be 0 or 1, got {prefetch!r}")
+    d, layers, ff, heads, kv, vocab, tied = _stream_shape(model)
+    d_kv = d * kv // max(heads, 1)
+    block = 2 * d * d + 2 * d * d_kv + 3 * d * ff + 2 * d
+    resident = vocab * d * (1 if tied else 2) + d
+    b = dtype_bytes
+    acc = plan_memory(dim=d, points=layers, pool_size=pool_size, streams=streams).total("auto")
+    label = model if isinstance(model, str) and model in STREAM_PRESETS else Path(model).stem
+    return StreamPlan(
+        label=label, tokens=tokens, dtype_bytes=b, prefetch=prefetch, block_params=block,
+        resident_params=resident, blocks=layers, block_bytes=block * b, resident_bytes=resident * b,
+        streamed_blocks_bytes=(1 + prefetch) * block * b,
+        block_activation_bytes=tokens * (8 * d + 3 * ff) * b,
+        point_bytes=2 * layers * tokens * d * b, accumulator_bytes=acc,
+        saved_input_bytes=layers * tokens * d * b,
+        host_weight_bytes=0 if from_folder else layers * block * b)
+
+
+def format_stream_plan(p: StreamPlan) -> str:
+    """Lines of a weight-streaming plan, device and host memory itemised."""
+    h = human_bytes
+    return "\n".join([
+        f"{p.label}: {p.blocks} blocks of {p.block_params / 1e9:.3g} G parameters "
+        f"({h(p.block_bytes)} each at {p.dtype_bytes} bytes), model {h(p.model_bytes)}; "
+        f"{p.tokens} tokens a batch, prefetch {p.prefetch}",
+        f"  device: resident parts {h(p.resident_bytes)} + {1 + p.prefetch} blocks "
+        f"{h(p.streamed_blocks_bytes)} + one block's activations {h(p.block_activation_bytes)} "
+        f"+ point outputs and gradients {h(p.point_bytes)} + accumulators {h(p.accumulator_bytes)} "
+        f"= {h(p.device_bytes)}",
+        f"  host: saved block inputs {h(p.saved_input_bytes)}"
+        + (f" + block weights {h(p.host_weight_bytes)}" if p.host_weight_bytes else
+           " (weights read from the checkpoint's shards)"),
+    ])

@@ -33,6 +33,9 @@ def register(sub) -> None:
     cmd.add_argument("--streams", type=int_at_least(1), default=2, choices=[1, 2],
                      help="accumulators per point: 2 = train + test streams, 1 = one")
     cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    cmd.add_argument("--stream-blocks", action="store_true",
+                     help="also plan device and host memory of a weight-streamed probe step")
+    cmd.add_argument("--tokens", type=int, default=8192, help="tokens a batch (--stream-blocks)")
     cmd.set_defaults(func=cmd_plan)
 
 
@@ -59,6 +62,12 @@ def cmd_plan(args) -> int:
         print(json.dumps([p.to_dict() for p in plans], indent=1))
         return 0
     print(format_table(plans))
+    if args.stream_blocks:
+        from ..api.plan import format_stream_plan, plan_streaming
+
+        for spec in ([args.model] if args.model else []) + (args.preset or ["llama-7b", "llama-70b"]):
+            print(format_stream_plan(plan_streaming(spec, args.tokens, pool_size=args.pool,
+                                                    streams=args.streams)))
     print("bytes of fp64 accumulator state (acc = one point, one stream; total = points x streams). "
           "auto is a pool up to N* samples, dense after; without --pool it is shown at its dense bound.")
     return 0

@@ -81,6 +81,9 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress output, and no Hugging Face loading bar (default: a bar on a "
                         "terminal, a line every 30 s otherwise)")
+    p.add_argument("--stream-blocks", action="store_true",
+                   help="stream the --model folder's block weights from its safetensors shards, one "
+                        "block at a time (models larger than the device; default: load it whole)")
     p.set_defaults(func=cmd_probe)
 
 
@@ -203,6 +206,29 @@ def load_model(spec: str, seed: int, dtype: str):
                 raise FusedStatsError(f"config {spec!r} does not describe a causal LM: {exc}") from None
         return model.to(torch_dtype), None, f"random init (seed {seed}) from {path}"
     raise FusedStatsError(f"--model {spec!r} is neither a folder nor a config .json file")
+
+
+def load_streamed(spec: str, device, dtype: str):
+    """``(streamed model, tokenizer or None, description)``: :func:`fused_stats.stream_blocks` on
+    a checkpoint folder (the streamer stays open until the process ends)."""
+    import torch
+
+    import fused_stats as fs
+
+    if not Path(spec).is_dir():
+        raise FusedStatsError(f"--stream-blocks needs a checkpoint folder as --model, got {spec!r}")
+    streamer = fs.stream_blocks(spec, device=device, dtype=getattr(torch, dtype))
+    tokenizer = None
+    path = Path(spec)
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        import transformers
+
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError):
+            tokenizer = None
+    return streamer.model, tokenizer, (f"weights streamed block by block from {path} "
+                                       f"({streamer.block_bytes:,} bytes a block)")
 
 
 # ---------------------------------------------------------------------------- data
@@ -341,10 +367,14 @@ def cmd_probe(args) -> int:
     progress = not args.no_progress
     if not (progress and stderr_is_terminal()):
         quiet_hf_progress()  # the loading bars redraw with \r: only on a terminal
-    model, tokenizer, model_what = load_model(args.model, args.seed, args.dtype)
+    if args.stream_blocks:  # the streamer places resident parts on device itself
+        model, tokenizer, model_what = load_streamed(args.model, device, args.dtype)
+    else:
+        model, tokenizer, model_what = load_model(args.model, args.seed, args.dtype)
     train, test, data_what = load_tokens(args, tokenizer)
     check_data(args, model, train, test)
-    model = model.to(device)
+    if not args.stream_blocks:
+        model = model.to(device)
     mask = args.mask or ("labels" if args.unit == "position" else "attention")
     cross = None if args.cross is None else fs.CrossSpec(rank=args.cross[0], activation=args.cross[1],
                                                          seed=args.seed)
