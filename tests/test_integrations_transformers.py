@@ -85,15 +85,20 @@ def reference_records(recorded, ga, steps, use_probe_step):
     return out
 
 
-def check(records, refs):
+def check(records, refs, fp32_loss=False):
+    """``fp32_loss``: against Probe.step, whose fp64 loss differs from HF's causal-LM loss, which
+    upcasts the logits to fp32 only (so fp64 logits are rounded to fp32 there): agreement to
+    fp32 rounding of the gradients, on the estimates that do not divide by a near-zero |μ|⁴."""
     assert len(records) == len(refs)
     for step, (record, ref) in enumerate(zip(records, refs), 1):
         assert record["step"] == step
         for point, est in ref.items():
             got = record["points"][point]
-            for key in KEYS:
+            for key in (("n", "mu_norm2", "trace_sigma2", "ag_max") if fp32_loss else KEYS):
                 want = getattr(est, key)
-                assert got[key] == pytest.approx(want, rel=1e-6, abs=1e-12), (step, point, key)
+                tol = (dict(rel=1e-5, abs=1e-5 * est.ag_mean ** 2) if fp32_loss
+                       else dict(rel=1e-6, abs=1e-12))
+                assert got[key] == pytest.approx(want, **tol), (step, point, key)
 
 
 def test_trainer_callback_gradient_accumulation(tmp_path, gen):
@@ -120,7 +125,7 @@ def test_trainer_callback_gradient_accumulation(tmp_path, gen):
     lines = fs.api.monitor_log.read_monitor_log(tmp_path / "monitor.jsonl")
     assert [r["step"] for r in lines] == [1, 2, 3]
     check(lines, reference_records(recorded, 2, 3, use_probe_step=False))
-    check(lines, reference_records(recorded, 2, 3, use_probe_step=True))
+    check(lines, reference_records(recorded, 2, 3, use_probe_step=True), fp32_loss=True)
     # one set of Trainer log metrics per optimizer step, in log_history
     logged = [h for h in trainer.state.log_history if "fused_stats/model.layers.1/d_align" in h]
     assert [h["step"] for h in logged] == [1, 2, 3]
@@ -142,3 +147,64 @@ def test_callback_arguments():
         FusedStatsCallback(probe, loss_reduction="tokens")
     with pytest.raises(fs.FusedStatsError, match="every"):
         FusedStatsCallback(probe, every=0)
+
+
+def _ddp_worker(rank, world, out_dir):
+    """One rank of a 2-process accelerate/DDP Trainer run (gloo, CPU): a run without the
+    callback, then one with it; parameters, recorded micro-batches and callback records saved."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from gloo_harness import init_gloo
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "1"})  # the group below exists already: no port is used
+    torch.set_num_threads(1)
+    init_gloo(rank, world, out_dir)
+    try:
+        data = Rows(torch.Generator().manual_seed(5), 24)
+        plain, _ = train(Path(out_dir) / f"plain{rank}", data)
+        made, recorded = {}, []
+
+        def make(model):
+            made["probe"] = fs.Probe(model, second_moment="dense")
+            log = fs.MonitorLog(Path(out_dir) / "ddp.jsonl" if rank == 0 else None, all_reduce=True)
+            made["cb"] = FusedStatsCallback(made["probe"], loss_reduction="token_mean", log=log)
+            return made["cb"]
+
+        observed, _ = train(Path(out_dir) / f"obs{rank}", data, callbacks=[make], record=recorded)
+        same = all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
+                                                    observed.state_dict().values()))
+        torch.save({"same": same, "recorded": recorded, "records": made["cb"].records,
+                    "local_n": made["probe"].stats["model.layers.0"].n},
+                   Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_trainer_callback_ddp_two_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    from fused_stats.api.monitor_log import read_monitor_log
+
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert all(r["same"] for r in ranks)
+    assert [len(r["recorded"]) for r in ranks] == [6, 6]
+    # the micro-batches of each step, both ranks' in turn, at that step's parameters; the
+    # model's loss with the global num_items_in_batch has weight 1 here, c = world on the ranks
+    merged = []
+    for step in range(3):
+        for r in ranks:
+            merged += r["recorded"][2 * step:2 * step + 2]
+    refs = reference_records(merged, 4, 3, use_probe_step=False)
+    refs_step = reference_records(merged, 4, 3, use_probe_step=True)
+    assert sum(r["local_n"] for r in ranks) == refs[-1]["model.layers.0"].n
+    lines = read_monitor_log(tmp_path / "ddp.jsonl")
+    check(lines, refs)
+    check(lines, refs_step, fp32_loss=True)
+    check(ranks[1]["records"], refs)
