@@ -16,12 +16,12 @@ residual point (``model.layers.{i}``):
   ``c_i = Σ_t q_t φ(W z_t)ᵀ``, from which ``|C|_F² = (|Σc_i|² − Σ|c_i|²)/(n(n−1))``. Only the
   inserted blocks are trainable.
 
-Printed: time per 1,000 sequences and peak memory (``tracemalloc`` of the Python heap is blind to
-torch's allocator, so the peak resident set growth over the run is read from ``/proc``), and the
-agreement of every statistic with fused_stats' (``|μ|², |μ|⁴, μᵀΣμ, tr(Σ²), d_align, AG_max``
-and ``|C|_F²``) as ratios. The cases run one after the other on the same sequences (each timed
-alone: their costs differ by far more than the machine's noise). Results:
-``bench/results/peers_cpu.json``.
+Printed: time per 1,000 sequences, peak memory (each case runs in a fresh process, which builds
+the same model and sequences; the peak resident set above what the process held when the case
+started), and the agreement of every statistic with fused_stats' (``|μ|², |μ|⁴, μᵀΣμ,
+tr(Σ²), d_align, AG_max`` and ``|C|_F²``) as ratios. The cases run one after the other (each
+timed alone: on this shared machine that adds noise of maybe 20 %, far below the differences
+measured). Results: ``bench/results/peers_cpu.json``.
 
     python bench/bench_peers.py                         # hidden 256, 4 layers, seq 128, 64 seqs
     python bench/bench_peers.py --sequences 16 --hidden 64 --layers 2 --seq 32   # quick
@@ -32,6 +32,7 @@ from __future__ import annotations
 import gc
 import json
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -86,15 +87,15 @@ def rss_mib() -> float:
 
 
 def measure(fn):
+    """``(result, seconds, peak MiB)``: the peak resident set of this process (a fresh one per
+    case, see ``main``) above what it held when the case started."""
     gc.collect()
     before = rss_mib()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     start = time.perf_counter()
     result = fn()
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    # growth of the peak resident set over the case (0 when an earlier case peaked higher)
-    return result, seconds, max(peak - max(peak_before, before), 0.0)
+    return result, seconds, max(peak - before, 0.0)
 
 
 def batches_of(data, B):
@@ -210,6 +211,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS / "peers_cpu.json"))
     parser.add_argument("--no-opacus", action="store_true")
+    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -219,16 +221,33 @@ def main(argv=None) -> int:
     w_in = torch.randn(RANK, args.hidden, generator=torch.Generator().manual_seed(1)) / args.hidden ** 0.5
     # the zero block's activation and W_in as fused_stats' CrossSpec uses them (exact-erf gelu)
     n = args.sequences
-    cases = {}
-    cases["fused_stats Probe"] = measure(lambda: run_probe(model, data, points, w_in, args.batch))
-    cases["per-sequence loop"] = measure(lambda: run_loop(model, data, points))
-    if not args.no_opacus:
+    runners = {"fused_stats Probe": lambda: run_probe(model, data, points, w_in, args.batch),
+               "per-sequence loop": lambda: run_loop(model, data, points),
+               "Opacus grad_sample": lambda: run_opacus(model, data, points, w_in, args.batch)}
+    if args.case:
+        # one case in this (fresh) process: its peak memory is its own; imports are not timed
+        if args.case.startswith("Opacus"):
+            import opacus  # noqa: F401
+        stats, seconds, peak = measure(runners[args.case])
+        print("RESULT " + json.dumps({"stats": stats, "seconds": seconds, "peak": peak}, default=float))
+        return 0
+    names = list(runners)
+    if args.no_opacus:
+        names.remove("Opacus grad_sample")
+    else:
         try:
             import opacus  # noqa: F401
         except ImportError:
-            print("opacus is not installed: its column is left out")
-        else:
-            cases["Opacus grad_sample"] = measure(lambda: run_opacus(model, data, points, w_in, args.batch))
+            print("opacus is not installed: its row is left out")
+            names.remove("Opacus grad_sample")
+    cases = {}
+    for name in names:
+        argv_case = [a for a in (argv if argv is not None else sys.argv[1:])] + ["--case", name]
+        out = subprocess.run([sys.executable, __file__, *argv_case], capture_output=True, text=True,
+                             check=True)
+        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]
+        got = json.loads(line[len("RESULT "):])
+        cases[name] = (got["stats"], got["seconds"], got["peak"])
     ref = cases["fused_stats Probe"][0]
     print(f"LlamaForCausalLM hidden {args.hidden}, {args.layers} layers, seq {args.seq}, "
           f"{n} sequences (batches of {args.batch}), {len(points)} points, fp32, "
