@@ -39,8 +39,13 @@ def run(d, n, a, repeats, seed=0):
     return truth, statistics.median(unbiased), statistics.median(plugin)
 
 
-def main() -> int:
-    d, n, repeats = 64, 256, 40
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=40)
+    repeats = parser.parse_args(argv).repeats
+    d, n = 64, 256
     print(f"rows q_i ~ N(mu, I_{d}), n = {n}, medians over {repeats} draws")
     print(f"{'|mu|':>6} {'|mu|^2 / (tr S / n)':>20} {'true d_align':>13} {'unbiased / true':>16} "
           f"{'plug-in / true':>15} {'plug-in / unbiased':>19}")

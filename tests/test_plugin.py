@@ -68,3 +68,22 @@ def test_plugin_in_dict_and_report(gen):
     text = probe.report(misalignment_trials=0).to_markdown()
     assert "plug-in, biased" in text
     assert f"{est.plugin.T:.4g}" in text
+
+
+def test_plugin_bias_directions_example():
+    """The README's measured example (Gaussian rows, known population d_align): the plug-in value
+    is inflated by a noise-dominated mean and deflated by a strong one (d_2 regime), while the
+    unbiased one stays near the truth."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "plugin_vs_unbiased.py"
+    out = subprocess.run([sys.executable, str(script), "--repeats", "6"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {float(line.split()[0]): [float(x) for x in line.split()[1:]]
+            for line in out.stdout.splitlines()[2:]}
+    assert rows[0.3][3] > 3            # plug-in / true: inflated
+    assert rows[3.0][3] < 0.95         # deflated
+    assert 0.9 < rows[3.0][2] < 1.1    # unbiased / true
