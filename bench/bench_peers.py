@@ -42,9 +42,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import RESULTS, build_llama  # noqa: E402
+from _harness import RESULTS, build_llama
 
-import fused_stats as fs  # noqa: E402
+import fused_stats as fs
 
 RANK = 16
 
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     if args.case:
         # one case in this (fresh) process: its peak memory is its own; imports are not timed
         if args.case.startswith("Opacus"):
-            import opacus  # noqa: F401
+            import opacus
         stats, seconds, peak = measure(runners[args.case])
         print("RESULT " + json.dumps({"stats": stats, "seconds": seconds, "peak": peak}, default=float))
         return 0

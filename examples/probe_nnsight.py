@@ -22,9 +22,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from probe_transformer_lens import unbiased_from_rows
 
 import fused_stats as fs
-from probe_transformer_lens import unbiased_from_rows
 
 
 def per_sequence_losses(logits, ids):

@@ -11,11 +11,11 @@ from torch import nn
 
 pytest.importorskip("lightning")
 
-import lightning as L  # noqa: E402
+import lightning as L
+from tiny_models import TanhBlock
 
-import fused_stats as fs  # noqa: E402
-from fused_stats.integrations.lightning import FusedStatsLightningCallback  # noqa: E402
-from tiny_models import TanhBlock  # noqa: E402
+import fused_stats as fs
+from fused_stats.integrations.lightning import FusedStatsLightningCallback
 
 F64 = torch.float64
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import bench_peers  # noqa: E402
-from _harness import build_llama  # noqa: E402
+import bench_peers
+from _harness import build_llama
 
-import fused_stats as fs  # noqa: E402
+import fused_stats as fs
 
 
 def close(got, want, scale, rel=1e-8):

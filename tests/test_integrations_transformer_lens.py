@@ -13,8 +13,9 @@ import torch
 
 pytest.importorskip("transformer_lens")
 
-import fused_stats as fs  # noqa: E402
-from per_sample_reference import assert_estimate_matches  # noqa: E402
+from per_sample_reference import assert_estimate_matches
+
+import fused_stats as fs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,17 +5,19 @@ parameters, recorded from the run; a run without the callback for bit-identity."
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import fused_stats as fs  # noqa: E402
-from fused_stats.integrations.transformers import (FusedStatsCallback,  # noqa: E402
-                                                   FusedStatsTrainerMixin)
-from tiny_models import padded_lm_batch  # noqa: E402
+from tiny_models import padded_lm_batch
+
+import fused_stats as fs
+from fused_stats.integrations.transformers import (
+    FusedStatsCallback,
+    FusedStatsTrainerMixin,
+)
 
 VOCAB, T = 29, 8
 KEYS = ("n", "d_align", "d_par", "d_2", "mu_norm2", "ag_max")

@@ -155,7 +155,6 @@ class FusedStatsCallback(TrainerCallback):
     def _see_call(self, module, args, kwargs):
         if self._kwargs_seen is None:
             self._kwargs_seen = dict(kwargs)
-        return None
 
     # ------------------------------------------------------------------ micro-batches
     def _micro_batches_this_step(self) -> int:
