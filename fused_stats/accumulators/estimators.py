@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from .plugin import PluginEstimate, plugin_from_centred
+
 
 @dataclass(frozen=True)
 class Certificate:
@@ -85,6 +87,8 @@ class Estimate:
     ag_max: float
     ag_mean: float
     has_signal: bool = field(default=True)
+    # the biased values per-sequence scripts report (fused_stats.accumulators.plugin)
+    plugin: PluginEstimate | None = field(default=None)
 
     @property
     def effective_rank(self) -> float:
@@ -130,7 +134,8 @@ def finalize(n: int, dim: int, kappa: float, a1: float, a2: float, F: float, bet
         d_par = d_2 = d_align = 0.0
     return Estimate(n=n, dim=dim, mu_norm2=mu_norm2, mu_norm4=mu_norm4, mu_sigma_mu=mu_sigma_mu,
                     trace_sigma2=trace_sigma2, trace_sigma=a1 / (n - 1), d_par=d_par, d_2=d_2,
-                    d_align=d_align, ag_max=ag_max, ag_mean=ag_sum / n, has_signal=has_signal)
+                    d_align=d_align, ag_max=ag_max, ag_mean=ag_sum / n, has_signal=has_signal,
+                    plugin=plugin_from_centred(n, kappa, beta, F))
 
 
 def certificate(est: Estimate, M: int, K: int) -> Certificate:

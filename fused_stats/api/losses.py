@@ -10,10 +10,17 @@ function must return one loss per sample, never a batch mean. Two common ones:
   ``input_ids``). Requiring ``mask[b, t]`` too drops the prediction of the first real token of a
   left-padded sequence from a padding position.
 * :func:`classification_loss` — per-sample cross-entropy ``ℓ_b = −log softmax(logits_b)[y_b]``.
+
+Calling style. HF models take keywords (``model(input_ids=..., attention_mask=...)``); models whose
+``forward`` has no ``input_ids`` parameter and no ``**kwargs`` (TransformerLens'
+``HookedTransformer.forward(input, ...)``, plain ``nn.Module`` LMs) get the tokens positionally,
+``model(input_ids, **the other keys it accepts)``. A key such a model does not accept, or a call
+that fails on its arguments, raises :class:`FusedStatsError` naming the signature.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -38,6 +45,44 @@ def _logits(output) -> torch.Tensor:
     raise FusedStatsError(
         f"cannot find logits in the model output of type {type(output).__name__}; expected a "
         "tensor, an object with .logits or a tuple starting with the logits")
+
+
+def _forward_parameters(model):
+    """``(names, takes_var_keywords)`` of ``model.forward`` (None when it cannot be inspected)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None, True
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return list(params), var_kw
+
+
+def call_lm(model, inputs: Mapping):
+    """Call a language model on ``inputs`` (``input_ids`` and extras) in its own style (module
+    docstring): keywords for HF-style models, the tokens positionally otherwise."""
+    names, var_kw = _forward_parameters(model)
+    positional = names is not None and "input_ids" not in names and not var_kw
+    ids = inputs["input_ids"]
+    if positional:
+        extra = {k: v for k, v in inputs.items() if k != "input_ids"}
+        unknown = [k for k in extra if k not in names]
+        if unknown:
+            raise FusedStatsError(
+                f"{type(model).__name__}.forward({', '.join(names)}) takes the tokens positionally "
+                f"and does not accept {unknown} from the batch; drop those keys")
+        args, kwargs = (ids,), extra
+    else:
+        args, kwargs = (), dict(inputs)
+    try:
+        return model(*args, **kwargs)
+    except TypeError as exc:
+        text = str(exc)
+        if "argument" not in text:
+            raise
+        style = "positionally" if positional else "as keywords"
+        raise FusedStatsError(
+            f"calling {type(model).__name__} with the batch {style} ({sorted(inputs)}) failed: "
+            f"{text}; its forward takes ({', '.join(names or ['?'])})") from exc
 
 
 def causal_lm_loss(model, batch) -> torch.Tensor:
@@ -70,7 +115,7 @@ def causal_lm_loss(model, batch) -> torch.Tensor:
                 f"{name} must be a tensor of shape {(B, T)} like input_ids, got "
                 f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = _logits(model(**inputs))
+    logits = _logits(call_lm(model, inputs))
     if logits.dim() != 3 or tuple(logits.shape[:2]) != (B, T):
         raise FusedStatsError(f"logits have shape {tuple(logits.shape)}; expected ({B}, {T}, vocab)")
     if labels is None:

@@ -7,6 +7,10 @@ candidates listed. No statistics are computed here.
 
 Detection is structural, tried in this order:
 
+0. **Hooked transformers** (TransformerLens ``HookedTransformer``): a ``blocks`` stack whose
+   blocks carry a ``hook_resid_post`` hook point; the points are the hook names
+   ``blocks.{i}.hook_resid_post`` (the residual stream after block ``i``, as TransformerLens
+   names it), so probe and TransformerLens' own hooks agree on the names.
 1. **Transformer block stacks.** A non-empty ``ModuleList`` (or ``Sequential``) of modules *of a
    single class* under a known attribute path: ``model.layers`` (HF LLaMA
    ``*ForCausalLM``), ``layers`` (``LlamaModel``, ``GPTNeoXModel``), ``gpt_neox.layers`` (GPT-NeoX /
@@ -77,6 +81,18 @@ def _outermost(names: list[str]) -> list[str]:
     return out
 
 
+RESIDUAL_HOOK = "hook_resid_post"
+
+
+def _hooked_points(model: nn.Module) -> list[str] | None:
+    stack = _get(model, "blocks")
+    if stack is None or not _homogeneous_stack(stack):
+        return None
+    if not all(isinstance(getattr(block, RESIDUAL_HOOK, None), nn.Module) for block in stack):
+        return None
+    return [f"blocks.{i}.{RESIDUAL_HOOK}" for i in range(len(stack))]
+
+
 def _stack_points(model: nn.Module) -> list[str] | None:
     for path in KNOWN_STACKS:
         stack = _get(model, path)
@@ -105,7 +121,7 @@ def _generic_stack_points(model: nn.Module) -> list[str] | None:
 def residual_points(model: nn.Module) -> list[str]:
     """Module names whose output is the residual stream after each block, in depth order.
 
-    Supports HF LLaMA (``model.layers.{i}``), GPT-NeoX (``gpt_neox.layers.{i}``), GPT-2
+    Supports TransformerLens ``HookedTransformer`` (``blocks.{i}.hook_resid_post``), HF LLaMA (``model.layers.{i}``), GPT-NeoX (``gpt_neox.layers.{i}``), GPT-2
     (``transformer.h.{i}``) and their bare ``*Model`` forms, torchvision-style ResNets (each
     ``BasicBlock``/``Bottleneck`` in ``layer1..layer4``) and CIFAR ResNets; see the module docstring
     for the structural rules.
@@ -118,7 +134,7 @@ def residual_points(model: nn.Module) -> list[str]:
     """
     if not isinstance(model, nn.Module):
         raise FusedStatsError(f"residual_points needs a torch.nn.Module, got {type(model).__name__}")
-    for finder in (_stack_points, _residual_block_points, _generic_stack_points):
+    for finder in (_hooked_points, _stack_points, _residual_block_points, _generic_stack_points):
         found = finder(model)
         if found:
             return found

@@ -333,6 +333,12 @@ class Report:
             for label, key in rows:
                 lines.append(f"| {label} | {fmt(_cell(p['train'], key))} | "
                              f"{fmt(_cell(p['test'], key))} |")
+            plug = {s: (p[s] or {}).get("plugin") for s in ("train", "test")}
+            for label, key in (("S = ‖q̄‖²", "S"), ("V", "V"), ("T", "T"), ("d_par", "d_par"),
+                               ("d_2", "d_2"), ("d_align", "d_align")):
+                if plug["train"] or plug["test"]:  # what per-sequence scripts report from rows
+                    lines.append(f"| {label} (plug-in, biased) | {fmt(_cell(plug['train'], key))} | "
+                                 f"{fmt(_cell(plug['test'], key))} |")
             cert = p["certificate"]
             if cert is None:
                 lines.append("\n- certificate: not computed")

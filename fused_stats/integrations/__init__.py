@@ -1,0 +1,7 @@
+"""Integrations with the tools researchers already train and interpret models with.
+
+* :mod:`fused_stats.integrations.transformers` — ``FusedStatsCallback`` for HF ``Trainer``;
+* :mod:`fused_stats.integrations.lightning` — ``FusedStatsLightningCallback`` for Lightning.
+
+Each submodule imports its peer library only when it is imported itself.
+"""

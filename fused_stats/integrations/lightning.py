@@ -1,0 +1,102 @@
+"""Lightning integration: the probe's statistics collected during ``lightning.Trainer.fit``.
+
+Role: :class:`FusedStatsLightningCallback` opens one
+:class:`~fused_stats.api.observe.Observation` per micro-batch (``on_train_batch_start`` to
+``on_after_backward``), so every micro-batch of an ``accumulate_grad_batches`` window is folded
+with the declared loss reduction checked as ``probe.observe`` checks it. Lightning divides the
+``training_step`` loss by ``accumulate_grad_batches`` before ``backward`` (automatic
+optimisation); that factor is passed as ``loss_scale`` and divided out, so
+``q_b = ∂ℓ_b/∂z_b`` as in :meth:`fused_stats.Probe.step`. After each optimizer step (every
+``every`` steps) one :class:`~fused_stats.MonitorLog` line is written and the metrics
+(``fused_stats/<point>/d_align``, ``ag_max``, ``n``, and with ``cross=`` ``cross_frob`` and
+``saturated``) go to the LightningModule's loggers through ``pl_module.log_dict``.
+
+DDP: each rank folds its own micro-batches and the logged statistics are merged over the ranks
+(copies; the probe's own accumulators stay local). The hooks only read gradients, so training is
+bit-identical with and without the callback.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import Callback
+
+from ..api.monitor_log import MonitorLog, point_record
+from ..api.observe import LOSS_REDUCTIONS
+from ..errors import FusedStatsError
+from .transformers import _merged_probe, metrics_of
+
+
+class FusedStatsLightningCallback(Callback):
+    """Collect ``probe``'s statistics during ``Trainer.fit`` (module docstring).
+
+    ``probe``: built on the LightningModule or a submodule of it; ``loss_reduction``: how the
+    ``training_step`` loss combines per-sample losses; ``log``: an optional MonitorLog;
+    ``every``: log after every ``every``-th optimizer step. :attr:`records` holds every logged
+    record, :attr:`micro_batches` the micro-batches folded.
+    """
+
+    def __init__(self, probe, loss_reduction: str = "mean", log=None, every: int = 1,
+                 stream: str = "train"):
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise FusedStatsError(
+                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise FusedStatsError(f"every must be a positive int, got {every!r}")
+        if log is not None and not isinstance(log, MonitorLog):
+            raise FusedStatsError(f"log must be a fused_stats.MonitorLog, got {type(log).__name__}")
+        probe._stream(stream)
+        self.probe = probe
+        self.loss_reduction = loss_reduction
+        self.monitor_log = log
+        self.every = every
+        self.stream = stream
+        self.records: list[dict] = []
+        self.micro_batches = 0
+        self._observation = None
+        self._logged_step = 0
+
+    def _drop(self):
+        obs, self._observation = self._observation, None
+        if obs is not None:
+            obs.__exit__(RuntimeError, RuntimeError("closed"), None)  # folds nothing
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._drop()
+        if not pl_module.automatic_optimization:
+            raise FusedStatsError(
+                "FusedStatsLightningCallback needs automatic optimisation (Lightning's own "
+                "backward); with manual optimisation use probe.observe around your backward")
+        self._observation = self.probe.observe(
+            loss_reduction=self.loss_reduction, stream=self.stream,
+            loss_scale=1.0 / trainer.accumulate_grad_batches)
+        self._observation.__enter__()
+
+    def on_after_backward(self, trainer, pl_module):
+        obs, self._observation = self._observation, None
+        if obs is not None:
+            obs.__exit__(None, None, None)
+            self.micro_batches += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._drop()  # a step that skipped backward (training_step returned None)
+        step = int(trainer.global_step)
+        if step == self._logged_step or step % self.every:
+            return
+        self._logged_step = step
+        source = self.probe
+        if trainer.world_size > 1:
+            source = _merged_probe(self.probe)
+        if self.monitor_log is not None:
+            record = self.monitor_log.write(self.probe if self.monitor_log.all_reduce else source,
+                                    stream=self.stream, step=step)
+        else:
+            record = {"step": step, "stream": self.stream,
+                      "points": {name: point_record(source, name, self.stream)
+                                 for name in self.probe.points}}
+        self.records.append(record)
+        metrics = metrics_of(record["points"])
+        if metrics:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+
+    def on_train_end(self, trainer, pl_module):
+        self._drop()

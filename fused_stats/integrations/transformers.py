@@ -1,0 +1,265 @@
+"""HF ``Trainer`` integration: the probe's statistics collected during ``Trainer.train()``.
+
+Role: :class:`FusedStatsCallback` opens one :class:`~fused_stats.api.observe.Observation` per
+micro-batch (the Trainer's ``on_step_begin`` / ``on_substep_end`` / ``on_pre_optimizer_step``
+events bracket each micro-batch's forward and backward), so every micro-batch of a
+gradient-accumulation step is folded with the declared loss reduction checked exactly as
+``probe.observe`` checks it. After each optimizer step (every ``every`` steps) it writes one
+:class:`~fused_stats.MonitorLog` line and one set of metrics into the Trainer's logs
+(``fused_stats/<point>/d_align``, ``.../ag_max``, ``.../n`` and, with ``cross=``, ``.../cross_frob``
+(``|C|_F``) and ``.../saturated``), so the console, TensorBoard and W&B show them.
+
+**Per-sample scaling.** The loss the Trainer differentiates per micro-batch is
+``ℒ = c · (1/N) Σ_b Σ_t ℓ_bt`` (HF causal-LM token mean; ``N``: the Trainer's
+``num_items_in_batch``, the valid targets of the whole accumulation step, over all ranks when
+``average_tokens_across_devices``), with ``c`` the Trainer's own factor: the number of processes
+when it averages tokens across devices (it multiplies the loss so that DDP's gradient mean is a
+token mean), and ``1/k`` (``k`` micro-batches in this step) when the model is not given
+``num_items_in_batch``. The callback passes ``c`` as ``loss_scale`` and the observation divides it
+out, so ``q_b = ∂ℓ_b/∂z_b`` as in :meth:`fused_stats.Probe.step`.
+
+**DDP** (accelerate's multi-process launch): each rank folds its own micro-batches; the
+statistics logged are merged over the ranks (copies; the probe's own accumulators stay local, as
+:class:`~fused_stats.MonitorLog` with ``all_reduce=True`` does), and only rank 0 writes the line.
+
+**Why a Trainer mixin as well.** A callback runs after the Trainer's reporting callbacks
+(TensorBoard, W&B) in ``on_log``, so the metrics it adds there reach only the console and the
+callbacks after it; it also patches the newest ``state.log_history`` entry. Mix
+:class:`FusedStatsTrainerMixin` into the Trainer class (``class MyTrainer(FusedStatsTrainerMixin,
+Trainer)``) to put them into the logs before any callback sees them.
+
+The hooks only read gradients: training is bit-identical with and without the callback.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+
+from transformers import TrainerCallback
+
+from ..api.monitor_log import MonitorLog, point_record
+from ..api.observe import LOSS_REDUCTIONS
+from ..errors import FusedStatsError
+
+PREFIX = "fused_stats"
+METRIC_KEYS = ("n", "d_align", "ag_max", "cross_frob", "saturated")
+
+
+def _merged_probe(probe, group=None):
+    """A shallow copy of ``probe`` whose accumulators are copies merged over the process group."""
+    from ..api.distributed_probe import all_reduce_probe
+
+    shadow = copy.copy(probe)
+    for attr in ("stats", "test_stats", "cross_stats", "test_cross_stats"):
+        table = getattr(probe, attr, None)
+        if isinstance(table, dict):
+            setattr(shadow, attr, {k: v.copy() for k, v in table.items()})
+    for attr in ("steps", "skipped_steps", "dims"):
+        setattr(shadow, attr, dict(getattr(probe, attr)))
+    return all_reduce_probe(shadow, group)
+
+
+def metrics_of(record_points: dict) -> dict[str, float]:
+    """Trainer log metrics ``{"fused_stats/<point>/<key>": float}`` from a MonitorLog line's
+    ``points`` (None values are left out; booleans become 0.0 / 1.0)."""
+    out = {}
+    for name, point in record_points.items():
+        for key in METRIC_KEYS:
+            value = point.get(key)
+            if value is None or isinstance(value, str):
+                continue
+            out[f"{PREFIX}/{name}/{key}"] = float(value)
+    return out
+
+
+class FusedStatsCallback(TrainerCallback):
+    """Collect ``probe``'s statistics during ``Trainer.train()`` (module docstring).
+
+    Parameters
+    ----------
+    probe : fused_stats.Probe
+        Built on the model given to the Trainer (the unwrapped module).
+    loss_reduction : {"token_mean", "mean", "sum"}
+        How the model's loss combines per-sample losses (HF causal-LM models: ``"token_mean"``).
+    log : fused_stats.MonitorLog, optional
+        Gets one line per logged optimizer step (its own ``every`` is not used; pass
+        ``all_reduce=True`` under DDP, or leave it to the callback, which merges either way).
+    every : int
+        Log (MonitorLog line and Trainer metrics) after every ``every``-th optimizer step.
+    stream : {"train", "test"}
+    loss_scale : float, optional
+        Overrides the Trainer's own loss factor ``c`` (module docstring), e.g. for a custom
+        ``compute_loss``.
+
+    Attributes: :attr:`records` (the MonitorLog-style records of every logged step, this rank's
+    view of the merged statistics), :attr:`micro_batches` (micro-batches folded).
+    """
+
+    def __init__(self, probe, loss_reduction: str = "token_mean", log=None, every: int = 1,
+                 stream: str = "train", loss_scale=None):
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise FusedStatsError(
+                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise FusedStatsError(f"every must be a positive int, got {every!r}")
+        if log is not None and not isinstance(log, MonitorLog):
+            raise FusedStatsError(f"log must be a fused_stats.MonitorLog, got {type(log).__name__}")
+        if loss_scale is not None and (not isinstance(loss_scale, numbers.Real)
+                                       or not math.isfinite(loss_scale) or loss_scale <= 0):
+            raise FusedStatsError(f"loss_scale must be a positive number or None, got {loss_scale!r}")
+        probe._stream(stream)
+        self.probe = probe
+        self.loss_reduction = loss_reduction
+        self.log = log
+        self.every = every
+        self.stream = stream
+        self.loss_scale = loss_scale
+        self.records: list[dict] = []
+        self.micro_batches = 0
+        self._observation = None
+        self._pending: dict[str, float] = {}
+        self._hook = None
+        self._kwargs_seen: dict | None = None
+        self._world = 1
+        self._average_tokens = False
+        self._k_in_step = 0
+        self._steps_in_epoch = None
+        self._batch_in_epoch = 0
+        self._accumulation = 1
+
+    # ------------------------------------------------------------------ set-up
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._world = max(int(getattr(args, "world_size", 1) or 1), 1)
+        self._average_tokens = bool(getattr(args, "average_tokens_across_devices", False))
+        self._accumulation = int(args.gradient_accumulation_steps)
+        loader = kwargs.get("train_dataloader")
+        try:
+            self._steps_in_epoch = len(loader) if loader is not None else None
+        except TypeError:
+            self._steps_in_epoch = None
+        model = self.probe.model
+        if self._hook is None:
+            self._hook = model.register_forward_pre_hook(self._see_call, with_kwargs=True)
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self._batch_in_epoch = 0
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._close(fold=False)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _see_call(self, module, args, kwargs):
+        if self._kwargs_seen is None:
+            self._kwargs_seen = dict(kwargs)
+
+    # ------------------------------------------------------------------ micro-batches
+    def _micro_batches_this_step(self) -> int:
+        """``k``: the micro-batches of the current optimizer step (fewer at an epoch's end)."""
+        ga, total = self._accumulation, self._steps_in_epoch
+        if total is None:
+            return ga
+        first = self._batch_in_epoch - self._k_in_step  # index of the step's first micro-batch
+        return max(min(ga, total - first), 1)
+
+    def _trainer_factor(self) -> float:
+        """``c``: the factor the Trainer multiplied the micro-batch's token-mean loss by."""
+        if self.loss_scale is not None:
+            return float(self.loss_scale)
+        kwargs = self._kwargs_seen or {}
+        if kwargs.get("num_items_in_batch") is not None:
+            return float(self._world) if self._average_tokens and self._world > 1 else 1.0
+        return 1.0 / self._micro_batches_this_step()
+
+    class _Scale:
+        """``loss_scale`` read when the observation exits (after the forward showed its kwargs)."""
+
+        def __init__(self, callback):
+            self.callback = callback
+
+        def get_scale(self):
+            return self.callback._trainer_factor()
+
+    def _open(self):
+        self._kwargs_seen = None
+        self._observation = self.probe.observe(
+            loss_reduction=self.loss_reduction, stream=self.stream, loss_scale=self._Scale(self))
+        self._observation.__enter__()
+
+    def _close(self, fold: bool = True):
+        obs, self._observation = self._observation, None
+        if obs is None:
+            return
+        if not fold:
+            # training ended between events: drop the capture, fold nothing
+            obs.__exit__(RuntimeError, RuntimeError("closed"), None)
+            return
+        self._k_in_step += 1
+        self._batch_in_epoch += 1
+        obs.__exit__(None, None, None)
+        self.micro_batches += 1
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._close(fold=False)
+        self._k_in_step = 0
+        self._open()
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._close()
+        self._open()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._close()
+
+    # ------------------------------------------------------------------ logging
+    def on_step_end(self, args, state, control, **kwargs):
+        step = int(state.global_step)
+        if step % self.every:
+            return control
+        source = self.probe
+        if self._world > 1:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                source = _merged_probe(self.probe)
+        if self.log is not None:
+            # the log merges itself when all_reduce=True; otherwise it is given the merged view
+            record = self.log.write(self.probe if self.log.all_reduce else source,
+                                    stream=self.stream, step=step)
+        else:
+            record = {"step": step, "stream": self.stream,
+                      "points": {name: point_record(source, name, self.stream)
+                                 for name in self.probe.points}}
+        self.records.append(record)
+        self._pending = metrics_of(record["points"])
+        control.should_log = True
+        return control
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The metrics of the last logged step, once (used by :class:`FusedStatsTrainerMixin`)."""
+        out, self._pending = self._pending, {}
+        return out
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = self.pop_metrics()
+        if not metrics or logs is None:
+            return control
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+        return control
+
+
+class FusedStatsTrainerMixin:
+    """Put a :class:`FusedStatsCallback`'s metrics into ``Trainer.log`` before any callback
+    (TensorBoard, W&B, ``state.log_history``) sees the logs: ``class MyTrainer(
+    FusedStatsTrainerMixin, Trainer)``."""
+
+    def log(self, logs, *args, **kwargs):
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, FusedStatsCallback):
+                logs.update(callback.pop_metrics())
+        return super().log(logs, *args, **kwargs)
