@@ -553,7 +553,7 @@ class Probe:
                 else:
                     if acc is None:
                         acc = self.new_accumulator(kind, stream, name, dim,
-                                                   device=g.device if kind == "norm_hist" else None)
+                                                   device=g.device)
                     prepared = acc.prepare(g, m, unit, fd if unit != "flat" else -1)
                 if not prepared.finite:
                     return self._skip_or_raise(stream, self._nonfinite_message(
