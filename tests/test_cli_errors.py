@@ -14,6 +14,7 @@ import argparse
 import io
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -263,6 +264,29 @@ def test_progress_bar_only_on_a_terminal():
     with Progress(5, "work", stream=quiet, enabled=False) as bar:
         bar.update(5)
     assert quiet.getvalue() == ""
+
+
+def test_probe_run_follows_the_progress_rule(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 3, generator=gen), torch.randint(0, 2, (5,), generator=gen))
+               for _ in range(3)]
+    probe = fs.Probe(model, points=["0", "2"], second_moment="dense")
+    with open(tmp_path / "err.log", "w") as log:   # stderr redirected to a file
+        monkeypatch.setattr(sys, "stderr", log)
+        assert probe.run(batches, fs.classification_loss) == 3
+    text = (tmp_path / "err.log").read_text()
+    assert "\r" not in text and text.splitlines()[-1].startswith("probe train: 3/3 batches")
+    tty = _Terminal()
+    monkeypatch.setattr(sys, "stderr", tty)
+    probe.run(batches, fs.classification_loss, stream="test", max_batches=2)
+    assert "\r" in tty.getvalue() and "probe test" in tty.getvalue()   # a bar on a terminal
+    quiet = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    probe.run(batches, fs.classification_loss, progress=False)
+    assert quiet.getvalue() == ""
+    assert probe.stats["0"].n == 30 and probe.test_stats["2"].n == 10
 
 
 def test_probe_progress_in_a_redirected_stderr_has_no_carriage_return(here, capsys, monkeypatch):

@@ -425,7 +425,7 @@ def test_merged_checkpoints_and_cli_merge_equal_one_run(tmp_path, uninterrupted,
         shards.append(tmp_path / f"job{i}")
     merge_checkpoints(tmp_path / "api", shards)
     assert main(["merge", str(tmp_path / "cli"), *map(str, shards)]) == 0
-    assert "cross (rank 3, gelu, unit sample)" in capsys.readouterr().out
+    assert "cross: rank=3, activation=gelu, unit=sample" in capsys.readouterr().out
     for out in ("api", "cli"):
         merged = new_probe()
         merged.load_state(tmp_path / out)

@@ -275,3 +275,31 @@ def test_checkpoint_round_trip_of_a_probe_with_histograms(tmp_path, gen):
     with pytest.raises(fs.FusedStatsError, match="no norm_hist statistics"):
         victim.load_state(tmp_path / "plain")
     assert not victim.table
+
+
+def test_checkpoint_of_other_settings_is_refused_by_the_declared_settings(tmp_path, gen):
+    def make(**kw):
+        return fs.Probe(Net().double(), points=["first", "second"], **kw)
+
+    probe = make(second_moment="dense", norm_histogram={"bins": 6})
+    x, y = torch.randn(5, 4, generator=gen, dtype=F64), torch.randint(0, 3, (5,), generator=gen)
+    probe.step((x, y), fs.classification_loss)
+    probe.save_state(tmp_path / "ckpt")
+    for kw, words in [(dict(second_moment="pool", norm_histogram={"bins": 6}),
+                       ["'first' (train)", "second_moment 'pool' vs 'dense'"]),
+                      (dict(second_moment="dense", norm_histogram={"bins": 7}),
+                       ["norm_hist", "bins 7 vs 6"])]:
+        fresh = make(**kw)   # nothing stepped: compared with the accumulator it would create
+        with pytest.raises(fs.FusedStatsError, match="other settings than this probe's") as info:
+            fresh.load_state(tmp_path / "ckpt")
+        assert all(w in str(info.value) for w in words), (words, str(info.value))
+        assert not fresh.table
+        stepped = make(**kw)   # stepped: compared with the accumulator it holds, kept as it was
+        stepped.step((x, y), fs.classification_loss)
+        before = {key: acc.state_dict() for key, acc in stepped.table.items()}
+        with pytest.raises(fs.FusedStatsError, match=words[-1]):
+            stepped.load_state(tmp_path / "ckpt")
+        assert all(stepped.table[key].same_state(state) for key, state in before.items())
+    same = make(second_moment="dense", norm_histogram={"bins": 6})
+    same.load_state(tmp_path / "ckpt")
+    assert all(same.table[key].same_state(acc) for key, acc in probe.table.items())

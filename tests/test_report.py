@@ -507,3 +507,93 @@ def test_sweep_plots_are_readable_with_symlog_zeros(tmp_path, captured):
     # no stream_norm in meta: no panel for the scale-free AG_max
     assert [ax.get_title() for ax in depth_fig.axes] == [
         "AG_max vs depth (spread over seeds)", "cross-gradient vs depth", "held-out loss vs depth"]
+
+
+# ---------------------------------------------------------------------------- norm histogram
+class _TwoLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 6)
+        self.act = torch.nn.Tanh()
+        self.second = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.second(self.act(self.first(x)))
+
+
+def _per_sample_norms(model, x, y, name) -> list[float]:
+    """|∂ℓ_i/∂z_i| at module ``name``: one forward and one backward per sample."""
+    norms = []
+    for i in range(x.shape[0]):
+        seen = {}
+        handle = model.get_submodule(name).register_forward_hook(
+            lambda mod, args, out, seen=seen: seen.setdefault("z", out))
+        try:
+            loss = torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
+        finally:
+            handle.remove()
+        (g,) = torch.autograd.grad(loss, [seen["z"]])
+        norms.append(float(g.reshape(-1).norm()))
+    return norms
+
+
+def test_report_renders_the_norm_histogram_of_per_sample_norms(tmp_path, captured):
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(7)
+    model = _TwoLayer().double()
+    low, high, bins = 0.1, 1.5, 8
+    probe = fs.Probe(model, points=["first", "second"], second_moment="pool",
+                     norm_histogram={"low": low, "high": high, "bins": bins})
+    xs = [torch.randn(10, 4, generator=gen, dtype=torch.float64) * 2 for _ in range(2)]
+    ys = [torch.randint(0, 3, (10,), generator=gen) for _ in range(2)]
+    for x, y in zip(xs, ys):
+        probe.step((x, y), fs.classification_loss)
+    report = probe.report(misalignment_trials=0)
+    report = Report.from_json(report.to_json(tmp_path / "r.json"))  # survives the JSON file
+    md = report.to_markdown()
+    edges = np.logspace(np.log10(low), np.log10(high), bins + 1)
+    expected = {}
+    for name in probe.points:
+        norms = np.array(_per_sample_norms(model, torch.cat(xs), torch.cat(ys), name))
+        counts, _ = np.histogram(norms, bins=edges)
+        expected[name] = counts.tolist()
+        section = md.split(f"## Point `{name}`", 1)[1].split("## Point", 1)[0]
+        rows = {}
+        for line in section.split("### Per-sample norm histogram", 1)[1].splitlines():
+            if line.startswith("| ["):
+                cells = [c.strip() for c in line.strip("|").split("|")]
+                rows[cells[0]] = int(cells[1])
+        shown = [rows.get(f"[{a:.3g}, {b:.3g})", 0) for a, b in itertools.pairwise(edges)]
+        assert shown == expected[name], name
+        assert rows[f"[0, {edges[0]:.3g})"] == int((norms < low).sum())
+        assert rows[f"[{edges[-1]:.3g}, inf)"] == int((norms >= high).sum())
+        assert sum(rows.values()) == 20
+    # the plot: one panel of bars whose heights are those counts, on a log |q| axis
+    report.plot(tmp_path / "r.png")
+    (fig,) = captured
+    ax = next(a for a in fig.axes if "norm histogram" in a.get_title())
+    assert ax.get_xscale() == "log"
+    heights = [round(bar.get_height()) for bar in ax.patches]
+    assert heights == expected["first"] + expected["second"]
+    lefts = [bar.get_x() for bar in ax.patches[:bins]]
+    assert lefts == pytest.approx(edges[:-1].tolist(), rel=1e-12)
+    _check_readable(fig)
+    # a report without histograms has no such panel and no such section
+    plain, _ = make_data(points=2)
+    Report(plain).plot(tmp_path / "p.png")
+    assert not any("norm histogram" in a.get_title() for a in captured[1].axes)
+    assert "norm histogram" not in Report(plain).to_markdown()
+
+
+def test_bad_norm_histogram_is_rejected():
+    data, _ = make_data(points=1)
+    good = {"n": 3, "edges": [0.1, 1.0, 10.0], "counts": [1, 1], "underflow": 1, "overflow": 0}
+    data["points"][0]["norm_histogram"] = dict(good, counts=[2, 1])
+    with pytest.raises(fs.FusedStatsError, match="norm_histogram: the counts add up to 4, n=3"):
+        Report(data)
+    data["points"][0]["norm_histogram"] = dict(good, edges=[0.1, 1.0])
+    with pytest.raises(fs.FusedStatsError, match="one more positive edge than counts"):
+        Report(data)
+    data["points"][0]["norm_histogram"] = good
+    assert "| [0.1, 1) | 1 |" in Report(data).to_markdown()

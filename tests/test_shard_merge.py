@@ -173,3 +173,33 @@ def test_console_script_is_installed(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert fs.GradStats.load(out).n == 8
+
+
+def test_cli_merge_of_norm_histogram_files_equals_numpy(tmp_path, capsys):
+    # a kind the command has no code of its own for: it merges through the protocol
+    import numpy as np
+
+    from fused_stats.accumulators import NormHistogram
+
+    low, high, bins = 0.5, 20.0, 7
+    shards = [shard(40 + i, [6, 5], 4, 1.0 + i) for i in range(3)]
+    paths = []
+    for i, data in enumerate(shards):
+        paths.append(str(tmp_path / f"h{i}.safetensors"))
+        feed(NormHistogram(4, low=low, high=high, bins=bins), data).save(paths[-1])
+    out = tmp_path / "h.safetensors"
+    assert main(["merge", str(out), *paths]) == 0
+    printed = capsys.readouterr().out
+    assert "n=33" in printed and "norm_hist: bins=7, unit=sample" in printed
+    merged = NormHistogram.load(out)
+    norms = torch.cat([x for data in shards for x in data]).norm(dim=1).numpy()
+    edges = np.logspace(np.log10(low), np.log10(high), bins + 1)
+    counts = merged.to_dict()
+    assert counts["counts"] == np.histogram(norms, bins=edges)[0].tolist()
+    assert (counts["underflow"], counts["overflow"]) == (int((norms < low).sum()),
+                                                         int((norms >= high).sum()))
+    other = tmp_path / "other.safetensors"
+    NormHistogram(4, low=low, high=high, bins=bins + 1).save(other)
+    assert main(["merge", str(tmp_path / "bad.safetensors"), paths[0], str(other)]) == 2
+    assert "bins 7 vs 8" in capsys.readouterr().err
+    assert not (tmp_path / "bad.safetensors").exists()

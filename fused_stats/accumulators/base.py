@@ -345,6 +345,24 @@ class Accumulator:
             raise TypeError(f"{key} must be a string or null, got {value!r}")
         return value
 
+    def setting_differences(self, other) -> list[str]:
+        """Why ``other``'s state cannot stand in for this accumulator's (e.g. when a checkpoint
+        is loaded), as ``"key mine vs theirs"``: a different kind, a different plain
+        constructor setting (``config()``; the name and the ``nonfinite`` policy aside, which do
+        not change what the state means), or a different ``unit`` where both are set. Tensor settings (a projection) are compared by ``check_compatible``."""
+        if type(other) is not type(self):
+            return [f"kind {self.KIND!r} vs {getattr(other, 'KIND', type(other).__name__)!r}"]
+        mine, theirs = self.config(), other.config()
+        out = [f"{key} {mine.get(key)!r} vs {theirs.get(key)!r}"
+               for key in sorted(set(mine) | set(theirs))
+               if key not in ("name", "nonfinite") and mine.get(key) != theirs.get(key)]
+        # the unit (every Prepared batch has one) fixes what a sample is; other labels, such as
+        # a representation, may differ between equal statistics
+        a, b = getattr(self, "unit", None), getattr(other, "unit", None)
+        if a is not None and b is not None and a != b:
+            out.append(f"unit {a!r} vs {b!r}")
+        return out
+
     # ------------------------------------------------------------------ merging
     def check_compatible(self, other) -> None:
         """Raise :class:`FusedStatsError` naming why ``other`` cannot be merged into this one."""

@@ -339,6 +339,23 @@ def read_snapshot(directory, device=None, backend: str = "auto"):
     return manifest, accs
 
 
+def _check_settings_fit(probe, key, loaded, mine) -> None:
+    """The checkpoint's accumulator must have the settings of the one the probe holds at
+    ``key``, or else of the one it would create there (:meth:`Accumulator.setting_differences`)."""
+    kind, stream, name = key
+    reference = mine
+    if reference is None and kind in getattr(probe, "kinds", ()) \
+            and callable(getattr(probe, "new_accumulator", None)):
+        reference = probe.new_accumulator(kind, stream, name, loaded.dim)
+    if reference is None:
+        return
+    diffs = reference.setting_differences(loaded)
+    if diffs:
+        raise FusedStatsError(
+            f"checkpoint point {_label(key)} was written with other settings than this probe's: "
+            f"{'; '.join(diffs)} (probe vs checkpoint); build the probe as the checkpointed run was")
+
+
 def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -> None:
     """The checkpoint's cross statistics must belong to the probe's own zero-output block."""
     _, stream, name = key
@@ -394,19 +411,8 @@ def _install(probe, accs: dict, manifest: dict) -> None:
             _check_cross_fits(probe, key, loaded, mine)
         if isinstance(table, _AttributeTable):
             table._dict(kind, stream)  # raises when the object has no dict for this stream
-        if kind != "grad" and kind != "cross" and mine is not None:
-            try:
-                loaded.check_compatible(mine)
-            except FusedStatsError as exc:
-                raise FusedStatsError(f"checkpoint point {_label(key)}: {exc}") from exc
-        if kind == "grad" and mine is not None and (
-                mine.dim, mine.second_moment, mine.pool_capacity) != (
-                loaded.dim, loaded.second_moment, loaded.pool_capacity):
-            raise FusedStatsError(
-                f"checkpoint point {name!r} ({stream}) has dim={loaded.dim}, "
-                f"second_moment={loaded.second_moment!r}, pool_capacity={loaded.pool_capacity}; the "
-                f"probe's has dim={mine.dim}, second_moment={mine.second_moment!r}, "
-                f"pool_capacity={mine.pool_capacity}")
+        if kind != "cross":
+            _check_settings_fit(probe, key, loaded, mine)
     if getattr(probe, "cross", None) is not None:
         # samples without their cross statistics: a resumed |C|^2 would miss those batches
         lacking = [f"{name} ({stream})" for kind, stream, name in accs

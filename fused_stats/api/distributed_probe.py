@@ -102,8 +102,7 @@ def _fill_missing(probe, group, device) -> None:
         state_device = _probe_device(probe)
     for kind, stream, name, dim, dtype in new:
         probe.table[(kind, stream, name)] = probe.new_accumulator(
-            kind, stream, name, dim, dtype=dtype,
-            device=None if kind == "grad" else state_device)
+            kind, stream, name, dim, dtype=dtype, device=state_device)
         if kind == "grad":
             probe.dims.setdefault(name, dim)
 

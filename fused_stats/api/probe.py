@@ -553,7 +553,7 @@ class Probe:
                 else:
                     if acc is None:
                         acc = self.new_accumulator(kind, stream, name, dim,
-                                                   device=g.device if kind == "norm_hist" else None)
+                                                   device=g.device)
                     prepared = acc.prepare(g, m, unit, fd if unit != "flat" else -1)
                 if not prepared.finite:
                     return self._skip_or_raise(stream, self._nonfinite_message(
@@ -628,10 +628,14 @@ class Probe:
 
     def run(self, batches, loss_fn, stream: str = "train", max_batches: int | None = None,
             mask=None, progress: bool = True) -> int:
-        """:meth:`step` over an iterable of batches (at most ``max_batches``), with a tqdm bar.
+        """:meth:`step` over an iterable of batches (at most ``max_batches``).
 
-        Returns the number of batches folded in.
+        ``progress``: shown by :class:`fused_stats.progress.Progress` (a bar when stderr is a
+        terminal, a plain line now and then when it is redirected, never a carriage return into
+        a file; False: nothing). Returns the number of batches folded in.
         """
+        from ..progress import Progress
+
         self.check_stream(stream)
         total = max_batches
         if total is None:
@@ -641,23 +645,14 @@ class Probe:
                 total = None
         elif hasattr(batches, "__len__"):
             total = min(total, len(batches))
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=total, desc=f"probe {stream}", unit="batch", leave=False)
         done = 0
-        try:
+        with Progress(total, f"probe {stream}", enabled=progress, unit="batches") as bar:
             for batch in batches:
                 if max_batches is not None and done >= max_batches:
                     break
                 self.step(batch, loss_fn, stream=stream, mask=mask)
                 done += 1
-                if bar is not None:
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
+                bar.update(1)
         return done
 
     # ------------------------------------------------------------------ scale-out

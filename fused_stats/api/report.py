@@ -11,7 +11,9 @@ Role: the one exchange format between :class:`fused_stats.Probe` (which fills it
      "points": [{"name": str, "index": int, "dim": int,
                  "train": Estimate dict | None, "test": Estimate dict | None,
                  "certificate": Certificate dict | None, "misalignment": Misalignment dict | None,
-                 "realized_alignment": float | None, "saturation": dict | None}],
+                 "realized_alignment": float | None, "saturation": dict | None,
+                 "norm_histogram": {"n": int, "edges": [float] * (bins + 1), "counts": [int] * bins,
+                                    "underflow": int, "overflow": int}   (optional)}],
      "meta": dict}
 
 The Estimate / Certificate / Misalignment dicts are the ``to_dict()`` of the classes in
@@ -20,7 +22,9 @@ accumulators finalised: ``|μ|²`` (``mu_norm2``), ``d_par = |μ|⁴/μᵀΣμ``
 ``d_align = min(d_par, d_2)``, the certificate bounds ``B_align = 1/(1 + n_eff d_align)`` and
 ``B_exact = Var/(Var + |μ|⁴)`` with ``n_eff = MK/(M+K+1)`` (width paper, Theorem 1;
 docs/design.md, section 2), the empirical misalignment ``Pr(μ_Mᵀg_K ≤ 0)`` over random splits of a pool, the
-realized alignment ``s_trainᵀ s_test/(MK)`` and the depth paper's ``AG_max = max_i |q_i|``.
+realized alignment ``s_trainᵀ s_test/(MK)``, the depth paper's ``AG_max = max_i |q_i|`` and,
+when the probe kept one (``Probe(norm_histogram=...)``), the train stream's histogram of the
+per-sample norms ``|q_i|`` in log-spaced bins (count ``k`` holds ``edges[k] ≤ |q_i| < edges[k+1]``).
 
 JSON has no infinity or NaN (``d_par`` is ``inf`` when the ``μᵀΣμ`` estimate is ≤ 0), so
 non-finite floats are written as the strings ``"Infinity"``, ``"-Infinity"`` and ``"NaN"`` and
@@ -34,14 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import itertools
 import json
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
-from ..accumulators import trends
-from ..accumulators import Certificate, Estimate, Misalignment
+from ..accumulators import Certificate, Estimate, Misalignment, trends
 from ..accumulators.persistence import write_atomic
 from ..accumulators.trends import cosine as trend_cosine
 from ..accumulators.trends import median, rank_correlation  # noqa: F401  (re-exported)
@@ -191,6 +195,33 @@ def validate(data) -> None:
             raise FusedStatsError(
                 f"report: point {name!r}: saturation must be a dict or null, "
                 f"got {type(point['saturation']).__name__}")
+        if "norm_histogram" in point:
+            _check_histogram(name, point["norm_histogram"])
+
+
+def _check_histogram(name: str, hist) -> None:
+    """Raise unless ``hist`` is a norm histogram dict (module docstring)."""
+    where = f"report: point {name!r}: norm_histogram"
+    if not isinstance(hist, dict):
+        raise FusedStatsError(f"{where} must be a dict, got {type(hist).__name__}")
+    missing = [k for k in ("n", "edges", "counts", "underflow", "overflow") if k not in hist]
+    if missing:
+        raise FusedStatsError(f"{where} lacks keys {missing}")
+    edges, counts = hist["edges"], hist["counts"]
+    if not (isinstance(edges, list) and isinstance(counts, list) and len(counts) >= 1
+            and len(edges) == len(counts) + 1 and all(_is_number(e) and e > 0 for e in edges)
+            and all(_is_int(c) and c >= 0 for c in counts)):
+        raise FusedStatsError(
+            f"{where}: needs counts (non-negative ints, one per bin) and one more positive edge "
+            f"than counts; got {len(edges) if isinstance(edges, list) else edges!r} edges and "
+            f"{len(counts) if isinstance(counts, list) else counts!r} counts")
+    for key in ("n", "underflow", "overflow"):
+        if not _is_int(hist[key]) or hist[key] < 0:
+            raise FusedStatsError(f"{where}: {key} must be a non-negative int, got {hist[key]!r}")
+    if sum(counts) + hist["underflow"] + hist["overflow"] != hist["n"]:
+        raise FusedStatsError(
+            f"{where}: the counts add up to {sum(counts) + hist['underflow'] + hist['overflow']}, "
+            f"n={hist['n']}")
 
 
 # ---------------------------------------------------------------------------- formatting
@@ -279,7 +310,7 @@ class Report:
         return path
 
     @classmethod
-    def from_json(cls, path) -> "Report":
+    def from_json(cls, path) -> Report:
         """Read and validate a report file; any problem raises :class:`FusedStatsError`."""
         path = Path(path)
         try:
@@ -301,7 +332,8 @@ class Report:
 
     # ------------------------------------------------------------------ markdown
     def to_markdown(self) -> str:
-        """A header, one summary row per point, then one table per point (train and test)."""
+        """A header, one summary row per point, then one table per point (train and test) and,
+        where the point carries one, its norm histogram."""
         d, model, meta = self.data, self.model, self.meta
         lines = [f"# fused_stats report: {model['class']}", ""]
         lines.append(f"- parameters: {model['num_parameters']:,}; unit: `{d['unit']}`; "
@@ -359,7 +391,14 @@ class Report:
             if sat is not None:
                 parts = [f"{k}={fmt(v)}" for k, v in sat.items() if not isinstance(v, (dict, list))]
                 lines.append("- saturation: " + ", ".join(parts))
+            hist = p.get("norm_histogram")
+            if hist is not None:
+                lines += _histogram_lines(hist)
         return "\n".join(lines) + "\n"
+
+    def histogram_points(self) -> list[dict]:
+        """The points that carry a norm histogram, in index order."""
+        return [p for p in self.points if p.get("norm_histogram") is not None]
 
     def to_markdown_file(self, path) -> Path:
         path = Path(path)
@@ -369,7 +408,8 @@ class Report:
     # ------------------------------------------------------------------ plots
     def plot(self, path) -> Path:
         """PNG: d_align (train, test) and AG_max per point; certificate bounds vs empirical
-        misalignment per point. A panel whose numbers were not computed is left out."""
+        misalignment per point; the per-sample norm histograms (train) where the points carry
+        them. A panel whose numbers were not computed is left out."""
         Figure, FigureCanvasAgg = _matplotlib()
         pts = self.points
         xs = [p["index"] for p in pts]
@@ -390,12 +430,17 @@ class Report:
         has_mis = present("misalignment", "probability")
         if has_cert or has_mis:
             panels.append("transfer")
+        if self.histogram_points():
+            panels.append("norm_histogram")
         if not panels:
             raise FusedStatsError("report plot: no point has a finite estimate to plot")
         fig = Figure(figsize=(4.4 * len(panels) + 0.6, 4.8), dpi=100, layout="constrained")
         FigureCanvasAgg(fig)
         axes = fig.subplots(1, len(panels), squeeze=False)[0]
         for ax, panel in zip(axes, panels):
+            if panel == "norm_histogram":
+                _histogram_panel(ax, self.histogram_points())
+                continue
             if panel in ("d_align", "ag_max"):
                 for stream, marker in (("train", "o"), ("test", "s")):
                     ys = series(stream, panel)
@@ -743,6 +788,41 @@ def _spread(ax, rows, key, label):
     ax.fill_between(xs, lo, hi, alpha=0.2, color=line.get_color())
     dots = [(x, v) for x in xs for v in groups[x]]
     ax.scatter([d[0] for d in dots], [d[1] for d in dots], s=10, color=line.get_color(), alpha=0.6)
+
+
+def _histogram_lines(hist: dict) -> list[str]:
+    """The markdown section of one point's norm histogram: a row per bin that holds samples,
+    plus the underflow and overflow rows."""
+    edges, counts = hist["edges"], hist["counts"]
+    lines = ["", f"### Per-sample norm histogram (train stream, n={hist['n']}; "
+                 "bins without samples omitted)", "", "| \\|q_i\\| in | count |", "|---|---|",
+             f"| [0, {fmt(edges[0], '.3g')}) | {hist['underflow']} |"]
+    for low, high, count in zip(edges, edges[1:], counts):
+        if count:
+            lines.append(f"| [{fmt(low, '.3g')}, {fmt(high, '.3g')}) | {count} |")
+    lines.append(f"| [{fmt(edges[-1], '.3g')}, inf) | {hist['overflow']} |")
+    return lines
+
+
+def _histogram_panel(ax, points: list[dict]) -> None:
+    """Counts per bin on a log |q| axis, one bar series per point (underflow and overflow in the
+    legend)."""
+    several = len(points) > 1
+    for p in points:
+        hist = p["norm_histogram"]
+        edges = hist["edges"]
+        widths = [b - a for a, b in itertools.pairwise(edges)]
+        outside = f", {hist['underflow']} below, {hist['overflow']} above" if (
+            hist["underflow"] or hist["overflow"]) else ""
+        ax.bar(edges[:-1], hist["counts"], width=widths, align="edge",
+               alpha=0.5 if several else 0.8, edgecolor="black", linewidth=0.3,
+               label=f"{_short(p['name'])}{outside}")
+    ax.set_xscale("log")
+    ax.set_title("per-sample norm histogram (train)")
+    ax.set_xlabel("|q_i| (log scale)")
+    ax.set_ylabel("samples per bin")
+    ax.grid(alpha=0.3)
+    _legend_below(ax)
 
 
 def _short(name: str) -> str:

@@ -5,8 +5,9 @@ merges them exactly and saves the result atomically: the merged state equals tha
 accumulator fed every shard's samples. :meth:`GradStats.save` files merge by shifting to a common
 centre and adding (docs/design.md, section 2); :meth:`CrossStats.save` files (the depth probe's
 cross-gradient sums) merge by adding every sum, and only if they describe the same zero-output
-block (dim, rank, activation, ``w_in``) with the same unit. The kind is read from each file's
-metadata; all inputs must be of one kind. With directories, ``fused-stats merge OUT_DIR IN_DIR1
+block (dim, rank, activation, ``w_in``) with the same unit; norm histogram files by adding their
+counts, only with the same bins. Any accumulator kind merges the same way (its own ``merge``); the
+kind is read from each file's metadata and all inputs must be of one kind. With directories, ``fused-stats merge OUT_DIR IN_DIR1
 IN_DIR2 ...`` merges probe checkpoints (:func:`fused_stats.api.checkpoint.merge_checkpoints`) point
 by point and stream by stream, cross statistics included. Everything is read and checked before
 anything is written; an existing output that is not one of the inputs is replaced only with
@@ -20,10 +21,10 @@ from pathlib import Path
 
 def register(sub) -> None:
     cmd = sub.add_parser(
-        "merge", help="merge GradStats / CrossStats state files (or probe checkpoint directories) "
-                      "from separate jobs",
-        description="Merge saved accumulator states exactly: OUT = IN1 + IN2 + ... (all GradStats "
-                    "files, all CrossStats files, or all probe checkpoint directories).")
+        "merge", help="merge saved accumulator states (GradStats, CrossStats, norm histogram files "
+                      "or probe checkpoint directories) from separate jobs",
+        description="Merge saved accumulator states exactly: OUT = IN1 + IN2 + ... (state files "
+                    "of one kind, or probe checkpoint directories).")
     cmd.add_argument("out", help="output .safetensors file (or checkpoint directory); the folder "
                                  "it goes in must exist")
     cmd.add_argument("inputs", nargs="+", help="input state files (or checkpoint directories)")
@@ -33,19 +34,19 @@ def register(sub) -> None:
 
 
 def _state_class(inputs):
-    """GradStats or CrossStats, from the files' metadata (all inputs must agree)."""
-    from ..accumulators import CrossStats, GradStats
+    """The accumulator class of the files, read from their metadata's ``format`` (every
+    registered accumulator kind can be merged; all inputs must be of one kind)."""
+    from ..accumulators.base import REGISTRY
     from ..accumulators.persistence import peek_format
     from ..errors import FusedStatsError
 
-    GRAD_FORMAT, CROSS_FORMAT = GradStats.FORMAT, CrossStats.FORMAT
-    classes = {GRAD_FORMAT: GradStats, CROSS_FORMAT: CrossStats}
+    classes = {cls.FORMAT: cls for cls in REGISTRY.values()}
     formats = [peek_format(path) for path in inputs]
     unknown = [f"{str(p)!r} ({f!r})" for p, f in zip(inputs, formats) if f not in classes]
     if unknown:
         raise FusedStatsError(
-            f"merge: not fused_stats state files: {unknown}; expected format {GRAD_FORMAT!r} or "
-            f"{CROSS_FORMAT!r}")
+            f"merge: not fused_stats state files: {unknown}; expected one of the formats "
+            f"{sorted(classes)}")
     if len(set(formats)) > 1:
         raise FusedStatsError(
             "merge: inputs hold different kinds of state: "
@@ -54,7 +55,7 @@ def _state_class(inputs):
 
 
 def merge_files(out, inputs):
-    """Load, merge and save ``GradStats`` (or ``CrossStats``) files; returns the merged accumulator."""
+    """Load, merge and save state files of one accumulator kind; returns the merged accumulator."""
     from ..errors import FusedStatsError
 
     cls = _state_class(inputs)
@@ -70,11 +71,9 @@ def merge_files(out, inputs):
 
 
 def _describe(acc) -> str:
-    from ..accumulators.cross_stats import CrossStats
-
-    if isinstance(acc, CrossStats):
-        return f"cross (rank {acc.rank}, {acc.activation}, unit {acc.unit})"
-    return acc.mode
+    """``kind: key=value, ...`` from the accumulator's own ``describe()``."""
+    facts = ", ".join(f"{key}={value}" for key, value in acc.describe().items())
+    return f"{acc.KIND}: {facts}" if facts else acc.KIND
 
 
 def cmd_merge(args) -> int:
@@ -106,15 +105,14 @@ def cmd_merge(args) -> int:
         snap = merge_checkpoints(out, inputs)
         _, accs = read_snapshot(out)
         print(f"merged {len(inputs)} probe checkpoints into {snap}")
-        print(f"{'stream':<8}{'point':<32}{'n':>10}  mode")
-        for (kind, stream, name), acc in sorted(
+        print(f"{'stream':<8}{'point':<32}{'n':>10}  state")
+        for (_, stream, name), acc in sorted(
                 accs.items(), key=lambda item: (item[0][1], item[0][2], item[0][0] != "grad")):
             print(f"{stream:<8}{name:<32}{acc.n:>10}  {_describe(acc)}")
         return 0
     if out.exists() and out.is_dir():
         raise FusedStatsError(f"merge: inputs are state files but {str(out)!r} is a directory")
     merged = merge_files(out, inputs)
-    what = (f"mode={merged.mode}" if hasattr(merged, "mode")
-            else f"rank={merged.rank}, activation={merged.activation}")
-    print(f"merged {len(inputs)} states into {out}: n={merged.n}, dim={merged.dim}, {what}")
+    print(f"merged {len(inputs)} states into {out}: n={merged.n}, dim={merged.dim}, "
+          f"{_describe(merged)}")
     return 0
