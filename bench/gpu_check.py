@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One prepared GPU check of the fused kernels (issue 3, "must show" 3; DESIGN section 8).
+"""One prepared GPU check of the fused kernels (issue 3, "must show" 3; docs/design.md, section 8).
 
 Run on a CUDA machine (written for an H200) from the repository root::
 

@@ -21,7 +21,7 @@ scale; fp64 inputs run in fp64: ``1e-12``.
 On a GPU the fp32 products are ``tf32x3`` (~fp32 error); the interpreter's ``tl.dot`` is an exact
 fp32 numpy matmul whatever the precision, so here the tolerance is that of fp32 products. A test
 records the launches and checks each stage asks for ``tf32x3`` (fp32 compute) or ``ieee`` (fp64),
-the precisions DESIGN allows.
+the precisions docs/design.md allows.
 """
 
 from __future__ import annotations
