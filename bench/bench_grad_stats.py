@@ -1,4 +1,4 @@
-"""Benchmark (issue 2): GradStats update throughput and peak memory vs a naive store-everything baseline.
+"""Benchmark: GradStats update throughput and peak memory vs a naive store-everything baseline.
 
 * ``GradStats``: ``second_moment="dense"``, fp32 batches of 1000 per-sample vectors, streaming
   centred sums with fp64 totals (``S += Y^T Y`` per batch), one ``estimate()`` at the end.

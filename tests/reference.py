@@ -228,7 +228,7 @@ def snapshot(acc) -> tuple[dict, tuple]:
 
 
 # ----------------------------------------------------------------------------- test data
-# mean-to-noise ratios |mu| / sqrt(tr Sigma) of the four regimes the issue names
+# mean-to-noise ratios |mu| / sqrt(tr Sigma) of the four regimes the tests use
 REGIMES = {"mean_zero": 0.0, "mean_like_noise": 1.0, "mean_100x_noise": 100.0,
            "noise_1000x_mean": 1e-3}
 

@@ -1,5 +1,5 @@
 """``GradStats(backend="triton")`` against ``GradStats(backend="torch")`` fed the same batches, and
-against the exact brute-force U-statistics, on CPU through Triton's interpreter (issue 3).
+against the exact brute-force U-statistics, on CPU through Triton's interpreter.
 
 The Triton path computes each batch in fp32 (centred at an fp32-representable centre) and keeps fp64
 totals; the torch path is fp64 throughout. Both see the same fp32 (or bf16) inputs, so the only

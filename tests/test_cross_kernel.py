@@ -1,4 +1,4 @@
-"""The fused cross-gradient kernel (issue 4, build 2): interpreter runs against the torch twin and an
+"""The fused cross-gradient kernel: interpreter runs against the torch twin and an
 explicit reference. (Its Hopper (sm_90a) compile gate -- no spills, tf32x3 wgmma / fp64 DMMA, the
 launcher's configurations -- is the shared one in tests/test_kernels_sm90.py.)
 

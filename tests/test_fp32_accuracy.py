@@ -1,4 +1,4 @@
-"""Issue 2, must-show 4: fp32 inputs with mean = 100 x noise stay within 1e-5 of fp64.
+"""fp32 inputs with mean = 100 x noise stay within 1e-5 of fp64.
 
 Reference: ``reference.two_pass_targets`` (centre at the fp64 mean with a correction pass, then the
 closed forms of docs/design.md, section 2 from the centred Gram matrix), computed from the SAME fp32-rounded

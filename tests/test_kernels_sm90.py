@@ -1,4 +1,4 @@
-"""Compile gate for Hopper (issue 3, "must show" 2): every kernel compiles ahead of time for sm_90a
+"""Compile gate for Hopper: every kernel compiles ahead of time for sm_90a
 at its production block sizes, without a GPU, and the machine code is what the design needs.
 
 ``fused_stats.kernels.aot`` runs ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``

@@ -1,4 +1,4 @@
-"""Property-based bad-input suite (hypothesis; issue 5, must-show 3).
+"""Property-based bad-input suite (hypothesis).
 
 Every drawn input yields either a correct update or a :class:`FusedStatsError` whose message names
 what was wrong, and after an error the accumulated state is bit-identical (``torch.equal`` on every

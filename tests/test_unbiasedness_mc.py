@@ -1,4 +1,4 @@
-"""Issue 2, must-show 2: the four estimators are unbiased (Monte Carlo over known populations).
+"""The four estimators are unbiased (Monte Carlo over known populations).
 
 For each population we know mu and Sigma exactly, so the targets |mu|^2, |mu|^4, mu^T Sigma mu and
 tr(Sigma^2) are computed from them (not from the code under test). R independent replications of

@@ -1,4 +1,4 @@
-"""Direct residual interventions: measured vs first-order predicted test-loss change (issue 4).
+"""Direct residual interventions: measured vs first-order predicted test-loss change.
 
 Role: check on a real model that the probe's statistics predict what a growth step does. At a
 residual point a zero-initialised parameter is inserted (function preserving, see
