@@ -158,8 +158,9 @@ def test_bench_observed_step(benchmark, llama):
 
 def test_observe_overhead_under_10_percent(benchmark):
     # the aim (observed / train < 1.10), measured side by side in one interleaved run
-    # (pytest-benchmark times the two cases above separately): the median of the per-round ratios observed / train, each round's
-    # two timings back to back so that drifts of the load on a shared machine cancel
+    # (pytest-benchmark times the two cases above separately): the median of the per-round
+    # ratios observed / train, each round's two timings back to back so that drifts of the load
+    # on a shared machine cancel
     result = benchmark.pedantic(measure, kwargs=dict(rounds=12, warmup=2, hidden=256, layers=4,
                                                      seq=128, batch=8, vocab=2048),
                                 rounds=1, iterations=1)
