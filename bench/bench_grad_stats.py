@@ -1,9 +1,9 @@
-"""Benchmark (issue 2): GradStats update throughput and peak memory vs a naive store-everything baseline.
+"""Benchmark: GradStats update throughput and peak memory vs a naive store-everything baseline.
 
 * ``GradStats``: ``second_moment="dense"``, fp32 batches of 1000 per-sample vectors, streaming
   centred sums with fp64 totals (``S += Y^T Y`` per batch), one ``estimate()`` at the end.
 * naive baseline: keep every per-sample vector (as fp64 numpy), then at the end centre at the mean
-  and plug the centred sums into the same unbiased formulas (DESIGN section 2), Gram-free:
+  and plug the centred sums into the same unbiased formulas (docs/design.md, section 2), Gram-free:
   ``y = q - q_bar``, ``S = Y^T Y``, ``F = |S|_F^2``, ``A1 = sum|y|^2``, ``A2 = sum|y|^4``,
   ``t = sum |y|^2 y``, ``kappa = |q_bar|^2``, ``beta = q_bar^T S q_bar``, ``tau = q_bar^T t``.
 

@@ -1,4 +1,4 @@
-"""Benchmark (issue 6): one training step with and without ``probe.observe`` on a LLaMA-style model.
+"""Benchmark: one training step with and without ``probe.observe`` on a LLaMA-style model.
 
 * train step: ``zero_grad``, ``model(**batch).loss.backward()`` (HF's token-mean loss, the full
   backward with every weight gradient), ``AdamW.step()``;
@@ -23,7 +23,7 @@ Run the table (defaults: hidden 256, 4 layers, seq 128, batch 8, vocab 2048)::
     python bench/bench_observe.py                  # --rounds 12 --hidden 256 --layers 4 ...
 
 The pytest-benchmark version (same model; not part of the test suite), which also asserts the
-issue-6 aim: the median per-round ratio of one interleaved run is under 1.10::
+aim: the median per-round ratio observed / train of one interleaved run is under 1.10::
 
     python -m pytest bench/bench_observe.py -q
 """
@@ -157,9 +157,10 @@ def test_bench_observed_step(benchmark, llama):
 
 
 def test_observe_overhead_under_10_percent(benchmark):
-    # issue 6's aim, measured side by side in one interleaved run (pytest-benchmark times the two
-    # cases above separately): the median of the per-round ratios observed / train, each round's
-    # two timings back to back so that drifts of the load on a shared machine cancel
+    # the aim (observed / train < 1.10), measured side by side in one interleaved run
+    # (pytest-benchmark times the two cases above separately): the median of the per-round
+    # ratios observed / train, each round's two timings back to back so that drifts of the load
+    # on a shared machine cancel
     result = benchmark.pedantic(measure, kwargs=dict(rounds=12, warmup=2, hidden=256, layers=4,
                                                      seq=128, batch=8, vocab=2048),
                                 rounds=1, iterations=1)

@@ -1,4 +1,4 @@
-"""Benchmark (issue 7): one probe step against one plain training step of the same LLaMA-style model.
+"""Benchmark: one probe step against one plain training step of the same LLaMA-style model.
 
 * training step: ``model(input_ids, attention_mask, labels).loss.backward()`` — forward plus the
   full backward, including every weight gradient (what a training loop pays before the optimizer).

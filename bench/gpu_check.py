@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One prepared GPU check of the fused kernels (issue 3, "must show" 3; DESIGN section 8).
+"""One prepared GPU check of the fused kernels (docs/design.md, section 8).
 
 Run on a CUDA machine (written for an H200) from the repository root::
 
@@ -23,7 +23,7 @@ rewritten after each section (``$OUT/gpu_check.json`` when ``OUT`` is set, else
 ``bench/results/gpu_check.json``, or ``--out DIR``) and a table is printed last. Sections that only
 add peers (torch.compile, configuration sweep) are skipped once ``--budget-s`` seconds (default
 420, i.e. 7 minutes) have passed, so the whole run stays under 8 minutes.
-The cross-gradient kernel (issue 4) is checked against its twin when it exists (``cross`` section).
+The cross-gradient kernel is checked against its twin when it exists (``cross`` section).
 The weight-streamed probe step (``stream`` section): LLaMA-shaped bf16 model with its weights in pinned
 host memory, block host-to-device GB/s against a pinned copy, streamed / in-memory step ratio.
 ``--skip a,b`` leaves sections out.
@@ -517,13 +517,13 @@ def section_grad_stats(run, ctx):
 
 
 def section_cross(run, ctx):
-    """Cross-gradient kernel (issue 4) against its twin, both units, and its speed."""
+    """The cross-gradient kernel against its twin, both units, and its speed."""
     torch = ctx.torch
     from fused_stats.kernels import cross
     from fused_stats.ops import cross_twin
 
     if not getattr(cross, "IS_FUSED_KERNEL", False):
-        return {"_status": "skipped", "reason": "no fused cross-gradient kernel yet (issue 4); "
+        return {"_status": "skipped", "reason": "no fused cross-gradient kernel in this build; "
                 "fused_stats.kernels.cross_reduce runs the torch twin"}
     d = ctx.d
     r = 8 if run.args.dry_run else 64

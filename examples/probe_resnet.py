@@ -8,7 +8,7 @@ image b's loss with respect to a per-channel bias added to the block's output at
 ``unit="position"`` would make every pixel a sample and ``unit="flat"`` the whole C·H·W map.
 
 The synthetic task is easy and the short training nearly fits it; a classifier trained to
-convergence drives the train-mean gradient towards zero (DESIGN section 9), so expect small
+convergence drives the train-mean gradient towards zero (docs/design.md, section 9), so expect small
 ``|μ|²`` and ``d_align`` here — the example shows the mechanics, not a width trend.
 
 At the end it checks itself: a few images' per-sample vectors at the last block, as the probe

@@ -12,7 +12,7 @@
   ``|μ|² = avg q_iᵀq_j``, ``|μ|⁴ = avg (q_iᵀq_j)(q_kᵀq_l)``, and, written with difference vectors
   ``d_jl = q_j − q_l`` (E[d d̃ᵀ]/2 = Σ) so that the large mean cancels before any product instead of
   after it, ``μᵀΣμ = avg q_iᵀ d_jl d_jlᵀ q_k / 2`` and ``tr(Σ²) = avg (d_ijᵀ d_kl)² / 4`` (both
-  expand to ``U3 − U4`` and ``U2 − 2U3 + U4`` of DESIGN section 2). For n ≤ 12
+  expand to ``U3 − U4`` and ``U2 − 2U3 + U4`` of docs/design.md, section 2). For n ≤ 12
   :func:`reference.brute_force_targets` (exact rational arithmetic) is used instead; the fp64
   averages are held to that brute force at n = 8 and 12 in ``test_estimators_bruteforce.py``.
 

@@ -2,7 +2,7 @@
 
 Three references, each deliberately simple:
 
-* :func:`brute_force_u` / :func:`brute_force_targets` -- the U-statistics of DESIGN section 2,
+* :func:`brute_force_u` / :func:`brute_force_targets` -- the U-statistics of docs/design.md, section 2,
   literally averaged over every ordered tuple of DISTINCT indices (``itertools.permutations``) of
   the Gram matrix ``g_ij = q_i^T q_j``::
 
@@ -18,7 +18,7 @@ Three references, each deliberately simple:
   tolerance. Cost is O(n^4) Python-integer products: keep n <= 12.
 
 * :func:`two_pass_targets` -- a two-pass fp64 reference for larger n: centre at the fp64 mean
-  (with one correction pass), then the closed forms of DESIGN section 2 for sums centred at the
+  (with one correction pass), then the closed forms of docs/design.md, section 2 for sums centred at the
   sample mean, written here from the centred Gram matrix ``H = Y Y^T`` (n x n)::
 
       A1 = tr H, A2 = sum_i H_ii^2, F = |H|_F^2 (= tr(S^2) with S = Y^T Y), v = Y m,
@@ -228,7 +228,7 @@ def snapshot(acc) -> tuple[dict, tuple]:
 
 
 # ----------------------------------------------------------------------------- test data
-# mean-to-noise ratios |mu| / sqrt(tr Sigma) of the four regimes the issue names
+# mean-to-noise ratios |mu| / sqrt(tr Sigma) of the four regimes the tests use
 REGIMES = {"mean_zero": 0.0, "mean_like_noise": 1.0, "mean_100x_noise": 100.0,
            "noise_1000x_mean": 1e-3}
 

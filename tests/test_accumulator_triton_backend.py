@@ -1,10 +1,10 @@
 """``GradStats(backend="triton")`` against ``GradStats(backend="torch")`` fed the same batches, and
-against the exact brute-force U-statistics, on CPU through Triton's interpreter (issue 3).
+against the exact brute-force U-statistics, on CPU through Triton's interpreter.
 
 The Triton path computes each batch in fp32 (centred at an fp32-representable centre) and keeps fp64
 totals; the torch path is fp64 throughout. Both see the same fp32 (or bf16) inputs, so the only
 difference is fp32 arithmetic on centred values: the estimates agree to ``1e-5`` relative even at a
-mean 100 x the noise (DESIGN section 2), and the states to a few fp32 ulps of their scale.
+mean 100 x the noise (docs/design.md, section 2), and the states to a few fp32 ulps of their scale.
 References: the torch backend (the contract) and ``reference.brute_force_targets`` (exact rational
 U-statistics over ordered tuples of distinct samples of the loop-built per-sample vectors).
 """
@@ -104,7 +104,7 @@ def test_auto_switches_pool_to_dense_through_the_kernels(gen):
 
 
 def test_mean_100x_noise_fp32_and_flat_unit(gen):
-    """The regime where uncentred fp32 fails (DESIGN section 2); unit="flat" on an NCHW-like batch."""
+    """The regime where uncentred fp32 fails (docs/design.md, section 2); unit="flat" on an NCHW-like batch."""
     batches = _batches(gen, "mean_100x_noise", (6, 2, 3, 5), 3, masked=False)
     batches = [(g.reshape(6, 2, 3, 5), None) for g, _ in batches]
     tri, ref = _feed(batches, "flat", second_moment="dense")

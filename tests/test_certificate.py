@@ -1,4 +1,4 @@
-"""Issue 2, must-show 5: the transfer certificate and the alignment diagnostics.
+"""The transfer certificate and the alignment diagnostics.
 
 References (all independent of the package code):
 * Theorem 1 of the width paper re-derived in the test from the estimate's fields:

@@ -170,7 +170,7 @@ def test_demo_run_matches_independent_per_sample_loop():
             if ref["mu_norm4"] > 0:
                 d_align = min(ref["mu_norm4"] / ref["mu_sigma_mu"], ref["mu_norm4"] / ref["trace_sigma2"])
             else:
-                d_align = 0.0  # no signal: DESIGN section 2 reports it as "no certificate"
+                d_align = 0.0  # no signal: docs/design.md, section 2 reports it as "no certificate"
             assert est["d_align"] == pytest.approx(d_align, rel=1e-4, abs=1e-12), (point["name"], stream)
             assert est["ag_max"] == pytest.approx(float(q.norm(dim=1).max()), rel=1e-5)
             assert est["ag_mean"] == pytest.approx(float(q.norm(dim=1).mean()), rel=1e-5)

@@ -1,4 +1,4 @@
-"""The fused cross-gradient kernel (issue 4, build 2): interpreter runs against the torch twin and an
+"""The fused cross-gradient kernel: interpreter runs against the torch twin and an
 explicit reference. (Its Hopper (sm_90a) compile gate -- no spills, tf32x3 wgmma / fp64 DMMA, the
 launcher's configurations -- is the shared one in tests/test_kernels_sm90.py.)
 
@@ -21,7 +21,7 @@ scale; fp64 inputs run in fp64: ``1e-12``.
 On a GPU the fp32 products are ``tf32x3`` (~fp32 error); the interpreter's ``tl.dot`` is an exact
 fp32 numpy matmul whatever the precision, so here the tolerance is that of fp32 products. A test
 records the launches and checks each stage asks for ``tf32x3`` (fp32 compute) or ``ieee`` (fp64),
-the precisions DESIGN allows.
+the precisions docs/design.md allows.
 """
 
 from __future__ import annotations

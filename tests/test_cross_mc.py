@@ -1,4 +1,4 @@
-"""Monte Carlo checks of the cross-gradient statistics (issue 4, must-show 2).
+"""Monte Carlo checks of the cross-gradient statistics.
 
 Each replication draws a fresh synthetic population sample and runs the real accumulator
 (:class:`CrossStats`, torch path, CPU tensors, two batches per replication) -- only the data

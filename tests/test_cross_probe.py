@@ -1,4 +1,4 @@
-"""The depth probe's |C|_F^2 on real models against per-sample loops (issue 4, must-show 1).
+"""The depth probe's |C|_F^2 on real models against per-sample loops.
 
 Reference (written here, no package code): for every sample its own forward with plain hooks that
 only record the point outputs ``z``, and ONE backward of its own loss (fp64, padding stripped from

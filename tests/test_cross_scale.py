@@ -1,4 +1,4 @@
-"""Scale-out of the depth probe's cross statistics (issues 4 + 5): save/load, merge, all-reduce,
+"""Scale-out of the depth probe's cross statistics: save/load, merge, all-reduce,
 probe checkpoints, and the all-or-nothing probe step.
 
 References, none of them produced by the code under test:

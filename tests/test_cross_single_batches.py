@@ -44,7 +44,7 @@ def test_single_sample_batches_pair_consecutively(gen):
     want = sum(2 * float((a * b).sum()) ** 2 for a, b in zip(cs, cs[1:]))
     assert acc.p[0] == 2 * 6 and acc.p[1] == acc.p[2] == 0
     assert abs(float(acc.u[0]) - want) <= 1e-12 * want
-    sat = acc.saturation()  # no longer raises for batch size 1
+    sat = acc.saturation()  # a stream of one-sample batches still gets a standard error
     assert sat.n == 7 and math.isfinite(sat.cross_frob2_se_null) and sat.cross_frob2_se_null > 0
     # |C|^2 itself is still the U-statistic over all distinct pairs
     brute = sum(float((cs[i] * cs[j]).sum()) for i in range(7) for j in range(7) if i != j) / 42

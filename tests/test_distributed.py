@@ -1,4 +1,4 @@
-"""GradStats.all_reduce and all_reduce_probe over two gloo processes on CPU (issue 5, must-show 1).
+"""GradStats.all_reduce and all_reduce_probe over two gloo processes on CPU.
 
 One ``torch.multiprocessing.spawn`` of two ranks runs every case (a spawn costs seconds). Each rank
 is fed its half of a seeded data set; after the all-reduce, both ranks must hold the estimates of

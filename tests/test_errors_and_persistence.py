@@ -1,4 +1,4 @@
-"""Issue 2, must-show 7: clear errors, untouched state on rejection, and exact persistence.
+"""Clear errors, untouched state on rejection, and exact persistence.
 
 Every rejected input must raise ``fs.FusedStatsError`` whose message names what was seen (shape,
 dtype, count, version...) and what was expected, and must leave the accumulator BIT-identical

@@ -1,9 +1,9 @@
-"""Issue 2, must-show 1: GradStats estimates equal brute-force U-statistics.
+"""GradStats estimates equal brute-force U-statistics.
 
 Reference: ``reference.brute_force_targets`` -- exact rational averages over all ordered tuples of
-distinct indices of the Gram matrix (DESIGN section 2), fed with per-sample vectors built by plain
+distinct indices of the Gram matrix (docs/design.md, section 2), fed with per-sample vectors built by plain
 loops (``reference.per_sample_vectors``). Inputs are fp64 with n <= 12 and small d, in the four
-regimes of the issue, for every unit / mask / feature_dim layout. Tolerance 1e-9 relative.
+regimes of ``reference.REGIMES``, for every unit / mask / feature_dim layout. Tolerance 1e-9 relative.
 """
 
 from __future__ import annotations

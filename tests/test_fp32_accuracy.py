@@ -1,9 +1,9 @@
-"""Issue 2, must-show 4: fp32 inputs with mean = 100 x noise stay within 1e-5 of fp64.
+"""fp32 inputs with mean = 100 x noise stay within 1e-5 of fp64.
 
 Reference: ``reference.two_pass_targets`` (centre at the fp64 mean with a correction pass, then the
-closed forms of DESIGN section 2 from the centred Gram matrix), computed from the SAME fp32-rounded
+closed forms of docs/design.md, section 2 from the centred Gram matrix), computed from the SAME fp32-rounded
 inputs upcast to fp64: at mean = 100 x noise, rounding the inputs alone moves mu^T Sigma mu by
-~1e-7 relative (DESIGN section 2), which must not blur the comparison. The two-pass reference is
+~1e-7 relative (docs/design.md, section 2), which must not blur the comparison. The two-pass reference is
 itself checked against the exact brute force below, in all four regimes.
 """
 

@@ -1,4 +1,4 @@
-"""Zero-block insertion (issue 4, must-show 3): exactly function preserving, and wired where claimed.
+"""Zero-block insertion: exactly function preserving, and wired where claimed.
 
 * Before any update, inserting a zero-output block (``W_out = 0``) or a zero bias at every
   residual point of LLaMA / GPT-NeoX / GPT-2 configs and of two ResNets leaves the outputs

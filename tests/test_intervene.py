@@ -1,4 +1,4 @@
-"""Direct interventions (issue 4, must-show 4): the measured test-loss change of one gradient step on
+"""Direct interventions: the measured test-loss change of one gradient step on
 an inserted zero bias / zero-output block against its first-order prediction.
 
 Set-up: a residual MLP (``x + fc2(tanh(fc1 x))`` blocks) trained here in fp64 for 200 Adam steps

@@ -1,5 +1,5 @@
 """Every Triton kernel against its torch twin and against plain-loop references, on CPU through
-Triton's interpreter (issue 3, "must show" 1).
+Triton's interpreter.
 
 References:
 
@@ -376,7 +376,7 @@ def test_gpu_check_dry_run(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
-    # the cross section checks issue 4's kernel, which its own tests cover
+    # the cross section checks the cross-gradient kernel, which its own tests cover
     out = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(tmp_path),
                           "--skip", "cross"],
                          capture_output=True, text=True, timeout=300,

@@ -1,4 +1,4 @@
-"""Compile gate for Hopper (issue 3, "must show" 2): every kernel compiles ahead of time for sm_90a
+"""Compile gate for Hopper: every kernel compiles ahead of time for sm_90a
 at its production block sizes, without a GPU, and the machine code is what the design needs.
 
 ``fused_stats.kernels.aot`` runs ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``
@@ -10,11 +10,11 @@ Checked here:
 * capture kernels: 128-bit global loads (``LDG.E.128``) of the gradient;
 * GEMM-like kernels (second moment, Gram rows, both cross-gradient stages): ``HGMMA`` (Hopper
   warpgroup MMA) for bf16/fp16 inputs and for fp32 inputs, which use ``input_precision="tf32x3"``
-  (three TF32 wgmma per product; DESIGN forbids plain TF32); fp64 inputs (the accumulator's pool,
+  (three TF32 wgmma per product; docs/design.md forbids plain TF32); fp64 inputs (the accumulator's pool,
   fp64 activations) use ``DMMA`` -- Hopper has no fp64 wgmma, so expecting HGMMA there would be
   wrong. No ``FFMA`` next to the wgmma, except in the cross stage-1 epilogue, whose gelu (erf
   polynomial) is FFMA: a test compiles it with ``ACT="identity"`` and finds none. A further test
-  shows the alternative DESIGN allows for fp32, ``input_precision="ieee"``, compiles to FFMA only
+  shows the alternative docs/design.md allows for fp32, ``input_precision="ieee"``, compiles to FFMA only
   (no tensor cores): that is why tf32x3 is used.
 * the launchers pick the gated configurations: the cross kernel's CUDA block sizes are those of
   its specs, and its fp32 products are ``tf32x3``.
@@ -130,7 +130,7 @@ def test_cross_launcher_uses_the_gated_configs():
 
 
 def test_ieee_fp32_alternative_has_no_tensor_cores():
-    """Why fp32 uses tf32x3: the other precision DESIGN allows compiles to FFMA, not wgmma."""
+    """Why fp32 uses tf32x3: the other precision docs/design.md allows compiles to FFMA, not wgmma."""
     if not aot.can_compile_in_process():
         pytest.skip("Triton was imported with TRITON_INTERPRET=1 in this process")
     base = SPECS[next(n for n in SPECS if n.startswith("syrk_upper_fp32"))]

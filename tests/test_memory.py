@@ -1,4 +1,4 @@
-"""Memory: the plan against what is really allocated, and a flat footprint over a stream (issue 5, 4).
+"""Memory: the plan against what is really allocated, and a flat footprint over a stream.
 
 * The bytes :func:`plan_memory` predicts per accumulator (dense, pool with N samples, auto below and
   above its switch point) match, within 10 %, the bytes of the distinct storages behind the live

@@ -1,11 +1,11 @@
-"""Training-time monitoring (issue 6): ``Probe.observe`` around the user's own training step.
+"""Training-time monitoring: ``Probe.observe`` around the user's own training step.
 
 References:
 
 * ``Probe.step`` on the same batch and the same model state (taken just before the observed
   step; an AdamW step follows, so later batches see a changed model), for the batch-mean, sum and
   token-mean losses, with HF gradient checkpointing off, non-reentrant and reentrant: estimates
-  and raw sums to <= 1e-6 relative (must-show 1). The model is a tiny HF LLaMA in fp64 with right-
+  and raw sums to <= 1e-6 relative. The model is a tiny HF LLaMA in fp64 with right-
   padded batches and unsupervised prompt tokens. HF's ``LlamaRMSNorm`` computes in fp32 (a
   *downcast* for an fp64 model) and ``ForCausalLMLoss`` casts logits to fp32, which would put
   ~1e-7 rounding into the comparison; the fixture ``fp64_llama`` therefore runs the RMSNorm formula
@@ -15,8 +15,8 @@ References:
 * Per-sample loops (``tests/per_sample_reference.py``: one backward per sequence, padding
   stripped) and the brute-force U-statistics over ordered distinct tuples, independently of the
   package.
-* Bit-identical parameters and gradients after N AdamW steps with and without ``observe``
-  (must-show 2), also under bf16 autocast and with checkpointing.
+* Bit-identical parameters and gradients after N AdamW steps with and without ``observe``,
+  also under bf16 autocast and with checkpointing.
 * Under real bf16 autocast (fp32 model): the gradients ``observe`` sees equal those of
   ``Probe.step`` bit for bit (a bf16 MLP output and fp32 residual points), the statistics to <= 1e-6
   relative; on a model cast to bf16 too.
@@ -151,7 +151,7 @@ def n_valid(batch):
             for b in range(batch["labels"].shape[0])]
 
 
-# ----------------------------------------------------------------------------- must-show 1
+# --------------------------------------------------------------------- statistics equal Probe.step
 @pytest.mark.parametrize("gc", ["off", "non-reentrant", "reentrant"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "token_mean"])
 def test_observe_equals_probe_step(fp64_llama, gen, gc, reduction):
@@ -455,7 +455,7 @@ def test_resnet_conv_points_eval_mode(gen):
             F.cross_entropy(model(x), y).backward()
 
 
-# ----------------------------------------------------------------------------- must-show 2
+# ----------------------------------------------------------------------------- training untouched
 def _train(model, data, probe_points, observe, autocast=False, steps=3):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     probe = fs.Probe(model, points=probe_points, second_moment="dense") if observe else None

@@ -1,4 +1,4 @@
-"""Probe statistics on real architectures against per-sample loops (issue 7, must-show 1 and 2).
+"""Probe statistics on real architectures against per-sample loops.
 
 Reference: for every sample, its own forward and ONE backward of its own loss (fp64, plain hooks
 that only record outputs, trainable parameters, padding stripped from the sequence), the

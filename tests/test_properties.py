@@ -1,4 +1,4 @@
-"""Property-based bad-input suite (hypothesis; issue 5, must-show 3).
+"""Property-based bad-input suite (hypothesis).
 
 Every drawn input yields either a correct update or a :class:`FusedStatsError` whose message names
 what was wrong, and after an error the accumulated state is bit-identical (``torch.equal`` on every
@@ -15,7 +15,7 @@ diagonal, ``r_j = Σ_i H_ij``, ``T = Σ H``, ``P2 = Σ H²``, ``P3 = Σ_j (r_j²
     U1 = T/(n)_2   U2 = P2/(n)_2   U3 = P3/(n)_3   U4 = (T² − 4 P3 − 2 P2)/(n)_4
 
 (the last by inclusion–exclusion over pairs of ordered pairs sharing one or two indices), then
-``|μ|² = U1``, ``|μ|⁴ = U4``, ``μᵀΣμ = U3 − U4``, ``tr Σ² = U2 − 2U3 + U4`` (DESIGN section 2).
+``|μ|² = U1``, ``|μ|⁴ = U4``, ``μᵀΣμ = U3 − U4``, ``tr Σ² = U2 − 2U3 + U4`` (docs/design.md, section 2).
 The reference's own fp64 rounding is ~eps·(max|q|²)^k, so the comparison uses that scale.
 
 Drawn: shapes (B, d), (B, T, d), NCHW with feature_dim=1, flat samples; B and T possibly 0; float16,

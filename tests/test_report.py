@@ -35,7 +35,7 @@ def brute_force(q: torch.Tensor) -> dict:
         n * (n - 1) * (n - 2) * (n - 3))
     mu4, msm, tr2 = float(u4), float(u3 - u4), float(u2 - 2 * u3 + u4)
     norms = q.norm(dim=1)
-    # DESIGN section 2 conventions: |mu|^4 <= 0 means no signal (dimensions 0); a variance
+    # docs/design.md, section 2 conventions: |mu|^4 <= 0 means no signal (dimensions 0); a variance
     # estimate <= 0 makes that bound vacuous (infinite dimension)
     if mu4 > 0:
         d_par = mu4 / msm if msm > 0 else math.inf

@@ -1,4 +1,4 @@
-"""Issue 2, must-show 6: ``pool``, ``dense`` and ``auto`` agree, and ``auto`` stays small.
+"""``pool``, ``dense`` and ``auto`` agree, and ``auto`` stays small.
 
 * The three representations of the second moment (d x d matrix, or stored samples + Gram) must
   give the same estimates (1e-10 relative, in every regime), fed the same

@@ -1,4 +1,4 @@
-"""Offline merge of saved shards: ``fused-stats merge`` (issue 5, must-show 1, second half).
+"""Offline merge of saved shards: ``fused-stats merge``.
 
 Separate "jobs" (accumulators fed disjoint shards with different means, hence different centres)
 save their states; ``fused-stats merge OUT IN1 IN2 IN3`` must give the state of ONE accumulator fed

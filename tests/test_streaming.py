@@ -1,4 +1,4 @@
-"""Issue 2, must-show 3: order and batching invariance, and merges equal one stream.
+"""Order and batching invariance, and merges equal one stream.
 
 The U-statistics are symmetric functions of the sample, so any split into batches, any order and
 any merge of separately fed accumulators must give the estimates of one stream fed everything at

@@ -1,10 +1,10 @@
-"""Issue 2, must-show 2: the four estimators are unbiased (Monte Carlo over known populations).
+"""The four estimators are unbiased (Monte Carlo over known populations).
 
 For each population we know mu and Sigma exactly, so the targets |mu|^2, |mu|^4, mu^T Sigma mu and
 tr(Sigma^2) are computed from them (not from the code under test). R independent replications of
 n samples each go through GradStats; the z-score of the replication mean against the true value
 must satisfy |z| < 4. To show the check has power, the same replications' plug-in estimates
-(|q_bar|^4 and tr(Sigma_hat^2), which DESIGN section 2 says are biased) must FAIL it.
+(|q_bar|^4 and tr(Sigma_hat^2), which docs/design.md, section 2 says are biased) must FAIL it.
 
 Populations:
 * spiked Gaussian: Sigma = 0.5 I + 4 v v^T, mean with a component along the spike;

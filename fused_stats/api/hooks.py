@@ -2,7 +2,7 @@
 
 Role: during one forward pass, :class:`ActivationCapture` records each point's output ``z`` and
 substitutes it so that one ``torch.autograd.grad(Σ_b ℓ_b, [z_1, …, z_L])`` returns
-``q = ∂(Σ_b ℓ_b)/∂z`` at every point (DESIGN section 5, activation-only backward):
+``q = ∂(Σ_b ℓ_b)/∂z`` at every point (docs/design.md, section 5, activation-only backward):
 
 * the **first point to run** is replaced by ``z.detach().requires_grad_()``: a fresh leaf, so no
   graph is kept below it (and, with frozen parameters, nothing below it is differentiated);

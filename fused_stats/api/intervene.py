@@ -1,11 +1,11 @@
-"""Direct residual interventions: measured vs first-order predicted test-loss change (issue 4).
+"""Direct residual interventions: measured vs first-order predicted test-loss change.
 
 Role: check on a real model that the probe's statistics predict what a growth step does. At a
 residual point a zero-initialised parameter is inserted (function preserving, see
 :func:`fused_stats.insert_zero_block`), one gradient step of size ``η`` is taken on it with the
 *training* batches, and the change of the *test* loss is measured and compared with its
 first-order prediction (width paper, "direct residual intervention"; depth paper for the block;
-DESIGN section 2).
+docs/design.md, section 2).
 
 The gradient step is on the mean per-sample training loss ``L_M = (1/M) Σ_i ℓ_i``, while the
 probe's ``q_i`` are per-sample gradients, so the step direction is their mean:

@@ -1,6 +1,6 @@
 """Per-sample loss helpers for :meth:`fused_stats.Probe.step` (``loss_fn(model, batch) -> (B,)``).
 
-Role: the probe differentiates the *sum* of per-sample losses (DESIGN section 5), so a loss
+Role: the probe differentiates the *sum* of per-sample losses (docs/design.md, section 5), so a loss
 function must return one loss per sample, never a batch mean. Two common ones:
 
 * :func:`causal_lm_loss` — per-sequence language-modelling loss: the shifted cross-entropy

@@ -4,7 +4,7 @@ Each function here has exactly the signature of its kernel launcher in ``fused_s
 The twins compute in float64, so on CPU they are exact up to fp64 rounding; the kernels compute
 per-batch products in fp32 (``ieee`` precision) and return fp64 sums.
 
-Capture-reduce (DESIGN section 6.1), for one batch of gradients ``g`` of shape (B, T, d):
+Capture-reduce (docs/design.md, section 6.1), for one batch of gradients ``g`` of shape (B, T, d):
 
 * ``unit="sample"``: ``q_b = sum_t mask[b,t] g[b,t]`` (a sample with no unmasked position is not a
   sample); ``unit="position"``: each unmasked ``g[b,t]`` is a sample ``q``.
