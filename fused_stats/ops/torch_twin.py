@@ -12,7 +12,9 @@ Capture-reduce (DESIGN section 6.1), for one batch of gradients ``g`` of shape (
   ``n``, ``s = sum y``, ``t = sum |y|^2 y``, ``a1 = sum |y|^2``, ``a2 = sum |y|^4``,
   ``norm_max = max |q|``, ``norm_sum = sum |q|`` (norms of the uncentred ``q``).
 
-Second moment (6.2): ``S += Y^T Y``. Gram rows (6.2): ``Y_new Y_pool^T``.
+Second moment (6.2): ``S += Y^T Y``; on CPU, large row blocks go through SciPy's ``dsyrk`` (one
+triangle, mirrored, at torch's thread count: :mod:`fused_stats.ops.cpu_blas`), the rest through
+torch's ``addmm``; both are fp64 products and sums. Gram rows (6.2): ``Y_new Y_pool^T``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..contracts import UNITS_CAPTURED, BatchSums  # noqa: F401  (re-exported)
+from . import cpu_blas
 
 
 def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor,
@@ -66,6 +69,9 @@ def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.
 
 def second_moment_update(S: torch.Tensor, rows: torch.Tensor) -> None:
     """In place ``S += rows^T rows``; ``S`` (d, d) float64, ``rows`` (R, d) any float dtype."""
+    if cpu_blas.takes_second_moment(S, rows):
+        cpu_blas.syrk_update(S, rows)
+        return
     r = rows.to(torch.float64)
     S.addmm_(r.T, r)
 
