@@ -93,7 +93,15 @@ def run_naive(n: int, batches: list[torch.Tensor]) -> tuple[dict, int]:
     return {k: float(v) for k, v in est.items()}, held
 
 
-APPROACHES = {"gradstats": run_gradstats, "naive": run_naive}
+def run_gradstats_addmm(n: int, batches: list[torch.Tensor]) -> tuple[dict, int]:
+    """GradStats with the BLAS ``dsyrk`` path switched off: every update through torch's addmm."""
+    from fused_stats.ops import cpu_blas
+
+    cpu_blas.available = lambda: False
+    return run_gradstats(n, batches)
+
+
+APPROACHES = {"gradstats": run_gradstats, "naive": run_naive, "gradstats_addmm": run_gradstats_addmm}
 
 
 # RSS moves by a few MiB between identical runs (allocator caches, page reuse): a growth below this
@@ -157,8 +165,9 @@ def memory_words(gs_growth: int | None, naive_growth: int | None) -> tuple[str, 
     return f"{gs_growth * mb:.1f}", naive_word, f"{ratio:.1f}", ratio
 
 
-def table(ns, ds, threads: int | None = None, repeat: int = 1) -> list[dict]:
-    """Each case ``repeat`` times, GradStats and naive alternating (fresh processes); medians."""
+def table(ns, ds, threads: int | None = None, repeat: int = 1, with_addmm: bool = False) -> list[dict]:
+    """Each case ``repeat`` times, GradStats and naive alternating (fresh processes); medians.
+    ``with_addmm``: also GradStats on torch's addmm only (CPU-time ratio addmm / dsyrk path)."""
     rows = []
     header = (f"{'n':>7} {'d':>5} | {'GS s':>7} {'naive s':>7} {'time x':>6} | {'GS cpu s':>8} "
               f"{'naive cpu s':>11} {'cpu x':>5} | {'GS peak MB':>11} {'naive peak MB':>13} "
@@ -168,10 +177,12 @@ def table(ns, ds, threads: int | None = None, repeat: int = 1) -> list[dict]:
     med = statistics.median
     for n in ns:
         for d in ds:
-            runs = []
+            runs, addmm = [], []
             for _ in range(repeat):
                 runs.append((measure_in_subprocess("gradstats", n, d, threads),
                              measure_in_subprocess("naive", n, d, threads)))
+                if with_addmm:
+                    addmm.append(measure_in_subprocess("gradstats_addmm", n, d, threads))
             gs, nv = runs[0]
             diff = max(abs(g["estimates"][k] - v["estimates"][k]) / abs(v["estimates"][k])
                        for g, v in runs for k in v["estimates"])
@@ -179,6 +190,8 @@ def table(ns, ds, threads: int | None = None, repeat: int = 1) -> list[dict]:
             c_gs, c_nv = med(g["cpu_seconds"] for g, _ in runs), med(v["cpu_seconds"] for _, v in runs)
             time_x = med(v["seconds"] / g["seconds"] for g, v in runs)  # per pair, then median
             cpu_x = med(v["cpu_seconds"] / g["cpu_seconds"] for g, v in runs)
+            addmm_x = (med(a["cpu_seconds"] / g["cpu_seconds"] for a, (g, _) in zip(addmm, runs))
+                       if addmm else None)
             growth = [g["peak_rss_growth_bytes"] for g, _ in runs]
             naive_growth = [v["peak_rss_growth_bytes"] for _, v in runs]
             gs_peak = None if None in growth else max(growth)  # the worst run counts for memory
@@ -187,8 +200,8 @@ def table(ns, ds, threads: int | None = None, repeat: int = 1) -> list[dict]:
             mb = 1 / 2**20
             print(f"{n:>7} {d:>5} | {t_gs:>7.3f} {t_nv:>7.3f} {time_x:>6.2f} | {c_gs:>8.3f} "
                   f"{c_nv:>11.3f} {cpu_x:>5.2f} | {gs_word:>11} {nv_word:>13} {mem_word:>6} | "
-                  f"{gs['held_bytes'] * mb:>10.2f} {nv['held_bytes'] * mb:>13.1f} | {diff:>12.1e}",
-                  flush=True)
+                  f"{gs['held_bytes'] * mb:>10.2f} {nv['held_bytes'] * mb:>13.1f} | {diff:>12.1e}"
+                  + (f" | {addmm_x:>12.2f}" if addmm_x is not None else ""), flush=True)
             rows.append({"runs": [{"gradstats": g, "naive": v} for g, v in runs],
                          "speed_ratio_naive_over_gradstats": time_x,
                          "cpu_ratio_naive_over_gradstats": cpu_x,
@@ -196,11 +209,13 @@ def table(ns, ds, threads: int | None = None, repeat: int = 1) -> list[dict]:
                          "naive_peak_rss_growth_bytes": nv_peak,
                          "peak_ratio_naive_over_gradstats": mem_x,
                          "peak_ratio_is_lower_bound": gs_peak is not None and gs_peak < RSS_NOISE_FLOOR_BYTES,
-                         "max_rel_diff": diff})
+                         "max_rel_diff": diff, "addmm_runs": addmm,
+                         "cpu_ratio_addmm_over_gradstats": addmm_x})
     print(f"x > 1: GradStats faster / smaller; time x and cpu x are medians of the per-pair ratios "
           f"over {repeat} alternating run(s); cpu = process CPU time (steadier than wall time on a "
           f"shared machine with --threads 1); peak = growth of peak RSS during the run, "
-          f"'flat' below {RSS_NOISE_FLOOR_BYTES >> 20} MiB (then mem x is a lower bound)")
+          f"'flat' below {RSS_NOISE_FLOOR_BYTES >> 20} MiB (then mem x is a lower bound)"
+          + ("; addmm cpu x: GradStats on torch's addmm only / GradStats" if with_addmm else ""))
     return rows
 
 
@@ -212,6 +227,8 @@ def main(argv=None) -> None:
                              "on a shared machine")
     parser.add_argument("--repeat", type=int, default=3,
                         help="alternating runs per case (medians are printed)")
+    parser.add_argument("--addmm", action="store_true",
+                        help="also time GradStats on torch's addmm only (the second moment without BLAS dsyrk)")
     parser.add_argument("--one", nargs=3, metavar=("APPROACH", "N", "D"), help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "bench_grad_stats.json")
     args = parser.parse_args(argv)
@@ -221,7 +238,8 @@ def main(argv=None) -> None:
         return
     print(f"torch {torch.__version__}, {args.threads or torch.get_num_threads()} threads, "
           f"{os.cpu_count()} CPUs, fp32 batches of {BATCH}, {args.repeat} alternating run(s) per case")
-    rows = table([10_000] if args.quick else [10_000, 100_000], [256, 1024], args.threads, args.repeat)
+    rows = table([10_000] if args.quick else [10_000, 100_000], [256, 1024], args.threads, args.repeat,
+                 args.addmm)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.json}")
