@@ -158,3 +158,33 @@ def test_without_scipy_the_second_moment_falls_back_to_torch():
         "print('fallback ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "fallback ok" in out.stdout
+
+
+def test_row_block_coalesces_small_batches_exactly():
+    gen = torch.Generator().manual_seed(9)
+    d = 256
+    batches = [torch.randn(int(torch.randint(1, 40, (1,), generator=gen)), d, generator=gen)
+               for _ in range(60)] + [torch.randn(700, d, generator=gen)]
+    calls = []
+
+    def update(S, rows):
+        calls.append(rows.shape[0])
+        torch_twin.second_moment_update(S, rows)
+
+    block = cpu_blas.RowBlock(d, update, capacity=600)
+    S0 = _symmetric(d, gen)
+    S = S0.clone()
+    for b in batches:
+        block.add(S, b)
+        assert block.count <= 600 and block.buffer.shape == (600, d)  # fixed memory
+    block.flush(S)
+    assert block.count == 0
+    y = torch.cat(batches).double()
+    assert sum(calls) == y.shape[0]
+    assert len(calls) < len(batches) // 4, calls  # small batches went in large blocks
+    assert max(calls) >= 600  # the large batch went straight through
+    assert _rel(S - S0, y.T @ y) < 1e-12
+    # staged rows are not in S before the flush
+    S1 = S0.clone()
+    block.add(S1, batches[0])
+    assert torch.equal(S1, S0) and block.count == batches[0].shape[0]

@@ -103,3 +103,41 @@ def mirror_upper(S: torch.Tensor) -> None:
             S[j1:, j0:j1].copy_(S[j0:j1, j1:].T)
         block = S[j0:j1, j0:j1]
         block.copy_(block.triu() + block.triu(1).T)
+
+
+class RowBlock:
+    """Rows staged for one large second-moment update (coalescing of small batches).
+
+    The ``dsyrk`` path costs about d² moves per call whatever the number of rows, and small calls
+    stay on torch's ``addmm``; an accumulator fed small batches can stage their rows here and add
+    them ``capacity`` at a time. The buffer is ``capacity × d`` fp64, fixed (independent of n).
+    ``S`` misses the staged rows until :meth:`flush`: its owner must flush before any read of S.
+
+    ``update(S, rows)`` does the addition (e.g. the ops layer's ``second_moment_update`` for the
+    owner's backend). Staging changes only the grouping of the fp64 sums (rounding), and the same
+    batches in the same order give the same bits.
+    """
+
+    def __init__(self, dim: int, update, capacity: int | None = None, device=None):
+        self.dim = int(dim)
+        self.capacity = int(capacity) if capacity else max(-(-MIN_ROWS_TIMES_DIM // self.dim), 256)
+        self.update = update
+        self.buffer = torch.empty(self.capacity, self.dim, dtype=torch.float64, device=device)
+        self.count = 0
+
+    def add(self, S: torch.Tensor, rows: torch.Tensor) -> None:
+        """``S += rowsᵀ rows``, now or at a later :meth:`add` / :meth:`flush`."""
+        R = rows.shape[0]
+        if self.count + R > self.capacity:
+            self.flush(S)
+        if R >= self.capacity:
+            self.update(S, rows)
+            return
+        self.buffer[self.count:self.count + R].copy_(rows)
+        self.count += R
+
+    def flush(self, S: torch.Tensor) -> None:
+        """Add the staged rows to ``S`` (nothing is lost if the update raises)."""
+        if self.count:
+            self.update(S, self.buffer[:self.count])
+            self.count = 0
