@@ -12,8 +12,9 @@ one first-order signal, the cross-gradient ``C = E[c_i]`` with ``c_i = Σ_{t∈i
   ``|C|_F²`` (see :mod:`fused_stats.accumulators.cross_stats`).
 
 ``unit="sample"`` materialises ``c_i`` per sample (a batched GEMM) unless the "ghost" form
-``k_ij = Σ_{t,s} (q_itᵀq_js)(φ_itᵀφ_js)`` from position Grams is cheaper (few positions per sample). ``unit="position"``: each unmasked position is a sample with the rank-one
-``c = q φᵀ``, so ``k_ij = (q_iᵀq_j)(φ_iᵀφ_j)`` and nothing d × r is formed per sample.
+``k_ij = Σ_{t,s} (q_itᵀq_js)(φ_itᵀφ_js)`` from position Grams is cheaper (few positions per
+sample). ``unit="position"``: each unmasked position is a sample with the rank-one ``c = q φᵀ``,
+so ``k_ij = (q_iᵀq_j)(φ_iᵀφ_j)`` and nothing d × r is formed per sample.
 """
 
 from __future__ import annotations
