@@ -19,6 +19,15 @@ pytest.importorskip("threadpoolctl")
 F64 = torch.float64
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The BLAS path is taken at one torch thread (fused_stats.ops.cpu_blas.MAX_TORCH_THREADS)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _symmetric(d, gen):
     a = torch.randn(d, d, generator=gen, dtype=F64)
     return a + a.T
@@ -110,17 +119,26 @@ def test_blas_call_runs_at_torchs_thread_count(monkeypatch):
 
     monkeypatch.setattr(blas, "dsyrk", spy)
     before_torch = torch.get_num_threads()
+    controllers = cpu_blas._blas()[1]
     before_blas = cpu_blas.blas_thread_counts()
     try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            S = torch.zeros(d, d, dtype=F64)
-            torch_twin.second_moment_update(S, rows)
-            assert seen[-1] == [threads] * len(seen[-1]), (threads, seen[-1])
+        for c in controllers:  # as with OPENBLAS_NUM_THREADS=2: the call must still use one
+            c.set_num_threads(2)
+        torch.set_num_threads(1)
+        S = torch.zeros(d, d, dtype=F64)
+        torch_twin.second_moment_update(S, rows)
+        assert seen == [[1] * len(controllers)], seen
+        assert cpu_blas.blas_thread_counts() == [2] * len(controllers), "restored after the call"
+        torch.set_num_threads(2)  # more torch threads: torch's addmm, no BLAS call
+        S2 = torch.zeros(d, d, dtype=F64)
+        torch_twin.second_moment_update(S2, rows)
+        assert len(seen) == 1
+        y = rows.double()
+        assert _rel(S2, y.T @ y) < 1e-12 and _rel(S, S2) < 1e-13
     finally:
         torch.set_num_threads(before_torch)
-    assert len(seen) == 2 and all(seen)
-    assert cpu_blas.blas_thread_counts() == before_blas, "the BLAS setting is restored after the call"
+        for c, n in zip(controllers, before_blas):
+            c.set_num_threads(n)
 
 
 def test_grad_stats_estimate_with_and_without_blas_agree(monkeypatch):

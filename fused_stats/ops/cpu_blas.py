@@ -5,9 +5,11 @@ update (BLAS ``dsyrk``) computes only the upper triangle, R·d(d+1)/2, and the s
 is then copied from it (d²/2 moves), so ``S`` stays the full, exactly symmetric matrix that the
 accumulators read. Every product is still an fp64 sum of fp64 products (no lower precision).
 
-Threads: each BLAS call runs with ``torch.get_num_threads()`` threads (set through threadpoolctl
-for the call, the previous setting restored after), so ``torch.set_num_threads(1)`` means one
-thread here too. For a fixed thread count the same inputs give the same bits on every run.
+Threads: the path is taken only while torch runs ``MAX_TORCH_THREADS`` (one) thread, and each
+BLAS call runs with ``torch.get_num_threads()`` threads (set through threadpoolctl for the call,
+the previous setting restored after), so ``torch.set_num_threads(1)`` means one thread here too,
+whatever ``OPENBLAS_NUM_THREADS`` says; with more torch threads torch's ``addmm`` runs on torch's
+own thread pool. For a fixed thread count the same inputs give the same bits on every run.
 
 The triangle mirror and the wrapper cost about d² memory moves per call, whatever R: the path is
 taken only for row blocks large enough to win (``d >= MIN_DIM`` and ``R d >= MIN_ROWS_TIMES_DIM``,
@@ -27,6 +29,10 @@ import torch
 # d = 1024 wins from R = 128 rows, d = 256 from R = 512, d = 128 not even at R = 2000)
 MIN_DIM = 192
 MIN_ROWS_TIMES_DIM = 1 << 17
+# with more torch threads the path is not taken: OpenBLAS's own thread pool then competes for the
+# cores with torch's OpenMP pool (both spin while waiting); measured on 2 cores, 2 threads, d = 1024:
+# 2-5x slower than torch's multi-threaded addmm, which runs on torch's pool
+MAX_TORCH_THREADS = 1
 # block size of the triangle mirror: strips of 64 columns keep the transposed reads in cache
 MIRROR_BLOCK = 64
 
@@ -72,7 +78,8 @@ def blas_thread_counts() -> list[int]:
 
 def takes_second_moment(S: torch.Tensor, rows: torch.Tensor) -> bool:
     """Whether :func:`syrk_update` handles this ``S`` and ``rows`` (else: torch's addmm)."""
-    return (available() and S.device.type == "cpu" and rows.device.type == "cpu"
+    return (available() and torch.get_num_threads() <= MAX_TORCH_THREADS
+            and S.device.type == "cpu" and rows.device.type == "cpu"
             and S.dtype == torch.float64 and S.dim() == 2 and S.shape[0] == S.shape[1]
             and S.shape[0] >= MIN_DIM and S.is_contiguous() and not S.requires_grad
             and rows.dim() == 2 and rows.shape[1] == S.shape[0]
