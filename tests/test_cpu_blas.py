@@ -206,3 +206,19 @@ def test_row_block_coalesces_small_batches_exactly():
     S1 = S0.clone()
     block.add(S1, batches[0])
     assert torch.equal(S1, S0) and block.count == batches[0].shape[0]
+
+
+@pytest.mark.parametrize("unit,T", [("sample", 1), ("position", 3), ("sample", 2)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_capture_never_writes_into_the_callers_gradient(unit, T, dtype):
+    # the twin centres its own fp64 copy in place; an fp64 gradient (no copy) must stay untouched
+    gen = torch.Generator().manual_seed(5)
+    d = 6
+    grad = torch.randn(7, T, d, generator=gen).to(dtype)
+    before = grad.clone()
+    centre = torch.randn(d, generator=gen, dtype=F64)
+    out = torch_twin.capture_reduce(grad, None, centre, unit)
+    assert torch.equal(grad, before)
+    q = grad.double().sum(dim=1) if unit == "sample" else grad.double().reshape(-1, d)
+    torch.testing.assert_close(out.rows, q - centre, rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(out.norm_sum, q.norm(dim=1).sum(), rtol=1e-14, atol=0)

@@ -32,6 +32,7 @@ def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.
     if unit not in UNITS_CAPTURED:
         raise ValueError(f"unit must be one of {UNITS_CAPTURED}, got {unit!r}")
     g = grad.to(torch.float64)
+    owned = g is not grad  # a copy of ours: it may be overwritten (the caller's tensor may not)
     B, T, d = g.shape
     zero = torch.zeros((), dtype=torch.float64, device=g.device)
     keep = None if mask is None else mask.to(device=g.device, dtype=torch.bool)
@@ -40,19 +41,25 @@ def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.
     if keep is not None:
         # where(), not multiply: a NaN at a masked (padding) position must not leak into the sums
         g = torch.where(keep.unsqueeze(-1), g, zero)
+        owned = True
     if unit == "sample":
         q = g[:, 0] if T == 1 else g.sum(dim=1)
+        q_owned = owned or T > 1
         valid = None if keep is None else keep.any(dim=1)
     else:
         q = g.reshape(B * T, d)
+        q_owned = owned or q.data_ptr() != g.data_ptr()  # reshape copied
         valid = None if keep is None else keep.reshape(B * T)
-    y = q - centre.to(device=g.device, dtype=torch.float64)
+    q_norm = torch.linalg.vector_norm(q, dim=1)  # 0 on rows that are not samples
+    centre = centre.to(device=g.device, dtype=torch.float64)
+    # centring in place where q is our own tensor: one fresh (B, d) fp64 allocation less per batch,
+    # which on CPU costs more in page faults than the subtraction itself
+    y = q.sub_(centre) if q_owned else q - centre
     if valid is not None:
         # rows that are not samples must be exactly zero (q is already 0 there, y would be -centre)
         y = torch.where(valid.unsqueeze(-1), y, zero)
     else:
         valid = torch.ones(q.shape[0], dtype=torch.bool, device=g.device)
-    q_norm = torch.linalg.vector_norm(q, dim=1)  # 0 on rows that are not samples
     y_sq = (y * y).sum(dim=1)
     return BatchSums(
         rows=y,
