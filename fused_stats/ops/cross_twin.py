@@ -11,9 +11,10 @@ one first-order signal, the cross-gradient ``C = E[c_i]`` with ``c_i = Σ_{t∈i
   ``u4 = Σ k_ij k_kl`` with their tuple counts — these give the standard error of the unbiased
   ``|C|_F²`` (see :mod:`fused_stats.accumulators.cross_stats`).
 
-``unit="sample"`` materialises ``c_i`` per sample (a batched GEMM; cheaper than the T×T ghost
-Gram whenever T > r). ``unit="position"``: each unmasked position is a sample with the rank-one
-``c = q φᵀ``, so ``k_ij = (q_iᵀq_j)(φ_iᵀφ_j)`` and nothing d × r is formed per sample.
+``unit="sample"`` materialises ``c_i`` per sample (a batched GEMM) unless the "ghost" form
+``k_ij = Σ_{t,s} (q_itᵀq_js)(φ_itᵀφ_js)`` from position Grams is cheaper (few positions per
+sample). ``unit="position"``: each unmasked position is a sample with the rank-one ``c = q φᵀ``,
+so ``k_ij = (q_iᵀq_j)(φ_iᵀφ_j)`` and nothing d × r is formed per sample.
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ def fold_groups(k_blocks, d: int, r: int, n: int, c_sum: torch.Tensor) -> CrossB
     return CrossBatch(n=n, c_sum=c_sum, sq_norm_sum=sq, u2=u2, u3=u3, u4=u4, p2=p2, p3=p3, p4=p4)
 
 
+def ghost_is_cheaper(T: int, d: int, r: int, group: int) -> bool:
+    """``unit="sample"``: whether the per-sample Gram is cheaper from the (g T)² position Grams,
+    ``g T² (d + r)`` multiply-adds per sample, than from the materialised ``c_i``, ``T d r`` to form
+    and ``g d r`` for their Gram (g = samples per group)."""
+    return group * T * T * (d + r) < (T + group) * d * r
+
+
 def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None,
                  w_in: torch.Tensor, activation: str, unit: str,
                  group_size: int = DEFAULT_GROUP_SIZE) -> CrossBatch:
@@ -68,13 +76,36 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
     check_cross_args(grad, act, mask, w_in, activation, unit, group_size)
     B, T, d = grad.shape
     r = w_in.shape[0]
+    all_kept = mask is None or bool(mask.all())
     keep = (torch.ones(B, T, dtype=torch.bool, device=grad.device) if mask is None
             else mask.to(device=grad.device, dtype=torch.bool))
     zero = torch.zeros((), dtype=F64, device=grad.device)
-    q = torch.where(keep.unsqueeze(-1), grad.to(F64), zero)
-    z = torch.where(keep.unsqueeze(-1), act.to(F64), zero)
-    phi = torch.where(keep.unsqueeze(-1), apply_activation(z @ w_in.to(F64).T, activation), zero)
-    if unit == "sample":
+    if all_kept:  # nothing to zero out: skip the masking passes (the common case)
+        q = grad.to(F64)
+        phi = apply_activation(act.to(F64) @ w_in.to(F64).T, activation)
+    else:
+        q = torch.where(keep.unsqueeze(-1), grad.to(F64), zero)
+        z = torch.where(keep.unsqueeze(-1), act.to(F64), zero)
+        phi = torch.where(keep.unsqueeze(-1), apply_activation(z @ w_in.to(F64).T, activation), zero)
+    if unit == "sample" and ghost_is_cheaper(T, d, r, min(group_size, B)):
+        # k_ij = Σ_{t,s} (q_itᵀ q_js)(φ_itᵀ φ_js): the per-sample Gram from position Grams, with
+        # no d × r matrix per sample (few positions per sample, e.g. one row per sample)
+        if all_kept:
+            qv, pv = q, phi
+        else:
+            valid = keep.any(dim=1)
+            qv, pv = q[valid], phi[valid]  # (n, T, d), (n, T, r); masked positions are zero
+        n = qv.shape[0]
+        blocks = []
+        for i in range(0, n, group_size):
+            qg, pg = qv[i:i + group_size].reshape(-1, d), pv[i:i + group_size].reshape(-1, r)
+            gram = (qg @ qg.T) * (pg @ pg.T)
+            if T > 1:
+                m = qg.shape[0] // T
+                gram = gram.reshape(m, T, m, T).sum(dim=(1, 3))
+            blocks.append(gram)
+        c_sum = qv.reshape(n * T, d).T @ pv.reshape(n * T, r)
+    elif unit == "sample":
         valid = keep.any(dim=1)
         c = torch.einsum("btd,btr->bdr", q, phi)[valid]  # (n, d, r)
         n = c.shape[0]
