@@ -409,7 +409,10 @@ def spread_check(devices):
         assert p.stats[point].device == torch.device(dev)
         assert p.cross_stats[point].w_in.device == torch.device(dev)
         est = p.stats[point].estimate()
-        assert all(isinstance(v, (float, bool)) for k, v in est.to_dict().items() if k not in ("n", "dim"))
+        fields = est.to_dict()
+        scalars = {k: v for k, v in fields.items() if k not in ("n", "dim", "plugin")}
+        scalars.update({f"plugin.{k}": v for k, v in fields["plugin"].items()})
+        assert all(isinstance(v, (float, bool)) for v in scalars.values()), scalars
         assert isinstance(p.certificate(point).b_exact, float)
         assert isinstance(p.saturation(point).cross_frob2, float)
         assert_close(est.to_dict(), ref.stats[point].estimate().to_dict(), point)

@@ -44,7 +44,7 @@ class FusedStatsLightningCallback(Callback):
             raise FusedStatsError(f"every must be a positive int, got {every!r}")
         if log is not None and not isinstance(log, MonitorLog):
             raise FusedStatsError(f"log must be a fused_stats.MonitorLog, got {type(log).__name__}")
-        probe._stream(stream)
+        probe.check_stream(stream)
         self.probe = probe
         self.loss_reduction = loss_reduction
         self.monitor_log = log

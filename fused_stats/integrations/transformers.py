@@ -33,7 +33,6 @@ The hooks only read gradients: training is bit-identical with and without the ca
 
 from __future__ import annotations
 
-import copy
 import math
 import numbers
 
@@ -51,14 +50,7 @@ def _merged_probe(probe, group=None):
     """A shallow copy of ``probe`` whose accumulators are copies merged over the process group."""
     from ..api.distributed_probe import all_reduce_probe
 
-    shadow = copy.copy(probe)
-    for attr in ("stats", "test_stats", "cross_stats", "test_cross_stats"):
-        table = getattr(probe, attr, None)
-        if isinstance(table, dict):
-            setattr(shadow, attr, {k: v.copy() for k, v in table.items()})
-    for attr in ("steps", "skipped_steps", "dims"):
-        setattr(shadow, attr, dict(getattr(probe, attr)))
-    return all_reduce_probe(shadow, group)
+    return all_reduce_probe(probe.state_copy(), group)
 
 
 def metrics_of(record_points: dict) -> dict[str, float]:
@@ -109,7 +101,7 @@ class FusedStatsCallback(TrainerCallback):
         if loss_scale is not None and (not isinstance(loss_scale, numbers.Real)
                                        or not math.isfinite(loss_scale) or loss_scale <= 0):
             raise FusedStatsError(f"loss_scale must be a positive number or None, got {loss_scale!r}")
-        probe._stream(stream)
+        probe.check_stream(stream)
         self.probe = probe
         self.loss_reduction = loss_reduction
         self.log = log
