@@ -573,6 +573,7 @@ def section_cross(run, ctx):
 def _wall(fn, reps, cuda):
     """Median seconds of ``fn()`` over ``reps`` calls (synchronised on a GPU)."""
     import statistics
+
     import torch
 
     times = []

@@ -16,10 +16,10 @@ import torch
 
 pytest.importorskip("triton")
 
-import fused_stats as fs  # noqa: E402
-from fused_stats import FusedStatsError  # noqa: E402
+import fused_stats as fs
+from fused_stats import FusedStatsError
 
-from reference import (  # noqa: E402
+from reference import (
     TARGETS,
     assert_state_identical,
     assert_targets_close,

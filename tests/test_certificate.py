@@ -22,6 +22,7 @@ import torch
 
 import fused_stats as fs
 from fused_stats.accumulators import split_alignments
+
 from reference import brute_force_u, draw, population
 
 F64 = torch.float64

@@ -16,6 +16,7 @@ from torch import nn
 import fused_stats as fs
 from fused_stats.api.monitor_log import plot_monitor_log, read_monitor_log, split_runs
 from fused_stats.cli import main
+
 from tiny_models import TanhBlock
 
 pytest.importorskip("matplotlib")

@@ -33,11 +33,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from fused_stats import FusedStatsError  # noqa: E402
-from fused_stats.kernels import cross_reduce  # noqa: E402
-from fused_stats.kernels import cross as cross_kernel  # noqa: E402
-from fused_stats.kernels._common import override_config  # noqa: E402
-from fused_stats.ops import cross_twin  # noqa: E402
+from fused_stats import FusedStatsError
+from fused_stats.kernels import cross as cross_kernel
+from fused_stats.kernels import cross_reduce
+from fused_stats.kernels._common import override_config
+from fused_stats.ops import cross_twin
 
 F64 = torch.float64
 TOL = {torch.float32: 2e-6, torch.float16: 2e-6, torch.bfloat16: 2e-6, torch.float64: 1e-12}

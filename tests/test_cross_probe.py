@@ -25,8 +25,9 @@ import pytest
 import torch
 
 import fused_stats as fs
-from tiny_models import padded_lm_batch, split
 from fused_stats.api.resnet import cifar_resnet20
+
+from tiny_models import padded_lm_batch, split
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -21,9 +21,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import fused_stats as fs
-from reference import (assert_state_identical, assert_targets_close, brute_force_targets, draw,
-                       per_sample_vectors, population, snapshot)
 from fused_stats.accumulators import state_differences
+
+from reference import (
+    assert_state_identical,
+    assert_targets_close,
+    brute_force_targets,
+    draw,
+    per_sample_vectors,
+    population,
+    snapshot,
+)
 
 D = 6
 F64 = torch.float64

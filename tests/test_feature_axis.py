@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 import fused_stats as fs
-import per_sample_reference as R
 from fused_stats.api.resnet import cifar_resnet20
+
+import per_sample_reference as R
 
 F64 = torch.float64
 B, T, H, DH, D = 6, 5, 2, 3, 4

@@ -15,10 +15,11 @@ import os
 
 import pytest
 import torch
-from gloo_harness import init_gloo, run_two_ranks
-from tiny_models import TanhBlock
 
 import fused_stats as fs
+
+from gloo_harness import init_gloo, run_two_ranks
+from tiny_models import TanhBlock
 
 F64 = torch.float64
 POINTS = ["blocks.0", "blocks.1", "blocks.2"]

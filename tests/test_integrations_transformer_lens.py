@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("transformer_lens")
 
-from per_sample_reference import assert_estimate_matches
-
 import fused_stats as fs
+
+from per_sample_reference import assert_estimate_matches
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,6 @@ from fused_stats.api.plan import model_shape, plan_memory
 from fused_stats.cli import main
 
 
-
 def allocated_bytes(acc) -> int:
     """Bytes of the distinct storages the state tensors keep alive."""
     seen = {}

@@ -39,11 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import fused_stats as fs
-from gloo_harness import init_gloo
-from tiny_models import padded_lm_batch
-import per_sample_reference as R
 from fused_stats.api.monitor_log import plot_monitor_log, read_monitor_log
 
+import per_sample_reference as R
+from gloo_harness import init_gloo
+from tiny_models import padded_lm_batch
 
 
 def _transformers():
@@ -450,9 +450,8 @@ def test_resnet_conv_points_eval_mode(gen):
             F.cross_entropy(model(x), y).backward()
     assert_same_stats(ref, obs, rel=1e-9)
     model.train()
-    with pytest.warns(UserWarning, match="BatchNorm"):
-        with obs.observe(loss_reduction="mean"):
-            F.cross_entropy(model(x), y).backward()
+    with pytest.warns(UserWarning, match="BatchNorm"), obs.observe(loss_reduction="mean"):
+        F.cross_entropy(model(x), y).backward()
 
 
 # ----------------------------------------------------------------------------- training untouched
@@ -619,9 +618,8 @@ def test_wrong_scale_shape_rejected_state_unchanged(primed):
 def test_mean_declared_for_hf_token_mean_loss_raises(primed):
     model, probe, batch = primed
     before = _state(probe)
-    with pytest.raises(fs.FusedStatsError, match="token_mean"):
-        with probe.observe(loss_reduction="mean"):
-            model(**batch).loss.backward()
+    with pytest.raises(fs.FusedStatsError, match="token_mean"), probe.observe(loss_reduction="mean"):
+        model(**batch).loss.backward()
     assert _same_state(before, probe)
     # the HF loss divided by 4 without loss_scale: the weight is named in the message
     with pytest.raises(fs.FusedStatsError, match="loss_scale=0.25"):
@@ -632,13 +630,12 @@ def test_mean_declared_for_hf_token_mean_loss_raises(primed):
 
 def test_mean_with_unequal_label_counts_warns(primed):
     model, probe, batch = primed
-    with pytest.warns(UserWarning, match="token_mean"):
-        with probe.observe(loss_reduction="mean"):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           labels=batch["labels"]).logits
-            # the user's own loss (the model's .loss is not used): a batch mean of token losses
-            F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1),
-                            ignore_index=-100).backward()
+    with pytest.warns(UserWarning, match="token_mean"), probe.observe(loss_reduction="mean"):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       labels=batch["labels"]).logits
+        # the user's own loss (the model's .loss is not used): a batch mean of token losses
+        F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1),
+                        ignore_index=-100).backward()
 
 
 def test_usage_errors_leave_state_unchanged(primed):
@@ -661,10 +658,9 @@ def test_usage_errors_leave_state_unchanged(primed):
     with pytest.raises(fs.FusedStatsError, match="token_mean"):  # no labels nor attention mask
         with probe.observe(loss_reduction="token_mean"):
             model(input_ids=batch["input_ids"]).logits.sum().backward()
-    with pytest.raises(fs.FusedStatsError, match="nested"):
+    with pytest.raises(fs.FusedStatsError, match="nested"), probe.observe(loss_reduction="sum"):
         with probe.observe(loss_reduction="sum"):
-            with probe.observe(loss_reduction="sum"):
-                pass
+            pass
     with pytest.raises(ZeroDivisionError):  # the user's own error passes through untouched
         with probe.observe(loss_reduction="token_mean"):
             model(**batch).loss.backward()

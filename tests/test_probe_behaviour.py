@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 import fused_stats as fs
-import per_sample_reference as R
 from fused_stats.api.resnet import cifar_resnet20, tiny_resnet
+
+import per_sample_reference as R
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

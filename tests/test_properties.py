@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 
 import fused_stats as fs
 from fused_stats.accumulators import state_differences
+
 from tiny_models import TanhBlock
 
 F64 = torch.float64
@@ -209,7 +210,7 @@ def build(spec: dict, locked_unit):
             else (B, d + 1)
     grad = (spec["offset"] + spec["scale"] * torch.randn(*shape, generator=gen, dtype=F64))
     mask = None
-    if unit != "flat" and spec["mask_kind"] != "none" and shape[0] > 0 or (
+    if (unit != "flat" and spec["mask_kind"] != "none" and shape[0] > 0) or (
             unit != "flat" and spec["kind"] == "bad_mask"):
         positions = tuple(s for i, s in enumerate(shape) if i not in (0, feat_axis))
         if spec["mask_kind"] == "per_sample":

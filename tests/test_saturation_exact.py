@@ -31,6 +31,7 @@ from torch import nn
 
 import fused_stats as fs
 from fused_stats.accumulators.cross_stats import CrossStats
+
 from tiny_models import TanhBlock
 
 F64 = torch.float64

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import TanhBlock, padded_lm_batch
 
 import fused_stats as fs
+
+from tiny_models import TanhBlock, padded_lm_batch
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -362,9 +363,8 @@ def test_device_that_does_not_exist(device):
 def test_kv_cache_is_rejected():
     model = tiny("llama")
     ids = data(9)[0][0]["input_ids"]
-    with fs.stream_blocks(model) as st:
-        with pytest.raises(fs.FusedStatsError, match="use_cache=False"):
-            st.model(input_ids=ids, use_cache=True)
+    with fs.stream_blocks(model) as st, pytest.raises(fs.FusedStatsError, match="use_cache=False"):
+        st.model(input_ids=ids, use_cache=True)
 
 
 # ----------------------------------------------------------------------------- devices

@@ -351,7 +351,7 @@ def check_data(args, model, train, test):
         M, K = args.split
         n_train = min(train.shape[0], args.batches * args.batch_size)
         n_test = min(test.shape[0], (args.test_batches or args.batches) * args.batch_size)
-        if M + K > n_train + n_test:
+        if n_train + n_test < M + K:
             raise FusedStatsError(
                 f"--split {M} {K}: the misalignment draws disjoint M + K = {M + K} samples from the "
                 f"pooled {n_train} train + {n_test} test sequences; lower M, K or add batches")

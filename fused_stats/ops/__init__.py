@@ -15,7 +15,7 @@ from ..backend import resolve_backend
 from ..contracts import DEFAULT_GROUP_SIZE, BatchSums, CrossBatch
 from . import cross_twin, torch_twin
 
-__all__ = ["BatchSums", "CrossBatch", "cross_reduce", "capture_reduce", "second_moment_update", "gram_rows", "implementation"]
+__all__ = ["BatchSums", "CrossBatch", "capture_reduce", "cross_reduce", "gram_rows", "implementation", "second_moment_update"]
 
 
 class _TorchTwins:
