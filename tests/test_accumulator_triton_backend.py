@@ -73,7 +73,7 @@ def _assert_states_close(tri, ref, rtol=2e-6):
             assert a is None, key
             continue
         scale = float(b.abs().max()) if b.numel() else 1.0
-        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * max(scale, 1e-30), msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * max(scale, 1e-30), msg=lambda m, key=key: f"{key}: {m}")
 
 
 def _assert_estimates_close(tri, ref, rtol=EST_RTOL):

@@ -99,7 +99,7 @@ def per_sample_reference(model, batches, layers):
             ids = batch[b:b + 1]
             outs = {}
 
-            def grab(i):
+            def grab(i, outs=outs):
                 def hook(module, args, output):
                     z = output[0] if isinstance(output, tuple) else output
                     z.retain_grad()

@@ -84,7 +84,7 @@ def lm_rows(model, batch, names):
     for b in range(batch["input_ids"].shape[0]):
         length = int(batch["attention_mask"][b].sum())
         ids, labels = batch["input_ids"][b, :length], batch["labels"][b, :length]
-        got = record_one(model, names, lambda m: lm_loss_one(m, ids, labels))
+        got = record_one(model, names, lambda m, ids=ids, labels=labels: lm_loss_one(m, ids, labels))
         for n in names:
             rows[n].append(got[n])
     return rows
@@ -95,7 +95,7 @@ def conv_rows(model, x, y, names):
     model.eval()
     rows = {n: [] for n in names}
     for b in range(x.shape[0]):
-        got = record_one(model, names, lambda m: torch.nn.functional.cross_entropy(
+        got = record_one(model, names, lambda m, b=b: torch.nn.functional.cross_entropy(
             m(x[b:b + 1]), y[b:b + 1]))
         for n in names:
             z, q = got[n]

@@ -64,7 +64,7 @@ def test_resnet_points_need_no_feature_dim(gen):
     rows = {p: [] for p in points}
     for b in range(5):
         g = R.point_grads_one_sample(net, points,
-                                     lambda m: R.classification_sample_loss(m, x[b], int(y[b])))
+                                     lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b])))
         for p in points:
             rows[p].append(g[p][0].sum(dim=(1, 2))[None])  # channels, summed over the pixels
     for p in points:
@@ -105,7 +105,7 @@ def test_head_activations_with_feature_dim_match_per_sample_reference(gen):
         rows = []
         for b in range(B):
             g = R.point_grads_one_sample(model, ["hook_z"],
-                                         lambda m: (m(x[b:b + 1]) - y[b]).pow(2).sum())
+                                         lambda m, b=b: (m(x[b:b + 1]) - y[b]).pow(2).sum())
             rows.append(g["hook_z"][0].sum(dim=(0, 1))[None])  # Σ over positions and heads
         R.assert_estimate_matches(probe.stats["hook_z"].estimate(), torch.cat(rows))
     # the zero block at hook_z with the feature axis given leaves the model's output unchanged

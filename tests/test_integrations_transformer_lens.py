@@ -40,7 +40,7 @@ def per_sample_rows(model, ids, labels, points):
     for b in range(ids.shape[0]):
         grads = {}
 
-        def keep(grad, hook):
+        def keep(grad, hook, grads=grads):
             grads[hook.name] = grad.detach().clone()
 
         for p in points:

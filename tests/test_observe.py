@@ -345,7 +345,7 @@ def test_checkpoint_inside_module_call_counts_once(gen):
         ref = fs.Probe(model, points=points, second_moment="dense")
         obs = fs.Probe(model, points=points, second_moment="dense")
         calls = []
-        model.blocks[0].register_forward_hook(lambda *a: calls.append(torch.is_grad_enabled()))
+        model.blocks[0].register_forward_hook(lambda *a, calls=calls: calls.append(torch.is_grad_enabled()))
         for B in (7, 5):
             x = torch.randn(B, 6, generator=gen, dtype=F64)
             y = torch.randint(0, 4, (B,), generator=gen)

@@ -273,7 +273,7 @@ def test_tuple_namedtuple_list_outputs_match_reference(gen):
     rows = {p: [] for p in points}
     for b in range(9):
         g = R.point_grads_one_sample(model, points,
-                                     lambda m: R.classification_sample_loss(m, x[b], int(y[b])))
+                                     lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b])))
         for p in points:
             rows[p].append(g[p])
     for p in points:
@@ -367,7 +367,7 @@ def test_conv1d_points_use_channel_axis(gen):
     rows = {p: [] for p in probe.points}
     for b in range(6):
         g = R.point_grads_one_sample(model, probe.points,
-                                     lambda m: R.classification_sample_loss(m, x[b], int(y[b])))
+                                     lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b])))
         for p in probe.points:
             rows[p].append(g[p][0].sum(-1, keepdim=True).T)  # the gradient of this block's conv
     # blocks.i's output is tanh(conv) (its skip is outside), so compare the same tensors
@@ -414,7 +414,7 @@ def test_flat_unit_on_sequences_zeroes_padding(gen):
     rows = []
     for b in range(6):
         length = int(batch["attention_mask"][b].sum())
-        g = R.point_grads_one_sample(model, ["model.layers.0"], lambda m: R.lm_sample_loss(
+        g = R.point_grads_one_sample(model, ["model.layers.0"], lambda m, b=b, length=length: R.lm_sample_loss(
             m, batch["input_ids"][b, :length], batch["labels"][b, :length]))["model.layers.0"][0]
         full = torch.zeros(6, 16, dtype=torch.float64)
         full[:length] = g
@@ -493,7 +493,7 @@ def test_callbacks_receive_activation_and_gradient(gen):
     assert torch.equal(cap.activation, z)
     for b in range(5):
         g = R.point_grads_one_sample(net, ["layer2.0"],
-                                     lambda m: R.classification_sample_loss(m, x[b], int(y[b])))
+                                     lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b])))
         assert torch.allclose(cap.grad[b], g["layer2.0"][0], rtol=1e-10, atol=1e-14)
 
 
@@ -673,7 +673,7 @@ def test_flat_unit_drops_a_sample_with_no_counted_position(gen):
         if b == 2:
             continue
         length = int(batch["attention_mask"][b].sum())
-        g = R.point_grads_one_sample(model, ["model.layers.0"], lambda m: R.lm_sample_loss(
+        g = R.point_grads_one_sample(model, ["model.layers.0"], lambda m, b=b, length=length: R.lm_sample_loss(
             m, batch["input_ids"][b, :length], batch["labels"][b, :length]))["model.layers.0"][0]
         full = torch.zeros(6, 16, dtype=torch.float64)
         full[:length] = g
