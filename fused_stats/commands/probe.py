@@ -297,7 +297,7 @@ def _split_stream(ids, T: int, what: str):
 
 def _split_rows(rows, what: str):
     n = rows.shape[0]
-    n_test = max(1, int(round(n * HELD_OUT)))
+    n_test = max(1, round(n * HELD_OUT))
     if n - n_test < 1:
         raise FusedStatsError(f"{what}: {n} sequences are too few for a train and a test part")
     return rows[:n - n_test], rows[n - n_test:], f"{what}; first {n - n_test} sequences -> train, last {n_test} -> test"

@@ -369,7 +369,7 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
                  "model (fp64 copy): one gradient step of size eta on an inserted zero "
                  "parameter, using the probe's train windows; change of the mean held-out loss")
         lines_iv, dicts = intervention_lines(kept, corpus, cfg)
-        sections += ["", f"== {title} =="] + lines_iv
+        sections += ["", f"== {title} ==", *lines_iv]
         sections.append("(predicted = -eta mu_M.g_K for the bias, -eta <C_M, C_K>_F for the block; "
                         "the ratio tends to 1 as eta shrinks when the first-order picture holds)")
         from ..api.report import _write_atomic as _write

@@ -252,7 +252,7 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
     check_cross_args(grad, act, mask, w_in, activation, unit, group_size)
     check_kernel_device(grad, "grad")
     B, T, d = grad.shape
-    r, din = w_in.shape
+    r, _ = w_in.shape
     device = grad.device
     q, z, w = kernel_dtype(grad), kernel_dtype(act), kernel_dtype(w_in)
     dot = F64 if F64 in (q.dtype, z.dtype, w.dtype) else F32

@@ -9,6 +9,8 @@ Kernels are imported lazily so that importing the package never imports Triton.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ..backend import resolve_backend
@@ -21,7 +23,7 @@ __all__ = ["BatchSums", "CrossBatch", "capture_reduce", "cross_reduce", "gram_ro
 class _TorchTwins:
     """The torch twins under the launchers' names (looked up at each call)."""
 
-    _modules = {"capture_reduce": torch_twin, "second_moment_update": torch_twin,
+    _modules: ClassVar[dict] = {"capture_reduce": torch_twin, "second_moment_update": torch_twin,
                 "gram_rows": torch_twin, "cross_reduce": cross_twin}
 
     def __getattr__(self, name: str):
