@@ -290,7 +290,7 @@ def test_manifest_entries_without_kind_are_gradstats(tmp_path, uninterrupted):
 def test_checkpoint_of_other_points_is_rejected(tmp_path, uninterrupted):
     save_probe_state(uninterrupted, tmp_path)
     other = Probe(TinySeqNet(), points=["blocks.1"])
-    with pytest.raises(fs.FusedStatsError, match="'blocks.0'.*not a point of this probe"):
+    with pytest.raises(fs.FusedStatsError, match=r"'blocks.0'.*not a point of this probe"):
         load_probe_state(other, tmp_path)
     assert other.stats == {} and other.test_stats == {}
 

@@ -77,9 +77,9 @@ def reference(grad, act, mask, w_in, activation, unit, group_size):
         out["u2"] += sum(k[i][j] ** 2 for i, j in pairs)
         out["s2"] += sum(k[i][j] ** 2 for i, j in pairs)
         out["a1"] += sum(abs(k[i][j]) for i, j in pairs)
-        triples = [(i, j, l) for i, j in pairs for l in range(m) if l not in (i, j)]
-        out["u3"] += sum(k[i][j] * k[j][l] for i, j, l in triples)
-        out["s3"] += sum(abs(k[i][j] * k[j][l]) for i, j, l in triples)
+        triples = [(i, j, h) for i, j in pairs for h in range(m) if h not in (i, j)]
+        out["u3"] += sum(k[i][j] * k[j][h] for i, j, h in triples)
+        out["s3"] += sum(abs(k[i][j] * k[j][h]) for i, j, h in triples)
         quads = [(a, b) for a in pairs for b in pairs if len({*a, *b}) == 4]
         out["u4"] += sum(k[a[0]][a[1]] * k[b[0]][b[1]] for a, b in quads)
         out["s4"] += sum(abs(k[a[0]][a[1]] * k[b[0]][b[1]]) for a, b in quads)

@@ -142,11 +142,11 @@ def reference_se(flat, batch_sizes):
         for i, j in permutations(range(size), 2):
             sums[0] += k[i][j] ** 2
             counts[0] += 1
-        for i, j, l in permutations(range(size), 3):
-            sums[1] += k[i][j] * k[j][l]
+        for i, j, h in permutations(range(size), 3):
+            sums[1] += k[i][j] * k[j][h]
             counts[1] += 1
-        for i, j, l, m in permutations(range(size), 4):
-            sums[2] += k[i][j] * k[l][m]
+        for i, j, h, m in permutations(range(size), 4):
+            sums[2] += k[i][j] * k[h][m]
             counts[2] += 1
     assert start == flat.shape[0] and min(counts) > 0
     e2, e3, m4 = (s / c for s, c in zip(sums, counts))

@@ -190,7 +190,7 @@ def _rewrite_meta(path, edit):
 
     with safe_open(str(path), framework="pt") as handle:
         meta = dict(handle.metadata())
-        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118  (a safetensors handle is not iterable)
     edit(meta, tensors)
     meta.pop("sha256")
     save_checked(path, tensors, meta)

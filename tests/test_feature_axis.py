@@ -81,9 +81,8 @@ def test_head_activations_are_refused_without_feature_dim(gen):
     msg = str(info.value)
     assert "'hook_z'" in msg and f"{(B, T, H, DH)}" in msg and "feature_dim=-1" in msg, msg
     assert probe.stats == {} and probe.steps["train"] == 0 and probe.feature_dims == {}
-    with pytest.raises(fs.FusedStatsError, match=r"'hook_z'.*\(6, 5, 2, 3\).*feature_dim"):
-        with probe.observe(loss_reduction="sum"):
-            squared_error(model, (x, y)).sum().backward()
+    with pytest.raises(fs.FusedStatsError, match=r"'hook_z'.*\(6, 5, 2, 3\).*feature_dim"), probe.observe(loss_reduction="sum"):
+        squared_error(model, (x, y)).sum().backward()
     assert probe.stats == {}
     block = fs.insert_zero_block(model, "hook_z", kind="bias", dim=DH)
     try:

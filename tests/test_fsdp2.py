@@ -78,7 +78,7 @@ def summary(p) -> dict:
         for name, acc in accs.items():
             est = acc.estimate()
             out[f"{stream}/{name}"] = {"n": acc.n, **{k: getattr(est, k) for k in FIELDS}}
-    for name, acc in p.cross_stats.items():
+    for name in p.cross_stats:
         out[f"saturation/{name}"] = p.saturation(name).cross_frob2
     return out
 

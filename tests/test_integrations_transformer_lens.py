@@ -94,7 +94,7 @@ def test_loss_helper_styles(gen):
         def forward(self, input_ids, *, segment_ids):
             return torch.nn.functional.one_hot(input_ids, 23).double()
 
-    with pytest.raises(fs.FusedStatsError, match="as keywords.*segment_ids"):
+    with pytest.raises(fs.FusedStatsError, match=r"as keywords.*segment_ids"):
         fs.causal_lm_loss(Keywords(), {"input_ids": ids})
 
 

@@ -11,13 +11,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import fused_stats as fs
-from fused_stats.integrations.transformers import (
+import fused_stats as fs  # noqa: E402  (after the importorskip of the optional peers)
+from fused_stats.integrations.transformers import (  # noqa: E402  (after the importorskip)
     FusedStatsCallback,
     FusedStatsTrainerMixin,
 )
 
-from tiny_models import padded_lm_batch
+from tiny_models import padded_lm_batch  # noqa: E402  (after the importorskip)
 
 VOCAB, T = 29, 8
 KEYS = ("n", "d_align", "d_par", "d_2", "mu_norm2", "ag_max")

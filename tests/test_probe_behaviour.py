@@ -12,6 +12,7 @@ import collections
 import itertools
 import math
 import weakref
+from typing import ClassVar
 
 import pytest
 import torch
@@ -162,12 +163,12 @@ def test_exception_in_loss_fn_restores_everything(where, gen):
 
 # ---------------------------------------------------------------------------- loss checks
 @pytest.mark.parametrize("bad,needle", [
-    (lambda l: l.mean(), "shape ()"),
-    (lambda l: l[:, None], "shape (6, 1)"),
-    (lambda l: l[:5], "shape (5,)"),
-    (lambda l: l.detach(), "do not depend"),
-    (lambda l: l * torch.tensor([1, 1, float("nan"), 1, 1, 1], dtype=l.dtype), "samples [2]"),
-    (lambda l: (l > 0).long(), "dtype"),
+    (lambda loss: loss.mean(), "shape ()"),
+    (lambda loss: loss[:, None], "shape (6, 1)"),
+    (lambda loss: loss[:5], "shape (5,)"),
+    (lambda loss: loss.detach(), "do not depend"),
+    (lambda loss: loss * torch.tensor([1, 1, float("nan"), 1, 1, 1], dtype=loss.dtype), "samples [2]"),
+    (lambda loss: (loss > 0).long(), "dtype"),
 ])
 def test_bad_loss_output_rejected_state_unchanged(bad, needle, gen):
     model = tiny_llama(2)
@@ -582,14 +583,14 @@ def test_report_structure_and_weak_points(gen, tmp_path):
     d2 = dense._report_data(misalignment_trials=100)
     assert all(pt["misalignment"] is None and pt["certificate"] is None and pt["test"] is None
                and pt["realized_alignment"] is None and pt["train"]["n"] == 5 for pt in d2["points"])
-    with pytest.raises(fs.FusedStatsError, match="needs a pool|no sample pool"):
+    with pytest.raises(fs.FusedStatsError, match=r"needs a pool|no sample pool"):
         dense.misalignment("layer1.0", M=2, K=2)
 
 
 class _Spy(torch.autograd.Function):
     """Identity whose autograd node can be watched: is the graph below a point kept alive?"""
 
-    nodes: list = []
+    nodes: ClassVar[list] = []
 
     @staticmethod
     def forward(ctx, x):
