@@ -36,9 +36,9 @@ import warnings
 
 import pytest
 import torch
+from _harness import apply_threads, build_llama, size_parser, sizes, write_result
 
 import fused_stats as fs
-from _harness import apply_threads, build_llama, size_parser, sizes, write_result
 
 TRAIN = "train step"
 OBSERVED = "train step + observe"

@@ -128,9 +128,9 @@ def run_loop(model, data, points):
         grads = {}
         handles = []
         for p in points:
-            def hook(module, args, out, p=p):
+            def hook(module, args, out, p=p, grads=grads):
                 z = out[0] if isinstance(out, tuple) else out
-                z.register_hook(lambda g, p=p: grads.__setitem__(p, g.detach()))
+                z.register_hook(lambda g, p=p, grads=grads: grads.__setitem__(p, g.detach()))
             handles.append(model.get_submodule(p).register_forward_hook(hook))
         try:
             sequence_loss(model, ids, labels).backward()

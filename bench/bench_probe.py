@@ -33,9 +33,9 @@ import time
 
 import pytest
 import torch
+from _harness import apply_threads, build_llama, size_parser, sizes, write_result
 
 import fused_stats as fs
-from _harness import apply_threads, build_llama, size_parser, sizes, write_result
 
 
 def train_step(model, batch):

@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
-from _harness import apply_threads, build_llama, size_parser, sizes, write_result
+from _harness import apply_threads, build_llama, size_parser, sizes, write_result  # noqa: E402  (after the sys.path setup)
 
-import fused_stats as fs
+import fused_stats as fs  # noqa: E402  (after the sys.path setup)
 
 RSS_CHILD = """
 import json, sys, torch

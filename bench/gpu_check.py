@@ -239,7 +239,7 @@ def section_ceilings(run, ctx):
         old = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
-            ms = bench(lambda: a @ b, run)
+            ms = bench(lambda a=a, b=b: a @ b, run)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = old
         rate = 2 * size**3 / (ms * 1e-3) / 1e12
@@ -318,9 +318,9 @@ def section_capture_speed(run, ctx):
     for name, g, mask, unit in _capture_cases(ctx):
         c = _centre(ctx, g)
         nbytes = _capture_bytes(g, mask, unit)
-        ms_k = bench(lambda: capture.capture_partials(g, mask, c, unit), run)
-        ms_op = bench(lambda: capture.capture_reduce(g, mask, c, unit), run)
-        ms_twin = bench(lambda: torch_twin.capture_reduce(g, mask, c, unit), run)
+        ms_k = bench(lambda g=g, mask=mask, c=c, unit=unit: capture.capture_partials(g, mask, c, unit), run)
+        ms_op = bench(lambda g=g, mask=mask, c=c, unit=unit: capture.capture_reduce(g, mask, c, unit), run)
+        ms_twin = bench(lambda g=g, mask=mask, c=c, unit=unit: torch_twin.capture_reduce(g, mask, c, unit), run)
         gbps = nbytes / (ms_k * 1e-3) / 1e9
         out[name] = {"bytes": nbytes, "kernels_ms": ms_k, "op_ms": ms_op, "twin_eager_ms": ms_twin,
                      "GBps": gbps, "fraction_of_copy": gbps / copy if copy else None}
@@ -408,13 +408,13 @@ def section_second_moment(run, ctx):
         run.row("second moment correctness", f"{label} rows max rel err", err,
                 note="tol 2e-5, " + ("symmetric" if sym else "NOT symmetric"), ok=entry["ok"])
         if ctx.cuda:
-            ms = bench(lambda: second_moment_update(S, rows), run)
-            ms_twin = bench(lambda: torch_twin.second_moment_update(want, rows), run)
+            ms = bench(lambda S=S, rows=rows: second_moment_update(S, rows), run)
+            ms_twin = bench(lambda want=want, rows=rows: torch_twin.second_moment_update(want, rows), run)
             rate = flops / (ms * 1e-3) / 1e12
             entry.update(ms=ms, twin_eager_ms=ms_twin, TFLOPs_triangle=rate)
             if label == "bf16":
                 ref = ctx.peers.get("bf16_TFLOPs")
-                full = bench(lambda: torch.mm(rows.T, rows), run)  # full d x d, bf16 out
+                full = bench(lambda rows=rows: torch.mm(rows.T, rows), run)  # full d x d, bf16 out
                 entry["torch_bf16_full_gemm_ms"] = full
                 run.row("second moment speed", "bf16 rows TFLOP/s (triangle)", rate, "TFLOP/s",
                         reference=ref, target=0.60,
@@ -450,8 +450,8 @@ def section_gram(run, ctx):
         entry = {"rel_err": err, "ok": err < tol, "shape": [64, n_pool, d]}
         run.row("gram correctness", f"{label} max rel err", err, note=f"tol {tol:g}", ok=entry["ok"])
         if ctx.cuda:
-            ms = bench(lambda: gram_rows(new, pool), run)
-            ms_twin = bench(lambda: torch_twin.gram_rows(new, pool), run)
+            ms = bench(lambda new=new, pool=pool: gram_rows(new, pool), run)
+            ms_twin = bench(lambda new=new, pool=pool: torch_twin.gram_rows(new, pool), run)
             entry.update(ms=ms, twin_eager_ms=ms_twin, TFLOPs=2 * 64 * n_pool * d / (ms * 1e-3) / 1e12)
             run.row("gram speed", f"{label} ms", ms, "ms", note=f"twin eager {ms_twin:.3f} ms")
         out[label] = entry
@@ -547,8 +547,8 @@ def section_cross(run, ctx):
         run.row("cross correctness", f"{unit} max rel err", worst, ok=entry["ok"],
                 note="tol 1e-4 (fp32 products), counts equal" if counts else "COUNTS DIFFER")
         if ctx.cuda:
-            ms = bench(lambda: cross.cross_reduce(*args), run)
-            ms_twin = bench(lambda: cross_twin.cross_reduce(*args), run)
+            ms = bench(lambda args=args: cross.cross_reduce(*args), run)
+            ms_twin = bench(lambda args=args: cross_twin.cross_reduce(*args), run)
             # extra memory while one call runs: phi(W_in z) must exist only per chunk in the kernel
             peak = {}
             for who, fn in (("kernel", cross.cross_reduce), ("twin", cross_twin.cross_reduce)):
@@ -573,6 +573,7 @@ def section_cross(run, ctx):
 def _wall(fn, reps, cuda):
     """Median seconds of ``fn()`` over ``reps`` calls (synchronised on a GPU)."""
     import statistics
+
     import torch
 
     times = []
@@ -641,7 +642,7 @@ def section_stream(run, ctx):
         for name, source in sources.items():
             with fs.stream_blocks(source, device=ctx.device, prefetch=1) as st:
                 probe = fs.Probe(st.model)
-                t_stream = _wall(lambda: probe.step(batch, fs.causal_lm_loss), reps, cuda)
+                t_stream = _wall(lambda probe=probe: probe.step(batch, fs.causal_lm_loss), reps, cuda)
                 check = fs.Probe(st.model)
                 check.step(batch, fs.causal_lm_loss)
                 worst = max(abs(check.stats[p].estimate().trace_sigma2
@@ -656,7 +657,7 @@ def section_stream(run, ctx):
                     nbytes = st.block_bytes
                     t_block = _wall(lambda: st._materialise(1), reps, cuda)
                     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-                    t_copy = _wall(lambda: pinned.to(ctx.device, non_blocking=True), reps, cuda)
+                    t_copy = _wall(lambda pinned=pinned: pinned.to(ctx.device, non_blocking=True), reps, cuda)
                     out[f"{name}_h2d_GBps"] = nbytes / t_block / 1e9
                     out["pinned_copy_GBps"] = nbytes / t_copy / 1e9
                     run.row("stream", f"block H2D GB/s ({name})", nbytes / t_block / 1e9, "GB/s",

@@ -73,7 +73,7 @@ def main() -> None:
     train_text, test_text = stdlib_bytes(0, 60), stdlib_bytes(100, 30)  # disjoint files
     if args.train_steps:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        for i, batch in enumerate(batches(train_text, args.seq, args.batch, args.train_steps, args.seed)):
+        for batch in batches(train_text, args.seq, args.batch, args.train_steps, args.seed):
             loss = fs.causal_lm_loss(model, batch).mean()
             opt.zero_grad()
             loss.backward()

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     for b in range(n):
         seen = {}
         hooks = [hf.model.layers[i].register_forward_hook(
-            lambda m, a, out, i=i: seen.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+            lambda m, a, out, i=i, seen=seen: seen.__setitem__(i, out[0] if isinstance(out, tuple) else out))
             for i in range(layers)]
         try:
             loss = per_sequence_losses(hf(input_ids=tokens[b:b + 1]).logits, tokens[b:b + 1])[0]

@@ -99,7 +99,7 @@ def self_check(model, point: str, unit: str, x, y) -> None:
         for b in range(x.shape[0]):
             seen = {}
             handle = model.get_submodule(point).register_forward_hook(
-                lambda module, args, out: seen.setdefault("z", out))
+                lambda module, args, out, seen=seen: seen.setdefault("z", out))
             try:
                 loss = torch.nn.functional.cross_entropy(model(x[b:b + 1]), y[b:b + 1])
             finally:

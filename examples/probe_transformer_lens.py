@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     for b in range(n):
         grads = {}
 
-        def keep(grad, hook):
+        def keep(grad, hook, grads=grads):
             grads[hook.name] = grad.detach()[0].sum(0)
 
         with model.hooks(bwd_hooks=[(p, keep) for p in points]):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-
 from typing import Literal
 
 import torch
@@ -25,10 +24,10 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton
         import triton.language  # noqa: F401
     except Exception:  # pragma: no cover - platform without triton
         return False

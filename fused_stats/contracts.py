@@ -147,7 +147,7 @@ def check_cross_args(grad, act, mask, w_in, activation: str, unit: str, group_si
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
         raise FusedStatsError(f"group_size must be a positive int, got {group_size!r}")
     B, T, _ = grad.shape
-    r, din = w_in.shape
+    _, din = w_in.shape
     if tuple(act.shape) != (B, T, din):
         raise FusedStatsError(f"act has shape {tuple(act.shape)}, expected {(B, T, din)} for grad "
                               f"{tuple(grad.shape)} and w_in {tuple(w_in.shape)}")

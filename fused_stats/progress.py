@@ -79,7 +79,7 @@ class Progress:
         else:
             self._plain = True
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

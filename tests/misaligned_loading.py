@@ -65,7 +65,7 @@ class MisalignedLoading:
                 return loading.view(self._handle.get_tensor(key))
 
             def get_tensors(self):
-                return {key: self.get_tensor(key) for key in self._handle.keys()}
+                return {key: self.get_tensor(key) for key in self._handle.keys()}  # noqa: SIM118  (a safetensors handle is not iterable)
 
             def __getattr__(self, name):
                 return getattr(self._handle, name)

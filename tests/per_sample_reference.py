@@ -85,7 +85,7 @@ def lm_reference(model, batch, points, unit, label_positions=False):
         length = int(batch["attention_mask"][b].sum())
         ids = batch["input_ids"][b, :length]
         labels = batch["labels"][b, :length] if "labels" in batch else ids
-        grads = point_grads_one_sample(model, points, lambda m: lm_sample_loss(m, ids, labels))
+        grads = point_grads_one_sample(model, points, lambda m, ids=ids, labels=labels: lm_sample_loss(m, ids, labels))
         for p in points:
             g = grads[p][0]  # (length, d)
             if label_positions:
@@ -183,7 +183,7 @@ def conv_reference(model, x, y, points, unit):
     rows = {p: [] for p in points}
     for b in range(x.shape[0]):
         grads = point_grads_one_sample(
-            model, points, lambda m: classification_sample_loss(m, x[b], int(y[b])))
+            model, points, lambda m, b=b: classification_sample_loss(m, x[b], int(y[b])))
         for p in points:
             g = grads[p][0]  # (C, H, W)
             if unit == "sample":

@@ -16,10 +16,10 @@ import torch
 
 pytest.importorskip("triton")
 
-import fused_stats as fs  # noqa: E402
-from fused_stats import FusedStatsError  # noqa: E402
+import fused_stats as fs
+from fused_stats import FusedStatsError
 
-from reference import (  # noqa: E402
+from reference import (
     TARGETS,
     assert_state_identical,
     assert_targets_close,
@@ -73,7 +73,7 @@ def _assert_states_close(tri, ref, rtol=2e-6):
             assert a is None, key
             continue
         scale = float(b.abs().max()) if b.numel() else 1.0
-        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * max(scale, 1e-30), msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * max(scale, 1e-30), msg=lambda m, key=key: f"{key}: {m}")
 
 
 def _assert_estimates_close(tri, ref, rtol=EST_RTOL):

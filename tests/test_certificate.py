@@ -22,6 +22,7 @@ import torch
 
 import fused_stats as fs
 from fused_stats.accumulators import split_alignments
+
 from reference import brute_force_u, draw, population
 
 F64 = torch.float64
@@ -39,7 +40,7 @@ def gaussian(d: int, ratio: float, gen: torch.Generator):
 
 def test_b_exact_below_b_align_on_random_instances(gen):
     checked = 0
-    for trial in range(40):
+    for _ in range(40):
         d = int(torch.randint(2, 30, (1,), generator=gen))
         n = int(torch.randint(6, 200, (1,), generator=gen))
         ratio = float(10 ** (2 * torch.rand(1, generator=gen) - 1.5))  # |mu|/noise in [0.03, 3]
@@ -100,7 +101,7 @@ def test_misalignment_below_cantelli_pool_and_population(gen):
 def test_non_positive_mu_norm4_means_no_certificate(gen):
     d = 3
     mu, L = population(d, "mean_zero", gen)
-    for attempt in range(100):
+    for _ in range(100):
         q = draw((10,), mu, L, gen)
         if brute_force_u(q)["U4"] < 0:  # chosen by the exact reference, not by the package
             break

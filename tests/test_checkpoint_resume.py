@@ -22,15 +22,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from misaligned_loading import MisalignedLoading, assert_aligned
 from torch import nn
 
 import fused_stats as fs
-from misaligned_loading import MisalignedLoading, assert_aligned
-from fused_stats.accumulators import state_differences
-from tiny_models import TanhBlock
-from fused_stats.api.checkpoint import (LATEST, has_checkpoint, latest_snapshot, load_probe_state,
-                                        merge_checkpoints, run_with_checkpoints, save_probe_state)
 from fused_stats import Probe
+from fused_stats.accumulators import state_differences
+from fused_stats.api.checkpoint import (
+    LATEST,
+    has_checkpoint,
+    latest_snapshot,
+    load_probe_state,
+    merge_checkpoints,
+    run_with_checkpoints,
+    save_probe_state,
+)
+
+from tiny_models import TanhBlock
 
 POINTS = ["blocks.0", "blocks.1"]
 EST_FIELDS = ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "ag_max", "ag_mean")
@@ -282,7 +290,7 @@ def test_manifest_entries_without_kind_are_gradstats(tmp_path, uninterrupted):
 def test_checkpoint_of_other_points_is_rejected(tmp_path, uninterrupted):
     save_probe_state(uninterrupted, tmp_path)
     other = Probe(TinySeqNet(), points=["blocks.1"])
-    with pytest.raises(fs.FusedStatsError, match="'blocks.0'.*not a point of this probe"):
+    with pytest.raises(fs.FusedStatsError, match=r"'blocks.0'.*not a point of this probe"):
         load_probe_state(other, tmp_path)
     assert other.stats == {} and other.test_stats == {}
 

@@ -21,13 +21,12 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-import fused_stats as fs  # noqa: E402
-from fused_stats.cli import main  # noqa: E402
-from fused_stats.demo.corpus import StdlibCorpus  # noqa: E402
-from fused_stats.demo.experiment import DemoConfig, probe_model, train_model  # noqa: E402
-from reference import brute_force_targets  # noqa: E402
+import fused_stats as fs
+from fused_stats.cli import main
+from fused_stats.demo.corpus import StdlibCorpus
+from fused_stats.demo.experiment import DemoConfig, probe_model, train_model
 
-
+from reference import brute_force_targets
 
 
 def read_png(path):
@@ -100,7 +99,7 @@ def per_sample_reference(model, batches, layers):
             ids = batch[b:b + 1]
             outs = {}
 
-            def grab(i):
+            def grab(i, outs=outs):
                 def hook(module, args, output):
                     z = output[0] if isinstance(output, tuple) else output
                     z.retain_grad()

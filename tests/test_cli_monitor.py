@@ -16,6 +16,7 @@ from torch import nn
 import fused_stats as fs
 from fused_stats.api.monitor_log import plot_monitor_log, read_monitor_log, split_runs
 from fused_stats.cli import main
+
 from tiny_models import TanhBlock
 
 pytest.importorskip("matplotlib")
@@ -39,7 +40,7 @@ def test_existing_log_is_refused_without_a_mode(tmp_path, gen):
     path = tmp_path / "run.jsonl"
     run_steps(fs.MonitorLog(path), [1, 2], gen)
     before = path.read_bytes()
-    with pytest.raises(fs.FusedStatsError, match="run.jsonl.*already exists.*mode='append'"):
+    with pytest.raises(fs.FusedStatsError, match=r"run.jsonl.*already exists.*mode='append'"):
         fs.MonitorLog(path)
     assert path.read_bytes() == before
     with pytest.raises(fs.FusedStatsError, match="mode must be one of"):

@@ -33,11 +33,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from fused_stats import FusedStatsError  # noqa: E402
-from fused_stats.kernels import cross_reduce  # noqa: E402
-from fused_stats.kernels import cross as cross_kernel  # noqa: E402
-from fused_stats.kernels._common import override_config  # noqa: E402
-from fused_stats.ops import cross_twin  # noqa: E402
+from fused_stats import FusedStatsError
+from fused_stats.kernels import cross as cross_kernel
+from fused_stats.kernels import cross_reduce
+from fused_stats.kernels._common import override_config
+from fused_stats.ops import cross_twin
 
 F64 = torch.float64
 TOL = {torch.float32: 2e-6, torch.float16: 2e-6, torch.bfloat16: 2e-6, torch.float64: 1e-12}
@@ -77,9 +77,9 @@ def reference(grad, act, mask, w_in, activation, unit, group_size):
         out["u2"] += sum(k[i][j] ** 2 for i, j in pairs)
         out["s2"] += sum(k[i][j] ** 2 for i, j in pairs)
         out["a1"] += sum(abs(k[i][j]) for i, j in pairs)
-        triples = [(i, j, l) for i, j in pairs for l in range(m) if l not in (i, j)]
-        out["u3"] += sum(k[i][j] * k[j][l] for i, j, l in triples)
-        out["s3"] += sum(abs(k[i][j] * k[j][l]) for i, j, l in triples)
+        triples = [(i, j, h) for i, j in pairs for h in range(m) if h not in (i, j)]
+        out["u3"] += sum(k[i][j] * k[j][h] for i, j, h in triples)
+        out["s3"] += sum(abs(k[i][j] * k[j][h]) for i, j, h in triples)
         quads = [(a, b) for a in pairs for b in pairs if len({*a, *b}) == 4]
         out["u4"] += sum(k[a[0]][a[1]] * k[b[0]][b[1]] for a, b in quads)
         out["s4"] += sum(abs(k[a[0]][a[1]] * k[b[0]][b[1]]) for a, b in quads)

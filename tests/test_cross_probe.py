@@ -25,8 +25,9 @@ import pytest
 import torch
 
 import fused_stats as fs
-from tiny_models import padded_lm_batch, split
 from fused_stats.api.resnet import cifar_resnet20
+
+from tiny_models import padded_lm_batch, split
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -83,7 +84,7 @@ def lm_rows(model, batch, names):
     for b in range(batch["input_ids"].shape[0]):
         length = int(batch["attention_mask"][b].sum())
         ids, labels = batch["input_ids"][b, :length], batch["labels"][b, :length]
-        got = record_one(model, names, lambda m: lm_loss_one(m, ids, labels))
+        got = record_one(model, names, lambda m, ids=ids, labels=labels: lm_loss_one(m, ids, labels))
         for n in names:
             rows[n].append(got[n])
     return rows
@@ -94,7 +95,7 @@ def conv_rows(model, x, y, names):
     model.eval()
     rows = {n: [] for n in names}
     for b in range(x.shape[0]):
-        got = record_one(model, names, lambda m: torch.nn.functional.cross_entropy(
+        got = record_one(model, names, lambda m, b=b: torch.nn.functional.cross_entropy(
             m(x[b:b + 1]), y[b:b + 1]))
         for n in names:
             z, q = got[n]
@@ -141,11 +142,11 @@ def reference_se(flat, batch_sizes):
         for i, j in permutations(range(size), 2):
             sums[0] += k[i][j] ** 2
             counts[0] += 1
-        for i, j, l in permutations(range(size), 3):
-            sums[1] += k[i][j] * k[j][l]
+        for i, j, h in permutations(range(size), 3):
+            sums[1] += k[i][j] * k[j][h]
             counts[1] += 1
-        for i, j, l, m in permutations(range(size), 4):
-            sums[2] += k[i][j] * k[l][m]
+        for i, j, h, m in permutations(range(size), 4):
+            sums[2] += k[i][j] * k[h][m]
             counts[2] += 1
     assert start == flat.shape[0] and min(counts) > 0
     e2, e3, m4 = (s / c for s, c in zip(sums, counts))

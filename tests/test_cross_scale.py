@@ -25,13 +25,14 @@ import torch
 from torch import nn
 
 import fused_stats as fs
-from tiny_models import TanhBlock
-from gloo_harness import init_gloo, run_two_ranks
 from fused_stats.accumulators import state_differences
 from fused_stats.accumulators.cross_stats import CrossStats
 from fused_stats.accumulators.persistence import save_checked
 from fused_stats.api.checkpoint import merge_checkpoints, run_with_checkpoints
 from fused_stats.cli import main
+
+from gloo_harness import init_gloo, run_two_ranks
+from tiny_models import TanhBlock
 
 F64 = torch.float64
 SAT_FIELDS = ("cross_frob2", "cross_frob2_se", "cross_frob2_se_null", "z", "p_value")
@@ -189,7 +190,7 @@ def _rewrite_meta(path, edit):
 
     with safe_open(str(path), framework="pt") as handle:
         meta = dict(handle.metadata())
-        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118  (a safetensors handle is not iterable)
     edit(meta, tensors)
     meta.pop("sha256")
     save_checked(path, tensors, meta)

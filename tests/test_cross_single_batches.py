@@ -7,6 +7,7 @@ written out with an explicit loop, and a Monte Carlo check of the test's level u
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -41,7 +42,7 @@ def test_single_sample_batches_pair_consecutively(gen):
     for q, z in batches:
         acc.update(q, z)
     cs = [explicit_c(q[0], z[0], w_in) for q, z in batches]
-    want = sum(2 * float((a * b).sum()) ** 2 for a, b in zip(cs, cs[1:]))
+    want = sum(2 * float((a * b).sum()) ** 2 for a, b in itertools.pairwise(cs))
     assert acc.p[0] == 2 * 6 and acc.p[1] == acc.p[2] == 0
     assert abs(float(acc.u[0]) - want) <= 1e-12 * want
     sat = acc.saturation()  # a stream of one-sample batches still gets a standard error

@@ -90,11 +90,11 @@ def test_twin_tuple_sums_by_loops(gen):
         for i, j in itertools.permutations(idx, 2):
             u2 += k[i][j] ** 2
             counts[0] += 1
-        for i, j, l in itertools.permutations(idx, 3):
-            u3 += k[i][j] * k[j][l]
+        for i, j, h in itertools.permutations(idx, 3):
+            u3 += k[i][j] * k[j][h]
             counts[1] += 1
-        for i, j, l, o in itertools.permutations(idx, 4):
-            u4 += k[i][j] * k[l][o]
+        for i, j, h, o in itertools.permutations(idx, 4):
+            u4 += k[i][j] * k[h][o]
             counts[2] += 1
     assert out.n == len(cs) == 8
     assert [out.p2, out.p3, out.p4] == counts

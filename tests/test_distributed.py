@@ -24,9 +24,10 @@ import torch
 import torch.multiprocessing as mp
 
 import fused_stats as fs
-from tiny_models import TanhBlock
-from gloo_harness import init_gloo, run_two_ranks
 from fused_stats.accumulators import auto_pool_limit
+
+from gloo_harness import init_gloo, run_two_ranks
+from tiny_models import TanhBlock
 
 FIELDS = ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "trace_sigma", "ag_max", "ag_mean")
 F64 = torch.float64

@@ -21,9 +21,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import fused_stats as fs
-from reference import (assert_state_identical, assert_targets_close, brute_force_targets, draw,
-                       per_sample_vectors, population, snapshot)
 from fused_stats.accumulators import state_differences
+
+from reference import (
+    assert_state_identical,
+    assert_targets_close,
+    brute_force_targets,
+    draw,
+    per_sample_vectors,
+    population,
+    snapshot,
+)
 
 D = 6
 F64 = torch.float64
@@ -253,7 +261,7 @@ def saved(tmp_path, gen, mode="dense") -> tuple:
 
 
 def test_corrupted_tensor_bytes(tmp_path, gen):
-    acc, path = saved(tmp_path, gen)
+    _, path = saved(tmp_path, gen)
     raw = bytearray(path.read_bytes())
     raw[-20] ^= 0x01  # a flipped bit inside the last tensor's data
     path.write_bytes(bytes(raw))
@@ -263,27 +271,27 @@ def test_corrupted_tensor_bytes(tmp_path, gen):
 
 def test_edited_metadata_is_detected(tmp_path, gen):
     # a same-length edit of the JSON header (n = 40 -> 49) must not load silently wrong statistics
-    acc, path = saved(tmp_path, gen)
+    _, path = saved(tmp_path, gen)
     raw = path.read_bytes()
     assert raw.count(b'\\"n\\": 40') == 1
     path.write_bytes(raw.replace(b'\\"n\\": 40', b'\\"n\\": 49'))
-    with pytest.raises(fs.FusedStatsError, match="checksum|damaged|inconsistent"):
+    with pytest.raises(fs.FusedStatsError, match=r"checksum|damaged|inconsistent"):
         fs.GradStats.load(path)
 
 
 @pytest.mark.parametrize("keep", [0, 7, 100, -1])
 def test_truncated_file(keep, tmp_path, gen):
-    acc, path = saved(tmp_path, gen)
+    _, path = saved(tmp_path, gen)
     raw = path.read_bytes()
     path.write_bytes(raw[:keep] if keep >= 0 else raw[:-9])
-    with pytest.raises(fs.FusedStatsError, match="damaged|checksum"):
+    with pytest.raises(fs.FusedStatsError, match=r"damaged|checksum"):
         fs.GradStats.load(path)
 
 
 def rewrite(path, **changes) -> None:
     with safe_open(str(path), framework="pt", device="cpu") as handle:
         meta = dict(handle.metadata())
-        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118  (a safetensors handle is not iterable)
     meta.update(changes)
     save_file(tensors, str(path), metadata=meta)
 
@@ -291,10 +299,10 @@ def rewrite(path, **changes) -> None:
 def test_wrong_version_and_format(tmp_path, gen):
     acc, path = saved(tmp_path, gen)
     rewrite(path, version="2")
-    with pytest.raises(fs.FusedStatsError, match="version '2'.*version 1"):
+    with pytest.raises(fs.FusedStatsError, match=r"version '2'.*version 1"):
         fs.GradStats.load(path)
     rewrite(path, version="1", format="something.Else")
-    with pytest.raises(fs.FusedStatsError, match="something.Else"):
+    with pytest.raises(fs.FusedStatsError, match=r"something.Else"):
         fs.GradStats.load(path)
     rewrite(path, format="fused_stats.GradStats")
     assert_same_accumulator(acc, fs.GradStats.load(path))  # restored metadata loads again
@@ -304,10 +312,10 @@ def test_forged_shapes_with_valid_checksum_are_refused(tmp_path, gen):
     # consistent bytes but a state that contradicts its own metadata: n says 40, the pool holds 39
     from fused_stats.accumulators.persistence import tensors_checksum
 
-    acc, path = saved(tmp_path, gen, mode="pool")
+    _, path = saved(tmp_path, gen, mode="pool")
     with safe_open(str(path), framework="pt", device="cpu") as handle:
         meta = dict(handle.metadata())
-        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118  (a safetensors handle is not iterable)
     tensors["pool"] = tensors["pool"][:39].contiguous()
     tensors["gram"] = tensors["gram"][:39, :39].contiguous()
     assert json.loads(meta["state"])["n"] == 40
@@ -327,7 +335,7 @@ def test_foreign_files_are_refused_and_never_unpickled(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSED_STATS_TEST_MARKER", str(marker))
     evil = tmp_path / "evil.safetensors"
     evil.write_bytes(pickle.dumps(_Marker()))
-    with pytest.raises(fs.FusedStatsError, match="damaged|not a safetensors"):
+    with pytest.raises(fs.FusedStatsError, match=r"damaged|not a safetensors"):
         fs.GradStats.load(evil)
     assert not marker.exists()
     with pytest.raises(fs.FusedStatsError, match="no state file"):

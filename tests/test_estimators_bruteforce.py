@@ -15,8 +15,16 @@ import pytest
 import torch
 
 import fused_stats as fs
-from reference import (REGIMES, assert_targets_close, brute_force_targets, brute_force_u, draw,
-                       per_sample_vectors, population)
+
+from reference import (
+    REGIMES,
+    assert_targets_close,
+    brute_force_targets,
+    brute_force_u,
+    draw,
+    per_sample_vectors,
+    population,
+)
 
 REL = 1e-9
 

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 import fused_stats as fs
-import per_sample_reference as R
 from fused_stats.api.resnet import cifar_resnet20
+
+import per_sample_reference as R
 
 F64 = torch.float64
 B, T, H, DH, D = 6, 5, 2, 3, 4
@@ -63,7 +64,7 @@ def test_resnet_points_need_no_feature_dim(gen):
     rows = {p: [] for p in points}
     for b in range(5):
         g = R.point_grads_one_sample(net, points,
-                                     lambda m: R.classification_sample_loss(m, x[b], int(y[b])))
+                                     lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b])))
         for p in points:
             rows[p].append(g[p][0].sum(dim=(1, 2))[None])  # channels, summed over the pixels
     for p in points:
@@ -80,9 +81,8 @@ def test_head_activations_are_refused_without_feature_dim(gen):
     msg = str(info.value)
     assert "'hook_z'" in msg and f"{(B, T, H, DH)}" in msg and "feature_dim=-1" in msg, msg
     assert probe.stats == {} and probe.steps["train"] == 0 and probe.feature_dims == {}
-    with pytest.raises(fs.FusedStatsError, match=r"'hook_z'.*\(6, 5, 2, 3\).*feature_dim"):
-        with probe.observe(loss_reduction="sum"):
-            squared_error(model, (x, y)).sum().backward()
+    with pytest.raises(fs.FusedStatsError, match=r"'hook_z'.*\(6, 5, 2, 3\).*feature_dim"), probe.observe(loss_reduction="sum"):
+        squared_error(model, (x, y)).sum().backward()
     assert probe.stats == {}
     block = fs.insert_zero_block(model, "hook_z", kind="bias", dim=DH)
     try:
@@ -104,7 +104,7 @@ def test_head_activations_with_feature_dim_match_per_sample_reference(gen):
         rows = []
         for b in range(B):
             g = R.point_grads_one_sample(model, ["hook_z"],
-                                         lambda m: (m(x[b:b + 1]) - y[b]).pow(2).sum())
+                                         lambda m, b=b: (m(x[b:b + 1]) - y[b]).pow(2).sum())
             rows.append(g["hook_z"][0].sum(dim=(0, 1))[None])  # Σ over positions and heads
         R.assert_estimate_matches(probe.stats["hook_z"].estimate(), torch.cat(rows))
     # the zero block at hook_z with the feature axis given leaves the model's output unchanged

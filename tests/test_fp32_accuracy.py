@@ -13,8 +13,16 @@ import pytest
 import torch
 
 import fused_stats as fs
-from reference import (REGIMES, assert_targets_close, brute_force_targets, draw,
-                       near_zero_tolerances, population, two_pass_targets)
+
+from reference import (
+    REGIMES,
+    assert_targets_close,
+    brute_force_targets,
+    draw,
+    near_zero_tolerances,
+    population,
+    two_pass_targets,
+)
 
 
 @pytest.mark.parametrize("regime", list(REGIMES))

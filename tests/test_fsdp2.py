@@ -15,10 +15,11 @@ import os
 
 import pytest
 import torch
-from gloo_harness import init_gloo, run_two_ranks
-from tiny_models import TanhBlock
 
 import fused_stats as fs
+
+from gloo_harness import init_gloo, run_two_ranks
+from tiny_models import TanhBlock
 
 F64 = torch.float64
 POINTS = ["blocks.0", "blocks.1", "blocks.2"]
@@ -77,7 +78,7 @@ def summary(p) -> dict:
         for name, acc in accs.items():
             est = acc.estimate()
             out[f"{stream}/{name}"] = {"n": acc.n, **{k: getattr(est, k) for k in FIELDS}}
-    for name, acc in p.cross_stats.items():
+    for name in p.cross_stats:
         out[f"saturation/{name}"] = p.saturation(name).cross_frob2
     return out
 

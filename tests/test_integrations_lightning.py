@@ -12,10 +12,11 @@ from torch import nn
 pytest.importorskip("lightning")
 
 import lightning as L
-from tiny_models import TanhBlock
 
 import fused_stats as fs
 from fused_stats.integrations.lightning import FusedStatsLightningCallback
+
+from tiny_models import TanhBlock
 
 F64 = torch.float64
 

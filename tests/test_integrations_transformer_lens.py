@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("transformer_lens")
 
-from per_sample_reference import assert_estimate_matches
-
 import fused_stats as fs
+
+from per_sample_reference import assert_estimate_matches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def per_sample_rows(model, ids, labels, points):
     for b in range(ids.shape[0]):
         grads = {}
 
-        def keep(grad, hook):
+        def keep(grad, hook, grads=grads):
             grads[hook.name] = grad.detach().clone()
 
         for p in points:
@@ -94,7 +94,7 @@ def test_loss_helper_styles(gen):
         def forward(self, input_ids, *, segment_ids):
             return torch.nn.functional.one_hot(input_ids, 23).double()
 
-    with pytest.raises(fs.FusedStatsError, match="as keywords.*segment_ids"):
+    with pytest.raises(fs.FusedStatsError, match=r"as keywords.*segment_ids"):
         fs.causal_lm_loss(Keywords(), {"input_ids": ids})
 
 

@@ -11,13 +11,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tiny_models import padded_lm_batch
-
-import fused_stats as fs
-from fused_stats.integrations.transformers import (
+import fused_stats as fs  # noqa: E402  (after the importorskip of the optional peers)
+from fused_stats.integrations.transformers import (  # noqa: E402  (after the importorskip)
     FusedStatsCallback,
     FusedStatsTrainerMixin,
 )
+
+from tiny_models import padded_lm_batch  # noqa: E402  (after the importorskip)
 
 VOCAB, T = 29, 8
 KEYS = ("n", "d_align", "d_par", "d_2", "mu_norm2", "ag_max")
@@ -158,6 +158,7 @@ def _ddp_worker(rank, world, out_dir):
     from pathlib import Path
 
     import torch.distributed as dist
+
     from gloo_harness import init_gloo
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),

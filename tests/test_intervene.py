@@ -27,6 +27,8 @@ A conv net (CIFAR ResNet, untrained, random batch-norm statistics) checks the NC
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -169,7 +171,7 @@ def check_rows(result, context, measured_ref):
         assert r.measured != 0 and (r.measured > 0) == (r.predicted > 0), f"{context}: sign at eta={r.eta}: {r}"
         assert r.ratio == pytest.approx(r.measured / r.predicted, rel=1e-15)
     errs = [abs(r.ratio - 1) for r in rows]
-    assert all(b <= a + 1e-9 for a, b in zip(errs, errs[1:])), f"{context}: |ratio-1| not shrinking: {errs}"
+    assert all(b <= a + 1e-9 for a, b in itertools.pairwise(errs)), f"{context}: |ratio-1| not shrinking: {errs}"
     assert 0.95 <= rows[-1].ratio <= 1.05, f"{context}: ratio {rows[-1].ratio} at eta={rows[-1].eta}"
     # the largest step is visibly beyond first order: the measurement is not a copy of the prediction
     assert abs(rows[0].ratio - 1) > 1e-3, f"{context}: ratio {rows[0].ratio} at eta={rows[0].eta}"

@@ -37,13 +37,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from fused_stats import FusedStatsError  # noqa: E402
-from fused_stats.kernels import capture_reduce, gram_rows, second_moment_update  # noqa: E402
-from fused_stats.kernels import _common  # noqa: E402
-from fused_stats.kernels._common import override_config  # noqa: E402
-from fused_stats.ops import torch_twin  # noqa: E402
+from fused_stats import FusedStatsError
+from fused_stats.kernels import (
+    _common,
+    capture_reduce,
+    gram_rows,
+    second_moment_update,
+)
+from fused_stats.kernels._common import override_config
+from fused_stats.ops import torch_twin
 
-from reference import per_sample_vectors  # noqa: E402
+from reference import per_sample_vectors
 
 F64 = torch.float64
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

@@ -32,9 +32,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-import torch  # noqa: E402
+import torch
 
-from fused_stats.kernels import _triton_compat, aot, capture, cross, gram, second_moment  # noqa: E402
+from fused_stats.kernels import _triton_compat, aot, capture, cross, gram, second_moment
 
 SPECS = {s.name: s for s in aot.production_specs()}
 H100_MAX_SMEM = 227 * 1024  # bytes of shared memory one program may use on sm_90

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fused_stats as fs
+
 import per_sample_reference as R
 
 transformers = pytest.importorskip("transformers")

@@ -25,7 +25,6 @@ from fused_stats.api.plan import model_shape, plan_memory
 from fused_stats.cli import main
 
 
-
 def allocated_bytes(acc) -> int:
     """Bytes of the distinct storages the state tensors keep alive."""
     seen = {}
@@ -96,7 +95,7 @@ def test_plan_of_a_probe_on_a_tiny_llama(gen):
     probe.step(torch.randint(0, 50, (6, 5), generator=gen), loss_fn)
     probe.step(torch.randint(0, 50, (4, 5), generator=gen), loss_fn, stream="test")
     assert model_shape(config.to_dict()) == (16, 3)
-    for stream, accs, n in (("train", probe.stats, 6), ("test", probe.test_stats, 4)):
+    for _stream, accs, n in (("train", probe.stats, 6), ("test", probe.test_stats, 4)):
         plan = plan_memory(model=config.to_dict(), pool_size=n, streams=1)
         assert plan.points == len(accs) == 3
         live = sum(acc.state_nbytes() for acc in accs.values())
@@ -133,7 +132,7 @@ def test_rss_flat_over_a_stream(second_moment, gen):
     acc = fs.GradStats(dim, second_moment=second_moment)
     x = torch.empty(batch, dim, dtype=torch.float32)
     samples = []
-    for i in range(batches):
+    for _ in range(batches):
         torch.randn(batch, dim, generator=gen, out=x)
         acc.update(x + 1.0)
         samples.append(rss_bytes())

@@ -39,11 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import fused_stats as fs
-from gloo_harness import init_gloo
-from tiny_models import padded_lm_batch
-import per_sample_reference as R
 from fused_stats.api.monitor_log import plot_monitor_log, read_monitor_log
 
+import per_sample_reference as R
+from gloo_harness import init_gloo
+from tiny_models import padded_lm_batch
 
 
 def _transformers():
@@ -345,16 +345,15 @@ def test_checkpoint_inside_module_call_counts_once(gen):
         ref = fs.Probe(model, points=points, second_moment="dense")
         obs = fs.Probe(model, points=points, second_moment="dense")
         calls = []
-        model.blocks[0].register_forward_hook(lambda *a: calls.append(torch.is_grad_enabled()))
+        model.blocks[0].register_forward_hook(lambda *a, calls=calls: calls.append(torch.is_grad_enabled()))
         for B in (7, 5):
             x = torch.randn(B, 6, generator=gen, dtype=F64)
             y = torch.randint(0, 4, (B,), generator=gen)
             ref.step((x, y), fs.classification_loss)
             calls.clear()
             # without early stop, the non-reentrant replay runs the whole block, hooks included
-            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-                with obs.observe(loss_reduction="mean"):
-                    F.cross_entropy(model(x), y).backward()
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False), obs.observe(loss_reduction="mean"):
+                F.cross_entropy(model(x), y).backward()
             # the block ran twice (forward, then its replay in the backward): no-grad then grad
             # for reentrant, grad twice for non-reentrant
             assert calls == ([False, True] if reentrant else [True, True]), calls
@@ -450,9 +449,8 @@ def test_resnet_conv_points_eval_mode(gen):
             F.cross_entropy(model(x), y).backward()
     assert_same_stats(ref, obs, rel=1e-9)
     model.train()
-    with pytest.warns(UserWarning, match="BatchNorm"):
-        with obs.observe(loss_reduction="mean"):
-            F.cross_entropy(model(x), y).backward()
+    with pytest.warns(UserWarning, match="BatchNorm"), obs.observe(loss_reduction="mean"):
+        F.cross_entropy(model(x), y).backward()
 
 
 # ----------------------------------------------------------------------------- training untouched
@@ -592,7 +590,7 @@ def primed(fp64_llama, gen):
 
 
 def test_missing_or_invalid_declaration(primed):
-    model, probe, batch = primed
+    _, probe, _ = primed
     with pytest.raises(fs.FusedStatsError, match="loss_reduction"):
         probe.observe()
     with pytest.raises(fs.FusedStatsError, match="one of"):
@@ -610,65 +608,53 @@ def test_missing_or_invalid_declaration(primed):
 def test_wrong_scale_shape_rejected_state_unchanged(primed):
     model, probe, batch = primed
     before = _state(probe)
-    with pytest.raises(fs.FusedStatsError, match=r"scale has shape \(3,\); expected \(4,\)"):
-        with probe.observe(scale=torch.ones(3)):
-            model(**batch).loss.backward()
+    with pytest.raises(fs.FusedStatsError, match=r"scale has shape \(3,\); expected \(4,\)"), probe.observe(scale=torch.ones(3)):
+        model(**batch).loss.backward()
     assert _same_state(before, probe)
 
 
 def test_mean_declared_for_hf_token_mean_loss_raises(primed):
     model, probe, batch = primed
     before = _state(probe)
-    with pytest.raises(fs.FusedStatsError, match="token_mean"):
-        with probe.observe(loss_reduction="mean"):
-            model(**batch).loss.backward()
+    with pytest.raises(fs.FusedStatsError, match="token_mean"), probe.observe(loss_reduction="mean"):
+        model(**batch).loss.backward()
     assert _same_state(before, probe)
     # the HF loss divided by 4 without loss_scale: the weight is named in the message
-    with pytest.raises(fs.FusedStatsError, match="loss_scale=0.25"):
-        with probe.observe(loss_reduction="token_mean"):
-            (model(**batch).loss / 4).backward()
+    with pytest.raises(fs.FusedStatsError, match=r"loss_scale=0.25"), probe.observe(loss_reduction="token_mean"):
+        (model(**batch).loss / 4).backward()
     assert _same_state(before, probe)
 
 
 def test_mean_with_unequal_label_counts_warns(primed):
     model, probe, batch = primed
-    with pytest.warns(UserWarning, match="token_mean"):
-        with probe.observe(loss_reduction="mean"):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           labels=batch["labels"]).logits
-            # the user's own loss (the model's .loss is not used): a batch mean of token losses
-            F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1),
-                            ignore_index=-100).backward()
+    with pytest.warns(UserWarning, match="token_mean"), probe.observe(loss_reduction="mean"):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       labels=batch["labels"]).logits
+        # the user's own loss (the model's .loss is not used): a batch mean of token losses
+        F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1),
+                        ignore_index=-100).backward()
 
 
 def test_usage_errors_leave_state_unchanged(primed):
     model, probe, batch = primed
     before = _state(probe)
-    with pytest.raises(fs.FusedStatsError, match="no gradient reached"):
-        with probe.observe(loss_reduction="token_mean"):
-            model(**batch)
-    with pytest.raises(fs.FusedStatsError, match="more than one gradient"):
-        with probe.observe(loss_reduction="token_mean"):
-            model(**batch).loss.backward()
-            model(**batch).loss.backward()
-    with pytest.raises(fs.FusedStatsError, match="no gradient reached"):
-        with probe.observe(loss_reduction="token_mean"):
-            pass
-    with pytest.raises(fs.FusedStatsError, match="inside the with-block"):
-        with probe.observe(loss_reduction="token_mean"):
-            loss = model(**batch).loss
+    with pytest.raises(fs.FusedStatsError, match="no gradient reached"), probe.observe(loss_reduction="token_mean"):
+        model(**batch)
+    with pytest.raises(fs.FusedStatsError, match="more than one gradient"), probe.observe(loss_reduction="token_mean"):
+        model(**batch).loss.backward()
+        model(**batch).loss.backward()
+    with pytest.raises(fs.FusedStatsError, match="no gradient reached"), probe.observe(loss_reduction="token_mean"):
+        pass
+    with pytest.raises(fs.FusedStatsError, match="inside the with-block"), probe.observe(loss_reduction="token_mean"):
+        loss = model(**batch).loss
     loss.backward()  # after the block: its tensor hooks are gone, nothing is captured
-    with pytest.raises(fs.FusedStatsError, match="token_mean"):  # no labels nor attention mask
-        with probe.observe(loss_reduction="token_mean"):
-            model(input_ids=batch["input_ids"]).logits.sum().backward()
-    with pytest.raises(fs.FusedStatsError, match="nested"):
-        with probe.observe(loss_reduction="sum"):
-            with probe.observe(loss_reduction="sum"):
-                pass
-    with pytest.raises(ZeroDivisionError):  # the user's own error passes through untouched
-        with probe.observe(loss_reduction="token_mean"):
-            model(**batch).loss.backward()
-            1 / 0
+    with pytest.raises(fs.FusedStatsError, match="token_mean"), probe.observe(loss_reduction="token_mean"):  # no labels nor attention mask
+        model(input_ids=batch["input_ids"]).logits.sum().backward()
+    with pytest.raises(fs.FusedStatsError, match="nested"), probe.observe(loss_reduction="sum"), probe.observe(loss_reduction="sum"):
+        pass
+    with pytest.raises(ZeroDivisionError), probe.observe(loss_reduction="token_mean"):  # the user's own error passes through untouched
+        model(**batch).loss.backward()
+        1 / 0  # noqa: B018  (raises: the user's own error inside the block)
     assert _same_state(before, probe)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     with probe.observe(loss_reduction="token_mean") as ob:  # still usable afterwards
@@ -680,19 +666,17 @@ def test_point_that_never_ran(gen):
     net = Residual().double()
     probe = fs.Probe(net, points=["blocks.0", "blocks.2"], second_moment="dense")
     x = torch.randn(5, 5, generator=gen, dtype=F64)
-    with pytest.raises(fs.FusedStatsError, match=r"points \['blocks.2'\] did not run"):
-        with probe.observe(loss_reduction="sum"):
-            h = net.inp(x)
-            net.out(h + net.blocks[0](h)).sum().backward()
+    with pytest.raises(fs.FusedStatsError, match=r"points \['blocks.2'\] did not run"), probe.observe(loss_reduction="sum"):
+        h = net.inp(x)
+        net.out(h + net.blocks[0](h)).sum().backward()
     assert probe.stats == {}
 
 
 def test_nonfinite_gradient_policy(primed):
     model, probe, batch = primed
     before = _state(probe)
-    with pytest.raises(fs.FusedStatsError, match="non-finite"):
-        with probe.observe(loss_reduction="token_mean"):
-            (model(**batch).loss * math.inf).backward()
+    with pytest.raises(fs.FusedStatsError, match="non-finite"), probe.observe(loss_reduction="token_mean"):
+        (model(**batch).loss * math.inf).backward()
     assert _same_state(before, probe)
     with probe.observe(loss_reduction="token_mean", nonfinite="skip") as ob:
         (model(**batch).loss * math.inf).backward()

@@ -12,14 +12,16 @@ import collections
 import itertools
 import math
 import weakref
+from typing import ClassVar
 
 import pytest
 import torch
 from torch import nn
 
 import fused_stats as fs
-import per_sample_reference as R
 from fused_stats.api.resnet import cifar_resnet20, tiny_resnet
+
+import per_sample_reference as R
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -161,12 +163,12 @@ def test_exception_in_loss_fn_restores_everything(where, gen):
 
 # ---------------------------------------------------------------------------- loss checks
 @pytest.mark.parametrize("bad,needle", [
-    (lambda l: l.mean(), "shape ()"),
-    (lambda l: l[:, None], "shape (6, 1)"),
-    (lambda l: l[:5], "shape (5,)"),
-    (lambda l: l.detach(), "do not depend"),
-    (lambda l: l * torch.tensor([1, 1, float("nan"), 1, 1, 1], dtype=l.dtype), "samples [2]"),
-    (lambda l: (l > 0).long(), "dtype"),
+    (lambda loss: loss.mean(), "shape ()"),
+    (lambda loss: loss[:, None], "shape (6, 1)"),
+    (lambda loss: loss[:5], "shape (5,)"),
+    (lambda loss: loss.detach(), "do not depend"),
+    (lambda loss: loss * torch.tensor([1, 1, float("nan"), 1, 1, 1], dtype=loss.dtype), "samples [2]"),
+    (lambda loss: (loss > 0).long(), "dtype"),
 ])
 def test_bad_loss_output_rejected_state_unchanged(bad, needle, gen):
     model = tiny_llama(2)
@@ -272,7 +274,7 @@ def test_tuple_namedtuple_list_outputs_match_reference(gen):
     rows = {p: [] for p in points}
     for b in range(9):
         g = R.point_grads_one_sample(model, points,
-                                     lambda m: R.classification_sample_loss(m, x[b], int(y[b])))
+                                     lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b])))
         for p in points:
             rows[p].append(g[p])
     for p in points:
@@ -366,7 +368,7 @@ def test_conv1d_points_use_channel_axis(gen):
     rows = {p: [] for p in probe.points}
     for b in range(6):
         g = R.point_grads_one_sample(model, probe.points,
-                                     lambda m: R.classification_sample_loss(m, x[b], int(y[b])))
+                                     lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b])))
         for p in probe.points:
             rows[p].append(g[p][0].sum(-1, keepdim=True).T)  # the gradient of this block's conv
     # blocks.i's output is tanh(conv) (its skip is outside), so compare the same tensors
@@ -413,7 +415,7 @@ def test_flat_unit_on_sequences_zeroes_padding(gen):
     rows = []
     for b in range(6):
         length = int(batch["attention_mask"][b].sum())
-        g = R.point_grads_one_sample(model, ["model.layers.0"], lambda m: R.lm_sample_loss(
+        g = R.point_grads_one_sample(model, ["model.layers.0"], lambda m, b=b, length=length: R.lm_sample_loss(
             m, batch["input_ids"][b, :length], batch["labels"][b, :length]))["model.layers.0"][0]
         full = torch.zeros(6, 16, dtype=torch.float64)
         full[:length] = g
@@ -492,7 +494,7 @@ def test_callbacks_receive_activation_and_gradient(gen):
     assert torch.equal(cap.activation, z)
     for b in range(5):
         g = R.point_grads_one_sample(net, ["layer2.0"],
-                                     lambda m: R.classification_sample_loss(m, x[b], int(y[b])))
+                                     lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b])))
         assert torch.allclose(cap.grad[b], g["layer2.0"][0], rtol=1e-10, atol=1e-14)
 
 
@@ -581,14 +583,14 @@ def test_report_structure_and_weak_points(gen, tmp_path):
     d2 = dense._report_data(misalignment_trials=100)
     assert all(pt["misalignment"] is None and pt["certificate"] is None and pt["test"] is None
                and pt["realized_alignment"] is None and pt["train"]["n"] == 5 for pt in d2["points"])
-    with pytest.raises(fs.FusedStatsError, match="needs a pool|no sample pool"):
+    with pytest.raises(fs.FusedStatsError, match=r"needs a pool|no sample pool"):
         dense.misalignment("layer1.0", M=2, K=2)
 
 
 class _Spy(torch.autograd.Function):
     """Identity whose autograd node can be watched: is the graph below a point kept alive?"""
 
-    nodes: list = []
+    nodes: ClassVar[list] = []
 
     @staticmethod
     def forward(ctx, x):
@@ -672,7 +674,7 @@ def test_flat_unit_drops_a_sample_with_no_counted_position(gen):
         if b == 2:
             continue
         length = int(batch["attention_mask"][b].sum())
-        g = R.point_grads_one_sample(model, ["model.layers.0"], lambda m: R.lm_sample_loss(
+        g = R.point_grads_one_sample(model, ["model.layers.0"], lambda m, b=b, length=length: R.lm_sample_loss(
             m, batch["input_ids"][b, :length], batch["labels"][b, :length]))["model.layers.0"][0]
         full = torch.zeros(6, 16, dtype=torch.float64)
         full[:length] = g

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import fused_stats as fs
-from tiny_models import padded_lm_batch, split
-import per_sample_reference as R
 from fused_stats.api.resnet import cifar_resnet20, tiny_resnet
+
+import per_sample_reference as R
+from tiny_models import padded_lm_batch, split
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

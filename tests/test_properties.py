@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 
 import fused_stats as fs
 from fused_stats.accumulators import state_differences
+
 from tiny_models import TanhBlock
 
 F64 = torch.float64
@@ -75,7 +76,7 @@ def u_statistics_literal(q: torch.Tensor) -> dict:
     u1 = sum(G[i][j] for i, j in itertools.permutations(range(n), 2)) / falling(n, 2)
     u2 = sum(G[i][j] ** 2 for i, j in itertools.permutations(range(n), 2)) / falling(n, 2)
     u3 = sum(G[i][j] * G[j][k] for i, j, k in itertools.permutations(range(n), 3)) / falling(n, 3)
-    u4 = sum(G[i][j] * G[k][l] for i, j, k, l in itertools.permutations(range(n), 4)) / falling(n, 4)
+    u4 = sum(G[i][j] * G[k][m] for i, j, k, m in itertools.permutations(range(n), 4)) / falling(n, 4)
     return {"mu_norm2": u1, "mu_norm4": u4, "mu_sigma_mu": u3 - u4, "trace_sigma2": u2 - 2 * u3 + u4}
 
 
@@ -209,7 +210,7 @@ def build(spec: dict, locked_unit):
             else (B, d + 1)
     grad = (spec["offset"] + spec["scale"] * torch.randn(*shape, generator=gen, dtype=F64))
     mask = None
-    if unit != "flat" and spec["mask_kind"] != "none" and shape[0] > 0 or (
+    if (unit != "flat" and spec["mask_kind"] != "none" and shape[0] > 0) or (
             unit != "flat" and spec["kind"] == "bad_mask"):
         positions = tuple(s for i, s in enumerate(shape) if i not in (0, feat_axis))
         if spec["mask_kind"] == "per_sample":
@@ -395,10 +396,10 @@ def test_wrong_version_and_format_are_named(tmp_path, gen):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    acc, path = saved_state(tmp_path, gen)
+    _, path = saved_state(tmp_path, gen)
     with safe_open(str(path), "pt") as handle:
         meta = handle.metadata()
-        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118  (a safetensors handle is not iterable)
     for key, value, words in (("version", "2", ["version '2'", "reads version 1"]),
                               ("format", "something.else", ["something.else"])):
         bad = dict(meta, **{key: value})

@@ -31,7 +31,7 @@ def brute_force(q: torch.Tensor) -> dict:
     u2 = sum(g[i, j] ** 2 for i, j in itertools.permutations(range(n), 2)) / (n * (n - 1))
     u3 = sum(g[i, j] * g[j, k] for i, j, k in itertools.permutations(range(n), 3)) / (
         n * (n - 1) * (n - 2))
-    u4 = sum(g[i, j] * g[k, l] for i, j, k, l in itertools.permutations(range(n), 4)) / (
+    u4 = sum(g[i, j] * g[k, m] for i, j, k, m in itertools.permutations(range(n), 4)) / (
         n * (n - 1) * (n - 2) * (n - 3))
     mu4, msm, tr2 = float(u4), float(u3 - u4), float(u2 - 2 * u3 + u4)
     norms = q.norm(dim=1)
@@ -278,7 +278,7 @@ def test_bad_files_raise(tmp_path):
     data["version"] = 99
     future = tmp_path / "future.json"
     future.write_text(json.dumps(data))
-    with pytest.raises(fs.FusedStatsError, match="future.json.*unsupported version 99"):
+    with pytest.raises(fs.FusedStatsError, match=r"future.json.*unsupported version 99"):
         Report.from_json(future)
     listing = tmp_path / "list.json"
     listing.write_text("[1, 2]")
@@ -466,7 +466,7 @@ def _check_readable(fig):
         ys = sorted(t.get_window_extent(renderer).y0 for t in labels
                     if ax.get_ylim()[0] <= t.get_position()[1] <= ax.get_ylim()[1])
         heights = [t.get_window_extent(renderer).height for t in labels]
-        for a, b in zip(ys, ys[1:]):
+        for a, b in itertools.pairwise(ys):
             assert b - a >= 0.9 * max(heights), (ax.get_title(), ys)   # no two labels overlap
 
 

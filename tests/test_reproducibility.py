@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from misaligned_loading import MisalignedLoading, assert_aligned, assert_bit_identical, state_tensors
 from torch import nn
 
 import fused_stats as fs
 from fused_stats.accumulators.cross_stats import CrossStats
 from fused_stats.api.checkpoint import load_probe_state, merge_checkpoints, save_probe_state
 from fused_stats.cli import main as cli_main
-from misaligned_loading import (MisalignedLoading, assert_aligned, assert_bit_identical,
-                                state_tensors)
+
 from tiny_models import TanhBlock
 
 DIM = 32  # 'auto' keeps a pool while N*32 + N^2 <= 32^2, i.e. up to 19 samples

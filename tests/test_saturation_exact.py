@@ -31,6 +31,7 @@ from torch import nn
 
 import fused_stats as fs
 from fused_stats.accumulators.cross_stats import CrossStats
+
 from tiny_models import TanhBlock
 
 F64 = torch.float64
@@ -183,7 +184,7 @@ def test_probe_saturation_z_and_p_from_one_backward_per_sample(n, gen):
         for i in range(size_start, size_start + size):
             outs = {}
             handles = [model.get_submodule(p).register_forward_hook(
-                lambda m, a, o, p=p: outs.__setitem__(p, o)) for p in points]
+                lambda m, a, o, p=p, outs=outs: outs.__setitem__(p, o)) for p in points]
             try:
                 loss = (model(x[i:i + 1]) - y[i]) ** 2
             finally:

@@ -16,6 +16,7 @@ import torch
 
 import fused_stats as fs
 from fused_stats.accumulators import auto_pool_limit
+
 from reference import REGIMES, TARGETS, assert_targets_close, draw, population
 
 D = 16  # the auto switch sits at auto_pool_limit(16) = 9 samples (9*16 + 81 <= 256 < 10*16 + 100)

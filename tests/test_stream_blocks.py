@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import TanhBlock, padded_lm_batch
 
 import fused_stats as fs
+
+from tiny_models import TanhBlock, padded_lm_batch
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -50,7 +51,7 @@ def tiny(arch: str, layers: int = 3, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config(arch, layers), dtype=F64)
     with torch.no_grad():  # LayerNorm / RMSNorm weights away from 1, biases away from 0
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.3 * torch.randn_like(p))
     return model.eval()
@@ -347,7 +348,7 @@ def test_no_block_stack(tmp_path):
     with pytest.raises(fs.FusedStatsError, match="no recognisable block stack"):
         fs.stream_blocks(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh()))
     tiny("llama", layers=0).save_pretrained(tmp_path)
-    with pytest.raises(fs.FusedStatsError, match="no recognisable block stack.*config.json"):
+    with pytest.raises(fs.FusedStatsError, match=r"no recognisable block stack.*config.json"):
         fs.stream_blocks(tmp_path)
 
 
@@ -362,9 +363,8 @@ def test_device_that_does_not_exist(device):
 def test_kv_cache_is_rejected():
     model = tiny("llama")
     ids = data(9)[0][0]["input_ids"]
-    with fs.stream_blocks(model) as st:
-        with pytest.raises(fs.FusedStatsError, match="use_cache=False"):
-            st.model(input_ids=ids, use_cache=True)
+    with fs.stream_blocks(model) as st, pytest.raises(fs.FusedStatsError, match="use_cache=False"):
+        st.model(input_ids=ids, use_cache=True)
 
 
 # ----------------------------------------------------------------------------- devices
@@ -434,7 +434,10 @@ def test_state_on_each_points_device_two_gpus():
 def test_streamed_to_gpu_equals_in_memory(folders):
     model = tiny("llama")
     train, test = data(10)
-    to = lambda bs: [{k: v.cuda() for k, v in b.items()} for b in bs]
+
+    def to(bs):
+        return [{k: v.cuda() for k, v in b.items()} for b in bs]
+
     want = probe(tiny("llama").cuda(), "sample", to(train), to(test))
     for source in (model, folders["llama"]):
         with fs.stream_blocks(source, device="cuda") as st:

@@ -14,6 +14,7 @@ import torch
 
 import fused_stats as fs
 from fused_stats.accumulators import auto_pool_limit
+
 from reference import REGIMES, TARGETS, assert_targets_close, draw, population, two_pass_targets
 
 REL = 1e-10

@@ -21,12 +21,12 @@ import pytest
 
 pytest.importorskip("triton")
 
-import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
+import torch
+import triton.language as tl
 
-import fused_stats  # noqa: E402
-from fused_stats import FusedStatsError  # noqa: E402
-from fused_stats.kernels import _common, _triton_compat  # noqa: E402
+import fused_stats
+from fused_stats import FusedStatsError
+from fused_stats.kernels import _common, _triton_compat
 
 PACKAGE = Path(fused_stats.__file__).resolve().parent
 INTERNAL_IMPORT = re.compile(

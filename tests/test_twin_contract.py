@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from fused_stats import FusedStatsError, kernels, ops  # noqa: E402
-from fused_stats.ops import cross_twin, torch_twin  # noqa: E402
+from fused_stats import FusedStatsError, kernels, ops
+from fused_stats.ops import cross_twin, torch_twin
 
 F64 = torch.float64
 META = torch.device("meta")

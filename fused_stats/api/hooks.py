@@ -61,7 +61,7 @@ class ActivationCapture:
         self.order: list[str] = []
         self._handles: list = []
 
-    def __enter__(self) -> "ActivationCapture":
+    def __enter__(self) -> ActivationCapture:
         try:
             for name in self.names:
                 module = self.model.get_submodule(name)

@@ -246,8 +246,10 @@ def _stream_shape(model) -> tuple:
     except (OSError, ValueError) as exc:
         raise FusedStatsError(f"cannot read a model config from {str(model)!r}: {exc}") from exc
     d, layers = model_shape(config)
-    get = lambda *keys, default=None: next((config[k] for k in keys if isinstance(config.get(k), int)),  # noqa: E731
-                                           default)
+
+    def get(*keys, default=None):
+        return next((config[k] for k in keys if isinstance(config.get(k), int)), default)
+
     heads = get("num_attention_heads", "n_head", default=1)
     return (d, layers, get("intermediate_size", "n_inner", default=4 * d) or 4 * d, heads,
             get("num_key_value_heads", default=heads), get("vocab_size", default=0),

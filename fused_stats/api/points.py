@@ -158,7 +158,7 @@ def _suggestions(model: nn.Module, name: str) -> str:
     if close:
         parts.append(f"closest names: {close}")
     if residual:
-        shown = residual if len(residual) <= 8 else residual[:4] + ["..."] + residual[-2:]
+        shown = residual if len(residual) <= 8 else [*residual[:4], "...", *residual[-2:]]
         parts.append(f"residual points: {shown}")
     if not parts:
         parts.append(f"top-level modules: {[n for n, _ in model.named_children()]}")

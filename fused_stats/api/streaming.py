@@ -36,7 +36,7 @@ import os
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -188,7 +188,7 @@ class _Checkpoint:
         handles = {}
         try:
             for local, name, path, offset, size, at, dtype, shape in layout:
-                handle = handles.get(path) or handles.setdefault(path, open(path, "rb"))
+                handle = handles.get(path) or handles.setdefault(path, open(path, "rb"))  # noqa: SIM115  (closed in the finally below)
                 handle.seek(offset)
                 got = handle.readinto(memoryview(raw[at:at + size]))
                 if got != size:
@@ -515,7 +515,7 @@ class BlockStreamer:
         return (i, self._pool.submit(self._materialise, i), nbytes)
 
     def _finish(self, pending) -> dict[str, torch.Tensor]:
-        i, value, nbytes = pending
+        _, value, nbytes = pending
         if not isinstance(value, dict):
             try:
                 value = value.result()
@@ -534,12 +534,10 @@ class BlockStreamer:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        i, value, nbytes = pending
+        _, value, nbytes = pending
         if not isinstance(value, dict):
-            try:
+            with suppress(BaseException):  # dropped: its failure does not matter any more
                 value.result()
-            except BaseException:
-                pass
         self._count(-nbytes)
 
     def _next(self, i, backward) -> int | None:

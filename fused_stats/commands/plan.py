@@ -43,7 +43,6 @@ def cmd_plan(args) -> int:
     import json
 
     from ..api.plan import format_table, plan_memory
-
     from ..errors import FusedStatsError
 
     if args.model is None and (args.dim is None) != (args.points is None):

@@ -297,7 +297,7 @@ def _split_stream(ids, T: int, what: str):
 
 def _split_rows(rows, what: str):
     n = rows.shape[0]
-    n_test = max(1, int(round(n * HELD_OUT)))
+    n_test = max(1, round(n * HELD_OUT))
     if n - n_test < 1:
         raise FusedStatsError(f"{what}: {n} sequences are too few for a train and a test part")
     return rows[:n - n_test], rows[n - n_test:], f"{what}; first {n - n_test} sequences -> train, last {n_test} -> test"
@@ -351,7 +351,7 @@ def check_data(args, model, train, test):
         M, K = args.split
         n_train = min(train.shape[0], args.batches * args.batch_size)
         n_test = min(test.shape[0], (args.test_batches or args.batches) * args.batch_size)
-        if M + K > n_train + n_test:
+        if n_train + n_test < M + K:
             raise FusedStatsError(
                 f"--split {M} {K}: the misalignment draws disjoint M + K = {M + K} samples from the "
                 f"pooled {n_train} train + {n_test} test sequences; lower M, K or add batches")

@@ -62,7 +62,7 @@ def cmd_report(args) -> int:
         sweep_rows(reports, args.sweep, point)  # a bad --point raises here, before any output
     out = Path(args.out)
     written = []
-    for path, stem, report in zip(paths, _stems(paths), reports):
+    for stem, report in zip(_stems(paths), reports):
         written.append(report.to_markdown_file(out / f"{stem}.md"))
         if not args.no_plots:
             written.append(report.plot(out / f"{stem}.png"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from .args import int_at_least, nonnegative_int, positive_int
 
 

@@ -70,7 +70,7 @@ class Split:
 
     @property
     def n_bytes(self) -> int:
-        return int(len(self.windows))
+        return len(self.windows)
 
 
 class StdlibCorpus:

@@ -69,7 +69,7 @@ class DemoConfig:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def quick(cls, **overrides) -> "DemoConfig":
+    def quick(cls, **overrides) -> DemoConfig:
         base = dict(widths=(32, 64), depths=(1, 2), seeds=(0, 1), width_sweep_depth=2,
                     depth_sweep_width=32, train_steps=24, probe_batches=4, split=16, trials=500)
         base.update(overrides)
@@ -297,8 +297,8 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
     ``progress``: False = no progress output; True or None = the rule of
     :mod:`fused_stats.progress` (a bar on a terminal, a plain line every 30 s otherwise).
     """
-    from ..progress import Progress
     from ..api.report import Report, plot_sweep, sweep_summary
+    from ..progress import Progress
     from .corpus import StdlibCorpus
 
     cfg.validate()
@@ -369,7 +369,7 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
                  "model (fp64 copy): one gradient step of size eta on an inserted zero "
                  "parameter, using the probe's train windows; change of the mean held-out loss")
         lines_iv, dicts = intervention_lines(kept, corpus, cfg)
-        sections += ["", f"== {title} =="] + lines_iv
+        sections += ["", f"== {title} ==", *lines_iv]
         sections.append("(predicted = -eta mu_M.g_K for the bias, -eta <C_M, C_K>_F for the block; "
                         "the ratio tends to 1 as eta shrinks when the first-order picture holds)")
         from ..api.report import _write_atomic as _write

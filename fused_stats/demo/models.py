@@ -74,7 +74,7 @@ def train(model, batches, steps: int, lr: float, progress=None) -> dict:
     losses = []
     tokens = 0
     start = time.perf_counter()
-    for step, ids in zip(range(steps), batches):
+    for _, ids in zip(range(steps), batches):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()

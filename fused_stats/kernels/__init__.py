@@ -22,4 +22,4 @@ from .cross import cross_reduce
 from .gram import gram_rows
 from .second_moment import second_moment_update
 
-__all__ = ["capture_reduce", "second_moment_update", "gram_rows", "cross_reduce"]
+__all__ = ["capture_reduce", "cross_reduce", "gram_rows", "second_moment_update"]

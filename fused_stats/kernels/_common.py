@@ -21,7 +21,6 @@ import triton.language as tl
 from ..errors import FusedStatsError
 from ._triton_compat import MAX, SUM, DualKernel, kernel  # noqa: F401  (re-exported)
 
-
 TORCH_TO_TL = {
     torch.float16: tl.float16,
     torch.bfloat16: tl.bfloat16,
@@ -43,7 +42,7 @@ def launch(kern: DualKernel, grid, device: torch.device, *args, **meta):
     return kern.interpreted[grid](*args, **meta)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

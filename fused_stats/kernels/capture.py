@@ -74,13 +74,13 @@ def _load_q(X, MASK, x_row, m_row, r_in, dd, d_in, L, sx_l, sx_d, sm_l,
     fp64 gradients); masked positions are not loaded at all (whatever is stored there, NaN
     included, never enters)."""
     q = tl.full((BLOCK_R, BLOCK_D), 0.0, ACC)
-    for l in range(0, L):
+    for pos in range(0, L):
         if HAS_MASK:
-            mv = tl.load(MASK + m_row + l * sm_l, mask=r_in, other=0)
+            mv = tl.load(MASK + m_row + pos * sm_l, mask=r_in, other=0)
             take = r_in & (mv != 0)
         else:
             take = r_in
-        x = tl.load(X + (x_row + l * sx_l)[:, None] + dd[None, :] * sx_d,
+        x = tl.load(X + (x_row + pos * sx_l)[:, None] + dd[None, :] * sx_d,
                     mask=take[:, None] & d_in[None, :], other=0.0)
         q += x.to(ACC)
     return q
@@ -118,8 +118,8 @@ def _capture_rows_kernel(
         m_row = i * sm_i + j * sm_j
         if HAS_MASK:
             cnt = tl.full((BLOCK_R,), 0, tl.int32)
-            for l in range(0, L):
-                mv = tl.load(MASK + m_row + l * sm_l, mask=r_in, other=0)
+            for pos in range(0, L):
+                mv = tl.load(MASK + m_row + pos * sm_l, mask=r_in, other=0)
                 cnt += (mv != 0).to(tl.int32)
             valid = r_in & (cnt > 0)
         else:

@@ -66,8 +66,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ..errors import FusedStatsError
 from ..contracts import DEFAULT_GROUP_SIZE, CrossBatch, check_cross_args, tuple_sums
+from ..errors import FusedStatsError
 from ._common import SUM, cdiv, check_kernel_device, config_value, kernel, kernel_dtype, launch, sm_count
 from .gram import gram_rows
 from .second_moment import dot_precision
@@ -252,7 +252,7 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
     check_cross_args(grad, act, mask, w_in, activation, unit, group_size)
     check_kernel_device(grad, "grad")
     B, T, d = grad.shape
-    r, din = w_in.shape
+    r, _ = w_in.shape
     device = grad.device
     q, z, w = kernel_dtype(grad), kernel_dtype(act), kernel_dtype(w_in)
     dot = F64 if F64 in (q.dtype, z.dtype, w.dtype) else F32
@@ -322,4 +322,4 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
                       p2=p[0], p3=p[1], p4=p[2])
 
 
-__all__ = ["cross_reduce", "IS_FUSED_KERNEL"]
+__all__ = ["IS_FUSED_KERNEL", "cross_reduce"]

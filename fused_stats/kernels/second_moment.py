@@ -35,7 +35,16 @@ import torch
 import triton.language as tl
 
 from ..contracts import check_second_moment_args
-from ._common import TORCH_TO_TL, cdiv, check_kernel_device, config_value, kernel, kernel_dtype, launch, sm_count
+from ._common import (
+    TORCH_TO_TL,
+    cdiv,
+    check_kernel_device,
+    config_value,
+    kernel,
+    kernel_dtype,
+    launch,
+    sm_count,
+)
 
 F64 = torch.float64
 
@@ -170,5 +179,5 @@ def second_moment_update(S: torch.Tensor, rows: torch.Tensor) -> None:
         S += work.sum(dim=0, dtype=F64)
 
 
-__all__ = ["second_moment_update", "dot_precision", "GPU_CONFIGS"]
+__all__ = ["GPU_CONFIGS", "dot_precision", "second_moment_update"]
 assert set(GPU_CONFIGS) == set(TORCH_TO_TL)

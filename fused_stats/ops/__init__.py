@@ -9,19 +9,21 @@ Kernels are imported lazily so that importing the package never imports Triton.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ..backend import resolve_backend
 from ..contracts import DEFAULT_GROUP_SIZE, BatchSums, CrossBatch
 from . import cross_twin, torch_twin
 
-__all__ = ["BatchSums", "CrossBatch", "cross_reduce", "capture_reduce", "second_moment_update", "gram_rows", "implementation"]
+__all__ = ["BatchSums", "CrossBatch", "capture_reduce", "cross_reduce", "gram_rows", "implementation", "second_moment_update"]
 
 
 class _TorchTwins:
     """The torch twins under the launchers' names (looked up at each call)."""
 
-    _modules = {"capture_reduce": torch_twin, "second_moment_update": torch_twin,
+    _modules: ClassVar[dict] = {"capture_reduce": torch_twin, "second_moment_update": torch_twin,
                 "gram_rows": torch_twin, "cross_reduce": cross_twin}
 
     def __getattr__(self, name: str):

@@ -23,8 +23,7 @@ import math
 
 import torch
 
-from ..contracts import (  # noqa: F401  (re-exported)
-    ACTIVATIONS, DEFAULT_GROUP_SIZE, CrossBatch, check_cross_args, tuple_sums)
+from ..contracts import ACTIVATIONS, DEFAULT_GROUP_SIZE, CrossBatch, check_cross_args, tuple_sums
 from ..errors import FusedStatsError
 
 F64 = torch.float64
