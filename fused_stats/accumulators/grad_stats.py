@@ -208,6 +208,20 @@ class GradStats(Accumulator):
         self.pool: torch.Tensor | None = None
         self.gram: torch.Tensor | None = None
 
+    @property
+    def S(self) -> torch.Tensor | None:
+        """The dense second moment ``Σ y yᵀ`` (None in pool mode). While streaming, the CPU path
+        adds each batch to the upper triangle only; the lower one is completed here, once, when S
+        is read (state_dict, estimate, merge, save, all_reduce all read it through this)."""
+        if self._S_lower_stale:
+            ops.mirror_upper(self._S)
+            self._S_lower_stale = False
+        return self._S
+
+    @S.setter
+    def S(self, value: torch.Tensor | None) -> None:
+        self._S, self._S_lower_stale = value, False
+
     def _init_state(self, centre: torch.Tensor) -> None:
         dev, d = centre.device, self.dim
         self.device = dev
@@ -411,7 +425,8 @@ class GradStats(Accumulator):
         ``n`` grows; ``auto`` turns dense when the pool would pass its limit. New tensors are
         built completely before any attribute is assigned."""
         if self.mode == "dense":
-            ops.second_moment_update(self.S, rows, self.backend)
+            S, stale = self._S, self._S_lower_stale
+            self._S_lower_stale = ops.second_moment_update(S, rows, self.backend, mirror=False) or stale
             return
         limit = self.pool_limit
         if self.second_moment == "auto" and limit is not None and self.n + count > limit:

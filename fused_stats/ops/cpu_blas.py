@@ -86,9 +86,10 @@ def takes_second_moment(S: torch.Tensor, rows: torch.Tensor) -> bool:
             and rows.shape[0] * rows.shape[1] >= MIN_ROWS_TIMES_DIM)
 
 
-def syrk_update(S: torch.Tensor, rows: torch.Tensor) -> None:
-    """In place ``S += rowsᵀ rows`` for a C-contiguous fp64 ``S`` (d, d), symmetric on entry,
-    through ``dsyrk`` on the upper triangle and a mirror of it into the lower one."""
+def syrk_update(S: torch.Tensor, rows: torch.Tensor, mirror: bool = True) -> None:
+    """In place ``S += rowsᵀ rows`` for a C-contiguous fp64 ``S`` (d, d), through ``dsyrk`` on the
+    upper triangle and a mirror of it into the lower one; ``mirror=False`` leaves the strict lower
+    triangle as it was (only the upper one is read and written)."""
     blas, _ = _blas()
     y = rows.detach().to(torch.float64).contiguous().numpy()
     s = S.numpy()
@@ -98,7 +99,8 @@ def syrk_update(S: torch.Tensor, rows: torch.Tensor) -> None:
         out = blas.dsyrk(1.0, y.T, beta=1.0, c=s.T, trans=0, lower=1, overwrite_c=1)
     if out.ctypes.data != s.ctypes.data:  # the wrapper copied c (it should not): write it back
         s.T[...] = out
-    mirror_upper(S)
+    if mirror:
+        mirror_upper(S)
 
 
 def mirror_upper(S: torch.Tensor) -> None:
