@@ -98,7 +98,10 @@ def shift(sums: Mapping, delta: torch.Tensor) -> dict:
                            + n * dd * dd, dtype=F64, device=s.device),
     }
     if dense:
-        out["S"] = S - torch.outer(delta, s) - torch.outer(s, delta) + n * torch.outer(delta, delta)
+        # one new (d, d) tensor updated by three rank-one additions (no d x d temporaries)
+        moved = S.clone()
+        moved.addr_(delta, s, alpha=-1).addr_(s, delta, alpha=-1).addr_(delta, delta, alpha=n)
+        out["S"] = moved
     else:
         out["pool"] = pool - delta
         out["gram"] = sums["gram"] - u[:, None] - u[None, :] + dd
@@ -460,7 +463,7 @@ class GradStats(Accumulator):
             beta = float((moved["pool"] @ mean).square().sum())
         return finalize(
             n=self.n, dim=self.dim, kappa=float(mean @ mean), a1=float(moved["a1"]),
-            a2=float(moved["a2"]), F=float(second.square().sum()), beta=beta,
+            a2=float(moved["a2"]), F=float(torch.dot(second.reshape(-1), second.reshape(-1))), beta=beta,
             tau=float(mean @ moved["t"]), ag_max=self.norm_max.item(), ag_sum=self.norm_sum.item())
 
     def _sums(self) -> dict:
