@@ -80,16 +80,14 @@ class Prepared:
 
     ``base_n``: the accumulator's ``n`` when prepared (a stale batch is refused); ``batch``: the
     ops-layer sums (None when the batch holds no sample); ``finite``: whether every sum is finite
-    (``commit`` applies the accumulator's ``nonfinite`` policy otherwise): a bool, or a 0-d bool
-    tensor not read back yet (``bool()`` reads it; a caller holding several prepared batches can
-    read all their flags at once, one host sync, and set ``finite`` to the answer); ``unit``, ``centre``:
+    (``commit`` applies the accumulator's ``nonfinite`` policy otherwise); ``unit``, ``centre``:
     the batch's unit and, for centred statistics, the centre it was reduced about.
     """
 
     unit: str
     base_n: int
     batch: Any
-    finite: bool | torch.Tensor = True
+    finite: bool = True
     centre: torch.Tensor | None = None
 
     @property

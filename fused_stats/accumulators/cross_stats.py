@@ -229,16 +229,16 @@ class CrossStats(Accumulator):
                 f"cross gradient{w}: mask has shape {tuple(mask.shape)}, expected {tuple(grad.shape[:2])}")
         batch = ops.cross_reduce(grad, act, mask, self.w_in, self.activation, unit,
                                  self.group_size, self.backend)
-        finite = True if not batch.n else self._finite_flag(batch)  # read by commit or the caller
+        finite = not batch.n or self._finite(batch)
         return Prepared(unit=unit, base_n=self.n, batch=batch, finite=finite)
 
     @staticmethod
-    def _finite_flag(batch) -> torch.Tensor:
+    def _finite(batch) -> bool:
         """Whether every sum of a batch is finite (also the tuple sums, which square
-        ``<c_i, c_j>`` and overflow first), as a 0-d bool tensor (not read back)."""
+        ``<c_i, c_j>`` and overflow first)."""
         sums = torch.cat([torch.stack([batch.sq_norm_sum, batch.u2, batch.u3, batch.u4]),
                           batch.c_sum.reshape(-1)])
-        return torch.isfinite(sums).all()
+        return bool(torch.isfinite(sums).all())  # one check, one host sync
 
     def commit(self, prepared) -> None:
         """Add a batch from :meth:`prepare` to the state. A bare ops-layer ``CrossBatch`` is

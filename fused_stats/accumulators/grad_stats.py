@@ -60,12 +60,7 @@ def auto_pool_limit(dim: int) -> int:
 def sums_finite(batch) -> bool:
     """A NaN/Inf anywhere in a counted position makes A1 = Σ|y|² non-finite; values so large that
     Σ|y|⁴ overflows would poison every later estimate just the same."""
-    return bool(sums_finite_flag(batch))
-
-
-def sums_finite_flag(batch) -> torch.Tensor:
-    """:func:`sums_finite` as a 0-d bool tensor on the batch's device (not read back)."""
-    return torch.isfinite(torch.stack([batch.a1, batch.a2, batch.norm_sum])).all()
+    return bool(torch.isfinite(torch.stack([batch.a1, batch.a2, batch.norm_sum])).all())
 
 
 def shift(sums: Mapping, delta: torch.Tensor) -> dict:
@@ -383,15 +378,14 @@ class GradStats(Accumulator):
         batch = ops.capture_reduce(g, m, centre, op_unit, self.backend)
         if batch.n == 0:
             return empty
-        finite = sums_finite_flag(batch)  # read by commit, or by a caller checking many at once
+        if not sums_finite(batch):
+            return Prepared(unit, self.n, batch, finite=False, centre=centre)
         limit = self.pool_limit
         if self.second_moment == "pool" and limit is not None and self.n + batch.n > limit:
-            if not finite:  # a non-finite batch is reported as such, not as one too many
-                return Prepared(unit, self.n, batch, finite=False, centre=centre)
             raise FusedStatsError(
                 f"pool{self._where()} holds {self.n} samples; {batch.n} more exceed "
                 f"pool_capacity={limit}. Use second_moment='auto' or 'dense', or a larger capacity")
-        return Prepared(unit, self.n, batch, finite=finite, centre=centre)
+        return Prepared(unit, self.n, batch, finite=True, centre=centre)
 
     def commit(self, prepared: Prepared) -> None:
         """Fold a batch returned by :meth:`prepare` (on this accumulator, with no update between)."""

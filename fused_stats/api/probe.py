@@ -555,20 +555,10 @@ class Probe:
                         acc = self.new_accumulator(kind, stream, name, dim,
                                                    device=g.device)
                     prepared = acc.prepare(g, m, unit, fd if unit != "flat" else -1)
-                plan.append((key, acc, prepared, grad, act))
-        # every point's finiteness flag read back at once (one host sync per step)
-        flags = [p.finite for _, _, p, _, _ in plan if isinstance(p.finite, torch.Tensor)]
-        finite = all(p.finite for _, _, p, _, _ in plan if not isinstance(p.finite, torch.Tensor))
-        if finite and flags:
-            finite = bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
-        if not finite:
-            for (kind, _, name), _, prepared, grad, act in plan:  # the first one that is not
-                if not bool(prepared.finite):
+                if not prepared.finite:
                     return self._skip_or_raise(stream, self._nonfinite_message(
                         kind, name, stream, grad, act), policy)
-        for _, _, prepared, _, _ in plan:
-            prepared.finite = True
-        plan = [(key, acc, prepared) for key, acc, prepared, _, _ in plan]
+                plan.append((key, acc, prepared))
         # ---- commit
         for key, acc, prepared in plan:
             acc.commit(prepared)
