@@ -2,8 +2,9 @@
 
 ``S += Yᵀ Y`` for fp64 rows ``Y`` (R × d) is R·d² multiply-adds as a GEMM; the symmetric rank-k
 update (BLAS ``dsyrk``) computes only the upper triangle, R·d(d+1)/2, and the strict lower triangle
-is then copied from it (d²/2 moves), so ``S`` stays the full, exactly symmetric matrix that the
-accumulators read. Every product is still an fp64 sum of fp64 products (no lower precision).
+is then copied from it (d²/2 moves), so ``S`` stays the full, exactly symmetric matrix; an owner
+that reads S through one place (GradStats' ``S``) skips the copy per call and mirrors once per read.
+Every product is still an fp64 sum of fp64 products (no lower precision).
 
 Threads: the path is taken only while torch runs ``MAX_TORCH_THREADS`` (one) thread, and each
 BLAS call runs with ``torch.get_num_threads()`` threads (set through threadpoolctl for the call,
