@@ -64,7 +64,8 @@ def tuple_sums(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     ordered pairs overlap, ``Σ_{distinct i,j,k,l} h_ij h_kl = (1ᵀH1)² − 4·u3 − 2·u2``.
     """
     m = k.shape[0]
-    h = k.to(F64) - torch.diag(torch.diagonal(k).to(F64))
+    h = k.to(F64, copy=True)
+    h.diagonal().zero_()
     u2 = (h * h).sum()
     row = h.sum(dim=1)
     u3 = (row * row).sum() - u2

@@ -162,6 +162,38 @@ def test_grad_stats_estimate_with_and_without_blas_agree(monkeypatch):
         assert abs(a - b) <= 1e-9 * abs(b), key
 
 
+def test_grad_stats_mirrors_the_second_moment_once_per_read(monkeypatch):
+    # streaming adds each batch to S's upper triangle only; any read of S (the attribute, a
+    # state_dict, an estimate) sees the full, exactly symmetric matrix, mirrored once per read
+    gen = torch.Generator().manual_seed(12)
+    d = 256
+    batches = [torch.randn(600, d, generator=gen) + 0.1 for _ in range(3)]
+    mirrors = []
+    real_mirror = torch_twin.mirror_upper
+
+    def counting_mirror(S):
+        mirrors.append(S.shape)
+        real_mirror(S)
+
+    monkeypatch.setattr(torch_twin, "mirror_upper", counting_mirror)
+    acc = fs.GradStats(d, second_moment="dense", backend="torch")
+    for b in batches:
+        acc.update(b)
+    assert mirrors == [], "no mirror while streaming"
+    y = torch.cat(batches).double() - acc.centre
+    S = acc.S
+    assert torch.equal(S, S.T), "S read after streaming is exactly symmetric"
+    assert _rel(S, y.T @ y) < 1e-12
+    assert len(mirrors) == 1
+    assert torch.equal(acc.state_dict()["S"], S) and len(mirrors) == 1  # already complete
+    acc.update(batches[0])
+    assert len(mirrors) == 1
+    state = acc.state_dict()["S"]
+    assert len(mirrors) == 2 and torch.equal(state, state.T)
+    y = torch.cat(batches + batches[:1]).double() - acc.centre
+    assert _rel(state, y.T @ y) < 1e-12
+
+
 def test_without_scipy_the_second_moment_falls_back_to_torch():
     code = (
         "import sys; sys.modules['scipy'] = None; sys.modules['scipy.linalg'] = None\n"

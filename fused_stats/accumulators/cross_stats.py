@@ -236,8 +236,9 @@ class CrossStats(Accumulator):
     def _finite(batch) -> bool:
         """Whether every sum of a batch is finite (also the tuple sums, which square
         ``<c_i, c_j>`` and overflow first)."""
-        scalars = torch.stack([batch.sq_norm_sum, batch.u2, batch.u3, batch.u4])
-        return bool(torch.isfinite(scalars).all()) and bool(torch.isfinite(batch.c_sum).all())
+        sums = torch.cat([torch.stack([batch.sq_norm_sum, batch.u2, batch.u3, batch.u4]),
+                          batch.c_sum.reshape(-1)])
+        return bool(torch.isfinite(sums).all())  # one check, one host sync
 
     def commit(self, prepared) -> None:
         """Add a batch from :meth:`prepare` to the state. A bare ops-layer ``CrossBatch`` is

@@ -98,7 +98,10 @@ def shift(sums: Mapping, delta: torch.Tensor) -> dict:
                            + n * dd * dd, dtype=F64, device=s.device),
     }
     if dense:
-        out["S"] = S - torch.outer(delta, s) - torch.outer(s, delta) + n * torch.outer(delta, delta)
+        # one new (d, d) tensor updated by three rank-one additions (no d x d temporaries)
+        moved = S.clone()
+        moved.addr_(delta, s, alpha=-1).addr_(s, delta, alpha=-1).addr_(delta, delta, alpha=n)
+        out["S"] = moved
     else:
         out["pool"] = pool - delta
         out["gram"] = sums["gram"] - u[:, None] - u[None, :] + dd
@@ -207,6 +210,20 @@ class GradStats(Accumulator):
         self.S: torch.Tensor | None = None
         self.pool: torch.Tensor | None = None
         self.gram: torch.Tensor | None = None
+
+    @property
+    def S(self) -> torch.Tensor | None:
+        """The dense second moment ``Σ y yᵀ`` (None in pool mode). While streaming, the CPU path
+        adds each batch to the upper triangle only; the lower one is completed here, once, when S
+        is read (state_dict, estimate, merge, save, all_reduce all read it through this)."""
+        if self._S_lower_stale:
+            ops.mirror_upper(self._S)
+            self._S_lower_stale = False
+        return self._S
+
+    @S.setter
+    def S(self, value: torch.Tensor | None) -> None:
+        self._S, self._S_lower_stale = value, False
 
     def _init_state(self, centre: torch.Tensor) -> None:
         dev, d = centre.device, self.dim
@@ -411,7 +428,8 @@ class GradStats(Accumulator):
         ``n`` grows; ``auto`` turns dense when the pool would pass its limit. New tensors are
         built completely before any attribute is assigned."""
         if self.mode == "dense":
-            ops.second_moment_update(self.S, rows, self.backend)
+            S, stale = self._S, self._S_lower_stale
+            self._S_lower_stale = ops.second_moment_update(S, rows, self.backend, mirror=False) or stale
             return
         limit = self.pool_limit
         if self.second_moment == "auto" and limit is not None and self.n + count > limit:
@@ -445,7 +463,7 @@ class GradStats(Accumulator):
             beta = float((moved["pool"] @ mean).square().sum())
         return finalize(
             n=self.n, dim=self.dim, kappa=float(mean @ mean), a1=float(moved["a1"]),
-            a2=float(moved["a2"]), F=float(second.square().sum()), beta=beta,
+            a2=float(moved["a2"]), F=float(torch.dot(second.reshape(-1), second.reshape(-1))), beta=beta,
             tau=float(mean @ moved["t"]), ag_max=self.norm_max.item(), ag_sum=self.norm_sum.item())
 
     def _sums(self) -> dict:

@@ -424,12 +424,12 @@ class Probe:
             raise FusedStatsError("Probe.step cannot run inside torch.inference_mode(): it needs autograd")
         positions_mask = self.mask_for(batch, mask)
         model = self.model
-        params = list(model.parameters())
-        flags = [p.requires_grad for p in params]
-        modes = [(m, m.training) for m in model.modules()]
+        # only what changes is recorded and restored (Module.__setattr__ is slow on small models)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        training = [m for m in model.modules() if m.training]
         capture = ActivationCapture(model, self.points)
         try:
-            for p in params:
+            for p in trainable:
                 p.requires_grad_(False)
             model.eval()
             with torch.enable_grad():  # also under a caller's no_grad(): losses.sum() needs a graph
@@ -438,10 +438,10 @@ class Probe:
                 grads = self._activation_grads(losses, capture)
         finally:
             capture.remove()
-            for p, flag in zip(params, flags):
-                p.requires_grad_(flag)
-            for m, training in modes:
-                m.training = training
+            for p in trainable:
+                p.requires_grad_(True)
+            for m in training:
+                m.training = True
         self.fold(stream, capture.captured, grads, positions_mask)
 
     def observe(self, loss_reduction: str | None = None, scale=None, mask=None,

@@ -17,7 +17,16 @@ from ..backend import resolve_backend
 from ..contracts import DEFAULT_GROUP_SIZE, BatchSums, CrossBatch
 from . import cross_twin, torch_twin
 
-__all__ = ["BatchSums", "CrossBatch", "capture_reduce", "cross_reduce", "gram_rows", "implementation", "second_moment_update"]
+__all__ = [
+    "BatchSums",
+    "CrossBatch",
+    "capture_reduce",
+    "cross_reduce",
+    "gram_rows",
+    "implementation",
+    "mirror_upper",
+    "second_moment_update",
+]
 
 
 class _TorchTwins:
@@ -49,8 +58,20 @@ def capture_reduce(grad, mask, centre, unit, backend="auto") -> BatchSums:
     return implementation(backend, _device(grad)).capture_reduce(grad, mask, centre, unit)
 
 
-def second_moment_update(S, rows, backend="auto") -> None:
-    implementation(backend, _device(rows)).second_moment_update(S, rows)
+def second_moment_update(S, rows, backend="auto", mirror=True) -> bool:
+    """``S += rowsᵀ rows``. ``mirror=False``: only the upper triangle must be right on return; the
+    result says whether the strict lower one was left stale (then :func:`mirror_upper` completes
+    ``S``); the Triton launchers always update all of ``S``."""
+    impl = implementation(backend, _device(rows))
+    if not mirror and impl is TORCH_TWINS:
+        return impl.second_moment_update(S, rows, mirror=False)
+    impl.second_moment_update(S, rows)
+    return False
+
+
+def mirror_upper(S) -> None:
+    """Copy the upper triangle of the square ``S`` onto its strict lower triangle, in place."""
+    torch_twin.mirror_upper(S)
 
 
 def gram_rows(new_rows, pool_rows, backend="auto") -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 ``S += Yᵀ Y`` for fp64 rows ``Y`` (R × d) is R·d² multiply-adds as a GEMM; the symmetric rank-k
 update (BLAS ``dsyrk``) computes only the upper triangle, R·d(d+1)/2, and the strict lower triangle
-is then copied from it (d²/2 moves), so ``S`` stays the full, exactly symmetric matrix that the
-accumulators read. Every product is still an fp64 sum of fp64 products (no lower precision).
+is then copied from it (d²/2 moves), so ``S`` stays the full, exactly symmetric matrix; an owner
+that reads S through one place (GradStats' ``S``) skips the copy per call and mirrors once per read.
+Every product is still an fp64 sum of fp64 products (no lower precision).
 
 Threads: the path is taken only while torch runs ``MAX_TORCH_THREADS`` (one) thread, and each
 BLAS call runs with ``torch.get_num_threads()`` threads (set through threadpoolctl for the call,
@@ -86,9 +87,10 @@ def takes_second_moment(S: torch.Tensor, rows: torch.Tensor) -> bool:
             and rows.shape[0] * rows.shape[1] >= MIN_ROWS_TIMES_DIM)
 
 
-def syrk_update(S: torch.Tensor, rows: torch.Tensor) -> None:
-    """In place ``S += rowsᵀ rows`` for a C-contiguous fp64 ``S`` (d, d), symmetric on entry,
-    through ``dsyrk`` on the upper triangle and a mirror of it into the lower one."""
+def syrk_update(S: torch.Tensor, rows: torch.Tensor, mirror: bool = True) -> None:
+    """In place ``S += rowsᵀ rows`` for a C-contiguous fp64 ``S`` (d, d), through ``dsyrk`` on the
+    upper triangle and a mirror of it into the lower one; ``mirror=False`` leaves the strict lower
+    triangle as it was (only the upper one is read and written)."""
     blas, _ = _blas()
     y = rows.detach().to(torch.float64).contiguous().numpy()
     s = S.numpy()
@@ -98,7 +100,8 @@ def syrk_update(S: torch.Tensor, rows: torch.Tensor) -> None:
         out = blas.dsyrk(1.0, y.T, beta=1.0, c=s.T, trans=0, lower=1, overwrite_c=1)
     if out.ctypes.data != s.ctypes.data:  # the wrapper copied c (it should not): write it back
         s.T[...] = out
-    mirror_upper(S)
+    if mirror:
+        mirror_upper(S)
 
 
 def mirror_upper(S: torch.Tensor) -> None:

@@ -48,15 +48,18 @@ def apply_activation(pre: torch.Tensor, activation: str) -> torch.Tensor:
 
 def fold_groups(k_blocks, d: int, r: int, n: int, c_sum: torch.Tensor) -> CrossBatch:
     """Assemble a :class:`CrossBatch` from the within-group Gram blocks of the ``c_i``."""
-    zero = torch.zeros((), dtype=F64, device=c_sum.device)
-    u2 = u3 = u4 = zero
-    sq = zero
+    u2 = u3 = u4 = sq = None  # None until the first block (no additions to zero for one group)
     p2 = p3 = p4 = 0
     for k in k_blocks:
         a, b, c, q2, q3, q4 = tuple_sums(k)
-        u2, u3, u4 = u2 + a, u3 + b, u4 + c
+        diag = torch.diagonal(k).to(F64).sum()
+        if u2 is None:
+            u2, u3, u4, sq = a, b, c, diag
+        else:
+            u2, u3, u4, sq = u2 + a, u3 + b, u4 + c, sq + diag
         p2, p3, p4 = p2 + q2, p3 + q3, p4 + q4
-        sq = sq + torch.diagonal(k).to(F64).sum()
+    if u2 is None:
+        u2 = u3 = u4 = sq = torch.zeros((), dtype=F64, device=c_sum.device)
     return CrossBatch(n=n, c_sum=c_sum, sq_norm_sum=sq, u2=u2, u3=u3, u4=u4, p2=p2, p3=p3, p4=p4)
 
 
@@ -76,17 +79,20 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
     B, T, d = grad.shape
     r = w_in.shape[0]
     all_kept = mask is None or bool(mask.all())
-    keep = (torch.ones(B, T, dtype=torch.bool, device=grad.device) if mask is None
-            else mask.to(device=grad.device, dtype=torch.bool))
-    zero = torch.zeros((), dtype=F64, device=grad.device)
+    ghost = unit == "sample" and ghost_is_cheaper(T, d, r, min(group_size, B))
+    keep = None  # the ghost path with nothing masked needs no mask tensor
+    if not (all_kept and ghost):
+        keep = (torch.ones(B, T, dtype=torch.bool, device=grad.device) if mask is None
+                else mask.to(device=grad.device, dtype=torch.bool))
     if all_kept:  # nothing to zero out: skip the masking passes (the common case)
         q = grad.to(F64)
         phi = apply_activation(act.to(F64) @ w_in.to(F64).T, activation)
     else:
+        zero = torch.zeros((), dtype=F64, device=grad.device)
         q = torch.where(keep.unsqueeze(-1), grad.to(F64), zero)
         z = torch.where(keep.unsqueeze(-1), act.to(F64), zero)
         phi = torch.where(keep.unsqueeze(-1), apply_activation(z @ w_in.to(F64).T, activation), zero)
-    if unit == "sample" and ghost_is_cheaper(T, d, r, min(group_size, B)):
+    if ghost:
         # k_ij = Σ_{t,s} (q_itᵀ q_js)(φ_itᵀ φ_js): the per-sample Gram from position Grams, with
         # no d × r matrix per sample (few positions per sample, e.g. one row per sample)
         if all_kept:

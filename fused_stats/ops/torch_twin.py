@@ -29,44 +29,52 @@ from . import cpu_blas
 def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor,
                    unit: str) -> BatchSums:
     """One pass over ``grad`` (B, T, d), any float dtype and strides; ``mask`` (B, T) bool or None;
-    ``centre`` (d,) float64. Returns :class:`BatchSums` (see module docstring)."""
+    ``centre`` (d,) float64. Returns :class:`BatchSums` (see module docstring). The caller's
+    ``grad`` is never written."""
     check_capture_args(grad, mask, centre, unit)
-    g = grad.to(torch.float64)
-    owned = g is not grad  # a copy of ours: it may be overwritten (the caller's tensor may not)
-    B, T, d = g.shape
-    zero = torch.zeros((), dtype=torch.float64, device=g.device)
-    keep = None if mask is None else mask.to(device=g.device, dtype=torch.bool)
+    grad = grad.detach()  # statistics only: nothing here is differentiated
+    B, T, d = grad.shape
+    R = B if unit == "sample" else B * T
+    zero = torch.zeros((), dtype=torch.float64, device=grad.device)
+    keep = None if mask is None else mask.to(device=grad.device, dtype=torch.bool)
     if keep is not None and bool(keep.all()):
         keep = None  # nothing masked: skip the masking passes (the common case on CPU)
-    if keep is not None:
+    centre = centre.to(device=grad.device, dtype=torch.float64)
+    if keep is None:
+        # the rows are upcast (exactly) into one fresh fp64 buffer, the norms of q taken there, then
+        # centred in place: no other (R, d) temporary
+        y = torch.empty(R, d, dtype=torch.float64, device=grad.device)
+        if unit == "sample" and T > 1:
+            torch.sum(grad, dim=1, dtype=torch.float64, out=y)
+        else:
+            y.copy_(grad[:, 0] if unit == "sample" else grad.reshape(R, d))  # exact upcast
+        q_norm = torch.linalg.vector_norm(y, dim=1)
+        y.sub_(centre)
+        valid = torch.ones(R, dtype=torch.bool, device=grad.device)
+        n = R
+    else:
         # where(), not multiply: a NaN at a masked (padding) position must not leak into the sums
-        g = torch.where(keep.unsqueeze(-1), g, zero)
-        owned = True
-    if unit == "sample":
-        q = g[:, 0] if T == 1 else g.sum(dim=1)
-        q_owned = owned or T > 1
-        valid = None if keep is None else keep.any(dim=1)
-    else:
-        q = g.reshape(B * T, d)
-        q_owned = owned or q.data_ptr() != g.data_ptr()  # reshape copied
-        valid = None if keep is None else keep.reshape(B * T)
-    q_norm = torch.linalg.vector_norm(q, dim=1)  # 0 on rows that are not samples
-    centre = centre.to(device=g.device, dtype=torch.float64)
-    # centring in place where q is our own tensor: one fresh (B, d) fp64 allocation less per batch,
-    # which on CPU costs more in page faults than the subtraction itself
-    y = q.sub_(centre) if q_owned else q - centre
-    if valid is not None:
+        g = torch.where(keep.unsqueeze(-1), grad.to(torch.float64), zero)
+        if unit == "sample":
+            q = g[:, 0] if T == 1 else g.sum(dim=1)
+            valid = keep.any(dim=1)
+        else:
+            q = g.reshape(R, d)
+            valid = keep.reshape(R)
+        q_norm = torch.linalg.vector_norm(q, dim=1)  # 0 on rows that are not samples
         # rows that are not samples must be exactly zero (q is already 0 there, y would be -centre)
-        y = torch.where(valid.unsqueeze(-1), y, zero)
-    else:
-        valid = torch.ones(q.shape[0], dtype=torch.bool, device=g.device)
-    y_sq = (y * y).sum(dim=1)
+        y = torch.where(valid.unsqueeze(-1), q.sub_(centre), zero)
+        n = int(valid.sum().item())
+    # |y|^2 from the row norms (no (R, d) temporary), then s = 1ᵀY and t = |y|²ᵀY as one product
+    y_sq = torch.linalg.vector_norm(y, dim=1).square_()
+    weights = torch.stack([torch.ones_like(y_sq), y_sq])
+    s, t = torch.mm(weights, y)
     return BatchSums(
         rows=y,
         valid=valid,
-        n=int(valid.sum().item()),
-        s=y.sum(dim=0),
-        t=y_sq @ y,
+        n=n,
+        s=s,
+        t=t,
         a1=y_sq.sum(),
         a2=y_sq @ y_sq,
         norm_max=q_norm.max() if q_norm.numel() else zero.clone(),
@@ -74,14 +82,22 @@ def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.
     )
 
 
-def second_moment_update(S: torch.Tensor, rows: torch.Tensor) -> None:
-    """In place ``S += rows^T rows``; ``S`` (d, d) float64, ``rows`` (R, d) any float dtype."""
+def second_moment_update(S: torch.Tensor, rows: torch.Tensor, mirror: bool = True) -> bool:
+    """In place ``S += rows^T rows``; ``S`` (d, d) float64, ``rows`` (R, d) any float dtype.
+
+    ``mirror=False``: only the upper triangle (diagonal included) must be right on return; returns
+    whether the strict lower triangle was left stale (then ``mirror_upper(S)`` completes S). An
+    owner that reads S only through one place can so mirror once per read instead of per batch."""
     check_second_moment_args(S, rows)
     if cpu_blas.takes_second_moment(S, rows):
-        cpu_blas.syrk_update(S, rows)
-        return
+        cpu_blas.syrk_update(S, rows, mirror=mirror)
+        return not mirror
     r = rows.to(torch.float64)
     S.addmm_(r.T, r)
+    return False
+
+
+mirror_upper = cpu_blas.mirror_upper
 
 
 def gram_rows(new_rows: torch.Tensor, pool_rows: torch.Tensor) -> torch.Tensor:
