@@ -24,15 +24,20 @@ def build_llama(hidden=256, layers=4, seq=128, batch=8, vocab=2048, seed=0):
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 8 * 8, num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 64, 1),
-        vocab_size=vocab, max_position_embeddings=seq)
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 8 / 3) // 8 * 8,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 1),
+        num_key_value_heads=max(hidden // 64, 1),
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+    )
     model = transformers.LlamaForCausalLM(cfg).float()
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen)
     mask = torch.ones(batch, seq, dtype=torch.long)
     for b in range(0, batch, 4):  # a quarter of the sequences are padded
-        mask[b, seq * 3 // 4:] = 0
+        mask[b, seq * 3 // 4 :] = 0
     labels = ids.masked_fill(mask == 0, -100)
     return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
@@ -46,15 +51,18 @@ def size_parser(description: str, rounds: int, out_name: str) -> argparse.Argume
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (0: torch's default); 1 keeps the ratio stable on a busy machine")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (0: torch's default); 1 keeps the ratio stable on a busy machine",
+    )
     parser.add_argument("--out", default=str(RESULTS / out_name))
     return parser
 
 
 def sizes(args) -> dict:
-    return dict(hidden=args.hidden, layers=args.layers, seq=args.seq, batch=args.batch,
-                vocab=args.vocab)
+    return dict(hidden=args.hidden, layers=args.layers, seq=args.seq, batch=args.batch, vocab=args.vocab)
 
 
 def apply_threads(args) -> None:

@@ -39,8 +39,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FIELDS = ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "d_par", "d_2", "d_align",
-          "ag_max", "ag_mean")
+FIELDS = (
+    "mu_norm2",
+    "mu_norm4",
+    "mu_sigma_mu",
+    "trace_sigma2",
+    "d_par",
+    "d_2",
+    "d_align",
+    "ag_max",
+    "ag_mean",
+)
 SETTINGS = {  # name -> (extra environment, torch threads)
     "default": ({}, 1),
     "MKL_CBWR=COMPATIBLE": ({"MKL_CBWR": "COMPATIBLE"}, 1),
@@ -56,7 +65,7 @@ def _misaligned(value, offset=8):
     nbytes = value.numel() * value.element_size()
     buffer = torch.empty(nbytes + 128, dtype=torch.uint8)
     start = (offset - buffer.data_ptr()) % 64
-    raw = buffer[start:start + nbytes]
+    raw = buffer[start : start + nbytes]
     raw.copy_(value.contiguous().reshape(-1).view(torch.uint8))
     return raw.view(value.dtype).reshape(value.shape)
 
@@ -121,8 +130,11 @@ def compare_accumulator(base: dict, other: dict) -> dict:
     return worst
 
 
-DEMO_POINT_FIELDS = [("train", f) for f in FIELDS[:7]] + [("test", f) for f in FIELDS[:7]] + [
-    ("certificate", "b_exact"), ("saturation", "cross_frob2"), ("misalignment", "probability")]
+DEMO_POINT_FIELDS = (
+    [("train", f) for f in FIELDS[:7]]
+    + [("test", f) for f in FIELDS[:7]]
+    + [("certificate", "b_exact"), ("saturation", "cross_frob2"), ("misalignment", "probability")]
+)
 
 
 def demo_values(folder: Path) -> dict:
@@ -132,8 +144,7 @@ def demo_values(folder: Path) -> dict:
         report = json.loads(path.read_text())
         values[(path.stem, "", "meta", "train_loss")] = float(report["meta"]["train_loss"])
         for point in report["points"]:
-            values[(path.stem, point["name"], "", "realized_alignment")] = float(
-                point["realized_alignment"])
+            values[(path.stem, point["name"], "", "realized_alignment")] = float(point["realized_alignment"])
             for group, field in DEMO_POINT_FIELDS:
                 entry = point.get(group) or {}
                 if field in entry:
@@ -143,16 +154,33 @@ def demo_values(folder: Path) -> dict:
 
 def summary_lines(folder: Path) -> list[str]:
     """The printed summary without its header (date) and with every time in seconds blanked."""
-    return [re.sub(r"\d+(\.\d+)? s\b", "<time>", line)
-            for line in (folder / "summary.md").read_text().splitlines()
-            if not line.startswith("fused-stats demo (")]
+    return [
+        re.sub(r"\d+(\.\d+)? s\b", "<time>", line)
+        for line in (folder / "summary.md").read_text().splitlines()
+        if not line.startswith("fused-stats demo (")
+    ]
 
 
 def run_demo(extra: dict, threads: int, folder: Path) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "fused_stats.cli", "demo", "--quick", "--no-progress",
-                    "--threads", str(threads), "--out", str(folder)],
-                   env=run_env(extra), check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fused_stats.cli",
+            "demo",
+            "--quick",
+            "--no-progress",
+            "--threads",
+            str(threads),
+            "--out",
+            str(folder),
+        ],
+        env=run_env(extra),
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return time.perf_counter() - start
 
 
@@ -172,8 +200,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--misaligned", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-demo", action="store_true", help="skip the demo workload")
-    parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "agreement_cpu.json"),
-                        help="where to write the results (default: %(default)s)")
+    parser.add_argument(
+        "--json",
+        default=str(ROOT / "bench" / "results" / "agreement_cpu.json"),
+        help="where to write the results (default: %(default)s)",
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -181,14 +212,21 @@ def main() -> int:
 
     import torch
 
-    results = {"machine": f"{cpu_name()}, {platform.machine()}, {os.cpu_count()} CPUs",
-               "torch": torch.__version__, "accumulator": {}, "demo": {}}
+    results = {
+        "machine": f"{cpu_name()}, {platform.machine()}, {os.cpu_count()} CPUs",
+        "torch": torch.__version__,
+        "accumulator": {},
+        "demo": {},
+    }
     print(f"machine: {results['machine']}, torch {torch.__version__}")
     base = accumulator_in_process({}, 1)
-    print("\naccumulator (GradStats estimates on fixed fp32 data), largest relative difference "
-          "to the default setting:")
-    variants = [(name, env, threads, False) for name, (env, threads) in SETTINGS.items()
-                if name != "default"] + [("misaligned input batches", {}, 1, True)]
+    print(
+        "\naccumulator (GradStats estimates on fixed fp32 data), largest relative difference "
+        "to the default setting:"
+    )
+    variants = [
+        (name, env, threads, False) for name, (env, threads) in SETTINGS.items() if name != "default"
+    ] + [("misaligned input batches", {}, 1, True)]
     for name, env, threads, misaligned in variants:
         worst = compare_accumulator(base, accumulator_in_process(env, threads, misaligned))
         key = max(worst, key=worst.get)
@@ -196,8 +234,10 @@ def main() -> int:
         print(f"  {name:<26} {worst[key]:.2e}  ({key})")
 
     if not args.no_demo:
-        print("\ndemo --quick (train + probe + print), largest relative difference to the default "
-              "setting over every run, point and estimate:")
+        print(
+            "\ndemo --quick (train + probe + print), largest relative difference to the default "
+            "setting over every run, point and estimate:"
+        )
         with tempfile.TemporaryDirectory() as tmp:
             folders = {}
             for name, (env, threads) in SETTINGS.items():
@@ -215,14 +255,20 @@ def main() -> int:
                 worst_any = max(diffs, key=diffs.get)
                 changed = sum(a != b for a, b in zip(base_lines, lines)) + abs(len(base_lines) - len(lines))
                 results["demo"][name] = {
-                    "max_rel_diff_estimates": estimates[worst], "where": " ".join(worst),
-                    "max_rel_diff_any": diffs[worst_any], "where_any": " ".join(worst_any),
+                    "max_rel_diff_estimates": estimates[worst],
+                    "where": " ".join(worst),
+                    "max_rel_diff_any": diffs[worst_any],
+                    "where_any": " ".join(worst_any),
                     "median_rel_diff_estimates": sorted(estimates.values())[len(estimates) // 2],
-                    "summary_lines_changed": changed, "summary_lines": len(base_lines)}
-                print(f"  {name:<26} estimates {estimates[worst]:.2e} ({' '.join(worst)}), median "
-                      f"{results['demo'][name]['median_rel_diff_estimates']:.1e}; any value "
-                      f"{diffs[worst_any]:.2e} ({' '.join(worst_any)}); {changed} of "
-                      f"{len(base_lines)} summary lines differ")
+                    "summary_lines_changed": changed,
+                    "summary_lines": len(base_lines),
+                }
+                print(
+                    f"  {name:<26} estimates {estimates[worst]:.2e} ({' '.join(worst)}), median "
+                    f"{results['demo'][name]['median_rel_diff_estimates']:.1e}; any value "
+                    f"{diffs[worst_any]:.2e} ({' '.join(worst_any)}); {changed} of "
+                    f"{len(base_lines)} summary lines differ"
+                )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {args.json}")

@@ -30,10 +30,10 @@ import statistics
 import time
 
 import torch
+from _harness import RESULTS, write_result
 from torch import nn
 
 import fused_stats as fs
-from _harness import RESULTS, write_result
 
 
 class MLPBlock(nn.Module):
@@ -75,8 +75,7 @@ def measure(rounds=200, warmup=10, profile=False, **sizes) -> dict:
     model, batch = build(**sizes)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     points = [f"blocks.{i}" for i in range(len(model.blocks))]
-    probe = fs.Probe(model, points=points, unit="sample", second_moment="dense",
-                     cross=fs.CrossSpec())
+    probe = fs.Probe(model, points=points, unit="sample", second_moment="dense", cross=fs.CrossSpec())
 
     def train_step():
         optimizer.zero_grad(set_to_none=True)
@@ -102,11 +101,15 @@ def measure(rounds=200, warmup=10, profile=False, **sizes) -> dict:
     med_cpu = {name: statistics.median(ts) for name, ts in cpu.items()}
     train, probe_name = "train step (fwd + bwd + Adam)", "probe step (cross=)"
     result = {
-        "sizes": sizes, "rounds": rounds, "threads": torch.get_num_threads(),
-        "median_wall_s": med_wall, "median_cpu_s": med_cpu,
+        "sizes": sizes,
+        "rounds": rounds,
+        "threads": torch.get_num_threads(),
+        "median_wall_s": med_wall,
+        "median_cpu_s": med_cpu,
         "wall_ratio_probe_over_train": med_wall[probe_name] / med_wall[train],
         "cpu_ratio_probe_over_train": med_cpu[probe_name] / med_cpu[train],
-        "probe_samples": probe.stats[points[0]].n, "cross_samples": probe.cross_stats[points[0]].n,
+        "probe_samples": probe.stats[points[0]].n,
+        "cross_samples": probe.cross_stats[points[0]].n,
     }
     if profile:
         prof = cProfile.Profile()
@@ -130,16 +133,21 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = measure(args.rounds, profile=args.profile, dim=args.dim, batch=args.batch,
-                     blocks=args.blocks)
-    print(f"torch {torch.__version__}, {result['threads']} thread(s); residual MLP d={args.dim}, "
-          f"batch {args.batch}, {args.blocks} blocks; {args.rounds} interleaved rounds")
+    result = measure(args.rounds, profile=args.profile, dim=args.dim, batch=args.batch, blocks=args.blocks)
+    print(
+        f"torch {torch.__version__}, {result['threads']} thread(s); residual MLP d={args.dim}, "
+        f"batch {args.batch}, {args.blocks} blocks; {args.rounds} interleaved rounds"
+    )
     print(f"{'case':32s} {'median wall ms':>14} {'median cpu ms':>14}")
     for name in result["median_wall_s"]:
-        print(f"{name:32s} {result['median_wall_s'][name] * 1e3:>14.3f} "
-              f"{result['median_cpu_s'][name] * 1e3:>14.3f}")
-    print(f"probe / train: wall {result['wall_ratio_probe_over_train']:.3f}x, "
-          f"cpu {result['cpu_ratio_probe_over_train']:.3f}x (<= 1: a probe step costs no more)")
+        print(
+            f"{name:32s} {result['median_wall_s'][name] * 1e3:>14.3f} "
+            f"{result['median_cpu_s'][name] * 1e3:>14.3f}"
+        )
+    print(
+        f"probe / train: wall {result['wall_ratio_probe_over_train']:.3f}x, "
+        f"cpu {result['cpu_ratio_probe_over_train']:.3f}x (<= 1: a probe step costs no more)"
+    )
     write_result(args.out, result)
 
 

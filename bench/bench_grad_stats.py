@@ -54,8 +54,9 @@ def make_batches(d: int, seed: int = 0) -> list[torch.Tensor]:
     """A few fp32 batches with mean ~ noise (cycled through by both approaches)."""
     gen = torch.Generator().manual_seed(seed)
     mean = torch.randn(d, generator=gen) / d**0.5
-    return [(mean + torch.randn(BATCH, d, generator=gen) / d**0.5).contiguous()
-            for _ in range(N_DISTINCT_BATCHES)]
+    return [
+        (mean + torch.randn(BATCH, d, generator=gen) / d**0.5).contiguous() for _ in range(N_DISTINCT_BATCHES)
+    ]
 
 
 def run_gradstats(n: int, batches: list[torch.Tensor]) -> tuple[dict, int]:
@@ -66,15 +67,17 @@ def run_gradstats(n: int, batches: list[torch.Tensor]) -> tuple[dict, int]:
     for k in range(n // BATCH):
         acc.update(batches[k % len(batches)])
     est = acc.estimate()
-    return ({key: getattr(est, key) for key in ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2")},
-            acc.state_nbytes())
+    return (
+        {key: getattr(est, key) for key in ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2")},
+        acc.state_nbytes(),
+    )
 
 
 def run_naive(n: int, batches: list[torch.Tensor]) -> tuple[dict, int]:
     d = batches[0].shape[1]
     q = np.empty((n, d), dtype=np.float64)  # every per-sample vector, kept to the end
     for k in range(n // BATCH):
-        q[k * BATCH:(k + 1) * BATCH] = batches[k % len(batches)].numpy()
+        q[k * BATCH : (k + 1) * BATCH] = batches[k % len(batches)].numpy()
     held = q.nbytes
     mean = q.mean(axis=0)
     q -= mean  # in place: y = q - q_bar (the baseline does not double its own footprint)
@@ -86,8 +89,14 @@ def run_naive(n: int, batches: list[torch.Tensor]) -> tuple[dict, int]:
     n2, n3, n4 = n * (n - 1.0), n * (n - 1.0) * (n - 2.0), n * (n - 1.0) * (n - 2.0) * (n - 3.0)
     est = {
         "mu_norm2": kappa - a1 / n2,
-        "mu_norm4": kappa**2 - 2 * kappa * a1 / n2 - 4 * beta / n2 + 8 * tau / n3 + (a1**2 - 6 * a2 + 2 * F) / n4,
-        "mu_sigma_mu": beta / (n - 1) - 2 * tau / ((n - 1) * (n - 2)) + (2 * n * a2 - (n - 1) * F - a1**2) / n4,
+        "mu_norm4": kappa**2
+        - 2 * kappa * a1 / n2
+        - 4 * beta / n2
+        + 8 * tau / n3
+        + (a1**2 - 6 * a2 + 2 * F) / n4,
+        "mu_sigma_mu": beta / (n - 1)
+        - 2 * tau / ((n - 1) * (n - 2))
+        + (2 * n * a2 - (n - 1) * F - a1**2) / n4,
         "trace_sigma2": ((n - 1) * (n - 2) * F - n * (n - 1) * a2 + a1**2) / n4,
     }
     return {k: float(v) for k, v in est.items()}, held
@@ -135,10 +144,19 @@ def measure(approach: str, n: int, d: int) -> dict:
         from fused_stats.ops import cpu_blas
 
         blas_threads = cpu_blas.blas_thread_counts() if cpu_blas.available() else []
-    return {"approach": approach, "n": n, "d": d, "seconds": seconds, "cpu_seconds": cpu_seconds,
-            "samples_per_s": n / seconds, "peak_rss_growth_bytes": (peak - rss0) * 1024 if reset else None,
-            "held_bytes": held, "estimates": est, "threads": torch.get_num_threads(),
-            "blas_threads_after": blas_threads}
+    return {
+        "approach": approach,
+        "n": n,
+        "d": d,
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "samples_per_s": n / seconds,
+        "peak_rss_growth_bytes": (peak - rss0) * 1024 if reset else None,
+        "held_bytes": held,
+        "estimates": est,
+        "threads": torch.get_num_threads(),
+        "blas_threads_after": blas_threads,
+    }
 
 
 def measure_in_subprocess(approach: str, n: int, d: int, threads: int | None = None) -> dict:
@@ -146,8 +164,13 @@ def measure_in_subprocess(approach: str, n: int, d: int, threads: int | None = N
     if threads:  # the same thread count for torch (OpenMP) and numpy's BLAS
         for key in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[key] = str(threads)
-    out = subprocess.run([sys.executable, __file__, "--one", approach, str(n), str(d)],
-                         check=True, capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", approach, str(n), str(d)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -169,9 +192,11 @@ def table(ns, ds, threads: int | None = None, repeat: int = 1, with_addmm: bool 
     """Each case ``repeat`` times, GradStats and naive alternating (fresh processes); medians.
     ``with_addmm``: also GradStats on torch's addmm only (CPU-time ratio addmm / dsyrk path)."""
     rows = []
-    header = (f"{'n':>7} {'d':>5} | {'GS s':>7} {'naive s':>7} {'time x':>6} | {'GS cpu s':>8} "
-              f"{'naive cpu s':>11} {'cpu x':>5} | {'GS peak MB':>11} {'naive peak MB':>13} "
-              f"{'mem x':>6} | {'GS held MB':>10} {'naive held MB':>13} | {'max rel diff':>12}")
+    header = (
+        f"{'n':>7} {'d':>5} | {'GS s':>7} {'naive s':>7} {'time x':>6} | {'GS cpu s':>8} "
+        f"{'naive cpu s':>11} {'cpu x':>5} | {'GS peak MB':>11} {'naive peak MB':>13} "
+        f"{'mem x':>6} | {'GS held MB':>10} {'naive held MB':>13} | {'max rel diff':>12}"
+    )
     print(header)
     print("-" * len(header))
     med = statistics.median
@@ -179,67 +204,97 @@ def table(ns, ds, threads: int | None = None, repeat: int = 1, with_addmm: bool 
         for d in ds:
             runs, addmm = [], []
             for _ in range(repeat):
-                runs.append((measure_in_subprocess("gradstats", n, d, threads),
-                             measure_in_subprocess("naive", n, d, threads)))
+                runs.append(
+                    (
+                        measure_in_subprocess("gradstats", n, d, threads),
+                        measure_in_subprocess("naive", n, d, threads),
+                    )
+                )
                 if with_addmm:
                     addmm.append(measure_in_subprocess("gradstats_addmm", n, d, threads))
             gs, nv = runs[0]
-            diff = max(abs(g["estimates"][k] - v["estimates"][k]) / abs(v["estimates"][k])
-                       for g, v in runs for k in v["estimates"])
+            diff = max(
+                abs(g["estimates"][k] - v["estimates"][k]) / abs(v["estimates"][k])
+                for g, v in runs
+                for k in v["estimates"]
+            )
             t_gs, t_nv = med(g["seconds"] for g, _ in runs), med(v["seconds"] for _, v in runs)
             c_gs, c_nv = med(g["cpu_seconds"] for g, _ in runs), med(v["cpu_seconds"] for _, v in runs)
             time_x = med(v["seconds"] / g["seconds"] for g, v in runs)  # per pair, then median
             cpu_x = med(v["cpu_seconds"] / g["cpu_seconds"] for g, v in runs)
-            addmm_x = (med(a["cpu_seconds"] / g["cpu_seconds"] for a, (g, _) in zip(addmm, runs))
-                       if addmm else None)
+            addmm_x = (
+                med(a["cpu_seconds"] / g["cpu_seconds"] for a, (g, _) in zip(addmm, runs)) if addmm else None
+            )
             growth = [g["peak_rss_growth_bytes"] for g, _ in runs]
             naive_growth = [v["peak_rss_growth_bytes"] for _, v in runs]
             gs_peak = None if None in growth else max(growth)  # the worst run counts for memory
             nv_peak = None if None in naive_growth else med(naive_growth)
             gs_word, nv_word, mem_word, mem_x = memory_words(gs_peak, nv_peak)
             mb = 1 / 2**20
-            print(f"{n:>7} {d:>5} | {t_gs:>7.3f} {t_nv:>7.3f} {time_x:>6.2f} | {c_gs:>8.3f} "
-                  f"{c_nv:>11.3f} {cpu_x:>5.2f} | {gs_word:>11} {nv_word:>13} {mem_word:>6} | "
-                  f"{gs['held_bytes'] * mb:>10.2f} {nv['held_bytes'] * mb:>13.1f} | {diff:>12.1e}"
-                  + (f" | {addmm_x:>12.2f}" if addmm_x is not None else ""), flush=True)
-            rows.append({"runs": [{"gradstats": g, "naive": v} for g, v in runs],
-                         "speed_ratio_naive_over_gradstats": time_x,
-                         "cpu_ratio_naive_over_gradstats": cpu_x,
-                         "gradstats_peak_rss_growth_bytes": gs_peak,
-                         "naive_peak_rss_growth_bytes": nv_peak,
-                         "peak_ratio_naive_over_gradstats": mem_x,
-                         "peak_ratio_is_lower_bound": gs_peak is not None and gs_peak < RSS_NOISE_FLOOR_BYTES,
-                         "max_rel_diff": diff, "addmm_runs": addmm,
-                         "cpu_ratio_addmm_over_gradstats": addmm_x})
-    print(f"x > 1: GradStats faster / smaller; time x and cpu x are medians of the per-pair ratios "
-          f"over {repeat} alternating run(s); cpu = process CPU time (steadier than wall time on a "
-          f"shared machine with --threads 1); peak = growth of peak RSS during the run, "
-          f"'flat' below {RSS_NOISE_FLOOR_BYTES >> 20} MiB (then mem x is a lower bound)"
-          + ("; addmm cpu x: GradStats on torch's addmm only / GradStats" if with_addmm else ""))
+            print(
+                f"{n:>7} {d:>5} | {t_gs:>7.3f} {t_nv:>7.3f} {time_x:>6.2f} | {c_gs:>8.3f} "
+                f"{c_nv:>11.3f} {cpu_x:>5.2f} | {gs_word:>11} {nv_word:>13} {mem_word:>6} | "
+                f"{gs['held_bytes'] * mb:>10.2f} {nv['held_bytes'] * mb:>13.1f} | {diff:>12.1e}"
+                + (f" | {addmm_x:>12.2f}" if addmm_x is not None else ""),
+                flush=True,
+            )
+            rows.append(
+                {
+                    "runs": [{"gradstats": g, "naive": v} for g, v in runs],
+                    "speed_ratio_naive_over_gradstats": time_x,
+                    "cpu_ratio_naive_over_gradstats": cpu_x,
+                    "gradstats_peak_rss_growth_bytes": gs_peak,
+                    "naive_peak_rss_growth_bytes": nv_peak,
+                    "peak_ratio_naive_over_gradstats": mem_x,
+                    "peak_ratio_is_lower_bound": gs_peak is not None and gs_peak < RSS_NOISE_FLOOR_BYTES,
+                    "max_rel_diff": diff,
+                    "addmm_runs": addmm,
+                    "cpu_ratio_addmm_over_gradstats": addmm_x,
+                }
+            )
+    print(
+        f"x > 1: GradStats faster / smaller; time x and cpu x are medians of the per-pair ratios "
+        f"over {repeat} alternating run(s); cpu = process CPU time (steadier than wall time on a "
+        f"shared machine with --threads 1); peak = growth of peak RSS during the run, "
+        f"'flat' below {RSS_NOISE_FLOOR_BYTES >> 20} MiB (then mem x is a lower bound)"
+        + ("; addmm cpu x: GradStats on torch's addmm only / GradStats" if with_addmm else "")
+    )
     return rows
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="n = 1e4 only")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="threads for both approaches (default: torch/BLAS defaults); 1 is steadier "
-                             "on a shared machine")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="alternating runs per case (medians are printed)")
-    parser.add_argument("--addmm", action="store_true",
-                        help="also time GradStats on torch's addmm only (the second moment without BLAS dsyrk)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for both approaches (default: torch/BLAS defaults); 1 is steadier on a shared machine",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="alternating runs per case (medians are printed)"
+    )
+    parser.add_argument(
+        "--addmm",
+        action="store_true",
+        help="also time GradStats on torch's addmm only (the second moment without BLAS dsyrk)",
+    )
     parser.add_argument("--one", nargs=3, metavar=("APPROACH", "N", "D"), help=argparse.SUPPRESS)
-    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "bench_grad_stats.json")
+    parser.add_argument(
+        "--json", type=Path, default=Path(__file__).parent / "results" / "bench_grad_stats.json"
+    )
     args = parser.parse_args(argv)
     if args.one:
         approach, n, d = args.one[0], int(args.one[1]), int(args.one[2])
         print(json.dumps(measure(approach, n, d)))
         return
-    print(f"torch {torch.__version__}, {args.threads or torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} CPUs, fp32 batches of {BATCH}, {args.repeat} alternating run(s) per case")
-    rows = table([10_000] if args.quick else [10_000, 100_000], [256, 1024], args.threads, args.repeat,
-                 args.addmm)
+    print(
+        f"torch {torch.__version__}, {args.threads or torch.get_num_threads()} threads, "
+        f"{os.cpu_count()} CPUs, fp32 batches of {BATCH}, {args.repeat} alternating run(s) per case"
+    )
+    rows = table(
+        [10_000] if args.quick else [10_000, 100_000], [256, 1024], args.threads, args.repeat, args.addmm
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.json}")
@@ -249,8 +304,9 @@ def main(argv=None) -> None:
 def _bench(benchmark, approach: str) -> None:
     n, d = 10_000, 256
     batches = make_batches(d)
-    est, held = benchmark.pedantic(APPROACHES[approach], args=(n, batches), rounds=3, iterations=1,
-                                   warmup_rounds=1)
+    est, held = benchmark.pedantic(
+        APPROACHES[approach], args=(n, batches), rounds=3, iterations=1, warmup_rounds=1
+    )
     benchmark.extra_info.update({"n": n, "d": d, "held_bytes": held})
     assert all(np.isfinite(v) for v in est.values())
 
@@ -270,9 +326,11 @@ def test_ratio_side_by_side(capsys):
     rows = table([10_000], [256])
     assert rows[0]["max_rel_diff"] < 1e-8
     with capsys.disabled():
-        print(f"\nnaive/GradStats time {rows[0]['speed_ratio_naive_over_gradstats']:.2f}x, "
-              f"peak RSS {rows[0]['peak_ratio_naive_over_gradstats']:.1f}x"
-              f"{' (lower bound)' if rows[0]['peak_ratio_is_lower_bound'] else ''}")
+        print(
+            f"\nnaive/GradStats time {rows[0]['speed_ratio_naive_over_gradstats']:.2f}x, "
+            f"peak RSS {rows[0]['peak_ratio_naive_over_gradstats']:.1f}x"
+            f"{' (lower bound)' if rows[0]['peak_ratio_is_lower_bound'] else ''}"
+        )
 
 
 if __name__ == "__main__":

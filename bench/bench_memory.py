@@ -49,22 +49,32 @@ def stream(update, batches: int, warm: int) -> dict:
     # the trend, not single samples: RSS moves by the per-batch workspace from batch to batch
     # (freed buffers are not always returned to the OS at once), while a leak grows steadily
     window = max(1, (batches - warm) // 5)
-    early = statistics.median(samples[warm:warm + window])
+    early = statistics.median(samples[warm : warm + window])
     late = statistics.median(samples[-window:])
-    return {"rss_warm": samples[warm - 1], "rss_final": samples[-1],
-            "growth_after_warm": late - early,
-            "max_spike_after_warm": max(samples[warm:]) - samples[warm - 1],
-            "seconds": time.perf_counter() - start}
+    return {
+        "rss_warm": samples[warm - 1],
+        "rss_final": samples[-1],
+        "growth_after_warm": late - early,
+        "max_spike_after_warm": max(samples[warm:]) - samples[warm - 1],
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def record(case: str, result: dict, state: int, planned: int) -> dict:
-    row = {"case": case, **result, "state_nbytes": state, "planned_nbytes": planned,
-           "plan_ratio": planned / state}
+    row = {
+        "case": case,
+        **result,
+        "state_nbytes": state,
+        "planned_nbytes": planned,
+        "plan_ratio": planned / state,
+    }
     ROWS.append(row)
-    print(f"\n{case:<28} RSS warm {human_bytes(row['rss_warm']):>11}  growth after warm-up "
-          f"{human_bytes(row['growth_after_warm']):>11} (largest spike "
-          f"{human_bytes(row['max_spike_after_warm'])})  state {human_bytes(state):>11}  plan "
-          f"{human_bytes(planned):>11}  plan/state {row['plan_ratio']:.3f}  ({row['seconds']:.1f} s)")
+    print(
+        f"\n{case:<28} RSS warm {human_bytes(row['rss_warm']):>11}  growth after warm-up "
+        f"{human_bytes(row['growth_after_warm']):>11} (largest spike "
+        f"{human_bytes(row['max_spike_after_warm'])})  state {human_bytes(state):>11}  plan "
+        f"{human_bytes(planned):>11}  plan/state {row['plan_ratio']:.3f}  ({row['seconds']:.1f} s)"
+    )
     return row
 
 
@@ -81,8 +91,12 @@ def test_grad_stats_1e5_samples_flat(benchmark, second_moment):
 
     result = benchmark.pedantic(lambda: stream(update, batches, warm), rounds=1, iterations=1)
     plan = plan_memory(dim=dim, points=1, pool_size=acc.n, streams=1)
-    row = record(f"GradStats {second_moment} d={dim} n={acc.n}", result, acc.state_nbytes(),
-                 getattr(plan, second_moment))
+    row = record(
+        f"GradStats {second_moment} d={dim} n={acc.n}",
+        result,
+        acc.state_nbytes(),
+        getattr(plan, second_moment),
+    )
     assert acc.n == 100_000
     assert abs(row["plan_ratio"] - 1) <= 0.10
     assert row["growth_after_warm"] < 2**20
@@ -103,8 +117,10 @@ def test_pool_grows_as_planned(benchmark):
     result["growth_total"] = result["rss_final"] - before
     plan = plan_memory(dim=dim, points=1, pool_size=acc.n, streams=1)
     row = record(f"GradStats pool d={dim} n={acc.n}", result, acc.state_nbytes(), plan.pool)
-    print(f"{'':<28} RSS growth over the whole stream {human_bytes(result['growth_total'])} for a "
-          f"planned pool of {human_bytes(plan.pool)} (ratio {result['growth_total'] / plan.pool:.2f})")
+    print(
+        f"{'':<28} RSS growth over the whole stream {human_bytes(result['growth_total'])} for a "
+        f"planned pool of {human_bytes(plan.pool)} (ratio {result['growth_total'] / plan.pool:.2f})"
+    )
     assert abs(row["plan_ratio"] - 1) <= 0.10
 
 
@@ -136,8 +152,9 @@ def test_probe_1e5_samples_flat(benchmark):
         return nn.functional.cross_entropy(m(b[0]), b[1], reduction="none")
 
     def update(i):
-        probe.step((torch.randn(batch, 16, generator=gen), torch.randint(0, 10, (batch,), generator=gen)),
-                   loss_fn)
+        probe.step(
+            (torch.randn(batch, 16, generator=gen), torch.randint(0, 10, (batch,), generator=gen)), loss_fn
+        )
 
     result = benchmark.pedantic(lambda: stream(update, batches, warm), rounds=1, iterations=1)
     state = sum(acc.state_nbytes() for acc in probe.stats.values())

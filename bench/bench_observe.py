@@ -78,8 +78,10 @@ def measure(rounds=12, warmup=2, checkpointing=False, whole=False, **sizes) -> d
     model, batch = build(checkpointing=checkpointing, **sizes)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     probe = make_probe(model, whole)
-    cases = {TRAIN: lambda: train_step(model, opt, batch),
-             OBSERVED: lambda: observed_step(model, opt, batch, probe)}
+    cases = {
+        TRAIN: lambda: train_step(model, opt, batch),
+        OBSERVED: lambda: observed_step(model, opt, batch, probe),
+    }
     times = {name: [] for name in cases}
     for r in range(warmup + rounds):
         order = list(cases.items())
@@ -96,41 +98,50 @@ def measure(rounds=12, warmup=2, checkpointing=False, whole=False, **sizes) -> d
     paired = sorted(o / t for o, t in zip(times[OBSERVED], times[TRAIN]))
     q = len(paired) // 4
     return {
-        "sizes": sizes, "checkpointing": checkpointing, "whole_gradient_path": whole, "rounds": rounds,
-        "threads": torch.get_num_threads(), "median_s": med,
+        "sizes": sizes,
+        "checkpointing": checkpointing,
+        "whole_gradient_path": whole,
+        "rounds": rounds,
+        "threads": torch.get_num_threads(),
+        "median_s": med,
         "ratio": med[OBSERVED] / med[TRAIN],
         "paired_ratio_median": statistics.median(paired),
         "paired_ratio_quartiles": [paired[q], paired[-1 - q]],
         "times_s": times,
-        "observed_samples": probe.stats[probe.points[0]].n, "points": probe.points,
+        "observed_samples": probe.stats[probe.points[0]].n,
+        "points": probe.points,
     }
 
 
 def print_table(result: dict) -> None:
     s = result["sizes"]
-    print(f"LLaMA-style hidden {s['hidden']}, {s['layers']} layers, seq {s['seq']}, batch {s['batch']}, "
-          f"vocab {s['vocab']}; CPU fp32, {result['threads']} threads, checkpointing "
-          f"{'on' if result['checkpointing'] else 'off'}, "
-          f"{'whole-gradient' if result['whole_gradient_path'] else 'per-sample-sum'} path, "
-          f"median of {result['rounds']} interleaved rounds")
+    print(
+        f"LLaMA-style hidden {s['hidden']}, {s['layers']} layers, seq {s['seq']}, batch {s['batch']}, "
+        f"vocab {s['vocab']}; CPU fp32, {result['threads']} threads, checkpointing "
+        f"{'on' if result['checkpointing'] else 'off'}, "
+        f"{'whole-gradient' if result['whole_gradient_path'] else 'per-sample-sum'} path, "
+        f"median of {result['rounds']} interleaved rounds"
+    )
     print(f"{'case':24s} {'median ms':>10s} {'/ train step':>13s}")
     for name, m in result["median_s"].items():
         print(f"{name:24s} {1e3 * m:10.1f} {m / result['median_s'][TRAIN]:13.3f}")
     lo, hi = result["paired_ratio_quartiles"]
-    print(f"observe overhead = {100 * (result['ratio'] - 1):+.1f} % of a training step (ratio of "
-          f"medians); per-round ratio median {result['paired_ratio_median']:.3f}, quartiles "
-          f"{lo:.3f}..{hi:.3f} (aim: under 10 %); {result['observed_samples']} samples per point")
+    print(
+        f"observe overhead = {100 * (result['ratio'] - 1):+.1f} % of a training step (ratio of "
+        f"medians); per-round ratio median {result['paired_ratio_median']:.3f}, quartiles "
+        f"{lo:.3f}..{hi:.3f} (aim: under 10 %); {result['observed_samples']} samples per point"
+    )
 
 
 def main(argv=None) -> None:
     parser = size_parser(__doc__.split("\n")[0], rounds=12, out_name="observe_cpu.json")
     parser.add_argument("--checkpointing", action="store_true")
-    parser.add_argument("--whole", action="store_true",
-                        help="keep whole gradients (the path callbacks and cross= take)")
+    parser.add_argument(
+        "--whole", action="store_true", help="keep whole gradients (the path callbacks and cross= take)"
+    )
     args = parser.parse_args(argv)
     apply_threads(args)
-    result = measure(rounds=args.rounds, checkpointing=args.checkpointing, whole=args.whole,
-                     **sizes(args))
+    result = measure(rounds=args.rounds, checkpointing=args.checkpointing, whole=args.whole, **sizes(args))
     print_table(result)
     write_result(args.out, result)
 
@@ -161,9 +172,12 @@ def test_observe_overhead_under_10_percent(benchmark):
     # (pytest-benchmark times the two cases above separately): the median of the per-round
     # ratios observed / train, each round's two timings back to back so that drifts of the load
     # on a shared machine cancel
-    result = benchmark.pedantic(measure, kwargs=dict(rounds=12, warmup=2, hidden=256, layers=4,
-                                                     seq=128, batch=8, vocab=2048),
-                                rounds=1, iterations=1)
+    result = benchmark.pedantic(
+        measure,
+        kwargs=dict(rounds=12, warmup=2, hidden=256, layers=4, seq=128, batch=8, vocab=2048),
+        rounds=1,
+        iterations=1,
+    )
     print()
     print_table(result)
     assert result["observed_samples"] == 8 * (12 + 2)  # every observed step was folded

@@ -56,9 +56,9 @@ def u_stats(q: np.ndarray) -> dict:
     g = q @ q.T
     off = g - np.diag(np.diag(g))
     r = off.sum(1)
-    s1, s2 = off.sum(), (off ** 2).sum()
-    s3 = (r ** 2).sum() - s2
-    s4 = s1 ** 2 - 4 * s3 - 2 * s2
+    s1, s2 = off.sum(), (off**2).sum()
+    s3 = (r**2).sum() - s2
+    s4 = s1**2 - 4 * s3 - 2 * s2
     n2, n3, n4 = n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3)
     u1, u2, u3, u4 = s1 / n2, s2 / n2, s3 / n3, s4 / n4
     out = {"mu_norm2": u1, "mu_norm4": u4, "mu_sigma_mu": u3 - u4, "trace_sigma2": u2 - 2 * u3 + u4}
@@ -67,7 +67,7 @@ def u_stats(q: np.ndarray) -> dict:
     d_par = u4 / out["mu_sigma_mu"] if out["mu_sigma_mu"] > 0 else float("inf")
     d_2 = u4 / out["trace_sigma2"] if out["trace_sigma2"] > 0 else float("inf")
     out["d_align"] = min(d_par, d_2) if u4 > 0 else 0.0
-    out["ag_max"] = float(np.sqrt((q ** 2).sum(1)).max())
+    out["ag_max"] = float(np.sqrt((q**2).sum(1)).max())
     return out
 
 
@@ -75,7 +75,7 @@ def cross_frob2(c: np.ndarray) -> float:
     """Unbiased ``|C|_F²`` from per-sample ``c_i`` (n, d, r)."""
     n = c.shape[0]
     c = c.reshape(n, -1).astype(np.float64)
-    return float(((c.sum(0) ** 2).sum() - (c ** 2).sum()) / (n * (n - 1)))
+    return float(((c.sum(0) ** 2).sum() - (c**2).sum()) / (n * (n - 1)))
 
 
 def rss_mib() -> float:
@@ -100,17 +100,25 @@ def measure(fn):
 
 def batches_of(data, B):
     n = data["input_ids"].shape[0]
-    return [{k: v[i:i + B] for k, v in data.items()} for i in range(0, n, B)]
+    return [{k: v[i : i + B] for k, v in data.items()} for i in range(0, n, B)]
 
 
 def run_probe(model, data, points, w_in, B):
-    probe = fs.Probe(model, points=points, second_moment="dense",
-                     cross=fs.CrossSpec(w_in=w_in, activation="gelu"))
+    probe = fs.Probe(
+        model, points=points, second_moment="dense", cross=fs.CrossSpec(w_in=w_in, activation="gelu")
+    )
     for batch in batches_of(data, B):
         probe.step(batch, fs.causal_lm_loss)
-    return {p: {**{k: getattr(probe.stats[p].estimate(), k) for k in
-                   ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "d_align", "ag_max")},
-                "cross_frob2": probe.saturation(p).cross_frob2} for p in points}
+    return {
+        p: {
+            **{
+                k: getattr(probe.stats[p].estimate(), k)
+                for k in ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "d_align", "ag_max")
+            },
+            "cross_frob2": probe.saturation(p).cross_frob2,
+        }
+        for p in points
+    }
 
 
 def sequence_loss(model, ids, labels):
@@ -128,9 +136,11 @@ def run_loop(model, data, points):
         grads = {}
         handles = []
         for p in points:
+
             def hook(module, args, out, p=p, grads=grads):
                 z = out[0] if isinstance(out, tuple) else out
                 z.register_hook(lambda g, p=p, grads=grads: grads.__setitem__(p, g.detach()))
+
             handles.append(model.get_submodule(p).register_forward_hook(hook))
         try:
             sequence_loss(model, ids, labels).backward()
@@ -215,15 +225,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, data = build_llama(hidden=args.hidden, layers=args.layers, seq=args.seq,
-                              batch=args.sequences, vocab=args.vocab)
+    model, data = build_llama(
+        hidden=args.hidden, layers=args.layers, seq=args.seq, batch=args.sequences, vocab=args.vocab
+    )
     points = fs.residual_points(model)
-    w_in = torch.randn(RANK, args.hidden, generator=torch.Generator().manual_seed(1)) / args.hidden ** 0.5
+    w_in = torch.randn(RANK, args.hidden, generator=torch.Generator().manual_seed(1)) / args.hidden**0.5
     # the zero block's activation and W_in as fused_stats' CrossSpec uses them (exact-erf gelu)
     n = args.sequences
-    runners = {"fused_stats Probe": lambda: run_probe(model, data, points, w_in, args.batch),
-               "per-sequence loop": lambda: run_loop(model, data, points),
-               "Opacus grad_sample": lambda: run_opacus(model, data, points, w_in, args.batch)}
+    runners = {
+        "fused_stats Probe": lambda: run_probe(model, data, points, w_in, args.batch),
+        "per-sequence loop": lambda: run_loop(model, data, points),
+        "Opacus grad_sample": lambda: run_opacus(model, data, points, w_in, args.batch),
+    }
     if args.case:
         # one case in this (fresh) process: its peak memory is its own; imports are not timed
         if args.case.startswith("Opacus"):
@@ -243,27 +256,41 @@ def main(argv=None) -> int:
     cases = {}
     for name in names:
         argv_case = [a for a in (argv if argv is not None else sys.argv[1:])] + ["--case", name]
-        out = subprocess.run([sys.executable, __file__, *argv_case], capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, *argv_case], capture_output=True, text=True, check=True
+        )
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]
-        got = json.loads(line[len("RESULT "):])
+        got = json.loads(line[len("RESULT ") :])
         cases[name] = (got["stats"], got["seconds"], got["peak"])
     ref = cases["fused_stats Probe"][0]
-    print(f"LlamaForCausalLM hidden {args.hidden}, {args.layers} layers, seq {args.seq}, "
-          f"{n} sequences (batches of {args.batch}), {len(points)} points, fp32, "
-          f"{torch.get_num_threads()} thread(s)")
-    print(f"{'case':>20} {'s / 1k seq':>11} {'x Probe':>8} {'peak MiB':>9}  statistic ratio to Probe "
-          "(min .. max over points and statistics)")
+    print(
+        f"LlamaForCausalLM hidden {args.hidden}, {args.layers} layers, seq {args.seq}, "
+        f"{n} sequences (batches of {args.batch}), {len(points)} points, fp32, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
+    print(
+        f"{'case':>20} {'s / 1k seq':>11} {'x Probe':>8} {'peak MiB':>9}  statistic ratio to Probe "
+        "(min .. max over points and statistics)"
+    )
     base = cases["fused_stats Probe"][1]
     results = {"args": vars(args), "cases": {}}
     for name, (stats, seconds, peak) in cases.items():
-        ratios = {p: {k: (v / ref[p][k] if ref[p][k] else float("nan")) for k, v in stats[p].items()
-                      if k in ref[p]} for p in points}
+        ratios = {
+            p: {k: (v / ref[p][k] if ref[p][k] else float("nan")) for k, v in stats[p].items() if k in ref[p]}
+            for p in points
+        }
         flat = [r for point in ratios.values() for r in point.values() if np.isfinite(r)]
-        print(f"{name:>20} {1000 * seconds / n:11.2f} {seconds / base:8.2f} {peak:9.1f}  "
-              f"{min(flat):.6f} .. {max(flat):.6f}")
-        results["cases"][name] = {"seconds_per_1000": 1000 * seconds / n, "ratio_time": seconds / base,
-                                  "peak_mib": peak, "stats": stats, "ratios_to_probe": ratios}
+        print(
+            f"{name:>20} {1000 * seconds / n:11.2f} {seconds / base:8.2f} {peak:9.1f}  "
+            f"{min(flat):.6f} .. {max(flat):.6f}"
+        )
+        results["cases"][name] = {
+            "seconds_per_1000": 1000 * seconds / n,
+            "ratio_time": seconds / base,
+            "peak_mib": peak,
+            "stats": stats,
+            "ratios_to_probe": ratios,
+        }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1, default=float))
     return 0

@@ -73,23 +73,31 @@ def measure(rounds=10, warmup=2, **sizes) -> dict:
     med = {name: statistics.median(ts) for name, ts in times.items()}
     train = med["train step (fwd + full bwd)"]
     return {
-        "sizes": sizes, "rounds": rounds, "threads": torch.get_num_threads(),
-        "median_s": med, "ratio_to_train": {name: m / train for name, m in med.items()},
-        "probe_samples": probe.stats[probe.points[0]].n, "points": probe.points,
+        "sizes": sizes,
+        "rounds": rounds,
+        "threads": torch.get_num_threads(),
+        "median_s": med,
+        "ratio_to_train": {name: m / train for name, m in med.items()},
+        "probe_samples": probe.stats[probe.points[0]].n,
+        "points": probe.points,
     }
 
 
 def print_table(result: dict) -> None:
     s = result["sizes"]
-    print(f"LLaMA-style hidden {s['hidden']}, {s['layers']} layers, seq {s['seq']}, batch {s['batch']}, "
-          f"vocab {s['vocab']}; CPU fp32, {result['threads']} threads, median of {result['rounds']} "
-          "interleaved rounds")
+    print(
+        f"LLaMA-style hidden {s['hidden']}, {s['layers']} layers, seq {s['seq']}, batch {s['batch']}, "
+        f"vocab {s['vocab']}; CPU fp32, {result['threads']} threads, median of {result['rounds']} "
+        "interleaved rounds"
+    )
     print(f"{'case':32s} {'median ms':>10s} {'/ train step':>13s}")
     for name, m in result["median_s"].items():
         print(f"{name:32s} {1e3 * m:10.1f} {result['ratio_to_train'][name]:13.3f}")
     ratio = result["ratio_to_train"]["probe step (fwd + act. bwd)"]
-    print(f"probe / train = {ratio:.3f} -> the probe step is "
-          f"{'cheaper' if ratio < 1 else 'NOT cheaper'} than a training step")
+    print(
+        f"probe / train = {ratio:.3f} -> the probe step is "
+        f"{'cheaper' if ratio < 1 else 'NOT cheaper'} than a training step"
+    )
 
 
 def main(argv=None) -> None:
@@ -121,8 +129,12 @@ def test_probe_step(benchmark, llama):
 
 def test_probe_cheaper_than_train_step(benchmark):
     # the side-by-side ratio in one interleaved run (pytest-benchmark times the cases separately)
-    result = benchmark.pedantic(measure, kwargs=dict(rounds=4, warmup=1, hidden=256, layers=4, seq=128,
-                                                     batch=8, vocab=2048), rounds=1, iterations=1)
+    result = benchmark.pedantic(
+        measure,
+        kwargs=dict(rounds=4, warmup=1, hidden=256, layers=4, seq=128, batch=8, vocab=2048),
+        rounds=1,
+        iterations=1,
+    )
     print()
     print_table(result)
     assert result["ratio_to_train"]["probe step (fwd + act. bwd)"] < 1.0

@@ -66,10 +66,23 @@ print(json.dumps({"growth": rss("VmHWM:") - start}))
 
 def peak_growth(folder, how, args, env=None) -> int:
     out = subprocess.run(
-        [sys.executable, "-c", RSS_CHILD, str(folder), how, str(args.threads or 0),
-         str(ROOT / "bench"), str(args.seq), str(args.batch), str(args.vocab)],
-        env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})), capture_output=True, text=True,
-        check=True)
+        [
+            sys.executable,
+            "-c",
+            RSS_CHILD,
+            str(folder),
+            how,
+            str(args.threads or 0),
+            str(ROOT / "bench"),
+            str(args.seq),
+            str(args.batch),
+            str(args.vocab),
+        ],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["growth"]
 
 
@@ -109,8 +122,10 @@ def main(argv=None) -> int:
         # exactness of what was timed: the folder-streamed statistics equal the in-memory ones
         check = fs.Probe(folder.model)
         check.step(batch, fs.causal_lm_loss)
-        worst = max(abs(check.stats[p].estimate().trace_sigma2 / reference.stats[p].estimate().trace_sigma2 - 1)
-                    for p in reference.points)
+        worst = max(
+            abs(check.stats[p].estimate().trace_sigma2 / reference.stats[p].estimate().trace_sigma2 - 1)
+            for p in reference.points
+        )
         peaks = {k: st.peak_resident_bytes for k, st in streamed.items()}
         block_bytes = folder.block_bytes
         host.close()
@@ -118,29 +133,49 @@ def main(argv=None) -> int:
         rss = {how: peak_growth(tmp, how, args) for how in ("memory", "stream")}
         # the same with glibc's mmap threshold fixed at 1 MiB (its dynamic threshold keeps freed
         # activation buffers on the heap, which RSS still counts)
-        fixed = {how: peak_growth(tmp, how, args, {"MALLOC_MMAP_THRESHOLD_": "1048576"})
-                 for how in ("memory", "stream")}
+        fixed = {
+            how: peak_growth(tmp, how, args, {"MALLOC_MMAP_THRESHOLD_": "1048576"})
+            for how in ("memory", "stream")
+        }
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
-        "machine": "see README (2-core shared VM)", "sizes": sizes(args), "threads": args.threads,
-        "shards": shards, "param_bytes": params, "block_bytes": block_bytes,
-        "peak_resident_bytes": peaks, "median_s": med,
-        "ratio_host": med["host"] / med["in_memory"], "ratio_folder": med["folder"] / med["in_memory"],
-        "rss_growth": rss, "rss_ratio": rss["stream"] / rss["memory"],
-        "rss_growth_mmap_threshold_1mib": fixed, "rss_ratio_mmap_threshold_1mib": fixed["stream"] / fixed["memory"],
+        "machine": "see README (2-core shared VM)",
+        "sizes": sizes(args),
+        "threads": args.threads,
+        "shards": shards,
+        "param_bytes": params,
+        "block_bytes": block_bytes,
+        "peak_resident_bytes": peaks,
+        "median_s": med,
+        "ratio_host": med["host"] / med["in_memory"],
+        "ratio_folder": med["folder"] / med["in_memory"],
+        "rss_growth": rss,
+        "rss_ratio": rss["stream"] / rss["memory"],
+        "rss_growth_mmap_threshold_1mib": fixed,
+        "rss_ratio_mmap_threshold_1mib": fixed["stream"] / fixed["memory"],
         "max_rel_diff_trace_sigma2": worst,
     }
-    print(f"LLaMA-style hidden {args.hidden}, {args.layers} blocks, batch {args.batch} x {args.seq}, "
-          f"{params / 2**20:.1f} MiB of fp32 parameters, {shards} shards, {args.threads} thread(s)")
-    print(f"probe step: in memory {med['in_memory'] * 1e3:.0f} ms, streamed from host "
-          f"{med['host'] * 1e3:.0f} ms ({result['ratio_host']:.2f}x), from the folder "
-          f"{med['folder'] * 1e3:.0f} ms ({result['ratio_folder']:.2f}x)   target <= 1.8x")
-    print(f"peak RSS growth of a step: in memory {rss['memory'] / 2**20:.0f} MiB, streamed "
-          f"{rss['stream'] / 2**20:.0f} MiB, ratio {result['rss_ratio']:.2f}   target <= 0.35")
-    print(f"  with MALLOC_MMAP_THRESHOLD_=1048576: in memory {fixed['memory'] / 2**20:.0f} MiB, "
-          f"streamed {fixed['stream'] / 2**20:.0f} MiB, ratio {result['rss_ratio_mmap_threshold_1mib']:.2f}")
-    print(f"peak materialised block bytes / block bytes: "
-          f"{ {k: round(v / block_bytes, 2) for k, v in peaks.items()} } (prefetch 1: <= 2)")
+    print(
+        f"LLaMA-style hidden {args.hidden}, {args.layers} blocks, batch {args.batch} x {args.seq}, "
+        f"{params / 2**20:.1f} MiB of fp32 parameters, {shards} shards, {args.threads} thread(s)"
+    )
+    print(
+        f"probe step: in memory {med['in_memory'] * 1e3:.0f} ms, streamed from host "
+        f"{med['host'] * 1e3:.0f} ms ({result['ratio_host']:.2f}x), from the folder "
+        f"{med['folder'] * 1e3:.0f} ms ({result['ratio_folder']:.2f}x)   target <= 1.8x"
+    )
+    print(
+        f"peak RSS growth of a step: in memory {rss['memory'] / 2**20:.0f} MiB, streamed "
+        f"{rss['stream'] / 2**20:.0f} MiB, ratio {result['rss_ratio']:.2f}   target <= 0.35"
+    )
+    print(
+        f"  with MALLOC_MMAP_THRESHOLD_=1048576: in memory {fixed['memory'] / 2**20:.0f} MiB, "
+        f"streamed {fixed['stream'] / 2**20:.0f} MiB, ratio {result['rss_ratio_mmap_threshold_1mib']:.2f}"
+    )
+    print(
+        f"peak materialised block bytes / block bytes: "
+        f"{ {k: round(v / block_bytes, 2) for k, v in peaks.items()} } (prefetch 1: <= 2)"
+    )
     print(f"streamed vs in-memory trace_sigma2, worst relative difference: {worst:.1e}")
     write_result(args.out, result)
     return 0

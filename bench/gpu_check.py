@@ -50,16 +50,27 @@ T0 = time.time()
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dry-run", action="store_true",
-                   help="tiny sizes; on a machine without CUDA, through Triton's interpreter, no timing")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny sizes; on a machine without CUDA, through Triton's interpreter, no timing",
+    )
     p.add_argument("--out", default=None, help="directory for gpu_check.json")
     p.add_argument("--tokens", type=int, default=65536, help="B x T of the capture/GEMM problems")
     p.add_argument("--d", type=int, default=4096, help="feature dimension")
-    p.add_argument("--stream-blocks", type=int, default=4,
-                   help="blocks of the LLaMA-shaped model of the weight-streaming section")
+    p.add_argument(
+        "--stream-blocks",
+        type=int,
+        default=4,
+        help="blocks of the LLaMA-shaped model of the weight-streaming section",
+    )
     p.add_argument("--skip", default="", help="comma-separated sections to leave out")
-    p.add_argument("--budget-s", type=float, default=420.0,
-                   help="skip optional sections (compile peers, sweep) after this many seconds")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="skip optional sections (compile peers, sweep) after this many seconds",
+    )
     return p.parse_args(argv)
 
 
@@ -83,8 +94,12 @@ class Run:
         self.path = path
         self.sections: dict = {}
         self.table: list = []
-        self.meta: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:],
-                           "dry_run": bool(args.dry_run), "python": platform.python_version()}
+        self.meta: dict = {
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "argv": sys.argv[1:],
+            "dry_run": bool(args.dry_run),
+            "python": platform.python_version(),
+        }
 
     def row(self, section, metric, value, unit="", reference=None, target=None, note="", ok=None):
         """One table line; ``ok`` is ratio >= target when a target is given, else as passed."""
@@ -93,8 +108,19 @@ class Run:
             ratio = value / reference
         if target is not None:
             ok = None if ratio is None else bool(ratio >= target)
-        self.table.append(dict(section=section, metric=metric, value=value, unit=unit,
-                               reference=reference, ratio=ratio, target=target, ok=ok, note=note))
+        self.table.append(
+            dict(
+                section=section,
+                metric=metric,
+                value=value,
+                unit=unit,
+                reference=reference,
+                ratio=ratio,
+                target=target,
+                ok=ok,
+                note=note,
+            )
+        )
 
     def section(self, name, fn, optional=False):
         if optional and time.time() - T0 > self.args.budget_s:
@@ -107,8 +133,11 @@ class Run:
             result = fn(self) or {}
             entry = {"status": result.pop("_status", "ok"), **result}
         except Exception as exc:  # one failure must not lose the rest
-            entry = {"status": "error", "error": f"{type(exc).__name__}: {exc}",
-                     "traceback": traceback.format_exc()[-4000:]}
+            entry = {
+                "status": "error",
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
             print(f"    error: {entry['error']}", flush=True)
             result = None
         entry["seconds"] = round(time.time() - start, 2)
@@ -117,8 +146,11 @@ class Run:
         return result
 
     def write(self):
-        doc = {"meta": {**self.meta, "elapsed_s": round(time.time() - T0, 1)},
-               "sections": self.sections, "table": self.table}
+        doc = {
+            "meta": {**self.meta, "elapsed_s": round(time.time() - T0, 1)},
+            "sections": self.sections,
+            "table": self.table,
+        }
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(doc, indent=1, default=_json_default))
         os.replace(tmp, self.path)
@@ -204,13 +236,22 @@ def section_env(run, ctx):
     torch = ctx.torch
     import triton
 
-    out = {"torch": torch.__version__, "triton": triton.__version__, "device": str(ctx.device),
-           "tokens": ctx.tokens, "d": ctx.d}
+    out = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": str(ctx.device),
+        "tokens": ctx.tokens,
+        "d": ctx.d,
+    }
     if ctx.cuda:
         prop = torch.cuda.get_device_properties(ctx.device)
-        out.update(gpu=prop.name, sms=prop.multi_processor_count,
-                   memory_gib=round(prop.total_memory / 2**30, 1), cuda=torch.version.cuda,
-                   capability=list(torch.cuda.get_device_capability(ctx.device)))
+        out.update(
+            gpu=prop.name,
+            sms=prop.multi_processor_count,
+            memory_gib=round(prop.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+            capability=list(torch.cuda.get_device_capability(ctx.device)),
+        )
     else:
         out["note"] = "no CUDA device: correctness through the interpreter at tiny sizes, no timing"
     return out
@@ -232,8 +273,11 @@ def section_ceilings(run, ctx):
     run.row("ceilings", "copy_ GB/s (read+write)", copy_, "GB/s")
     m = 8192
     out = {"clone_GBps": copy, "copy_GBps": copy_}
-    for name, dtype, tf32, size in (("bf16", torch.bfloat16, False, m), ("tf32", torch.float32, True, m),
-                                    ("fp64", torch.float64, False, 4096)):
+    for name, dtype, tf32, size in (
+        ("bf16", torch.bfloat16, False, m),
+        ("tf32", torch.float32, True, m),
+        ("fp64", torch.float64, False, 4096),
+    ):
         a = torch.randn(size, size, device=ctx.device, dtype=torch.float32).to(dtype)
         b = torch.randn(size, size, device=ctx.device, dtype=torch.float32).to(dtype)
         old = torch.backends.cuda.matmul.allow_tf32
@@ -264,8 +308,12 @@ def _capture_cases(ctx):
     ms = torch.rand(Bs, Ts, generator=ctx.gen, device=ctx.device) > 0.1
     ms[0] = False  # one sample fully masked
     gt = ctx.randn(Ts, Bs, d, dtype=torch.bfloat16, shift=0.5).transpose(0, 1)  # HF-like strides
-    return [("position_bf16", g, None, "position"), ("position_bf16_mask", g, mask, "position"),
-            ("sample_bf16_mask", gs, ms, "sample"), ("sample_bf16_transposed", gt, None, "sample")]
+    return [
+        ("position_bf16", g, None, "position"),
+        ("position_bf16_mask", g, mask, "position"),
+        ("sample_bf16_mask", gs, ms, "sample"),
+        ("sample_bf16_transposed", gt, None, "sample"),
+    ]
 
 
 def _centre(ctx, g):
@@ -291,8 +339,7 @@ def section_capture_correctness(run, ctx):
         worst = max(worst, e)
         ok = errs["n_equal"] and errs["valid_equal"] and e < 2e-5
         out[name] = {**errs, "shape": list(g.shape), "ok": ok}
-        run.row("capture correctness", f"{name} max rel err", e, note="tol 2e-5, n and valid equal",
-                ok=ok)
+        run.row("capture correctness", f"{name} max rel err", e, note="tol 2e-5, n and valid equal", ok=ok)
         if ctx.cuda:
             torch.cuda.empty_cache()
     out["all_ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
@@ -320,12 +367,27 @@ def section_capture_speed(run, ctx):
         nbytes = _capture_bytes(g, mask, unit)
         ms_k = bench(lambda g=g, mask=mask, c=c, unit=unit: capture.capture_partials(g, mask, c, unit), run)
         ms_op = bench(lambda g=g, mask=mask, c=c, unit=unit: capture.capture_reduce(g, mask, c, unit), run)
-        ms_twin = bench(lambda g=g, mask=mask, c=c, unit=unit: torch_twin.capture_reduce(g, mask, c, unit), run)
+        ms_twin = bench(
+            lambda g=g, mask=mask, c=c, unit=unit: torch_twin.capture_reduce(g, mask, c, unit), run
+        )
         gbps = nbytes / (ms_k * 1e-3) / 1e9
-        out[name] = {"bytes": nbytes, "kernels_ms": ms_k, "op_ms": ms_op, "twin_eager_ms": ms_twin,
-                     "GBps": gbps, "fraction_of_copy": gbps / copy if copy else None}
-        run.row("capture speed", f"{name} kernels GB/s", gbps, "GB/s", reference=copy, target=0.85,
-                note=f"op {ms_op:.3f} ms, twin eager {ms_twin:.3f} ms")
+        out[name] = {
+            "bytes": nbytes,
+            "kernels_ms": ms_k,
+            "op_ms": ms_op,
+            "twin_eager_ms": ms_twin,
+            "GBps": gbps,
+            "fraction_of_copy": gbps / copy if copy else None,
+        }
+        run.row(
+            "capture speed",
+            f"{name} kernels GB/s",
+            gbps,
+            "GB/s",
+            reference=copy,
+            target=0.85,
+            note=f"op {ms_op:.3f} ms, twin eager {ms_twin:.3f} ms",
+        )
         torch.cuda.empty_cache()
     return out
 
@@ -345,15 +407,24 @@ def section_capture_sweep(run, ctx):
     for block_r, warps, per_sm in combos:
         key = f"r{block_r}_w{warps}_p{per_sm}"
         try:
-            with override_config(capture_block_r=block_r, capture_num_warps=warps,
-                                 capture_programs=per_sm * capture.sm_count(ctx.device)):
+            with override_config(
+                capture_block_r=block_r,
+                capture_num_warps=warps,
+                capture_programs=per_sm * capture.sm_count(ctx.device),
+            ):
                 ms = bench(lambda: capture.capture_partials(g, mask, c, unit), run)
             out[key] = nbytes / (ms * 1e-3) / 1e9
         except Exception as exc:  # e.g. out of registers for a large block
             out[key] = f"{type(exc).__name__}: {exc}"[:200]
     best = max((v, k) for k, v in out.items() if isinstance(v, float))
-    run.row("capture sweep", f"best {best[1]} ({name})", best[0], "GB/s",
-            reference=ctx.peers.get("copy_GBps"), target=0.85)
+    run.row(
+        "capture sweep",
+        f"best {best[1]} ({name})",
+        best[0],
+        "GB/s",
+        reference=ctx.peers.get("copy_GBps"),
+        target=0.85,
+    )
     return {"GBps": out, "best": best[1]}
 
 
@@ -378,8 +449,14 @@ def section_syrk_sweep(run, ctx):
         except Exception as exc:  # e.g. out of shared memory
             out[key] = f"{type(exc).__name__}: {exc}"[:200]
     best = max((v, k) for k, v in out.items() if isinstance(v, float))
-    run.row("second moment sweep", f"best {best[1]} (bf16 rows)", best[0], "TFLOP/s",
-            reference=ctx.peers.get("bf16_TFLOPs"), target=0.60)
+    run.row(
+        "second moment sweep",
+        f"best {best[1]} (bf16 rows)",
+        best[0],
+        "TFLOP/s",
+        reference=ctx.peers.get("bf16_TFLOPs"),
+        target=0.60,
+    )
     return {"TFLOPs": out, "best": best[1]}
 
 
@@ -405,8 +482,13 @@ def section_second_moment(run, ctx):
         err = rel_err(S, want)
         sym = bool(torch.equal(S, S.T))
         entry = {"rel_err": err, "symmetric": sym, "ok": err < 2e-5 and sym}
-        run.row("second moment correctness", f"{label} rows max rel err", err,
-                note="tol 2e-5, " + ("symmetric" if sym else "NOT symmetric"), ok=entry["ok"])
+        run.row(
+            "second moment correctness",
+            f"{label} rows max rel err",
+            err,
+            note="tol 2e-5, " + ("symmetric" if sym else "NOT symmetric"),
+            ok=entry["ok"],
+        )
         if ctx.cuda:
             ms = bench(lambda S=S, rows=rows: second_moment_update(S, rows), run)
             ms_twin = bench(lambda want=want, rows=rows: torch_twin.second_moment_update(want, rows), run)
@@ -416,14 +498,26 @@ def section_second_moment(run, ctx):
                 ref = ctx.peers.get("bf16_TFLOPs")
                 full = bench(lambda rows=rows: torch.mm(rows.T, rows), run)  # full d x d, bf16 out
                 entry["torch_bf16_full_gemm_ms"] = full
-                run.row("second moment speed", "bf16 rows TFLOP/s (triangle)", rate, "TFLOP/s",
-                        reference=ref, target=0.60,
-                        note=f"{ms:.3f} ms; torch bf16 full GEMM {full:.3f} ms; twin fp64 {ms_twin:.1f} ms")
+                run.row(
+                    "second moment speed",
+                    "bf16 rows TFLOP/s (triangle)",
+                    rate,
+                    "TFLOP/s",
+                    reference=ref,
+                    target=0.60,
+                    note=f"{ms:.3f} ms; torch bf16 full GEMM {full:.3f} ms; twin fp64 {ms_twin:.1f} ms",
+                )
             else:
                 tf32 = ctx.peers.get("tf32_TFLOPs")
                 ceiling = tf32 / 3 if tf32 else None
-                run.row("second moment speed", "fp32 rows (tf32x3) TFLOP/s (triangle)", rate, "TFLOP/s",
-                        reference=ceiling, note=f"reference = TF32 matmul / 3; {ms:.3f} ms")
+                run.row(
+                    "second moment speed",
+                    "fp32 rows (tf32x3) TFLOP/s (triangle)",
+                    rate,
+                    "TFLOP/s",
+                    reference=ceiling,
+                    note=f"reference = TF32 matmul / 3; {ms:.3f} ms",
+                )
                 entry["tf32x3_ceiling_TFLOPs"] = ceiling
         out[label] = entry
         if ctx.cuda:
@@ -482,7 +576,9 @@ def section_compile_peers(run, ctx):
     sm(S, rows)
     out["second_moment_compile_s"] = time.time() - t
     out["second_moment_compiled_ms"] = bench(lambda: sm(S, rows), run)
-    run.row("peers", "second moment bf16 rows: torch.compile(twin) ms", out["second_moment_compiled_ms"], "ms")
+    run.row(
+        "peers", "second moment bf16 rows: torch.compile(twin) ms", out["second_moment_compiled_ms"], "ms"
+    )
     return out
 
 
@@ -508,11 +604,18 @@ def section_grad_stats(run, ctx):
                 torch.cuda.synchronize()
             times[b] += time.time() - t
     et, er = accs["triton"].estimate(), accs["torch"].estimate()
-    errs = {k: abs(getattr(et, k) - getattr(er, k)) / abs(getattr(er, k))
-            for k in ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "ag_max", "ag_mean")}
+    errs = {
+        k: abs(getattr(et, k) - getattr(er, k)) / abs(getattr(er, k))
+        for k in ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "ag_max", "ag_mean")
+    }
     worst = max(errs.values())
-    run.row("GradStats", "triton vs torch estimates, max rel diff", worst, ok=worst < 1e-5,
-            note=f"tol 1e-5; n={et.n}; update s: triton {times['triton']:.3f}, torch {times['torch']:.3f}")
+    run.row(
+        "GradStats",
+        "triton vs torch estimates, max rel diff",
+        worst,
+        ok=worst < 1e-5,
+        note=f"tol 1e-5; n={et.n}; update s: triton {times['triton']:.3f}, torch {times['torch']:.3f}",
+    )
     return {"rel_diff": errs, "ok": worst < 1e-5, "seconds": times, "n": et.n}
 
 
@@ -523,8 +626,11 @@ def section_cross(run, ctx):
     from fused_stats.ops import cross_twin
 
     if not getattr(cross, "IS_FUSED_KERNEL", False):
-        return {"_status": "skipped", "reason": "no fused cross-gradient kernel in this build; "
-                "fused_stats.kernels.cross_reduce runs the torch twin"}
+        return {
+            "_status": "skipped",
+            "reason": "no fused cross-gradient kernel in this build; "
+            "fused_stats.kernels.cross_reduce runs the torch twin",
+        }
     d = ctx.d
     r = 8 if run.args.dry_run else 64
     tokens = max(24, ctx.tokens // 4)
@@ -532,20 +638,26 @@ def section_cross(run, ctx):
     B = max(1, tokens // T)
     grad = ctx.randn(B, T, d, dtype=torch.bfloat16, shift=0.2)
     act = ctx.randn(B, T, d, dtype=torch.bfloat16)
-    w_in = ctx.randn(r, d, scale=d ** -0.5)
+    w_in = ctx.randn(r, d, scale=d**-0.5)
     mask = torch.rand(B, T, generator=ctx.gen, device=ctx.device) > 0.1
     out = {"shape": [B, T, d, r]}
     for unit in ("sample", "position"):
         args = (grad, act, mask, w_in, "gelu", unit)
         got = cross.cross_reduce(*args)
         want = cross_twin.cross_reduce(*args)
-        errs = {k: rel_err(getattr(got, k), getattr(want, k))
-                for k in ("c_sum", "sq_norm_sum", "u2", "u3", "u4")}
+        errs = {
+            k: rel_err(getattr(got, k), getattr(want, k)) for k in ("c_sum", "sq_norm_sum", "u2", "u3", "u4")
+        }
         counts = all(getattr(got, k) == getattr(want, k) for k in ("n", "p2", "p3", "p4"))
         worst = max(errs.values())
         entry = {**errs, "counts_equal": counts, "ok": counts and worst < 1e-4}
-        run.row("cross correctness", f"{unit} max rel err", worst, ok=entry["ok"],
-                note="tol 1e-4 (fp32 products), counts equal" if counts else "COUNTS DIFFER")
+        run.row(
+            "cross correctness",
+            f"{unit} max rel err",
+            worst,
+            ok=entry["ok"],
+            note="tol 1e-4 (fp32 products), counts equal" if counts else "COUNTS DIFFER",
+        )
         if ctx.cuda:
             ms = bench(lambda args=args: cross.cross_reduce(*args), run)
             ms_twin = bench(lambda args=args: cross_twin.cross_reduce(*args), run)
@@ -561,9 +673,14 @@ def section_cross(run, ctx):
             # the two GEMMs over counted positions (phi = Z W_in^T, then Q^T Phi), fp32 products as tf32x3 (HGMMA)
             tflops = 4 * int(mask.sum()) * d * r / (ms * 1e-3) / 1e12
             entry.update(ms=ms, twin_eager_ms=ms_twin, peak_extra_MiB=peak, gemm_TFLOPs=tflops)
-            run.row("cross speed", f"{unit} ms", ms, "ms",
-                    note=f"twin eager {ms_twin:.3f} ms; {tflops:.1f} TFLOP/s in the 2 GEMMs; extra "
-                         f"memory {peak['kernel']:.0f} MiB (twin {peak['twin']:.0f} MiB)")
+            run.row(
+                "cross speed",
+                f"{unit} ms",
+                ms,
+                "ms",
+                note=f"twin eager {ms_twin:.3f} ms; {tflops:.1f} TFLOP/s in the 2 GEMMs; extra "
+                f"memory {peak['kernel']:.0f} MiB (twin {peak['twin']:.0f} MiB)",
+            )
         out[unit] = entry
     out["all_ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
     return out
@@ -612,15 +729,25 @@ def section_stream(run, ctx):
         tokens = ctx.tokens
     batch_size = max(tokens // seq, 1)
     dtype = torch.bfloat16 if cuda and not dry else torch.float32
-    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=ff, num_hidden_layers=blocks,
-                                   num_attention_heads=heads, num_key_value_heads=kv,
-                                   vocab_size=vocab, max_position_embeddings=seq, use_cache=False)
+    cfg = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=ff,
+        num_hidden_layers=blocks,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     host_model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch_size, seq), generator=gen)
-    batch = {"input_ids": ids.to(ctx.device), "attention_mask": torch.ones_like(ids).to(ctx.device),
-             "labels": ids.to(ctx.device)}
+    batch = {
+        "input_ids": ids.to(ctx.device),
+        "attention_mask": torch.ones_like(ids).to(ctx.device),
+        "labels": ids.to(ctx.device),
+    }
     out = {"tokens": batch_size * seq, "blocks": blocks, "hidden": hidden, "dtype": str(dtype)}
     reps = 1 if dry else 3
 
@@ -645,13 +772,24 @@ def section_stream(run, ctx):
                 t_stream = _wall(lambda probe=probe: probe.step(batch, fs.causal_lm_loss), reps, cuda)
                 check = fs.Probe(st.model)
                 check.step(batch, fs.causal_lm_loss)
-                worst = max(abs(check.stats[p].estimate().trace_sigma2
-                                / reference.stats[p].estimate().trace_sigma2 - 1) for p in reference.points)
+                worst = max(
+                    abs(
+                        check.stats[p].estimate().trace_sigma2 / reference.stats[p].estimate().trace_sigma2
+                        - 1
+                    )
+                    for p in reference.points
+                )
                 out[f"{name}_step_s"] = t_stream
                 out[f"{name}_max_rel_diff_trace_sigma2"] = worst
                 out[f"{name}_peak_over_block"] = st.peak_resident_bytes / st.block_bytes
-                run.row("stream", f"streamed/in-memory step ({name})", t_stream, "s", t_memory,
-                        note=f"target <= 1.2; {batch_size * seq} tokens, {blocks} blocks")
+                run.row(
+                    "stream",
+                    f"streamed/in-memory step ({name})",
+                    t_stream,
+                    "s",
+                    t_memory,
+                    note=f"target <= 1.2; {batch_size * seq} tokens, {blocks} blocks",
+                )
                 run.row("stream", f"rel diff trace_sigma2 ({name})", worst, "", note="vs in memory")
                 if cuda:
                     nbytes = st.block_bytes
@@ -660,8 +798,14 @@ def section_stream(run, ctx):
                     t_copy = _wall(lambda pinned=pinned: pinned.to(ctx.device, non_blocking=True), reps, cuda)
                     out[f"{name}_h2d_GBps"] = nbytes / t_block / 1e9
                     out["pinned_copy_GBps"] = nbytes / t_copy / 1e9
-                    run.row("stream", f"block H2D GB/s ({name})", nbytes / t_block / 1e9, "GB/s",
-                            nbytes / t_copy / 1e9, note="vs a pinned copy of one block's bytes")
+                    run.row(
+                        "stream",
+                        f"block H2D GB/s ({name})",
+                        nbytes / t_block / 1e9,
+                        "GB/s",
+                        nbytes / t_copy / 1e9,
+                        note="vs a pinned copy of one block's bytes",
+                    )
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -703,8 +847,14 @@ def main(argv=None) -> int:
         run.write()
         return 1
     if args.dry_run:
-        print("dry run: tiny sizes" + ("" if torch.cuda.is_available() else
-                                       ", no CUDA: kernels through Triton's interpreter, no timing"))
+        print(
+            "dry run: tiny sizes"
+            + (
+                ""
+                if torch.cuda.is_available()
+                else ", no CUDA: kernels through Triton's interpreter, no timing"
+            )
+        )
     ctx = Ctx(args)
     skip = {x for x in args.skip.split(",") if x}
     unknown = skip - {name for name, _, _ in SECTIONS}

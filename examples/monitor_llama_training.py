@@ -40,7 +40,7 @@ def stdlib_windows(seq: int, count: int, seed: int = 0, min_len: int = 16) -> li
     windows: list[bytes] = []
     for path in files:
         data = path.read_bytes()
-        windows += [data[i:i + seq] for i in range(0, len(data), seq) if len(data) - i >= min_len]
+        windows += [data[i : i + seq] for i in range(0, len(data), seq) if len(data) - i >= min_len]
         if len(windows) >= 4 * count:
             break
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -53,8 +53,8 @@ def collate(windows: list[bytes], seq: int) -> dict:
     ids = torch.zeros(B, seq, dtype=torch.long)
     mask = torch.zeros(B, seq, dtype=torch.long)
     for b, w in enumerate(windows):
-        ids[b, :len(w)] = torch.tensor(list(w))
-        mask[b, :len(w)] = 1
+        ids[b, : len(w)] = torch.tensor(list(w))
+        mask[b, : len(w)] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
@@ -64,15 +64,32 @@ def build(hidden: int, layers: int, seq: int, seed: int):
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=hidden, intermediate_size=4 * hidden,
-        num_hidden_layers=layers, num_attention_heads=max(hidden // 32, 1),
-        num_key_value_heads=max(hidden // 32, 1), max_position_embeddings=seq)
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 32, 1),
+        num_key_value_heads=max(hidden // 32, 1),
+        max_position_embeddings=seq,
+    )
     return transformers.LlamaForCausalLM(cfg).train()
 
 
-def run(steps: int = 100, hidden: int = 64, layers: int = 4, seq: int = 128, batch: int = 16,
-        every: int = 10, lr: float = 3e-3, window: bool = True, checkpointing: bool = False,
-        cross_rank: int = 16, out="monitor_llama", seed: int = 0, progress: bool = True) -> dict:
+def run(
+    steps: int = 100,
+    hidden: int = 64,
+    layers: int = 4,
+    seq: int = 128,
+    batch: int = 16,
+    every: int = 10,
+    lr: float = 3e-3,
+    window: bool = True,
+    checkpointing: bool = False,
+    cross_rank: int = 16,
+    out="monitor_llama",
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
     """Train and monitor; returns ``{"log", "plot", "losses", "probe"}``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,14 +100,18 @@ def run(steps: int = 100, hidden: int = 64, layers: int = 4, seq: int = 128, bat
     probe = fs.Probe(model, points="residual", unit="sample", second_moment="dense", cross=cross)
     log_path = out / "monitor.jsonl"
     log_path.unlink(missing_ok=True)
-    log = fs.MonitorLog(log_path, every=every, window=window,
-                        meta={"model": "llama", "hidden": hidden, "layers": layers, "lr": lr})
+    log = fs.MonitorLog(
+        log_path,
+        every=every,
+        window=window,
+        meta={"model": "llama", "hidden": hidden, "layers": layers, "lr": lr},
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     windows = stdlib_windows(seq, steps * batch, seed)
     losses = []
     start = time.perf_counter()
     for step in range(1, steps + 1):
-        data = collate(windows[(step - 1) * batch:step * batch], seq)
+        data = collate(windows[(step - 1) * batch : step * batch], seq)
         opt.zero_grad(set_to_none=True)
         with probe.observe(loss_reduction="token_mean", log=log, step=step):
             loss = model(**data).loss
@@ -100,8 +121,10 @@ def run(steps: int = 100, hidden: int = 64, layers: int = 4, seq: int = 128, bat
         if progress and step % every == 0:
             d = [p["d_align"] for p in log.last["points"].values()]
             shown = " ".join("-" if v is None else f"{v:.3g}" for v in d)
-            print(f"step {step:4d}  loss {loss.item():.3f}  d_align per block: {shown}  "
-                  f"({time.perf_counter() - start:.1f} s)")
+            print(
+                f"step {step:4d}  loss {loss.item():.3f}  d_align per block: {shown}  "
+                f"({time.perf_counter() - start:.1f} s)"
+            )
     plot = plot_monitor_log(log_path, out / "monitor.png")
     if progress:
         print(summary_markdown(read_monitor_log(log_path)))
@@ -118,22 +141,44 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--cumulative", action="store_true",
-                        help="log estimates since the start instead of per window of --every steps")
+    parser.add_argument(
+        "--cumulative",
+        action="store_true",
+        help="log estimates since the start instead of per window of --every steps",
+    )
     parser.add_argument("--checkpointing", action="store_true", help="HF gradient checkpointing")
-    parser.add_argument("--cross-rank", type=int, default=16,
-                        help="rank of the zero-output block whose cross-gradient |C| is tracked (0: off)")
+    parser.add_argument(
+        "--cross-rank",
+        type=int,
+        default=16,
+        help="rank of the zero-output block whose cross-gradient |C| is tracked (0: off)",
+    )
     parser.add_argument("--out", default="monitor_llama")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (0: torch's default); on a busy 2-core machine more "
-                             "threads stall each other (2.8 s instead of 0.35 s per step here)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (0: torch's default); on a busy 2-core machine more "
+        "threads stall each other (2.8 s instead of 0.35 s per step here)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    run(steps=args.steps, hidden=args.hidden, layers=args.layers, seq=args.seq, batch=args.batch,
-        every=args.every, lr=args.lr, window=not args.cumulative, checkpointing=args.checkpointing,
-        cross_rank=args.cross_rank, out=args.out, seed=args.seed)
+    run(
+        steps=args.steps,
+        hidden=args.hidden,
+        layers=args.layers,
+        seq=args.seq,
+        batch=args.batch,
+        every=args.every,
+        lr=args.lr,
+        window=not args.cumulative,
+        checkpointing=args.checkpointing,
+        cross_rank=args.cross_rank,
+        out=args.out,
+        seed=args.seed,
+    )
 
 
 if __name__ == "__main__":

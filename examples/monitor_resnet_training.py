@@ -43,9 +43,18 @@ def synthetic_task(image: int, classes: int = 10, seed: int = 0):
     return sample
 
 
-def run(steps: int = 100, width: int = 8, batch: int = 32, image: int = 16, every: int = 5,
-        lr: float = 0.05, window: bool = True, out="monitor_resnet", seed: int = 0,
-        progress: bool = True) -> dict:
+def run(
+    steps: int = 100,
+    width: int = 8,
+    batch: int = 32,
+    image: int = 16,
+    every: int = 5,
+    lr: float = 0.05,
+    window: bool = True,
+    out="monitor_resnet",
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
     """Train and monitor; returns ``{"log", "plot", "losses", "probe"}``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -53,8 +62,9 @@ def run(steps: int = 100, width: int = 8, batch: int = 32, image: int = 16, ever
     probe = fs.Probe(model, points="residual", unit="sample", second_moment="dense")
     log_path = out / "monitor.jsonl"
     log_path.unlink(missing_ok=True)
-    log = fs.MonitorLog(log_path, every=every, window=window,
-                        meta={"model": "cifar_resnet20", "width": width, "lr": lr})
+    log = fs.MonitorLog(
+        log_path, every=every, window=window, meta={"model": "cifar_resnet20", "width": width, "lr": lr}
+    )
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     sample = synthetic_task(image, seed=seed)
     losses = []
@@ -72,9 +82,11 @@ def run(steps: int = 100, width: int = 8, batch: int = 32, image: int = 16, ever
             losses.append(loss.item())
             if progress and step % every == 0:
                 ag = [p["ag_max"] for p in log.last["points"].values()]
-                print(f"step {step:4d}  loss {loss.item():.3f}  AG_max first/last block: "
-                      f"{ag[0] or float('nan'):.3g} / {ag[-1] or float('nan'):.3g}  "
-                      f"({time.perf_counter() - start:.1f} s)")
+                print(
+                    f"step {step:4d}  loss {loss.item():.3f}  AG_max first/last block: "
+                    f"{ag[0] or float('nan'):.3g} / {ag[-1] or float('nan'):.3g}  "
+                    f"({time.perf_counter() - start:.1f} s)"
+                )
     plot = plot_monitor_log(log_path, out / "monitor.png")
     if progress:
         print(summary_markdown(read_monitor_log(log_path)))
@@ -90,17 +102,33 @@ def main(argv=None) -> None:
     parser.add_argument("--image", type=int, default=16)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--cumulative", action="store_true",
-                        help="log estimates since the start instead of per window of --every steps")
+    parser.add_argument(
+        "--cumulative",
+        action="store_true",
+        help="log estimates since the start instead of per window of --every steps",
+    )
     parser.add_argument("--out", default="monitor_resnet")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (0: torch's default); 1 is steadier on a busy machine")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (0: torch's default); 1 is steadier on a busy machine",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    run(steps=args.steps, width=args.width, batch=args.batch, image=args.image, every=args.every,
-        lr=args.lr, window=not args.cumulative, out=args.out, seed=args.seed)
+    run(
+        steps=args.steps,
+        width=args.width,
+        batch=args.batch,
+        image=args.image,
+        every=args.every,
+        lr=args.lr,
+        window=not args.cumulative,
+        out=args.out,
+        seed=args.seed,
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def run(d, n, a, repeats, seed=0):
     gen = torch.Generator().manual_seed(seed)
     mu = torch.zeros(d, dtype=torch.float64)
     mu[0] = a
-    truth = min(a ** 2, a ** 4 / d)
+    truth = min(a**2, a**4 / d)
     unbiased, plugin = [], []
     for _ in range(repeats):
         acc = fs.GradStats(d, second_moment="dense", backend="torch")
@@ -47,13 +47,17 @@ def main(argv=None) -> int:
     repeats = parser.parse_args(argv).repeats
     d, n = 64, 256
     print(f"rows q_i ~ N(mu, I_{d}), n = {n}, medians over {repeats} draws")
-    print(f"{'|mu|':>6} {'|mu|^2 / (tr S / n)':>20} {'true d_align':>13} {'unbiased / true':>16} "
-          f"{'plug-in / true':>15} {'plug-in / unbiased':>19}")
+    print(
+        f"{'|mu|':>6} {'|mu|^2 / (tr S / n)':>20} {'true d_align':>13} {'unbiased / true':>16} "
+        f"{'plug-in / true':>15} {'plug-in / unbiased':>19}"
+    )
     for a in (0.1, 0.3, 1.0, 3.0, 10.0):
         truth, unbiased, plugin = run(d, n, a, repeats)
         ratio = plugin / unbiased if unbiased > 0 else float("inf")
-        print(f"{a:6.1f} {a * a / (d / n):20.3g} {truth:13.4g} {unbiased / truth:16.3f} "
-              f"{plugin / truth:15.3f} {ratio:19.3f}")
+        print(
+            f"{a:6.1f} {a * a / (d / n):20.3g} {truth:13.4g} {unbiased / truth:16.3f} "
+            f"{plugin / truth:15.3f} {ratio:19.3f}"
+        )
     return 0
 
 

@@ -26,7 +26,7 @@ import fused_stats as fs
 def stdlib_bytes(first: int, count: int) -> bytes:
     """The bytes of ``count`` stdlib modules, starting at the ``first``-th (sorted, so reproducible)."""
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    return b"\n".join(f.read_bytes() for f in files[first:first + count])
+    return b"\n".join(f.read_bytes() for f in files[first : first + count])
 
 
 def batches(data: bytes, seq: int, batch: int, count: int, seed: int):
@@ -36,9 +36,9 @@ def batches(data: bytes, seq: int, batch: int, count: int, seed: int):
     out = []
     for _ in range(count):
         starts = torch.randint(0, len(tokens) - seq, (batch,), generator=gen)
-        ids = torch.stack([tokens[s:s + seq] for s in starts.tolist()])
+        ids = torch.stack([tokens[s : s + seq] for s in starts.tolist()])
         mask = torch.ones_like(ids)
-        mask[-max(batch // 4, 1):, seq * 3 // 4:] = 0  # shorter sequences: padding never counts
+        mask[-max(batch // 4, 1) :, seq * 3 // 4 :] = 0  # shorter sequences: padding never counts
         out.append({"input_ids": ids, "attention_mask": mask})
     return out
 
@@ -50,9 +50,15 @@ def build(args):
     if args.model:
         return transformers.AutoModelForCausalLM.from_pretrained(args.model)
     torch.manual_seed(args.seed)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=args.width, num_hidden_layers=args.depth,
-                                   intermediate_size=4 * args.width, num_attention_heads=4,
-                                   num_key_value_heads=4, max_position_embeddings=args.seq)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=args.width,
+        num_hidden_layers=args.depth,
+        intermediate_size=4 * args.width,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=args.seq,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -83,12 +89,25 @@ def main() -> None:
     # fresh windows (new seed) for the probe; second_moment="pool" keeps the per-sample vectors
     # so that the empirical misalignment can be measured next to the certificate
     probe = fs.Probe(model, unit="sample", second_moment="pool")
-    probe.run(batches(train_text, args.seq, args.batch, args.probe_batches, args.seed + 1),
-              fs.causal_lm_loss, stream="train")
-    probe.run(batches(test_text, args.seq, args.batch, args.probe_batches, args.seed + 2),
-              fs.causal_lm_loss, stream="test")
-    report = probe.report(meta={"width": args.width, "depth": args.depth, "seed": args.seed,
-                                "train_steps": args.train_steps, "data": "stdlib bytes"})
+    probe.run(
+        batches(train_text, args.seq, args.batch, args.probe_batches, args.seed + 1),
+        fs.causal_lm_loss,
+        stream="train",
+    )
+    probe.run(
+        batches(test_text, args.seq, args.batch, args.probe_batches, args.seed + 2),
+        fs.causal_lm_loss,
+        stream="test",
+    )
+    report = probe.report(
+        meta={
+            "width": args.width,
+            "depth": args.depth,
+            "seed": args.seed,
+            "train_steps": args.train_steps,
+            "data": "stdlib bytes",
+        }
+    )
     print(report.to_markdown())
     if args.out:
         out = Path(args.out)

@@ -43,9 +43,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     layers, d, vocab, T, n, B = (2, 16, 37, 8, 12, 4) if args.tiny else (4, 64, 500, 32, 64, 16)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                      max_position_embeddings=T)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=2 * d,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=T,
+    )
     hf = LlamaForCausalLM(cfg).to(torch.float64)
     model = NNsight(hf)
     tokens = torch.randint(0, vocab, (n, T))
@@ -70,11 +76,16 @@ def main(argv=None) -> int:
     rows = {i: [] for i in range(layers)}
     for b in range(n):
         seen = {}
-        hooks = [hf.model.layers[i].register_forward_hook(
-            lambda m, a, out, i=i, seen=seen: seen.__setitem__(i, out[0] if isinstance(out, tuple) else out))
-            for i in range(layers)]
+        hooks = [
+            hf.model.layers[i].register_forward_hook(
+                lambda m, a, out, i=i, seen=seen: seen.__setitem__(
+                    i, out[0] if isinstance(out, tuple) else out
+                )
+            )
+            for i in range(layers)
+        ]
         try:
-            loss = per_sequence_losses(hf(input_ids=tokens[b:b + 1]).logits, tokens[b:b + 1])[0]
+            loss = per_sequence_losses(hf(input_ids=tokens[b : b + 1]).logits, tokens[b : b + 1])[0]
         finally:
             for h in hooks:
                 h.remove()
@@ -89,9 +100,8 @@ def main(argv=None) -> int:
     for i in range(layers):
         q = np.stack(rows[i])
         want = unbiased_from_rows(q)
-        scale = float(np.mean(np.sum(q ** 2, axis=1)))
-        floors = {"mu_norm2": scale, "mu_norm4": scale ** 2, "mu_sigma_mu": scale ** 2,
-                  "trace_sigma2": scale ** 2}
+        scale = float(np.mean(np.sum(q**2, axis=1)))
+        floors = {"mu_norm2": scale, "mu_norm4": scale**2, "mu_sigma_mu": scale**2, "trace_sigma2": scale**2}
         diff = 0.0
         for est in (stats[i].estimate(), probe.stats[f"model.layers.{i}"].estimate()):
             for key, value in want.items():

@@ -70,14 +70,18 @@ def main() -> None:
     probe.run(train, fs.classification_loss, stream="train")
     probe.run(test, fs.classification_loss, stream="test")
 
-    print(f"\n{'point':10s} {'dim':>5s} {'n':>5s} {'|mu|^2':>10s} {'d_align':>9s} "
-          f"{'B_align':>8s} {'AG_max':>9s} {'AG_mean':>9s} {'mu_M.g_K':>10s}")
+    print(
+        f"\n{'point':10s} {'dim':>5s} {'n':>5s} {'|mu|^2':>10s} {'d_align':>9s} "
+        f"{'B_align':>8s} {'AG_max':>9s} {'AG_mean':>9s} {'mu_M.g_K':>10s}"
+    )
     for name in probe.points:
         est = probe.pooled(name).estimate()
         cert = probe.certificate(name)
-        print(f"{name:10s} {est.dim:5d} {est.n:5d} {est.mu_norm2:10.3e} {est.d_align:9.4f} "
-              f"{cert.b_align:8.4f} {est.ag_max:9.3e} {est.ag_mean:9.3e} "
-              f"{probe.realized_alignment(name):10.3e}")
+        print(
+            f"{name:10s} {est.dim:5d} {est.n:5d} {est.mu_norm2:10.3e} {est.d_align:9.4f} "
+            f"{cert.b_align:8.4f} {est.ag_max:9.3e} {est.ag_mean:9.3e} "
+            f"{probe.realized_alignment(name):10.3e}"
+        )
     print("\n(estimates from the pooled train + test samples; B_align at M = train n, K = test n)")
     self_check(model, probe.points[-1], args.unit, train[0][0][:4], train[0][1][:4])
 
@@ -99,9 +103,10 @@ def self_check(model, point: str, unit: str, x, y) -> None:
         for b in range(x.shape[0]):
             seen = {}
             handle = model.get_submodule(point).register_forward_hook(
-                lambda module, args, out, seen=seen: seen.setdefault("z", out))
+                lambda module, args, out, seen=seen: seen.setdefault("z", out)
+            )
             try:
-                loss = torch.nn.functional.cross_entropy(model(x[b:b + 1]), y[b:b + 1])
+                loss = torch.nn.functional.cross_entropy(model(x[b : b + 1]), y[b : b + 1])
             finally:
                 handle.remove()
             (g,) = torch.autograd.grad(loss, seen["z"])
@@ -118,8 +123,10 @@ def self_check(model, point: str, unit: str, x, y) -> None:
     if got.shape != want.shape:
         raise SystemExit(f"self-check failed: probe rows {tuple(got.shape)} vs loop {tuple(want.shape)}")
     diff = float((got - want).abs().max() / want.abs().max())
-    print(f"self-check at {point}: probe q_b vs one backward per image ({x.shape[0]} images, "
-          f"unit={unit}): max |diff| / max |q| = {diff:.1e}")
+    print(
+        f"self-check at {point}: probe q_b vs one backward per image ({x.shape[0]} images, "
+        f"unit={unit}): max |diff| / max |q| = {diff:.1e}"
+    )
     if not diff < 1e-4:  # fp32 model: the two paths differ only by rounding
         raise SystemExit(f"self-check failed: relative difference {diff:.3e} >= 1e-4")
 

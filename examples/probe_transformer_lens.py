@@ -36,9 +36,19 @@ import fused_stats as fs
 def build(layers, d_model, vocab, ctx, seed=0):
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-    cfg = HookedTransformerConfig(n_layers=layers, d_model=d_model, n_ctx=ctx, d_head=d_model // 4,
-                                  n_heads=4, d_vocab=vocab, act_fn="gelu", dtype=torch.float64,
-                                  seed=seed, device="cpu", normalization_type="LN")
+    cfg = HookedTransformerConfig(
+        n_layers=layers,
+        d_model=d_model,
+        n_ctx=ctx,
+        d_head=d_model // 4,
+        n_heads=4,
+        d_vocab=vocab,
+        act_fn="gelu",
+        dtype=torch.float64,
+        seed=seed,
+        device="cpu",
+        normalization_type="LN",
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # HookedTransformer in TL 3.x
         return HookedTransformer(cfg)
@@ -51,11 +61,11 @@ def unbiased_from_rows(q: np.ndarray) -> dict:
     g = q @ q.T
     diag = np.diag(g).copy()
     off = g - np.diag(diag)
-    r = off.sum(1)                          # Σ_{j≠i} g_ij
-    s1 = off.sum()                          # Σ_{i≠j} g_ij
-    s2 = (off ** 2).sum()                   # Σ_{i≠j} g_ij²
-    s3 = (r ** 2).sum() - s2                # Σ_{i,j,k distinct} g_ij g_jk
-    s4 = s1 ** 2 - 4 * s3 - 2 * s2          # Σ_{i,j,k,l distinct} g_ij g_kl
+    r = off.sum(1)  # Σ_{j≠i} g_ij
+    s1 = off.sum()  # Σ_{i≠j} g_ij
+    s2 = (off**2).sum()  # Σ_{i≠j} g_ij²
+    s3 = (r**2).sum() - s2  # Σ_{i,j,k distinct} g_ij g_jk
+    s4 = s1**2 - 4 * s3 - 2 * s2  # Σ_{i,j,k,l distinct} g_ij g_kl
     n2, n3, n4 = n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3)
     u1, u2, u3, u4 = s1 / n2, s2 / n2, s3 / n3, s4 / n4
     return {"mu_norm2": u1, "mu_norm4": u4, "mu_sigma_mu": u3 - u4, "trace_sigma2": u2 - 2 * u3 + u4}
@@ -100,7 +110,7 @@ def main(argv=None) -> int:
             grads[hook.name] = grad.detach()[0].sum(0)
 
         with model.hooks(bwd_hooks=[(p, keep) for p in points]):
-            model(tokens[b:b + 1], return_type="loss").backward()
+            model(tokens[b : b + 1], return_type="loss").backward()
         model.zero_grad(set_to_none=True)
         for p in points:
             rows[p].append(grads[p].numpy())
@@ -110,8 +120,7 @@ def main(argv=None) -> int:
     for p in points:
         want = unbiased_from_rows(np.stack(rows[p]))
         scale = float(np.mean(np.sum(np.stack(rows[p]) ** 2, axis=1)))
-        floors = {"mu_norm2": scale, "mu_norm4": scale ** 2, "mu_sigma_mu": scale ** 2,
-                  "trace_sigma2": scale ** 2}
+        floors = {"mu_norm2": scale, "mu_norm4": scale**2, "mu_sigma_mu": scale**2, "trace_sigma2": scale**2}
         diff = 0.0
         for est in (probe.stats[p].estimate(), own[p].estimate()):
             for key, value in want.items():

@@ -19,19 +19,35 @@ import fused_stats as fs
 
 def main() -> None:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     model = transformers.LlamaForCausalLM(cfg)
 
     def batches(k):
-        return [{"input_ids": torch.randint(0, 64, (8, 16)),
-                 "attention_mask": torch.ones(8, 16, dtype=torch.long)} for _ in range(k)]
+        return [
+            {
+                "input_ids": torch.randint(0, 64, (8, 16)),
+                "attention_mask": torch.ones(8, 16, dtype=torch.long),
+            }
+            for _ in range(k)
+        ]
 
     train_batches, heldout_batches = batches(4), batches(4)
     # "pool" keeps every per-sample vector (needed for the split Monte Carlo); "auto" keeps a pool
     # only while it is smaller than the dense d x d matrix (here: 19 samples at d = 32)
-    probe = fs.Probe(model, points="residual", unit="sample", second_moment="pool",
-                     cross=fs.CrossSpec(rank=64, activation="gelu"))
+    probe = fs.Probe(
+        model,
+        points="residual",
+        unit="sample",
+        second_moment="pool",
+        cross=fs.CrossSpec(rank=64, activation="gelu"),
+    )
     for batch in train_batches:
         probe.step(batch, fs.causal_lm_loss)
     for batch in heldout_batches:
@@ -48,8 +64,15 @@ def main() -> None:
     block = fs.insert_zero_block(model, point, kind="block", spec=fs.CrossSpec(rank=16))
     print("inserted", sum(p.numel() for p in block.parameters()), "zero-initialised parameters")
     fs.remove_inserted_block(model, point)
-    result = fs.intervene(model, point, train_batches, heldout_batches, eta=[1.0, 0.1, 0.01],
-                          kind="bias", loss_fn=fs.causal_lm_loss)
+    result = fs.intervene(
+        model,
+        point,
+        train_batches,
+        heldout_batches,
+        eta=[1.0, 0.1, 0.01],
+        kind="bias",
+        loss_fn=fs.causal_lm_loss,
+    )
     print(result.to_markdown())
 
 

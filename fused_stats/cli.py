@@ -27,9 +27,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if ("default" in text or action.default is None or action.default is False
-                or action.default == argparse.SUPPRESS or not action.option_strings
-                or action.nargs == 0):
+        if (
+            "default" in text
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+            or not action.option_strings
+            or action.nargs == 0
+        ):
             return text
         return text + " (default: %(default)s)"
 
@@ -44,8 +49,10 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
-        prog="fused-stats", formatter_class=HelpFormatter,
-        description="Exact streaming activation-gradient statistics (d_align, certificate, saturation).")
+        prog="fused-stats",
+        formatter_class=HelpFormatter,
+        description="Exact streaming activation-gradient statistics (d_align, certificate, saturation).",
+    )
     parser.add_argument("--version", action="version", version=f"fused-stats {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=Parser)
     for name in COMMANDS:
@@ -58,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _one_line(text: str, limit: int = 600) -> str:
     """Error text as one line (messages from libraries may span many lines)."""
     line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[:limit - 1] + "…"
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def main(argv=None) -> int:

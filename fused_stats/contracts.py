@@ -93,8 +93,9 @@ def _check_mask(mask, B: int, T: int, grad: torch.Tensor, same_device: bool) -> 
     if not isinstance(mask, torch.Tensor):
         raise FusedStatsError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
     if tuple(mask.shape) != (B, T):
-        raise FusedStatsError(f"mask has shape {tuple(mask.shape)}; expected {(B, T)} for grad of "
-                              f"shape {tuple(grad.shape)}")
+        raise FusedStatsError(
+            f"mask has shape {tuple(mask.shape)}; expected {(B, T)} for grad of shape {tuple(grad.shape)}"
+        )
     if same_device and mask.device != grad.device:
         raise FusedStatsError(f"mask is on {mask.device}, grad on {grad.device}")
 
@@ -110,7 +111,8 @@ def check_capture_args(grad, mask, centre, unit: str) -> None:
     if not isinstance(centre, torch.Tensor) or tuple(centre.shape) != (d,):
         raise FusedStatsError(
             f"centre must be a tensor of shape {(d,)}, got "
-            f"{tuple(centre.shape) if isinstance(centre, torch.Tensor) else type(centre).__name__}")
+            f"{tuple(centre.shape) if isinstance(centre, torch.Tensor) else type(centre).__name__}"
+        )
     _check_mask(mask, B, T, grad, same_device=True)
 
 
@@ -120,8 +122,10 @@ def check_second_moment_args(S, rows) -> None:
     check_tensor(S, "S", 2, device=rows.device)
     d = rows.shape[1]
     if S.dtype != F64 or tuple(S.shape) != (d, d):
-        raise FusedStatsError(f"S must be float64 of shape {(d, d)} for rows of shape "
-                              f"{tuple(rows.shape)}; got {S.dtype} {tuple(S.shape)}")
+        raise FusedStatsError(
+            f"S must be float64 of shape {(d, d)} for rows of shape "
+            f"{tuple(rows.shape)}; got {S.dtype} {tuple(S.shape)}"
+        )
 
 
 def check_gram_args(new_rows, pool_rows) -> None:
@@ -130,8 +134,10 @@ def check_gram_args(new_rows, pool_rows) -> None:
     check_tensor(pool_rows, "pool_rows", 2, device=new_rows.device)
     d, d2 = new_rows.shape[1], pool_rows.shape[1]
     if d2 != d:
-        raise FusedStatsError(f"pool_rows has {d2} features (shape {tuple(pool_rows.shape)}); "
-                              f"new_rows has {d} (shape {tuple(new_rows.shape)})")
+        raise FusedStatsError(
+            f"pool_rows has {d2} features (shape {tuple(pool_rows.shape)}); "
+            f"new_rows has {d} (shape {tuple(new_rows.shape)})"
+        )
 
 
 def check_cross_args(grad, act, mask, w_in, activation: str, unit: str, group_size: int) -> None:
@@ -150,6 +156,8 @@ def check_cross_args(grad, act, mask, w_in, activation: str, unit: str, group_si
     B, T, _ = grad.shape
     _, din = w_in.shape
     if tuple(act.shape) != (B, T, din):
-        raise FusedStatsError(f"act has shape {tuple(act.shape)}, expected {(B, T, din)} for grad "
-                              f"{tuple(grad.shape)} and w_in {tuple(w_in.shape)}")
+        raise FusedStatsError(
+            f"act has shape {tuple(act.shape)}, expected {(B, T, din)} for grad "
+            f"{tuple(grad.shape)} and w_in {tuple(w_in.shape)}"
+        )
     _check_mask(mask, B, T, grad, same_device=False)

@@ -62,8 +62,15 @@ class Progress:
         Where to write (default ``sys.stderr`` at construction).
     """
 
-    def __init__(self, total: int | None, desc: str, enabled: bool = True, unit: str = "steps",
-                 interval: float = 30.0, stream=None):
+    def __init__(
+        self,
+        total: int | None,
+        desc: str,
+        enabled: bool = True,
+        unit: str = "steps",
+        interval: float = 30.0,
+        stream=None,
+    ):
         self.total, self.desc, self.unit, self.interval = total, desc, unit, interval
         self.stream = sys.stderr if stream is None else stream
         self.count = 0
@@ -118,5 +125,8 @@ class Progress:
     def _line(self) -> None:
         self._last = time.perf_counter()
         of = f"/{self.total}" if self.total is not None else ""
-        print(f"{self.desc}: {self.count}{of} {self.unit}, {self._last - self._start:.0f} s",
-              file=self.stream, flush=True)
+        print(
+            f"{self.desc}: {self.count}{of} {self.unit}, {self._last - self._start:.0f} s",
+            file=self.stream,
+            flush=True,
+        )

@@ -15,8 +15,7 @@ import torch.multiprocessing as mp
 
 
 def init_gloo(rank: int, world: int, outdir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{outdir}/rendezvous", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{outdir}/rendezvous", rank=rank, world_size=world)
 
 
 def run_two_ranks(worker, outdir) -> list[dict]:

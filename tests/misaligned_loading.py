@@ -31,7 +31,7 @@ def misaligned_copy(value: torch.Tensor, offset: int = OFFSET) -> torch.Tensor:
     nbytes = value.numel() * value.element_size()
     buffer = torch.empty(nbytes + 2 * ALIGNMENT, dtype=torch.uint8)
     start = (offset - buffer.data_ptr()) % ALIGNMENT
-    raw = buffer[start:start + nbytes]
+    raw = buffer[start : start + nbytes]
     raw.copy_(value.reshape(-1).view(torch.uint8))
     return raw.view(value.dtype).reshape(value.shape)
 
@@ -72,8 +72,9 @@ class MisalignedLoading:
 
         monkeypatch.setattr(safetensors, "safe_open", MisalignedHandle)
         monkeypatch.setattr(safetensors.torch, "safe_open", MisalignedHandle)
-        monkeypatch.setattr(safetensors.torch, "load",
-                            lambda data: {k: self.view(v) for k, v in real_load(data).items()})
+        monkeypatch.setattr(
+            safetensors.torch, "load", lambda data: {k: self.view(v) for k, v in real_load(data).items()}
+        )
 
     def view(self, value: torch.Tensor) -> torch.Tensor:
         out = misaligned_copy(value)
@@ -121,8 +122,7 @@ def assert_aligned(acc, what: str = "") -> None:
     """Every non-empty state tensor starts on a 64-byte boundary."""
     tensors = state_tensors(acc)
     assert tensors, f"{what}: no state tensors found"
-    bad = {k: v.data_ptr() % ALIGNMENT for k, v in tensors.items()
-           if v.numel() and v.data_ptr() % ALIGNMENT}
+    bad = {k: v.data_ptr() % ALIGNMENT for k, v in tensors.items() if v.numel() and v.data_ptr() % ALIGNMENT}
     assert not bad, f"{what}: state tensors off a {ALIGNMENT}-byte boundary (offsets {bad})"
 
 

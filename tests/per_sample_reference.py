@@ -38,6 +38,7 @@ def point_grads_one_sample(model, names, run_loss):
     def make(name):
         def hook(module, args, out):
             outputs[name] = out[0] if isinstance(out, (tuple, list)) else out
+
         return hook
 
     for name in names:
@@ -85,7 +86,9 @@ def lm_reference(model, batch, points, unit, label_positions=False):
         length = int(batch["attention_mask"][b].sum())
         ids = batch["input_ids"][b, :length]
         labels = batch["labels"][b, :length] if "labels" in batch else ids
-        grads = point_grads_one_sample(model, points, lambda m, ids=ids, labels=labels: lm_sample_loss(m, ids, labels))
+        grads = point_grads_one_sample(
+            model, points, lambda m, ids=ids, labels=labels: lm_sample_loss(m, ids, labels)
+        )
         for p in points:
             g = grads[p][0]  # (length, d)
             if label_positions:
@@ -105,7 +108,9 @@ def _checked_rows(rows: dict) -> dict[str, torch.Tensor]:
     cannot tell a correct probe from one that captured nothing."""
     out = {p: torch.cat(r) for p, r in rows.items()}
     for p, q in out.items():
-        assert q.shape[0] > 0 and bool(q.ne(0).any()), f"reference rows at {p!r} are all zero, {tuple(q.shape)}"
+        assert q.shape[0] > 0 and bool(q.ne(0).any()), (
+            f"reference rows at {p!r} are all zero, {tuple(q.shape)}"
+        )
     return out
 
 
@@ -125,8 +130,12 @@ def _fp64_u_targets(q: torch.Tensor) -> dict[str, float]:
     pi, pj = pi.flatten(), pj.flatten()
     pair_ok = pi != pj
     pi, pj = pi[pair_ok], pj[pair_ok]
-    disjoint = ((pi[:, None] != pi[None, :]) & (pi[:, None] != pj[None, :])
-                & (pj[:, None] != pi[None, :]) & (pj[:, None] != pj[None, :]))
+    disjoint = (
+        (pi[:, None] != pi[None, :])
+        & (pi[:, None] != pj[None, :])
+        & (pj[:, None] != pi[None, :])
+        & (pj[:, None] != pj[None, :])
+    )
     g_pairs = G[pi, pj]
     mu4 = float((g_pairs[:, None] * g_pairs[None, :])[disjoint].mean())
     D = q[pi] - q[pj]  # d_ij for every ordered pair
@@ -167,13 +176,21 @@ def assert_estimate_matches(est, q: torch.Tensor, rel: float = 1e-6, context: st
     assert est.n == q.shape[0], f"{context}: n {est.n} vs {q.shape[0]}"
     assert est.dim == q.shape[1], f"{context}: dim {est.dim} vs {q.shape[1]}"
     scale2 = float((q.to(F64) ** 2).sum(1).mean())
-    floor = {"trace_sigma": scale2, "mu_norm2": scale2, "mu_norm4": scale2**2, "mu_sigma_mu": scale2**2,
-             "trace_sigma2": scale2**2, "ag_max": 0.0, "ag_mean": 0.0}
+    floor = {
+        "trace_sigma": scale2,
+        "mu_norm2": scale2,
+        "mu_norm4": scale2**2,
+        "mu_sigma_mu": scale2**2,
+        "trace_sigma2": scale2**2,
+        "ag_max": 0.0,
+        "ag_mean": 0.0,
+    }
     for key, value in want.items():
         got = getattr(est, key)
         tol = rel * max(abs(value), 1e-6 * floor[key])
         assert abs(got - value) <= tol, (
-            f"{context}: {key} = {got!r}, reference {value!r} (|diff| {abs(got - value):.3e} > {tol:.3e})")
+            f"{context}: {key} = {got!r}, reference {value!r} (|diff| {abs(got - value):.3e} > {tol:.3e})"
+        )
 
 
 def conv_reference(model, x, y, points, unit):
@@ -183,7 +200,8 @@ def conv_reference(model, x, y, points, unit):
     rows = {p: [] for p in points}
     for b in range(x.shape[0]):
         grads = point_grads_one_sample(
-            model, points, lambda m, b=b: classification_sample_loss(m, x[b], int(y[b])))
+            model, points, lambda m, b=b: classification_sample_loss(m, x[b], int(y[b]))
+        )
         for p in points:
             g = grads[p][0]  # (C, H, W)
             if unit == "sample":

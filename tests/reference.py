@@ -84,10 +84,13 @@ def brute_force_u(q) -> dict[str, Fraction]:
     g_ij = gram[pairs[:, 0], pairs[:, 1]]
     u1 = Fraction(int(g_ij.sum()), len(pairs) * denom**2)
     u2 = Fraction(int((g_ij * g_ij).sum()), len(pairs) * denom**4)
-    u3 = Fraction(int((gram[triples[:, 0], triples[:, 1]] * gram[triples[:, 1], triples[:, 2]]).sum()),
-                  len(triples) * denom**4)
-    u4 = Fraction(int((gram[quads[:, 0], quads[:, 1]] * gram[quads[:, 2], quads[:, 3]]).sum()),
-                  len(quads) * denom**4)
+    u3 = Fraction(
+        int((gram[triples[:, 0], triples[:, 1]] * gram[triples[:, 1], triples[:, 2]]).sum()),
+        len(triples) * denom**4,
+    )
+    u4 = Fraction(
+        int((gram[quads[:, 0], quads[:, 1]] * gram[quads[:, 2], quads[:, 3]]).sum()), len(quads) * denom**4
+    )
     # tr(Sigma) = avg over distinct pairs of (g_ii - g_ij) = avg |q_i - q_j|^2 / 2
     tr = Fraction(int((gram[pairs[:, 0], pairs[:, 0]] - g_ij).sum()), len(pairs) * denom**2)
     return {"U1": u1, "U2": u2, "U3": u3, "U4": u4, "T": tr}
@@ -125,10 +128,12 @@ def two_pass_targets(q) -> dict[str, float]:
     n2, n3, n4 = n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3)
     return {
         "mu_norm2": kappa - a1 / n2,
-        "mu_norm4": (kappa**2 - 2 * kappa * a1 / n2 - 4 * beta / n2 + 8 * tau / n3
-                     + (a1**2 - 6 * a2 + 2 * F) / n4),
-        "mu_sigma_mu": (beta / (n - 1) - 2 * tau / ((n - 1) * (n - 2))
-                        + (2 * n * a2 - (n - 1) * F - a1**2) / n4),
+        "mu_norm4": (
+            kappa**2 - 2 * kappa * a1 / n2 - 4 * beta / n2 + 8 * tau / n3 + (a1**2 - 6 * a2 + 2 * F) / n4
+        ),
+        "mu_sigma_mu": (
+            beta / (n - 1) - 2 * tau / ((n - 1) * (n - 2)) + (2 * n * a2 - (n - 1) * F - a1**2) / n4
+        ),
         "trace_sigma2": ((n - 1) * (n - 2) * F - n * (n - 1) * a2 + a1**2) / n4,
     }
 
@@ -140,8 +145,9 @@ def term_scale(q) -> float:
 
 
 # ----------------------------------------------------------------------------- per-sample vectors
-def per_sample_vectors(grad: torch.Tensor, mask: torch.Tensor | None = None, unit: str = "sample",
-                       feature_dim: int = -1) -> torch.Tensor:
+def per_sample_vectors(
+    grad: torch.Tensor, mask: torch.Tensor | None = None, unit: str = "sample", feature_dim: int = -1
+) -> torch.Tensor:
     """The ``q_i`` (fp64, one row each) defined by one ``GradStats.update`` call, by plain loops.
 
     ``unit="sample"``: sum of the sample's positions with a nonzero mask (a sample with none is
@@ -194,8 +200,9 @@ def near_zero_tolerances(regime: str, q, rel: float) -> dict[str, float]:
     return {"mu_norm2": rel * scale, "mu_norm4": rel * scale**2, "mu_sigma_mu": rel * scale**2}
 
 
-def assert_targets_close(got, want: dict[str, float], rel: float, abs_for: dict[str, float] | None = None,
-                         context: str = "") -> None:
+def assert_targets_close(
+    got, want: dict[str, float], rel: float, abs_for: dict[str, float] | None = None, context: str = ""
+) -> None:
     """Each target within ``rel`` relative, or within the given absolute tolerance where named."""
     abs_for = abs_for or {}
     failures = []
@@ -203,8 +210,10 @@ def assert_targets_close(got, want: dict[str, float], rel: float, abs_for: dict[
         value = getattr(got, key) if not isinstance(got, dict) else got[key]
         tol = abs_for.get(key, rel * abs(want[key]))
         if not math.isfinite(value) or abs(value - want[key]) > tol:
-            failures.append(f"{key}: got {value!r}, want {want[key]!r}, |diff| "
-                            f"{abs(value - want[key]):.3e} > tol {tol:.3e}")
+            failures.append(
+                f"{key}: got {value!r}, want {want[key]!r}, |diff| "
+                f"{abs(value - want[key]):.3e} > tol {tol:.3e}"
+            )
     assert not failures, context + "\n" + "\n".join(failures)
 
 
@@ -229,8 +238,7 @@ def snapshot(acc) -> tuple[dict, tuple]:
 
 # ----------------------------------------------------------------------------- test data
 # mean-to-noise ratios |mu| / sqrt(tr Sigma) of the four regimes the tests use
-REGIMES = {"mean_zero": 0.0, "mean_like_noise": 1.0, "mean_100x_noise": 100.0,
-           "noise_1000x_mean": 1e-3}
+REGIMES = {"mean_zero": 0.0, "mean_like_noise": 1.0, "mean_100x_noise": 100.0, "noise_1000x_mean": 1e-3}
 
 
 def population(d: int, regime: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

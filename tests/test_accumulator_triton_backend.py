@@ -54,8 +54,12 @@ def _batches(gen, regime, shape, n_batches, dtype=torch.float32, masked=True):
 
 
 def _feed(batches, unit, **kwargs):
-    accs = {b: fs.GradStats(batches[0][0].shape[-1] if unit != "flat" else
-                            batches[0][0][0].numel(), backend=b, **kwargs) for b in ("triton", "torch")}
+    accs = {
+        b: fs.GradStats(
+            batches[0][0].shape[-1] if unit != "flat" else batches[0][0][0].numel(), backend=b, **kwargs
+        )
+        for b in ("triton", "torch")
+    }
     for g, m in batches:
         for acc in accs.values():
             acc.update(g, m, unit=unit)
@@ -73,7 +77,9 @@ def _assert_states_close(tri, ref, rtol=2e-6):
             assert a is None, key
             continue
         scale = float(b.abs().max()) if b.numel() else 1.0
-        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * max(scale, 1e-30), msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(
+            a, b, rtol=rtol, atol=rtol * max(scale, 1e-30), msg=lambda m, key=key: f"{key}: {m}"
+        )
 
 
 def _assert_estimates_close(tri, ref, rtol=EST_RTOL):

@@ -55,8 +55,12 @@ def test_b_exact_below_b_align_on_random_instances(gen):
                 assert (cert.certified, cert.b_align, cert.b_exact) == (False, 1.0, 1.0)
                 continue
             checked += 1
-            assert est.d_par == pytest.approx(est.mu_norm4 / est.mu_sigma_mu if est.mu_sigma_mu > 0 else math.inf)
-            assert est.d_2 == pytest.approx(est.mu_norm4 / est.trace_sigma2 if est.trace_sigma2 > 0 else math.inf)
+            assert est.d_par == pytest.approx(
+                est.mu_norm4 / est.mu_sigma_mu if est.mu_sigma_mu > 0 else math.inf
+            )
+            assert est.d_2 == pytest.approx(
+                est.mu_norm4 / est.trace_sigma2 if est.trace_sigma2 > 0 else math.inf
+            )
             assert est.d_align == min(est.d_par, est.d_2)
             _, b_exact = theorem1(est.mu_norm4, max(est.mu_sigma_mu, 0.0), max(est.trace_sigma2, 0.0), M, K)
             b_align = 1 / (1 + cert.n_eff * est.d_align)
@@ -158,12 +162,12 @@ def test_misalignment_probability_against_plain_loop(gen):
     q = draw((N,), mu, L, gen)
     acc = fs.GradStats(d, second_moment="pool", pool_capacity=N)
     for start in range(0, N, 16):
-        acc.update(q[start:start + 16])
+        acc.update(q[start : start + 16])
     trials = 3000
     loop = torch.empty(trials, dtype=F64)
     for r in range(trials):
         perm = torch.randperm(N, generator=gen)
-        loop[r] = q[perm[:M]].mean(0) @ q[perm[M:M + K]].mean(0)
+        loop[r] = q[perm[:M]].mean(0) @ q[perm[M : M + K]].mean(0)
     p_loop = float((loop <= 0).double().mean())
     mis = fs.misalignment_probability(acc, M, K, trials=trials, seed=7)
     se = math.sqrt(2 * p_loop * (1 - p_loop) / trials)
@@ -183,9 +187,9 @@ def test_realized_alignment(modes, gen):
     a = fs.GradStats(d, second_moment=modes[0])
     b = fs.GradStats(d, second_moment=modes[1])
     for start in range(0, 70, 20):
-        a.update(train[start:start + 20])
+        a.update(train[start : start + 20])
     for start in range(0, 45, 9):
-        b.update(test[start:start + 9])
+        b.update(test[start : start + 9])
     want = float(train.mean(0) @ test.mean(0))
     assert fs.realized_alignment(a, b) == pytest.approx(want, rel=1e-12)
     assert fs.realized_alignment(b, a) == pytest.approx(want, rel=1e-12)

@@ -74,8 +74,13 @@ def make_batches(seed: int, count: int, size: int = 5, T: int = 4):
     for _ in range(count):
         mask = torch.rand(size, T, generator=gen) < 0.8
         mask[:, 0] = True
-        out.append({"x": torch.randn(size, T, 4, generator=gen) + 0.5, "attention_mask": mask,
-                    "y": torch.randint(0, 3, (size,), generator=gen)})
+        out.append(
+            {
+                "x": torch.randn(size, T, 4, generator=gen) + 0.5,
+                "attention_mask": mask,
+                "y": torch.randint(0, 3, (size,), generator=gen),
+            }
+        )
     return out
 
 
@@ -84,8 +89,11 @@ def new_probe(second_moment="auto"):
 
 
 def state_of(probe) -> dict:
-    return {(stream, name): acc.state_dict() for (kind, stream, name), acc in probe.table.items()
-            if kind == "grad"}
+    return {
+        (stream, name): acc.state_dict()
+        for (kind, stream, name), acc in probe.table.items()
+        if kind == "grad"
+    }
 
 
 def assert_same_state(a: dict, b: dict) -> None:
@@ -228,16 +236,19 @@ def _damage_file(path: Path):
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage,words", [
-    ("flip_state_byte", ["SHA-256", "train-0000"]),
-    ("truncate_state", ["SHA-256"]),
-    ("remove_state", ["missing", "train-0001"]),
-    ("manifest_version", ["version 99", "reads version 1"]),
-    ("manifest_garbage", ["manifest", "unreadable"]),
-    ("manifest_n", ["n=", "manifest says"]),
-    ("no_latest", ["no checkpoint"]),
-    ("latest_dangling", ["no manifest.json"]),
-])
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        ("flip_state_byte", ["SHA-256", "train-0000"]),
+        ("truncate_state", ["SHA-256"]),
+        ("remove_state", ["missing", "train-0001"]),
+        ("manifest_version", ["version 99", "reads version 1"]),
+        ("manifest_garbage", ["manifest", "unreadable"]),
+        ("manifest_n", ["n=", "manifest says"]),
+        ("no_latest", ["no checkpoint"]),
+        ("latest_dangling", ["no manifest.json"]),
+    ],
+)
 def test_damaged_checkpoint_is_rejected_and_probe_unchanged(tmp_path, uninterrupted, damage, words):
     snap = save_probe_state(uninterrupted, tmp_path)
     manifest_path = snap / "manifest.json"
@@ -297,7 +308,9 @@ def test_checkpoint_of_other_points_is_rejected(tmp_path, uninterrupted):
 
 def test_resume_with_shorter_data_is_an_error(tmp_path):
     run_with_checkpoints(new_probe(), TRAIN[:6], loss_fn, tmp_path, every=3)
-    with pytest.raises(fs.FusedStatsError, match="holds 6 train batches but the batch iterable ended after 4"):
+    with pytest.raises(
+        fs.FusedStatsError, match="holds 6 train batches but the batch iterable ended after 4"
+    ):
         run_with_checkpoints(new_probe(), TRAIN[:4], loss_fn, tmp_path, every=3)
     with pytest.raises(fs.FusedStatsError, match="every must be a positive int"):
         run_with_checkpoints(new_probe(), TRAIN, loss_fn, tmp_path, every=0)
@@ -333,8 +346,7 @@ def test_merged_shard_checkpoints_equal_one_run(tmp_path, misaligned):
         assert math.isclose(merged.realized_alignment(name), one.realized_alignment(name), rel_tol=1e-10)
 
 
-def test_crash_between_snapshot_rename_and_pointer_update(tmp_path, uninterrupted, monkeypatch,
-                                                          misaligned):
+def test_crash_between_snapshot_rename_and_pointer_update(tmp_path, uninterrupted, monkeypatch, misaligned):
     # the writer dies after its snapshot folder is in place but before LATEST names it: the
     # resumed run must use the previous snapshot and still be able to write new ones
     import fused_stats.api.checkpoint as ckpt_mod

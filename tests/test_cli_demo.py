@@ -42,8 +42,10 @@ def read_png(path):
 def tiny_tree(tmp_path):
     gen = np.random.default_rng(0)
     root = tmp_path / "lib"
-    names = [f"pkg{i // 5}/mod{i}.py" for i in range(40)] + ["site-packages/other.py",
-                                                              "pkg0/__pycache__/x.py"]
+    names = [f"pkg{i // 5}/mod{i}.py" for i in range(40)] + [
+        "site-packages/other.py",
+        "pkg0/__pycache__/x.py",
+    ]
     for name in names:
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +69,7 @@ def test_corpus_split_by_file_and_windows_are_file_bytes(tiny_tree):
         expected = []
         for path in split.files:
             data = path.read_bytes()
-            expected += [list(data[o:o + 8]) for o in range(0, len(data) - 7, 8)]
+            expected += [list(data[o : o + 8]) for o in range(0, len(data) - 7, 8)]
         assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, expected))
     assert set(corpus.splits["train"].files).isdisjoint(corpus.splits["test"].files)
 
@@ -96,7 +98,7 @@ def per_sample_reference(model, batches, layers):
     losses = []
     for batch in batches:
         for b in range(batch.shape[0]):
-            ids = batch[b:b + 1]
+            ids = batch[b : b + 1]
             outs = {}
 
             def grab(i, outs=outs):
@@ -104,6 +106,7 @@ def per_sample_reference(model, batches, layers):
                     z = output[0] if isinstance(output, tuple) else output
                     z.retain_grad()
                     outs[i] = z
+
                 return hook
 
             handles = [model.model.layers[i].register_forward_hook(grab(i)) for i in layers]
@@ -128,7 +131,7 @@ def misalignment_monte_carlo(pool: torch.Tensor, M: int, K: int, trials: int, se
     q = pool.double().numpy()
     perm = np.argsort(rng.random((trials, q.shape[0])), axis=1)
     mean_a = q[perm[:, :M]].mean(axis=1)  # (trials, d)
-    mean_b = q[perm[:, M:M + K]].mean(axis=1)
+    mean_b = q[perm[:, M : M + K]].mean(axis=1)
     return float(((mean_a * mean_b).sum(axis=1) <= 0).mean())
 
 
@@ -137,14 +140,24 @@ def split_alignment_sd(pool: torch.Tensor, M: int, K: int, trials: int, seed: in
     rng = np.random.default_rng(seed)
     q = pool.double().numpy()
     perm = np.argsort(rng.random((trials, q.shape[0])), axis=1)
-    values = (q[perm[:, :M]].mean(axis=1) * q[perm[:, M:M + K]].mean(axis=1)).sum(axis=1)
+    values = (q[perm[:, :M]].mean(axis=1) * q[perm[:, M : M + K]].mean(axis=1)).sum(axis=1)
     return float(values.std())
 
 
 def test_demo_run_matches_independent_per_sample_loop():
-    cfg = DemoConfig.quick(widths=(16,), depths=(2,), seeds=(0,), width_sweep_depth=2,
-                           depth_sweep_width=16, train_steps=3, probe_batches=2, batch_size=6,
-                           seq_len=24, split=4, trials=200)
+    cfg = DemoConfig.quick(
+        widths=(16,),
+        depths=(2,),
+        seeds=(0,),
+        width_sweep_depth=2,
+        depth_sweep_width=16,
+        train_steps=3,
+        probe_batches=2,
+        batch_size=6,
+        seq_len=24,
+        split=4,
+        trials=200,
+    )
     corpus = StdlibCorpus(cfg.seq_len, probe_windows=cfg.probe_batches * cfg.batch_size)
     model, info = train_model(corpus, cfg, 16, 2, seed=0)
     assert info["tokens"] == 3 * 6 * 24
@@ -174,7 +187,8 @@ def test_demo_run_matches_independent_per_sample_loop():
             assert est["ag_max"] == pytest.approx(float(q.norm(dim=1).max()), rel=1e-5)
             assert est["ag_mean"] == pytest.approx(float(q.norm(dim=1).mean()), rel=1e-5)
         assert point["realized_alignment"] == pytest.approx(
-            float(q_train[i].mean(0) @ q_test[i].mean(0)), rel=1e-4)
+            float(q_train[i].mean(0) @ q_test[i].mean(0)), rel=1e-4
+        )
         assert point["certificate"]["M"] == point["certificate"]["K"] == 4
         assert point["misalignment"]["M"] == 4 and point["misalignment"]["pool_size"] == 24
         # Pr(mu_M^T g_K <= 0) over disjoint (4, 4) splits of the pooled 24 loop-built vectors, by an
@@ -272,9 +286,16 @@ def test_report_command_rejects_bad_file(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- probe command
-LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 16, "intermediate_size": 32,
-         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-         "max_position_embeddings": 32}
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+}
 
 
 def test_probe_command_on_config_json_and_text(tmp_path, capsys):
@@ -283,10 +304,31 @@ def test_probe_command_on_config_json_and_text(tmp_path, capsys):
     text = tmp_path / "corpus.txt"
     gen = np.random.default_rng(1)
     text.write_bytes(gen.integers(32, 127, size=16 * 50).astype(np.uint8).tobytes())
-    rc = main(["probe", "--model", str(cfg), "--text", str(text), "--batches", "2",
-               "--batch-size", "4", "--seq-len", "16", "--second-moment", "pool",
-               "--split", "3", "3", "--trials", "100", "--out", str(tmp_path / "o"),
-               "--no-progress"])
+    rc = main(
+        [
+            "probe",
+            "--model",
+            str(cfg),
+            "--text",
+            str(text),
+            "--batches",
+            "2",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "16",
+            "--second-moment",
+            "pool",
+            "--split",
+            "3",
+            "3",
+            "--trials",
+            "100",
+            "--out",
+            str(tmp_path / "o"),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     report = fs.Report.from_json(tmp_path / "o" / "report.json")
     assert [p["name"] for p in report.points] == ["model.layers.0", "model.layers.1"]
@@ -304,14 +346,30 @@ def test_probe_command_on_saved_model_dir_and_token_file(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2,
-                                       n_positions=16))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=16))
     model.save_pretrained(tmp_path / "gpt2")
     tokens = np.random.default_rng(2).integers(0, 50, size=(12, 10))
     np.save(tmp_path / "tokens.npy", tokens)
-    rc = main(["probe", "--model", str(tmp_path / "gpt2"), "--tokens", str(tmp_path / "tokens.npy"),
-               "--batches", "3", "--batch-size", "4", "--points", "transformer.h.1",
-               "--trials", "0", "--out", str(tmp_path / "o"), "--no-progress"])
+    rc = main(
+        [
+            "probe",
+            "--model",
+            str(tmp_path / "gpt2"),
+            "--tokens",
+            str(tmp_path / "tokens.npy"),
+            "--batches",
+            "3",
+            "--batch-size",
+            "4",
+            "--points",
+            "transformer.h.1",
+            "--trials",
+            "0",
+            "--out",
+            str(tmp_path / "o"),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     report = fs.Report.from_json(tmp_path / "o" / "report.json")
     (point,) = report.points
@@ -325,8 +383,20 @@ def test_probe_command_rejects_bad_input(tmp_path, capsys):
     cfg = tmp_path / "small_vocab.json"
     cfg.write_text(json.dumps(dict(LLAMA, vocab_size=40)))
     torch.save(torch.arange(0, 100).repeat(4), tmp_path / "tokens.pt")
-    rc = main(["probe", "--model", str(cfg), "--tokens", str(tmp_path / "tokens.pt"),
-               "--seq-len", "16", "--out", str(tmp_path / "o"), "--no-progress"])
+    rc = main(
+        [
+            "probe",
+            "--model",
+            str(cfg),
+            "--tokens",
+            str(tmp_path / "tokens.pt"),
+            "--seq-len",
+            "16",
+            "--out",
+            str(tmp_path / "o"),
+            "--no-progress",
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "token ids span [0, 99]" in err and "40 entries" in err
@@ -344,8 +414,24 @@ def test_probe_command_cross_and_position_mask(tmp_path, capsys):
     cfg.write_text(json.dumps(LLAMA))
     text = tmp_path / "corpus.txt"
     text.write_bytes(np.random.default_rng(3).integers(32, 127, size=16 * 40).astype(np.uint8).tobytes())
-    common = ["probe", "--model", str(cfg), "--text", str(text), "--batches", "2", "--batch-size",
-              "3", "--seq-len", "16", "--unit", "position", "--trials", "0", "--no-progress"]
+    common = [
+        "probe",
+        "--model",
+        str(cfg),
+        "--text",
+        str(text),
+        "--batches",
+        "2",
+        "--batch-size",
+        "3",
+        "--seq-len",
+        "16",
+        "--unit",
+        "position",
+        "--trials",
+        "0",
+        "--no-progress",
+    ]
     assert main(common + ["--cross", "4,tanh", "--out", str(tmp_path / "o")]) == 0
     report = fs.Report.from_json(tmp_path / "o" / "report.json")
     # 40 windows: the last 4 are the test part; 2 batches of 3 sequences, 15 of 16 positions
@@ -364,11 +450,12 @@ def test_demo_and_report_sweep_print_the_same_trend_lines(demo_out, tmp_path, ca
     out, rc, text = demo_out
     assert rc == 0
     cfg = DemoConfig.quick()
-    for x, pattern, sweep_value in (("width", f"w*-d{cfg.width_sweep_depth}-*.json", "width"),
-                                    ("depth", f"w{cfg.depth_sweep_width}-d*.json", "depth")):
+    for x, pattern, sweep_value in (
+        ("width", f"w*-d{cfg.width_sweep_depth}-*.json", "width"),
+        ("depth", f"w{cfg.depth_sweep_width}-d*.json", "depth"),
+    ):
         files = sorted(str(p) for p in (out / "runs").glob(pattern))
-        assert main(["report", *files, "--sweep", sweep_value, "--out", str(tmp_path / x),
-                     "--no-plots"]) == 0
+        assert main(["report", *files, "--sweep", sweep_value, "--out", str(tmp_path / x), "--no-plots"]) == 0
         printed = capsys.readouterr().out
         ours = [line for line in printed.splitlines() if f" vs {x}:" in line]
         demo = [line for line in text.splitlines() if f" vs {x}:" in line]

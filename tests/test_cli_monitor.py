@@ -114,8 +114,7 @@ def test_old_logs_without_run_ids_still_read(tmp_path, gen):
     with open(path, "a") as handle:
         handle.write(json.dumps(dict(lines[0], step=1)) + "\n")
     runs = split_runs(read_monitor_log(path))
-    assert {k: [r["step"] for r in v] for k, v in runs.items()} == {"unnamed-1": [1, 2],
-                                                                   "unnamed-2": [1]}
+    assert {k: [r["step"] for r in v] for k, v in runs.items()} == {"unnamed-1": [1, 2], "unnamed-2": [1]}
 
 
 def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_path, gen, monkeypatch):
@@ -123,8 +122,9 @@ def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_
 
     figures = []
     real = report_mod.save_figure
-    monkeypatch.setattr(report_mod, "save_figure",
-                        lambda fig, path, **kw: figures.append(fig) or real(fig, path, **kw))
+    monkeypatch.setattr(
+        report_mod, "save_figure", lambda fig, path, **kw: figures.append(fig) or real(fig, path, **kw)
+    )
     path = tmp_path / "run.jsonl"
     run_steps(fs.MonitorLog(path), [1, 2, 3, 4, 5], gen)
     plot_monitor_log(path, tmp_path / "run.png")
@@ -138,4 +138,4 @@ def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_
         ticks = [t for t in ax.get_xticks() if low <= t <= high]
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
         box = ax.get_window_extent(renderer)
-        assert legend_box.x0 >= box.x1 or legend_box.y0 >= box.y1   # beside or above, not on
+        assert legend_box.x0 >= box.x1 or legend_box.y0 >= box.y1  # beside or above, not on

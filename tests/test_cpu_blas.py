@@ -97,10 +97,12 @@ def test_small_blocks_and_other_tensors_take_torch():
     d = 256
     S = torch.zeros(d, d, dtype=F64)
     assert not cpu_blas.takes_second_moment(S, torch.randn(8, d, generator=gen))  # small block
-    assert not cpu_blas.takes_second_moment(torch.zeros(64, 64, dtype=F64),
-                                            torch.randn(5000, 64, generator=gen))  # small d
-    assert not cpu_blas.takes_second_moment(torch.zeros(d, 2 * d, dtype=F64)[:, ::2],
-                                            torch.randn(1000, d, generator=gen))  # strided S
+    assert not cpu_blas.takes_second_moment(
+        torch.zeros(64, 64, dtype=F64), torch.randn(5000, 64, generator=gen)
+    )  # small d
+    assert not cpu_blas.takes_second_moment(
+        torch.zeros(d, 2 * d, dtype=F64)[:, ::2], torch.randn(1000, d, generator=gen)
+    )  # strided S
     assert not cpu_blas.takes_second_moment(S.float(), torch.randn(1000, d, generator=gen))
     assert cpu_blas.takes_second_moment(S, torch.randn(1000, d, generator=gen))
 
@@ -205,7 +207,8 @@ def test_without_scipy_the_second_moment_falls_back_to_torch():
         "S = torch.zeros(256, 256, dtype=torch.float64)\n"
         "torch_twin.second_moment_update(S, rows)\n"
         "y = rows.double(); assert float((S - y.T @ y).abs().max()) < 1e-10\n"
-        "print('fallback ok')\n")
+        "print('fallback ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "fallback ok" in out.stdout
 
@@ -213,8 +216,9 @@ def test_without_scipy_the_second_moment_falls_back_to_torch():
 def test_row_block_coalesces_small_batches_exactly():
     gen = torch.Generator().manual_seed(9)
     d = 256
-    batches = [torch.randn(int(torch.randint(1, 40, (1,), generator=gen)), d, generator=gen)
-               for _ in range(60)] + [torch.randn(700, d, generator=gen)]
+    batches = [
+        torch.randn(int(torch.randint(1, 40, (1,), generator=gen)), d, generator=gen) for _ in range(60)
+    ] + [torch.randn(700, d, generator=gen)]
     calls = []
 
     def update(S, rows):

@@ -41,9 +41,14 @@ from fused_stats.ops import cross_twin
 
 F64 = torch.float64
 TOL = {torch.float32: 2e-6, torch.float16: 2e-6, torch.bfloat16: 2e-6, torch.float64: 1e-12}
-PHI = {"gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))), "relu": lambda x: x.clamp_min(0),
-       "silu": lambda x: x * torch.sigmoid(x), "tanh": torch.tanh, "identity": lambda x: x,
-       "constant": torch.ones_like}
+PHI = {
+    "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
+    "relu": lambda x: x.clamp_min(0),
+    "silu": lambda x: x * torch.sigmoid(x),
+    "tanh": torch.tanh,
+    "identity": lambda x: x,
+    "constant": torch.ones_like,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -67,11 +72,21 @@ def reference(grad, act, mask, w_in, activation, unit, group_size):
     n = len(cs)
     r = w.shape[0]
     flat = torch.stack([c.reshape(-1) for c in cs]) if n else torch.zeros(0, d * r, dtype=F64)
-    out = {"n": n, "c_sum": flat.sum(0).reshape(d, r), "sq_norm_sum": (flat * flat).sum(),
-           "u2": 0.0, "u3": 0.0, "u4": 0.0, "s2": 0.0, "s3": 0.0, "s4": 0.0, "a1": 0.0,
-           "p": [0, 0, 0]}
+    out = {
+        "n": n,
+        "c_sum": flat.sum(0).reshape(d, r),
+        "sq_norm_sum": (flat * flat).sum(),
+        "u2": 0.0,
+        "u3": 0.0,
+        "u4": 0.0,
+        "s2": 0.0,
+        "s3": 0.0,
+        "s4": 0.0,
+        "a1": 0.0,
+        "p": [0, 0, 0],
+    }
     for g0 in range(0, n, group_size):
-        k = (flat[g0:g0 + group_size] @ flat[g0:g0 + group_size].T).tolist()
+        k = (flat[g0 : g0 + group_size] @ flat[g0 : g0 + group_size].T).tolist()
         m = len(k)
         pairs = [(i, j) for i in range(m) for j in range(m) if i != j]
         out["u2"] += sum(k[i][j] ** 2 for i, j in pairs)
@@ -92,14 +107,19 @@ def check(got, ref, twin, tol, what):
     assert [got.p2, got.p3, got.p4] == ref["p"] == [twin.p2, twin.p3, twin.p4], what
     cscale = max(float(ref["c_sum"].abs().max()) if ref["c_sum"].numel() else 0.0, 1e-300)
     for which in (twin.c_sum, ref["c_sum"]):
-        torch.testing.assert_close(got.c_sum, which.to(F64), rtol=0, atol=tol * cscale,
-                                   msg=lambda m: f"{what} c_sum: {m}")
+        torch.testing.assert_close(
+            got.c_sum, which.to(F64), rtol=0, atol=tol * cscale, msg=lambda m: f"{what} c_sum: {m}"
+        )
     sq_scale = max(float(ref["sq_norm_sum"]), 1e-300)
     # the twin forms u3, u4 by cancellation from sums over all pairs (|Σ_pairs k|² and the like),
     # so (Σ_pairs |k|)² bounds their rounding even where no triple or 4-tuple exists
     floor = max(ref["a1"] ** 2, 1e-300)
-    for key, scale in (("sq_norm_sum", sq_scale), ("u2", max(ref["s2"], 1e-300)),
-                       ("u3", max(ref["s3"], floor)), ("u4", max(ref["s4"], floor))):
+    for key, scale in (
+        ("sq_norm_sum", sq_scale),
+        ("u2", max(ref["s2"], 1e-300)),
+        ("u3", max(ref["s3"], floor)),
+        ("u4", max(ref["s4"], floor)),
+    ):
         g = float(getattr(got, key))
         for want in (float(getattr(twin, key)), float(ref[key])):
             assert abs(g - want) <= 2 * tol * scale, f"{what} {key}: {g!r} vs {want!r} (scale {scale:.3g})"
@@ -109,7 +129,8 @@ def inputs(gen, B, T, d, din, r, dtype, mask="random", w_dtype=None):
     grad = torch.randn(B, T, d, generator=gen).to(dtype)
     act = (0.5 + torch.randn(B, T, din, generator=gen)).to(dtype)
     w = (torch.randn(r, din, generator=gen, dtype=F64) / math.sqrt(din)).to(
-        w_dtype or (F64 if dtype == F64 else torch.float32))
+        w_dtype or (F64 if dtype == F64 else torch.float32)
+    )
     m = None
     if mask == "random":
         m = torch.rand(B, T, generator=gen) > 0.3
@@ -134,8 +155,19 @@ def run_case(grad, act, m, w, activation, unit, group_size, what, tol=None, **ov
 def test_dtypes_units_masks(dtype, unit, gen):
     grad, act, m, w = inputs(gen, 5, 7, 19, 13, 17, dtype)
     # one group per chunk and 3 positions per item: several chunks, items and splits at tiny sizes
-    run_case(grad, act, m, w, "gelu", unit, 4, f"{unit} {dtype}", cross_chunk_groups=1,
-             cross_item_rows=3, cross_splits=2)
+    run_case(
+        grad,
+        act,
+        m,
+        w,
+        "gelu",
+        unit,
+        4,
+        f"{unit} {dtype}",
+        cross_chunk_groups=1,
+        cross_item_rows=3,
+        cross_splits=2,
+    )
 
 
 @pytest.mark.parametrize("activation", ["relu", "silu", "tanh", "identity", "constant"])
@@ -226,7 +258,9 @@ def test_cross_stats_on_triton_backend_equals_torch(gen):
             acc.update(grad, act, m)
     a, b = accs["torch"], accs["triton"]
     assert a.n == b.n and a.p == b.p
-    assert b.cross_frob2() == pytest.approx(a.cross_frob2(), rel=1e-5, abs=1e-6 * float(a.sq_norm_sum) / a.n ** 2)
+    assert b.cross_frob2() == pytest.approx(
+        a.cross_frob2(), rel=1e-5, abs=1e-6 * float(a.sq_norm_sum) / a.n**2
+    )
     sa, sb = a.saturation(), b.saturation()
     assert sb.cross_frob2_se_null == pytest.approx(sa.cross_frob2_se_null, rel=1e-5)
 
@@ -246,8 +280,9 @@ def test_gpu_check_cross_section_dry_run(tmp_path):
     assert out["all_ok"] and out["sample"]["counts_equal"] and out["position"]["counts_equal"], out
 
 
-@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
-                                    (torch.float32, F64)])
+@pytest.mark.parametrize(
+    "dtypes", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.float32, F64)]
+)
 def test_launches_ask_for_tf32x3_or_fp64(dtypes, gen, monkeypatch):
     """Both stages, both units: fp32 compute (bf16 or fp32 grad/act, fp32 W_in) launches with
     ``PRECISION="tf32x3"``, any fp64 input with fp64 ``ieee`` products; never plain ``tf32``. The

@@ -32,8 +32,6 @@ from fused_stats.accumulators.cross_stats import CrossStats
 F64 = torch.float64
 
 
-
-
 def run_reps(q, z, w_in, activation="relu", alpha=0.05):
     """One CrossStats per replication (two batches each); returns tensors of the fields."""
     out = {"est": [], "se": [], "se0": [], "saturated": [], "p": []}
@@ -41,7 +39,7 @@ def run_reps(q, z, w_in, activation="relu", alpha=0.05):
     for k in range(q.shape[0]):
         acc = CrossStats(q.shape[-1], w_in, activation, backend="torch")
         acc.update(q[k, : n // 2 + 1], z[k, : n // 2 + 1])
-        acc.update(q[k, n // 2 + 1:], z[k, n // 2 + 1:])
+        acc.update(q[k, n // 2 + 1 :], z[k, n // 2 + 1 :])
         s = acc.saturation(alpha)
         assert s.n == n
         out["est"].append(s.cross_frob2)
@@ -69,7 +67,7 @@ def signal_population(R, n, T, seed):
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(R, n, T, 3, generator=g, dtype=F64)
     q = (z @ W_ORTHO.T) @ B_TRUE.T + 0.5 * torch.randn(R, n, T, 3, generator=g, dtype=F64)
-    return q, z, T * T * float((B_TRUE ** 2).sum()) / 4
+    return q, z, T * T * float((B_TRUE**2).sum()) / 4
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +80,9 @@ def within_3_se(values, truth, what):
     R = values.shape[0]
     se = float(values.std()) / math.sqrt(R)
     mean = float(values.mean())
-    assert abs(mean - truth) <= 3 * se, f"{what}: MC mean {mean:.5g} vs truth {truth:.5g} (3 SE = {3 * se:.3g})"
+    assert abs(mean - truth) <= 3 * se, (
+        f"{what}: MC mean {mean:.5g} vs truth {truth:.5g} (3 SE = {3 * se:.3g})"
+    )
 
 
 def test_population_is_saturated_and_dependent():
@@ -128,4 +128,4 @@ def test_truth_by_large_sample():
     q, z, truth = signal_population(R=1, n=400_000, T=1, seed=9)
     phi = torch.relu(z[0, :, 0] @ W_ORTHO.T)
     C = q[0, :, 0].T @ phi / phi.shape[0]
-    assert abs(float((C ** 2).sum()) - truth) < 0.02 * truth
+    assert abs(float((C**2).sum()) - truth) < 0.02 * truth

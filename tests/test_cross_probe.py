@@ -36,17 +36,25 @@ F64 = torch.float64
 VOCAB = 40
 
 
-
-
-PHI = {"gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
-       "tanh": torch.tanh, "constant": torch.ones_like}
+PHI = {
+    "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
+    "tanh": torch.tanh,
+    "constant": torch.ones_like,
+}
 
 
 def build_llama(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=12, intermediate_size=24, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
-                                   max_position_embeddings=32, initializer_range=0.3)
+    cfg = transformers.LlamaConfig(
+        hidden_size=12,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        initializer_range=0.3,
+    )
     return transformers.LlamaForCausalLM(cfg).double().train()
 
 
@@ -58,8 +66,10 @@ def record_one(model, names, run_loss):
     """``{name: (z, q)}`` of one sample: outputs recorded by hooks, ONE backward of its loss."""
     outs, handles = {}, []
     for name in names:
+
         def hook(module, args, out, name=name):
             outs[name] = out[0] if isinstance(out, (tuple, list)) else out
+
         handles.append(model.get_submodule(name).register_forward_hook(hook))
     try:
         loss = run_loss(model)
@@ -72,8 +82,9 @@ def record_one(model, names, run_loss):
 
 def lm_loss_one(model, ids, labels):
     logits = model(input_ids=ids[None]).logits[0]
-    terms = [-torch.log_softmax(logits[t], -1)[labels[t + 1]] for t in range(len(ids) - 1)
-             if labels[t + 1] != -100]
+    terms = [
+        -torch.log_softmax(logits[t], -1)[labels[t + 1]] for t in range(len(ids) - 1) if labels[t + 1] != -100
+    ]
     return torch.stack(terms).mean()
 
 
@@ -95,8 +106,9 @@ def conv_rows(model, x, y, names):
     model.eval()
     rows = {n: [] for n in names}
     for b in range(x.shape[0]):
-        got = record_one(model, names, lambda m, b=b: torch.nn.functional.cross_entropy(
-            m(x[b:b + 1]), y[b:b + 1]))
+        got = record_one(
+            model, names, lambda m, b=b: torch.nn.functional.cross_entropy(m(x[b : b + 1]), y[b : b + 1])
+        )
         for n in names:
             z, q = got[n]
             rows[n].append((z.reshape(z.shape[0], -1).T, q.reshape(q.shape[0], -1).T))
@@ -137,7 +149,7 @@ def reference_se(flat, batch_sizes):
 
     sums, counts, start = [0.0, 0.0, 0.0], [0, 0, 0], 0
     for size in batch_sizes:
-        k = (flat[start:start + size] @ flat[start:start + size].T).tolist()
+        k = (flat[start : start + size] @ flat[start : start + size].T).tolist()
         start += size
         for i, j in permutations(range(size), 2):
             sums[0] += k[i][j] ** 2
@@ -172,8 +184,10 @@ def test_llama_cross_matches_per_sample_loop(unit, gen):
     for part in parts:
         probe.step(part, fs.causal_lm_loss)
     # the samples each step contributed: sequences, or counted positions (targets not -100)
-    batch_sizes = [part["input_ids"].shape[0] if unit == "sample"
-                   else int(part["attention_mask"].sum()) for part in parts]
+    batch_sizes = [
+        part["input_ids"].shape[0] if unit == "sample" else int(part["attention_mask"].sum())
+        for part in parts
+    ]
     probe.step(test_batch, fs.causal_lm_loss, stream="test")
     assert model.training
     ref_train = lm_rows(model, batch, points)

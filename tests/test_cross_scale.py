@@ -38,8 +38,6 @@ F64 = torch.float64
 SAT_FIELDS = ("cross_frob2", "cross_frob2_se", "cross_frob2_se_null", "z", "p_value")
 
 
-
-
 # ----------------------------------------------------------------------------- synthetic data
 def cross_batches(seed: int, sizes, T=3, d=4, din=4, offset=0.7):
     """(grad, act, mask) batches; ``offset`` gives q a mean so that C ≠ 0 (no cancellation blur)."""
@@ -60,8 +58,13 @@ def w_in_for(seed=0, rank=3, din=4, dtype=F64):
 
 
 def fed(batches, unit="sample", w_in=None, **kwargs):
-    acc = CrossStats(batches[0][0].shape[-1] if batches else 4,
-                     w_in_for() if w_in is None else w_in, "gelu", backend="torch", **kwargs)
+    acc = CrossStats(
+        batches[0][0].shape[-1] if batches else 4,
+        w_in_for() if w_in is None else w_in,
+        "gelu",
+        backend="torch",
+        **kwargs,
+    )
     for g, z, m in batches:
         acc.update(g, z, m, unit=unit)
     return acc
@@ -76,8 +79,11 @@ def explicit_frob2(batches, w_in, unit):
     cs = []
     for grad, act, mask in batches:
         for b in range(grad.shape[0]):
-            outers = [torch.outer(grad[b, t], gelu(w_in.to(F64) @ act[b, t]))
-                      for t in range(grad.shape[1]) if mask[b, t]]
+            outers = [
+                torch.outer(grad[b, t], gelu(w_in.to(F64) @ act[b, t]))
+                for t in range(grad.shape[1])
+                if mask[b, t]
+            ]
             if unit == "sample":
                 cs.append(sum(outers))
             else:
@@ -109,7 +115,10 @@ def assert_same_saturation(a, b, rel=1e-10) -> None:
     assert (a.n, a.rank, a.saturated) == (b.n, b.rank, b.saturated)
     for key in SAT_FIELDS:
         assert math.isclose(getattr(a, key), getattr(b, key), rel_tol=rel, abs_tol=0), (
-            key, getattr(a, key), getattr(b, key))
+            key,
+            getattr(a, key),
+            getattr(b, key),
+        )
 
 
 # ----------------------------------------------------------------------------- 1. save / load / merge
@@ -147,8 +156,7 @@ def test_cli_merge_of_cross_files_equals_one_stream_and_u_statistic(tmp_path, ca
     merged = CrossStats.load(out)
     everything = [b for data in shards for b in data]
     assert_same_sums(merged, fed(everything))
-    assert merged.cross_frob2() == pytest.approx(explicit_frob2(everything, w_in_for(), "sample"),
-                                                 rel=1e-10)
+    assert merged.cross_frob2() == pytest.approx(explicit_frob2(everything, w_in_for(), "sample"), rel=1e-10)
 
 
 def _differs(**change):
@@ -157,16 +165,19 @@ def _differs(**change):
     return CrossStats(kwargs["dim"], kwargs["w_in"], kwargs["activation"], backend="torch")
 
 
-@pytest.mark.parametrize("other,words", [
-    (lambda: _differs(dim=5), ["dim 4 vs 5"]),
-    (lambda: _differs(w_in=w_in_for(rank=2)), ["rank 3 vs 2"]),
-    (lambda: _differs(w_in=w_in_for(din=6)), ["in_dim 4 vs 6"]),
-    (lambda: _differs(activation="relu"), ["activation 'gelu' vs 'relu'"]),
-    (lambda: _differs(w_in=w_in_for(seed=5)), ["w_in values"]),
-    (lambda: _differs(w_in=w_in_for(dtype=torch.float32)), ["w_in dtype torch.float64 vs torch.float32"]),
-    (lambda: fed(cross_batches(3, [3]), unit="position"), ["unit 'sample' vs 'position'"]),
-    (lambda: "not a state", ["str"]),
-])
+@pytest.mark.parametrize(
+    "other,words",
+    [
+        (lambda: _differs(dim=5), ["dim 4 vs 5"]),
+        (lambda: _differs(w_in=w_in_for(rank=2)), ["rank 3 vs 2"]),
+        (lambda: _differs(w_in=w_in_for(din=6)), ["in_dim 4 vs 6"]),
+        (lambda: _differs(activation="relu"), ["activation 'gelu' vs 'relu'"]),
+        (lambda: _differs(w_in=w_in_for(seed=5)), ["w_in values"]),
+        (lambda: _differs(w_in=w_in_for(dtype=torch.float32)), ["w_in dtype torch.float64 vs torch.float32"]),
+        (lambda: fed(cross_batches(3, [3]), unit="position"), ["unit 'sample' vs 'position'"]),
+        (lambda: "not a state", ["str"]),
+    ],
+)
 def test_merge_mismatch_names_the_difference_and_changes_nothing(other, words):
     acc = fed(cross_batches(2, [4]), name="layers.0")
     before = cross_state(acc)
@@ -201,21 +212,25 @@ def _edit_state(key, value):
         state = json.loads(meta["state"])
         state[key] = value
         meta["state"] = json.dumps(state)
+
     return edit
 
 
-@pytest.mark.parametrize("damage,words", [
-    ("flip_data", ["checksum"]),
-    ("truncate", ["damaged"]),
-    ("edit_n_in_header", ["checksum"]),
-    ("version", ["version '7'", "reads version 1"]),
-    ("gradstats_file", ["not a fused_stats.CrossStats state", "fused_stats.GradStats"]),
-    ("c_sum_shape", ["c_sum has shape (3, 3)", "expected (4, 3)"]),
-    ("n_negative", ["n=-2"]),
-    ("p_too_large", ["p=[9999, "]),
-    ("unit_unknown", ["unit='token'"]),
-    ("missing_tensor", ["holds tensors", "'u'"]),
-])
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        ("flip_data", ["checksum"]),
+        ("truncate", ["damaged"]),
+        ("edit_n_in_header", ["checksum"]),
+        ("version", ["version '7'", "reads version 1"]),
+        ("gradstats_file", ["not a fused_stats.CrossStats state", "fused_stats.GradStats"]),
+        ("c_sum_shape", ["c_sum has shape (3, 3)", "expected (4, 3)"]),
+        ("n_negative", ["n=-2"]),
+        ("p_too_large", ["p=[9999, "]),
+        ("unit_unknown", ["unit='token'"]),
+        ("missing_tensor", ["holds tensors", "'u'"]),
+    ],
+)
 def test_damaged_cross_file_is_rejected(tmp_path, damage, words):
     path = tmp_path / "s.safetensors"
     acc = fed(cross_batches(4, [4, 3]))
@@ -277,8 +292,10 @@ def test_cli_rejects_mixed_and_mismatched_cross_files(tmp_path, capsys):
     g.update(torch.randn(4, 4, dtype=F64))
     g.save(grad)
     out = tmp_path / "out.safetensors"
-    for inputs, words in [([a, relu], ["relu.safetensors", "activation 'gelu' vs 'relu'"]),
-                          ([a, grad], ["different kinds", "fused_stats.GradStats", "fused_stats.CrossStats"])]:
+    for inputs, words in [
+        ([a, relu], ["relu.safetensors", "activation 'gelu' vs 'relu'"]),
+        ([a, grad], ["different kinds", "fused_stats.GradStats", "fused_stats.CrossStats"]),
+    ]:
         assert main(["merge", str(out), *map(str, inputs)]) == 2
         err = capsys.readouterr().err
         for word in words:
@@ -331,8 +348,13 @@ def seq_batches(seed: int, count: int, size: int = 4, T: int = 4, pad: bool = Tr
     for _ in range(count):
         mask = torch.rand(size, T, generator=gen) < 0.75 if pad else torch.ones(size, T, dtype=torch.bool)
         mask[:, 0] = True
-        out.append({"x": torch.randn(size, T, 3, generator=gen) + 0.4, "attention_mask": mask,
-                    "y": torch.randint(0, 3, (size,), generator=gen)})
+        out.append(
+            {
+                "x": torch.randn(size, T, 3, generator=gen) + 0.4,
+                "attention_mask": mask,
+                "y": torch.randint(0, 3, (size,), generator=gen),
+            }
+        )
     return out
 
 
@@ -403,7 +425,8 @@ def test_resumed_run_has_the_uninterrupted_saturation(tmp_path, uninterrupted):
 def test_probe_save_state_load_state_round_trip(tmp_path, uninterrupted):
     snap = uninterrupted.save_state(tmp_path)
     assert sorted(p.name for p in snap.iterdir() if p.name.startswith("cross-")) == [
-        f"cross-{s}-000{i}.safetensors" for s in ("test", "train") for i in range(3)]
+        f"cross-{s}-000{i}.safetensors" for s in ("test", "train") for i in range(3)
+    ]
     fresh = new_probe()
     manifest = fresh.load_state(tmp_path)
     assert manifest["point_names"] == sorted(POINTS)
@@ -436,17 +459,22 @@ def test_merged_checkpoints_and_cli_merge_equal_one_run(tmp_path, uninterrupted,
             ref = uninterrupted.cross_stats if stream == "train" else uninterrupted.test_cross_stats
             for name in POINTS:
                 assert_same_sums(table[name], ref[name])
-                assert_same_saturation(merged.saturation(name, stream=stream),
-                                       uninterrupted.saturation(name, stream=stream))
+                assert_same_saturation(
+                    merged.saturation(name, stream=stream), uninterrupted.saturation(name, stream=stream)
+                )
 
 
 def test_merge_of_checkpoints_with_other_blocks_is_refused(tmp_path, capsys):
     batch = TRAIN[:1]
     run_all(new_probe(), batch, []).save_state(tmp_path / "a")
-    run_all(new_probe(fs.CrossSpec(rank=3, activation="gelu", seed=9)), batch, []).save_state(tmp_path / "seed")
+    run_all(new_probe(fs.CrossSpec(rank=3, activation="gelu", seed=9)), batch, []).save_state(
+        tmp_path / "seed"
+    )
     run_all(fs.Probe(SeqNet(), points=POINTS), batch, []).save_state(tmp_path / "plain")
-    for other, words in (("seed", ["merging point 'blocks.0' (train, cross)", "seed", "w_in values"]),
-                         ("plain", ["does not hold the same points", "missing", "'blocks.0' (train, cross)"])):
+    for other, words in (
+        ("seed", ["merging point 'blocks.0' (train, cross)", "seed", "w_in values"]),
+        ("plain", ["does not hold the same points", "missing", "'blocks.0' (train, cross)"]),
+    ):
         out = tmp_path / f"out-{other}"
         with pytest.raises(fs.FusedStatsError) as info:
             merge_checkpoints(out, [tmp_path / "a", tmp_path / other])
@@ -465,16 +493,36 @@ def test_checkpoint_and_probe_must_share_the_block(tmp_path, uninterrupted):
     # probe (compared with the block its CrossSpec would build)
     cases = [
         (tmp_path / "cross", lambda: fs.Probe(SeqNet(), points=POINTS), True, ["built without cross="]),
-        (tmp_path / "cross", lambda: new_probe(fs.CrossSpec(rank=3, activation="gelu", seed=5)),
-         False, ["w_in values", "'blocks.0'"]),
-        (tmp_path / "cross", lambda: new_probe(fs.CrossSpec(rank=3, activation="gelu", seed=5)),
-         True, ["w_in values", "'blocks.0'"]),
-        (tmp_path / "cross", lambda: new_probe(fs.CrossSpec(rank=2, activation="gelu", seed=4)),
-         True, ["(checkpoint vs probe) rank 3 vs 2"]),
-        (tmp_path / "cross", lambda: new_probe(fs.CrossSpec(rank=2, activation="gelu", seed=4)),
-         False, ["(checkpoint vs probe) rank 3 vs 2"]),
-        (tmp_path / "cross", lambda: new_probe(fs.CrossSpec(rank=3, activation="tanh", seed=4)),
-         False, ["activation 'gelu' vs 'tanh'"]),
+        (
+            tmp_path / "cross",
+            lambda: new_probe(fs.CrossSpec(rank=3, activation="gelu", seed=5)),
+            False,
+            ["w_in values", "'blocks.0'"],
+        ),
+        (
+            tmp_path / "cross",
+            lambda: new_probe(fs.CrossSpec(rank=3, activation="gelu", seed=5)),
+            True,
+            ["w_in values", "'blocks.0'"],
+        ),
+        (
+            tmp_path / "cross",
+            lambda: new_probe(fs.CrossSpec(rank=2, activation="gelu", seed=4)),
+            True,
+            ["(checkpoint vs probe) rank 3 vs 2"],
+        ),
+        (
+            tmp_path / "cross",
+            lambda: new_probe(fs.CrossSpec(rank=2, activation="gelu", seed=4)),
+            False,
+            ["(checkpoint vs probe) rank 3 vs 2"],
+        ),
+        (
+            tmp_path / "cross",
+            lambda: new_probe(fs.CrossSpec(rank=3, activation="tanh", seed=4)),
+            False,
+            ["activation 'gelu' vs 'tanh'"],
+        ),
         (tmp_path / "plain", new_probe, False, ["no cross-gradient statistics", "blocks.0 (train)"]),
     ]
     for directory, make, warm, words in cases:
@@ -538,8 +586,9 @@ def mismatch_cases(rank: int):
     return {
         "dim": lambda: CrossStats(4 + rank, w_in_for(), "gelu", backend="torch"),
         "rank": lambda: CrossStats(4, w_in_for(rank=3 - rank), "gelu", backend="torch"),
-        "activation": lambda: fed(data, w_in=w_in_for()) if rank == 0 else
-        CrossStats(4, w_in_for(), "relu", backend="torch"),
+        "activation": lambda: (
+            fed(data, w_in=w_in_for()) if rank == 0 else CrossStats(4, w_in_for(), "relu", backend="torch")
+        ),
         "w_in": lambda: fed(data, w_in=w_in_for(seed=rank)),
         "unit": lambda: fed(data, unit=("sample", "position")[rank]),
     }
@@ -561,9 +610,15 @@ def _worker(rank: int, world: int, outdir: str) -> None:
         for name, (data0, data1, unit) in rank_cases().items():
             acc = fed(data0 if rank == 0 else data1, unit)
             acc.all_reduce()
-            results["cases"][name] = {"n": acc.n, "batches": acc.batches, "p": acc.p, "unit": acc.unit,
-                                      "c_sum": acc.c_sum.tolist(), "sq": float(acc.sq_norm_sum),
-                                      "u": acc.u.tolist()}
+            results["cases"][name] = {
+                "n": acc.n,
+                "batches": acc.batches,
+                "p": acc.p,
+                "unit": acc.unit,
+                "c_sum": acc.c_sum.tolist(),
+                "sq": float(acc.sq_norm_sum),
+                "u": acc.u.tolist(),
+            }
         for name, make in mismatch_cases(rank).items():
             acc = make()
             before = cross_state(acc)
@@ -577,8 +632,11 @@ def _worker(rank: int, world: int, outdir: str) -> None:
         probe = new_probe()
         run_all(probe, *probe_shares(rank))
         probe.all_reduce()
-        results["probe"] = {f"{stream}/{name}": probe.saturation(name, stream=stream).to_dict()
-                            for stream in ("train", "test") for name in POINTS}
+        results["probe"] = {
+            f"{stream}/{name}": probe.saturation(name, stream=stream).to_dict()
+            for stream in ("train", "test")
+            for name in POINTS
+        }
         results["probe_c_sum"] = {name: probe.cross_stats[name].c_sum.tolist() for name in POINTS}
         results["probe_steps"] = probe.steps
         results["probe_n"] = {name: probe.stats[name].n for name in POINTS}
@@ -586,8 +644,10 @@ def _worker(rank: int, world: int, outdir: str) -> None:
         # a rank with another block (seed), or without cross=: an error on both ranks before any
         # accumulator is reduced
         results["probe_mismatch"] = {}
-        for case, spec in (("seed", fs.CrossSpec(rank=3, seed=4 + rank)),
-                           ("no_cross", SPEC if rank == 0 else None)):
+        for case, spec in (
+            ("seed", fs.CrossSpec(rank=3, seed=4 + rank)),
+            ("no_cross", SPEC if rank == 0 else None),
+        ):
             other = run_all(fs.Probe(SeqNet(), points=POINTS, cross=spec), TRAIN[:1], [])
             before = probe_state(other)
             try:
@@ -623,10 +683,16 @@ def test_all_reduce_equals_one_stream(ranks, case):
         assert math.isclose(got["sq"], float(ref.sq_norm_sum), rel_tol=1e-12)
 
 
-@pytest.mark.parametrize("case,words", [
-    ("dim", ["dim [4, 5]"]), ("rank", ["rank [3, 2]"]), ("activation", ["activation ['gelu', 'relu']"]),
-    ("w_in", ["w_in"]), ("unit", ["unit ['sample', 'position']"]),
-])
+@pytest.mark.parametrize(
+    "case,words",
+    [
+        ("dim", ["dim [4, 5]"]),
+        ("rank", ["rank [3, 2]"]),
+        ("activation", ["activation ['gelu', 'relu']"]),
+        ("w_in", ["w_in"]),
+        ("unit", ["unit ['sample', 'position']"]),
+    ],
+)
 def test_all_reduce_mismatch_raises_on_every_rank(ranks, case, words):
     for rank in range(2):
         err = ranks[rank]["mismatch"][case]
@@ -643,8 +709,12 @@ def test_probe_all_reduce_carries_cross_statistics(ranks, uninterrupted):
         assert got["probe_steps"] == ref.steps
         assert got["probe_n"] == {name: ref.stats[name].n for name in POINTS}
         for name in POINTS:
-            torch.testing.assert_close(torch.tensor(got["probe_c_sum"][name], dtype=F64),
-                                       ref.cross_stats[name].c_sum, rtol=1e-12, atol=1e-300)
+            torch.testing.assert_close(
+                torch.tensor(got["probe_c_sum"][name], dtype=F64),
+                ref.cross_stats[name].c_sum,
+                rtol=1e-12,
+                atol=1e-300,
+            )
         for stream in ("train", "test"):
             for name in POINTS:
                 want = ref.saturation(name, stream=stream)
@@ -652,8 +722,10 @@ def test_probe_all_reduce_carries_cross_statistics(ranks, uninterrupted):
                 assert have["n"] == want.n and have["saturated"] == want.saturated
                 for key in SAT_FIELDS + ("ag_max", "ag_mean"):
                     assert math.isclose(have[key], getattr(want, key), rel_tol=1e-10), (key, have[key])
-        for case, words in (("seed", ["cross statistics at point", "block (activation, W_in) groups [0, 1]"]),
-                            ("no_cross", ["probe built with cross= [True, False]"])):
+        for case, words in (
+            ("seed", ["cross statistics at point", "block (activation, W_in) groups [0, 1]"]),
+            ("no_cross", ["probe built with cross= [True, False]"]),
+        ):
             err = got["probe_mismatch"][case]
             assert err is not None, f"rank {rank} accepted a probe {case} mismatch"
             for word in words:

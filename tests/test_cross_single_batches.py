@@ -31,8 +31,13 @@ def explicit_c(q, z, w_in):
 
 def stream(gen, sizes, T=3, d=4, din=5, r=3):
     w_in = torch.randn(r, din, generator=gen, dtype=F64) / math.sqrt(din)
-    batches = [(torch.randn(b, T, d, generator=gen, dtype=F64) + 0.2,
-                torch.randn(b, T, din, generator=gen, dtype=F64)) for b in sizes]
+    batches = [
+        (
+            torch.randn(b, T, d, generator=gen, dtype=F64) + 0.2,
+            torch.randn(b, T, din, generator=gen, dtype=F64),
+        )
+        for b in sizes
+    ]
     return w_in, batches
 
 
@@ -98,7 +103,7 @@ def test_level_with_batch_size_one_under_h0(alpha):
         sign = torch.randint(0, 2, (n, 1, 1), generator=gen).to(F64) * 2 - 1
         q = sign * torch.stack([z[..., 0], z[..., 1] ** 2, 1 + z[..., 0] * z[..., 1]], dim=-1)
         for i in range(n):
-            acc.update(q[i:i + 1], z[i:i + 1])
+            acc.update(q[i : i + 1], z[i : i + 1])
         assert acc.n == n and acc.p[0] == 2 * (n - 1)  # every consecutive pair used, nothing else
         rejected += not acc.saturation(alpha).saturated
     rate = rejected / reps
@@ -124,8 +129,11 @@ def test_level_of_the_consecutive_pair_statistics_tight():
         base[:, 0, 0] += 1.0
         sign = torch.randint(0, 2, (n, 1, 1), generator=gen).to(F64) * 2 - 1
         for c in sign * base:
-            acc.commit(CrossBatch(n=1, c_sum=c, sq_norm_sum=(c * c).sum(), u2=zero, u3=zero,
-                                  u4=zero, p2=0, p3=0, p4=0))
+            acc.commit(
+                CrossBatch(
+                    n=1, c_sum=c, sq_norm_sum=(c * c).sum(), u2=zero, u3=zero, u4=zero, p2=0, p3=0, p4=0
+                )
+            )
         rejected += not acc.saturation(alpha).saturated
     rate = rejected / reps
     assert abs(rate - alpha) <= 0.02, rate  # Monte Carlo SE 0.56 points

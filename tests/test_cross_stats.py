@@ -30,8 +30,11 @@ def explicit_cs(grad, act, mask, w_in, unit):
     phi = lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))  # noqa: E731  gelu
     out = []
     for b in range(grad.shape[0]):
-        outers = [torch.outer(grad[b, t].to(F64), phi(w_in.to(F64) @ act[b, t].to(F64)))
-                  for t in range(grad.shape[1]) if mask is None or mask[b, t]]
+        outers = [
+            torch.outer(grad[b, t].to(F64), phi(w_in.to(F64) @ act[b, t].to(F64)))
+            for t in range(grad.shape[1])
+            if mask is None or mask[b, t]
+        ]
         if unit == "sample" and outers:
             out.append(sum(outers))
         elif unit == "position":
@@ -84,7 +87,7 @@ def test_twin_tuple_sums_by_loops(gen):
     u2 = u3 = u4 = 0.0
     counts = [0, 0, 0]
     for start in range(0, len(cs), 5):
-        grp = cs[start:start + 5]
+        grp = cs[start : start + 5]
         k = [[float((x * y).sum()) for y in grp] for x in grp]
         idx = range(len(grp))
         for i, j in itertools.permutations(idx, 2):

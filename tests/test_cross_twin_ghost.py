@@ -21,9 +21,10 @@ def _reference(grad, act, mask, w_in, group):
         kept = [t for t in range(T) if mask is None or bool(mask[b, t])]
         if not kept:
             continue
-        c = sum(torch.outer(grad[b, t].double(),
-                            torch.nn.functional.gelu(w_in.double() @ act[b, t].double()))
-                for t in kept)
+        c = sum(
+            torch.outer(grad[b, t].double(), torch.nn.functional.gelu(w_in.double() @ act[b, t].double()))
+            for t in kept
+        )
         cs.append(c)
     n = len(cs)
     u2 = u3 = u4 = 0.0

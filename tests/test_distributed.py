@@ -55,33 +55,55 @@ def cases():
     d_auto = 16
     limit = auto_pool_limit(d_auto)  # 9
     return {
-        "dense": (dict(dim=6, second_moment="dense"),
-                  batches(1, [7, 5], 6, 3.0), batches(2, [4, 9, 3], 6, -2.0), {}),
-        "pool": (dict(dim=5, second_moment="pool"),
-                 batches(3, [6, 3], 5, 10.0), batches(4, [5], 5, 1.0), {}),
-        "pool_capacity": (dict(dim=5, second_moment="pool", pool_capacity=30),
-                          batches(5, [6], 5, 0.5), batches(6, [7], 5, 0.5), {}),
+        "dense": (
+            dict(dim=6, second_moment="dense"),
+            batches(1, [7, 5], 6, 3.0),
+            batches(2, [4, 9, 3], 6, -2.0),
+            {},
+        ),
+        "pool": (dict(dim=5, second_moment="pool"), batches(3, [6, 3], 5, 10.0), batches(4, [5], 5, 1.0), {}),
+        "pool_capacity": (
+            dict(dim=5, second_moment="pool", pool_capacity=30),
+            batches(5, [6], 5, 0.5),
+            batches(6, [7], 5, 0.5),
+            {},
+        ),
         # 4 + 4 <= limit: stays a pool on both ranks
-        "auto_pool": (dict(dim=d_auto, second_moment="auto"),
-                      batches(7, [4], d_auto, 2.0), batches(8, [2, 2], d_auto, 2.0), {}),
+        "auto_pool": (
+            dict(dim=d_auto, second_moment="auto"),
+            batches(7, [4], d_auto, 2.0),
+            batches(8, [2, 2], d_auto, 2.0),
+            {},
+        ),
         # each rank below the limit, the total above it: must become dense through the reduce
-        "auto_switch": (dict(dim=d_auto, second_moment="auto"),
-                        batches(9, [limit - 2], d_auto, 1.0), batches(10, [limit - 3], d_auto, 4.0), {}),
+        "auto_switch": (
+            dict(dim=d_auto, second_moment="auto"),
+            batches(9, [limit - 2], d_auto, 1.0),
+            batches(10, [limit - 3], d_auto, 4.0),
+            {},
+        ),
         # rank 1 already switched to dense, rank 0 still a pool
-        "auto_mixed": (dict(dim=d_auto, second_moment="auto"),
-                       batches(11, [3], d_auto, 1.0), batches(12, [limit, 4], d_auto, 1.0), {}),
-        "dense_empty_rank1": (dict(dim=6, second_moment="dense"),
-                              batches(13, [8], 6, 5.0), [], {}),
-        "pool_empty_rank0": (dict(dim=6, second_moment="pool"),
-                             [], batches(14, [3, 4], 6, 5.0), {}),
-        "auto_empty_rank0": (dict(dim=d_auto, second_moment="auto"),
-                             [], batches(15, [5], d_auto, 1.0), {}),
-        "position_masked": (dict(dim=4, second_moment="dense"),
-                            batches(16, [3, 2], 4, 1.0, positions=5),
-                            batches(17, [4], 4, -1.0, positions=5), dict(unit="position")),
-        "sample_masked_fp32": (dict(dim=4, second_moment="auto"),
-                               batches(18, [5], 4, 30.0, torch.float32, positions=3),
-                               batches(19, [6], 4, 30.0, torch.float32, positions=3), {}),
+        "auto_mixed": (
+            dict(dim=d_auto, second_moment="auto"),
+            batches(11, [3], d_auto, 1.0),
+            batches(12, [limit, 4], d_auto, 1.0),
+            {},
+        ),
+        "dense_empty_rank1": (dict(dim=6, second_moment="dense"), batches(13, [8], 6, 5.0), [], {}),
+        "pool_empty_rank0": (dict(dim=6, second_moment="pool"), [], batches(14, [3, 4], 6, 5.0), {}),
+        "auto_empty_rank0": (dict(dim=d_auto, second_moment="auto"), [], batches(15, [5], d_auto, 1.0), {}),
+        "position_masked": (
+            dict(dim=4, second_moment="dense"),
+            batches(16, [3, 2], 4, 1.0, positions=5),
+            batches(17, [4], 4, -1.0, positions=5),
+            dict(unit="position"),
+        ),
+        "sample_masked_fp32": (
+            dict(dim=4, second_moment="auto"),
+            batches(18, [5], 4, 30.0, torch.float32, positions=3),
+            batches(19, [6], 4, 30.0, torch.float32, positions=3),
+            {},
+        ),
     }
 
 
@@ -138,8 +160,10 @@ def probe_loss(model, batch):
 
 def probe_batches(seed: int, count: int):
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(5, 4, generator=gen) + 0.3, torch.randint(0, 3, (5,), generator=gen))
-            for _ in range(count)]
+    return [
+        (torch.randn(5, 4, generator=gen) + 0.3, torch.randint(0, 3, (5,), generator=gen))
+        for _ in range(count)
+    ]
 
 
 def probe_data(rank: int):
@@ -195,8 +219,7 @@ def _worker(rank: int, world: int, outdir: str) -> None:
                 acc.all_reduce()
                 errors[case] = None
             except fs.FusedStatsError as exc:
-                errors[case] = {"message": str(exc), "unchanged": same_state(acc, before),
-                                "n": acc.n}
+                errors[case] = {"message": str(exc), "unchanged": same_state(acc, before), "n": acc.n}
         acc = fs.GradStats(4, second_moment="dense")
         acc.update(torch.randn(5, 3, 4), unit=("sample", "position")[rank])
         before = state_tensors(acc)
@@ -208,24 +231,26 @@ def _worker(rank: int, world: int, outdir: str) -> None:
         results["errors"] = errors
 
         # a whole probe, each rank on its own batches
-        probe = run_probe(fs.Probe(TinyNet(), points=PROBE_POINTS, second_moment="pool"),
-                          *probe_data(rank))
+        probe = run_probe(fs.Probe(TinyNet(), points=PROBE_POINTS, second_moment="pool"), *probe_data(rank))
         all_reduce_probe(probe)
-        results["probe"] = {f"{stream}/{name}": summary(accs[name])
-                            for stream, accs in (("train", probe.stats), ("test", probe.test_stats))
-                            for name in PROBE_POINTS}
+        results["probe"] = {
+            f"{stream}/{name}": summary(accs[name])
+            for stream, accs in (("train", probe.stats), ("test", probe.test_stats))
+            for name in PROBE_POINTS
+        }
         results["probe_steps"] = probe.steps
         # a third kind of accumulator goes through the same table and reduce
-        hist = run_probe(fs.Probe(TinyNet(), points=PROBE_POINTS, norm_histogram=HIST),
-                         *probe_data(rank))
+        hist = run_probe(fs.Probe(TinyNet(), points=PROBE_POINTS, norm_histogram=HIST), *probe_data(rank))
         all_reduce_probe(hist)
-        results["histograms"] = {f"{kind}/{stream}/{name}": acc.counts.tolist()
-                                 for (kind, stream, name), acc in hist.table.items()
-                                 if kind == "norm_hist"}
+        results["histograms"] = {
+            f"{kind}/{stream}/{name}": acc.counts.tolist()
+            for (kind, stream, name), acc in hist.table.items()
+            if kind == "norm_hist"
+        }
         # ranks probing different points (also different numbers of them): an error on both
         # ranks, not a hang
         mismatch = []
-        for points in (PROBE_POINTS[rank:rank + 1], PROBE_POINTS[rank:]):
+        for points in (PROBE_POINTS[rank : rank + 1], PROBE_POINTS[rank:]):
             other = run_probe(fs.Probe(TinyNet(), points=points), *probe_data(0))
             try:
                 all_reduce_probe(other)
@@ -278,8 +303,12 @@ def assert_same(got: dict, ref: dict, rel: float = 1e-10) -> None:
             # the scale of the four targets: differences of terms of size ~|q|^2 / |q|^4
             assert math.isclose(got[key], ref[key], rel_tol=rel, abs_tol=1e-300), (key, got[key], ref[key])
     if "pool_rows" in ref:
-        assert torch.allclose(torch.tensor(got["pool_rows"], dtype=F64),
-                              torch.tensor(ref["pool_rows"], dtype=F64), rtol=1e-12, atol=1e-12)
+        assert torch.allclose(
+            torch.tensor(got["pool_rows"], dtype=F64),
+            torch.tensor(ref["pool_rows"], dtype=F64),
+            rtol=1e-12,
+            atol=1e-12,
+        )
     if "misalignment" in ref:
         assert got["misalignment"] == ref["misalignment"]
 
@@ -314,10 +343,15 @@ def test_no_data_anywhere(ranks):
         assert ranks[rank]["all_empty"]["skipped"] == 2  # one skipped batch per rank
 
 
-@pytest.mark.parametrize("case,words", [("dim", ["dim", "[4, 5]"]),
-                                        ("second_moment", ["second_moment", "dense", "pool"]),
-                                        ("capacity", ["pool_capacity=9", "10"]),
-                                        ("unit", ["unit", "sample", "position"])])
+@pytest.mark.parametrize(
+    "case,words",
+    [
+        ("dim", ["dim", "[4, 5]"]),
+        ("second_moment", ["second_moment", "dense", "pool"]),
+        ("capacity", ["pool_capacity=9", "10"]),
+        ("unit", ["unit", "sample", "position"]),
+    ],
+)
 def test_mismatch_raises_on_every_rank(ranks, case, words):
     for rank in range(2):
         err = ranks[rank]["errors"][case]
@@ -332,11 +366,13 @@ HIST = {"low": 1e-3, "high": 1e1, "bins": 8}
 
 def test_probe_all_reduce_of_norm_histograms(ranks):
     (train0, test0), (train1, test1) = probe_data(0), probe_data(1)
-    ref = run_probe(fs.Probe(TinyNet(), points=PROBE_POINTS, norm_histogram=HIST),
-                    train0 + train1, test0 + test1)
+    ref = run_probe(
+        fs.Probe(TinyNet(), points=PROBE_POINTS, norm_histogram=HIST), train0 + train1, test0 + test1
+    )
     # the one-stream reference: numpy's histogram of the per-sample norms the GradStats pools hold
-    pooled = run_probe(fs.Probe(TinyNet(), points=PROBE_POINTS, second_moment="pool"),
-                       train0 + train1, test0 + test1)
+    pooled = run_probe(
+        fs.Probe(TinyNet(), points=PROBE_POINTS, second_moment="pool"), train0 + train1, test0 + test1
+    )
     edges = np.logspace(-3, 1, 9)
     for rank in range(2):
         got = ranks[rank]["histograms"]
@@ -347,14 +383,17 @@ def test_probe_all_reduce_of_norm_histograms(ranks):
                 inside = np.histogram(norms[(norms >= 1e-3) & (norms < 1e1)], bins=edges)[0]
                 want = [int((norms < 1e-3).sum()), *inside.tolist(), int((norms >= 1e1).sum())]
                 assert [int(v) for v in got[f"norm_hist/{stream}/{name}"]] == want
-                assert got[f"norm_hist/{stream}/{name}"] == \
-                    ref.table[("norm_hist", stream, name)].counts.tolist()
+                assert (
+                    got[f"norm_hist/{stream}/{name}"]
+                    == ref.table[("norm_hist", stream, name)].counts.tolist()
+                )
 
 
 def test_probe_all_reduce(ranks):
     (train0, test0), (train1, test1) = probe_data(0), probe_data(1)
-    ref = run_probe(fs.Probe(TinyNet(), points=PROBE_POINTS, second_moment="pool"),
-                    train0 + train1, test0 + test1)
+    ref = run_probe(
+        fs.Probe(TinyNet(), points=PROBE_POINTS, second_moment="pool"), train0 + train1, test0 + test1
+    )
     for rank in range(2):
         assert ranks[rank]["probe_steps"] == ref.steps == {"train": 6, "test": 2}
         for stream, accs in (("train", ref.stats), ("test", ref.test_stats)):
@@ -375,8 +414,7 @@ def _nccl_worker(rank: int, world: int, port: int, outdir: str) -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = {}
         for name in NCCL_CASES:
@@ -397,9 +435,10 @@ def _nccl_worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs two CUDA devices: NCCL over one rank is an identity all-reduce "
-                           "and would check nothing")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs two CUDA devices: NCCL over one rank is an identity all-reduce and would check nothing",
+)
 def test_nccl_all_reduce_equals_one_stream(tmp_path):
     world = 2
     mp.spawn(_nccl_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)

@@ -41,13 +41,15 @@ def fed(mode: str, gen: torch.Generator, n: int = 20, **kwargs) -> fs.GradStats:
     return fed_with_rows(mode, gen, n, **kwargs)[0]
 
 
-def fed_with_rows(mode: str, gen: torch.Generator, n: int = 20, **kwargs) -> tuple[fs.GradStats, torch.Tensor]:
+def fed_with_rows(
+    mode: str, gen: torch.Generator, n: int = 20, **kwargs
+) -> tuple[fs.GradStats, torch.Tensor]:
     """An accumulator fed ``n`` fresh rows in two batches, and those rows (fp64, for references)."""
     mu, L = population(D, "mean_like_noise", gen)
     acc = fs.GradStats(D, second_moment=mode, **kwargs)
     rows = draw((n,), mu, L, gen)
     acc.update(rows[: n // 2])
-    acc.update(rows[n // 2:])
+    acc.update(rows[n // 2 :])
     return acc, rows
 
 
@@ -73,18 +75,36 @@ MODES = ["dense", "pool", "auto"]
 def test_wrong_shapes_and_dims(mode, gen):
     acc = fed(mode, gen)
     good = torch.randn(4, D, generator=gen, dtype=F64)
-    rejects(acc, lambda: acc.update(torch.randn(4, D + 1, dtype=F64)),
-            r"\(4, 7\)", "expected dim=6", "float64")
+    rejects(
+        acc, lambda: acc.update(torch.randn(4, D + 1, dtype=F64)), r"\(4, 7\)", "expected dim=6", "float64"
+    )
     rejects(acc, lambda: acc.update(torch.randn(D, dtype=F64)), r"\(6,\)", r"\(B, d\)")
-    rejects(acc, lambda: acc.update(torch.randn(3, 5, D, dtype=F64), feature_dim=1),
-            r"\(3, 5, 6\)", "expected dim=6")
-    rejects(acc, lambda: acc.update(torch.randn(3, D, 2, dtype=F64), feature_dim=0),
-            "feature_dim=0", r"\(3, 6, 2\)")
-    rejects(acc, lambda: acc.update(torch.randn(3, D, 2, dtype=F64), feature_dim=3),
-            "feature_dim=3", r"\(3, 6, 2\)")
+    rejects(
+        acc,
+        lambda: acc.update(torch.randn(3, 5, D, dtype=F64), feature_dim=1),
+        r"\(3, 5, 6\)",
+        "expected dim=6",
+    )
+    rejects(
+        acc,
+        lambda: acc.update(torch.randn(3, D, 2, dtype=F64), feature_dim=0),
+        "feature_dim=0",
+        r"\(3, 6, 2\)",
+    )
+    rejects(
+        acc,
+        lambda: acc.update(torch.randn(3, D, 2, dtype=F64), feature_dim=3),
+        "feature_dim=3",
+        r"\(3, 6, 2\)",
+    )
     flat = fs.GradStats(D, second_moment=mode)
-    rejects(flat, lambda: flat.update(torch.randn(3, 2, 4, dtype=F64), unit="flat"),
-            r"\(2, 4\)", "8 elements", "dim=6")
+    rejects(
+        flat,
+        lambda: flat.update(torch.randn(3, 2, 4, dtype=F64), unit="flat"),
+        r"\(2, 4\)",
+        "8 elements",
+        "dim=6",
+    )
     rejects(acc, lambda: acc.update(torch.ones(4, D, dtype=torch.int64)), "floating-point", "torch.int64")
     rejects(acc, lambda: acc.update(torch.ones(4, D, dtype=torch.bool)), "floating-point", "torch.bool")
     rejects(acc, lambda: acc.update(good.numpy()), "torch.Tensor", "ndarray")
@@ -99,8 +119,13 @@ def test_wrong_shapes_and_dims(mode, gen):
 def test_mask_errors(mode, gen):
     acc = fed(mode, gen)
     grad = torch.randn(3, 5, D, generator=gen, dtype=F64)
-    rejects(acc, lambda: acc.update(grad, mask=torch.ones(3, 6, dtype=torch.bool)),
-            r"mask.*\(3, 6\)", r"expected \(3, 5\)", r"\(3,\)")
+    rejects(
+        acc,
+        lambda: acc.update(grad, mask=torch.ones(3, 6, dtype=torch.bool)),
+        r"mask.*\(3, 6\)",
+        r"expected \(3, 5\)",
+        r"\(3,\)",
+    )
     rejects(acc, lambda: acc.update(grad, mask=torch.ones(5, dtype=torch.bool)), r"\(5,\)")
     bad = torch.ones(3, 5)
     bad[1, 2] = math.nan
@@ -140,7 +165,9 @@ def test_non_finite_raise_by_default(mode, bad, gen):
     # earlier rows plus the loop-built per-sample sums of the new batch (the NaN position left out)
     q = torch.cat([rows, per_sample_vectors(grad, mask, "sample")])
     assert acc.n == 11 and q.shape[0] == 11
-    assert_targets_close(acc.estimate(), brute_force_targets(q), 1e-9, context=f"after a masked {bad}, mode={mode}")
+    assert_targets_close(
+        acc.estimate(), brute_force_targets(q), 1e-9, context=f"after a masked {bad}, mode={mode}"
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -177,11 +204,15 @@ def test_pool_capacity_exceeded(gen):
 
 
 def test_bad_constructor_arguments():
-    for kwargs, pattern in (({"dim": 0}, "dim"), ({"dim": 2.5}, "dim"), ({"dim": True}, "dim"),
-                            ({"dim": 3, "second_moment": "full"}, "'full'"),
-                            ({"dim": 3, "pool_capacity": 0}, "pool_capacity"),
-                            ({"dim": 3, "nonfinite": "ignore"}, "'ignore'"),
-                            ({"dim": 3, "backend": "cuda"}, "'cuda'")):
+    for kwargs, pattern in (
+        ({"dim": 0}, "dim"),
+        ({"dim": 2.5}, "dim"),
+        ({"dim": True}, "dim"),
+        ({"dim": 3, "second_moment": "full"}, "'full'"),
+        ({"dim": 3, "pool_capacity": 0}, "pool_capacity"),
+        ({"dim": 3, "nonfinite": "ignore"}, "'ignore'"),
+        ({"dim": 3, "backend": "cuda"}, "'cuda'"),
+    ):
         with pytest.raises(fs.FusedStatsError, match=pattern):
             fs.GradStats(**kwargs)
 
@@ -219,14 +250,23 @@ def assert_same_accumulator(a: fs.GradStats, b: fs.GradStats) -> None:
     assert a.config() == b.config()
 
 
-@pytest.mark.parametrize("case", ["dense", "pool", "auto_pool", "auto_dense", "empty", "skipped",
-                                  "position"])
+@pytest.mark.parametrize("case", ["dense", "pool", "auto_pool", "auto_dense", "empty", "skipped", "position"])
 def test_save_load_round_trip_is_exact(case, tmp_path, gen):
     mu, L = population(D, "mean_100x_noise", gen)
-    mode = {"auto_pool": "auto", "auto_dense": "auto", "skipped": "dense", "position": "pool",
-            "empty": "auto"}.get(case, case)
-    acc = fs.GradStats(D, second_moment=mode, pool_capacity=50 if case == "pool" else None,
-                       nonfinite="skip", name=f"point.{case}")
+    mode = {
+        "auto_pool": "auto",
+        "auto_dense": "auto",
+        "skipped": "dense",
+        "position": "pool",
+        "empty": "auto",
+    }.get(case, case)
+    acc = fs.GradStats(
+        D,
+        second_moment=mode,
+        pool_capacity=50 if case == "pool" else None,
+        nonfinite="skip",
+        name=f"point.{case}",
+    )
     if case == "empty":
         pass
     elif case == "position":
@@ -360,8 +400,10 @@ def test_overflowing_fourth_power_is_rejected_and_state_unchanged():
         assert torch.equal(getattr(acc, key), value), key
 
 
-@pytest.mark.parametrize("mode,failing", [("dense", "second_moment_update"), ("pool", "gram_rows"),
-                                          ("auto", "second_moment_update")])
+@pytest.mark.parametrize(
+    "mode,failing",
+    [("dense", "second_moment_update"), ("pool", "gram_rows"), ("auto", "second_moment_update")],
+)
 def test_failure_inside_the_second_moment_leaves_the_state_consistent(mode, failing, monkeypatch):
     # an allocation or kernel failure (e.g. CUDA out of memory) while the second moment is built
     # must not leave n and the sums ahead of S / the pool: the second moment is built first
@@ -385,8 +427,12 @@ def test_failure_inside_the_second_moment_leaves_the_state_consistent(mode, fail
     assert acc.same_state(before), state_differences(acc.state_dict(), before.state_dict())
     acc.update(big)  # and it still works afterwards: exactly the 11 rows, nothing of the failed try
     assert acc.n == 11
-    assert_targets_close(acc.estimate(), brute_force_targets(torch.cat([first, big])), 1e-9,
-                         context=f"recovered after a failing {failing}, mode={mode}")
+    assert_targets_close(
+        acc.estimate(),
+        brute_force_targets(torch.cat([first, big])),
+        1e-9,
+        context=f"recovered after a failing {failing}, mode={mode}",
+    )
 
 
 def test_saved_state_has_ordinary_file_permissions(tmp_path):

@@ -49,7 +49,12 @@ def test_reference_matches_hand_computed_values():
     # U4 = 4! q1 q2 q3 q4 / 4! = 24, tr Sigma = sample variance = 5/3.
     u = brute_force_u(torch.tensor([[1.0], [2.0], [3.0], [4.0]], dtype=torch.float64))
     assert (u["U1"], u["U2"], u["U3"], u["U4"], u["T"]) == (
-        Fraction(70, 12), Fraction(546, 12), Fraction(808, 24), 24, Fraction(5, 3))
+        Fraction(70, 12),
+        Fraction(546, 12),
+        Fraction(808, 24),
+        24,
+        Fraction(5, 3),
+    )
 
 
 @pytest.mark.parametrize("regime", list(REGIMES))

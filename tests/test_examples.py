@@ -18,30 +18,68 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_example(name: str, *args: str, tmp_path: Path) -> str:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args], cwd=tmp_path, capture_output=True,
-        text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
 def test_quickstart(tmp_path):
     out = run_example("quickstart.py", tmp_path=tmp_path)
-    for needle in ("d_align=", "Certificate(", "Misalignment(", "realized alignment",
-                   "Saturation(", "| eta | predicted | measured | ratio |"):
+    for needle in (
+        "d_align=",
+        "Certificate(",
+        "Misalignment(",
+        "realized alignment",
+        "Saturation(",
+        "| eta | predicted | measured | ratio |",
+    ):
         assert needle in out, needle
 
 
 def test_probe_llama_tiny(tmp_path):
-    out = run_example("probe_llama.py", "--width", "16", "--depth", "2", "--seq", "16",
-                      "--batch", "4", "--train-steps", "2", "--probe-batches", "2",
-                      "--out", str(tmp_path / "o"), tmp_path=tmp_path)
+    out = run_example(
+        "probe_llama.py",
+        "--width",
+        "16",
+        "--depth",
+        "2",
+        "--seq",
+        "16",
+        "--batch",
+        "4",
+        "--train-steps",
+        "2",
+        "--probe-batches",
+        "2",
+        "--out",
+        str(tmp_path / "o"),
+        tmp_path=tmp_path,
+    )
     assert "model.layers.1" in out
     assert (tmp_path / "o" / "report.json").is_file()
 
 
 def test_probe_resnet_tiny(tmp_path):
-    out = run_example("probe_resnet.py", "--width", "2", "--side", "8", "--train-steps", "1",
-                      "--batch", "8", "--probe-batches", "1", tmp_path=tmp_path)
+    out = run_example(
+        "probe_resnet.py",
+        "--width",
+        "2",
+        "--side",
+        "8",
+        "--train-steps",
+        "1",
+        "--batch",
+        "8",
+        "--probe-batches",
+        "1",
+        tmp_path=tmp_path,
+    )
     assert "layer3.2" in out  # the table reaches the last block
     # the example checks the probe's q_b against one backward per image and prints the agreement
     found = re.search(r"self-check at layer3\.2: .*= ([0-9.e+-]+)", out)

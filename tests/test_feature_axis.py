@@ -58,13 +58,19 @@ def test_resnet_points_need_no_feature_dim(gen):
     probe = fs.Probe(net, points=points, second_moment="dense")
     probe.step((x, y), fs.classification_loss)
     assert probe.feature_dims == dict.fromkeys(points, 1)
-    assert probe.dims == {"layer1.1": 2, "layer2.0": 4, "layer2.0.downsample": 4,
-                          "layer3.0.conv2": 8, "layer3.1.bn1": 8}
+    assert probe.dims == {
+        "layer1.1": 2,
+        "layer2.0": 4,
+        "layer2.0.downsample": 4,
+        "layer3.0.conv2": 8,
+        "layer3.1.bn1": 8,
+    }
     net.eval()
     rows = {p: [] for p in points}
     for b in range(5):
-        g = R.point_grads_one_sample(net, points,
-                                     lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b])))
+        g = R.point_grads_one_sample(
+            net, points, lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b]))
+        )
         for p in points:
             rows[p].append(g[p][0].sum(dim=(1, 2))[None])  # channels, summed over the pixels
     for p in points:
@@ -81,7 +87,10 @@ def test_head_activations_are_refused_without_feature_dim(gen):
     msg = str(info.value)
     assert "'hook_z'" in msg and f"{(B, T, H, DH)}" in msg and "feature_dim=-1" in msg, msg
     assert probe.stats == {} and probe.steps["train"] == 0 and probe.feature_dims == {}
-    with pytest.raises(fs.FusedStatsError, match=r"'hook_z'.*\(6, 5, 2, 3\).*feature_dim"), probe.observe(loss_reduction="sum"):
+    with (
+        pytest.raises(fs.FusedStatsError, match=r"'hook_z'.*\(6, 5, 2, 3\).*feature_dim"),
+        probe.observe(loss_reduction="sum"),
+    ):
         squared_error(model, (x, y)).sum().backward()
     assert probe.stats == {}
     block = fs.insert_zero_block(model, "hook_z", kind="bias", dim=DH)
@@ -103,8 +112,9 @@ def test_head_activations_with_feature_dim_match_per_sample_reference(gen):
         assert probe.dims == {"hook_z": DH}
         rows = []
         for b in range(B):
-            g = R.point_grads_one_sample(model, ["hook_z"],
-                                         lambda m, b=b: (m(x[b:b + 1]) - y[b]).pow(2).sum())
+            g = R.point_grads_one_sample(
+                model, ["hook_z"], lambda m, b=b: (m(x[b : b + 1]) - y[b]).pow(2).sum()
+            )
             rows.append(g["hook_z"][0].sum(dim=(0, 1))[None])  # Σ over positions and heads
         R.assert_estimate_matches(probe.stats["hook_z"].estimate(), torch.cat(rows))
     # the zero block at hook_z with the feature axis given leaves the model's output unchanged

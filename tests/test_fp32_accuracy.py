@@ -30,8 +30,13 @@ def test_two_pass_reference_matches_brute_force(regime, gen):
     for n, d in ((8, 3), (12, 6)):
         mu, L = population(d, regime, gen)
         q = draw((n,), mu, L, gen)
-        assert_targets_close(two_pass_targets(q), brute_force_targets(q), 1e-9,
-                             near_zero_tolerances(regime, q, 1e-9), f"two-pass vs brute force, n={n}, {regime}")
+        assert_targets_close(
+            two_pass_targets(q),
+            brute_force_targets(q),
+            1e-9,
+            near_zero_tolerances(regime, q, 1e-9),
+            f"two-pass vs brute force, n={n}, {regime}",
+        )
 
 
 @pytest.mark.parametrize("mode", ["dense", "pool", "auto"])
@@ -42,7 +47,7 @@ def test_fp32_inputs_mean_100x_noise(mode, gen):
     want = two_pass_targets(q32.to(torch.float64))
     acc = fs.GradStats(d, second_moment=mode)
     for start in range(0, n, batch):
-        acc.update(q32[start:start + batch])
+        acc.update(q32[start : start + batch])
     assert_targets_close(acc.estimate(), want, 1e-5, context=f"fp32 inputs, mean = 100 x noise, {mode}")
 
 
@@ -56,5 +61,5 @@ def test_fp32_sequence_inputs_with_mask(gen):
     q = (grad.to(torch.float64) * mask.unsqueeze(-1)).sum(dim=1)
     acc = fs.GradStats(d)
     for start in range(0, B, 64):
-        acc.update(grad[start:start + 64], mask=mask[start:start + 64])
+        acc.update(grad[start : start + 64], mask=mask[start : start + 64])
     assert_targets_close(acc.estimate(), two_pass_targets(q), 1e-5, context="fp32 (B, T, d) + mask")

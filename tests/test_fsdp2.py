@@ -50,8 +50,10 @@ def make_net():
 
 def rank_batches(rank: int, count: int = 3):
     gen = torch.Generator().manual_seed(50 + rank)
-    return [(torch.randn(5, 4, generator=gen, dtype=F64) + 0.2 * rank,
-             torch.randint(0, 3, (5,), generator=gen)) for _ in range(count)]
+    return [
+        (torch.randn(5, 4, generator=gen, dtype=F64) + 0.2 * rank, torch.randint(0, 3, (5,), generator=gen))
+        for _ in range(count)
+    ]
 
 
 def loss_fn(model, batch):
@@ -118,8 +120,12 @@ def assert_same(got: dict, want: dict) -> None:
         if isinstance(value, dict) and "n" in value:
             assert got[key]["n"] == value["n"], key
             for field in FIELDS:
-                assert math.isclose(got[key][field], value[field], rel_tol=1e-10, abs_tol=1e-300), \
-                    (key, field, got[key][field], value[field])
+                assert math.isclose(got[key][field], value[field], rel_tol=1e-10, abs_tol=1e-300), (
+                    key,
+                    field,
+                    got[key][field],
+                    value[field],
+                )
         elif isinstance(value, float):
             assert math.isclose(got[key], value, rel_tol=1e-10, abs_tol=1e-300), key
         else:

@@ -26,22 +26,38 @@ VOCAB = 50
 F64 = torch.float64
 
 
-
-
 def build(kind: str, dtype=torch.float32):
     torch.manual_seed(3)
     common = dict(vocab_size=VOCAB, initializer_range=0.3)
     if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            hidden_size=12, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=2, max_position_embeddings=32, **common))
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                hidden_size=12,
+                intermediate_size=24,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=32,
+                **common,
+            )
+        )
     elif kind == "neox":
-        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-            hidden_size=12, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-            max_position_embeddings=32, **common))
+        model = transformers.GPTNeoXForCausalLM(
+            transformers.GPTNeoXConfig(
+                hidden_size=12,
+                intermediate_size=24,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                max_position_embeddings=32,
+                **common,
+            )
+        )
     elif kind == "gpt2":
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_embd=12, n_layer=2, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0, **common))
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_embd=12, n_layer=2, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0, **common
+            )
+        )
     elif kind == "resnet20":
         model = cifar_resnet20(width=4, seed=3)
     elif kind == "tiny_resnet":
@@ -113,8 +129,9 @@ def test_insertion_bit_identical_in_train_mode(arch, gen):
     batch = inputs(arch, gen)
     torch.manual_seed(11)
     want = run(model, batch).detach()
-    fs.insert_zero_block(model, fs.residual_points(model)[0], kind="block",
-                         spec=fs.CrossSpec(rank=4, activation="relu"))
+    fs.insert_zero_block(
+        model, fs.residual_points(model)[0], kind="block", spec=fs.CrossSpec(rank=4, activation="relu")
+    )
     torch.manual_seed(11)
     got = run(model, batch).detach()
     assert torch.equal(got, want)
@@ -122,8 +139,11 @@ def test_insertion_bit_identical_in_train_mode(arch, gen):
 
 def _manual_hook(w_out, w_in, activation, feature_dim, bias=None):
     """Independent reference: z -> z + W_out φ(W_in z) along ``feature_dim`` (or z + b)."""
-    acts = {"gelu": lambda x: 0.5 * x * (1 + torch.erf(x / 2 ** 0.5)), "relu": lambda x: x.clamp_min(0),
-            "tanh": torch.tanh}
+    acts = {
+        "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / 2**0.5)),
+        "relu": lambda x: x.clamp_min(0),
+        "tanh": torch.tanh,
+    }
 
     def hook(module, args, out):
         z = out[0] if isinstance(out, tuple) else out
@@ -131,9 +151,12 @@ def _manual_hook(w_out, w_in, activation, feature_dim, bias=None):
         if bias is not None:
             h = zz * 0 + bias
         else:
-            h = torch.einsum("dr,...r->...d", w_out, acts[activation](torch.einsum("ri,...i->...r", w_in, zz)))
+            h = torch.einsum(
+                "dr,...r->...d", w_out, acts[activation](torch.einsum("ri,...i->...r", w_in, zz))
+            )
         new = (zz + h).movedim(-1, feature_dim)
         return (new, *out[1:]) if isinstance(out, tuple) else new
+
     return hook
 
 
@@ -161,8 +184,7 @@ def test_nonzero_block_matches_manual_hook(arch, kind, gen):
         # the block's W_in is the spec's seeded N(0, 1/d) projection
         assert torch.equal(w_in, spec.projection(dim, dtype=F64))
     fd = 1 if arch == "resnet20" else -1
-    handle = model.get_submodule(point).register_forward_hook(
-        _manual_hook(w_out, w_in, activation, fd, bias))
+    handle = model.get_submodule(point).register_forward_hook(_manual_hook(w_out, w_in, activation, fd, bias))
     with torch.no_grad():
         want = run(model, batch)
     handle.remove()

@@ -58,11 +58,22 @@ def data():
 def fit(callbacks=(), record=None):
     module = Module()
     if record is not None:
-        module.net.register_forward_pre_hook(lambda m, args: record.append(
-            ({k: v.clone() for k, v in m.state_dict().items()}, args[0].clone())))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=list(callbacks))
+        module.net.register_forward_pre_hook(
+            lambda m, args: record.append(
+                ({k: v.clone() for k, v in m.state_dict().items()}, args[0].clone())
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
     trainer.fit(module, data())
     return module
 
@@ -89,13 +100,14 @@ def test_lightning_callback_accumulation():
     x_all = data().dataset.tensors
     for i, (state, x) in enumerate(recorded):
         ref_net.load_state_dict(state)
-        y = x_all[1][5 * i:5 * i + 5]
-        assert torch.equal(x, x_all[0][5 * i:5 * i + 5])
+        y = x_all[1][5 * i : 5 * i + 5]
+        assert torch.equal(x, x_all[0][5 * i : 5 * i + 5])
         ref.step((x, y), fs.classification_loss)
         if i % 2 == 1:
             record = cb.records[i // 2]
             for p in ref.points:
                 est = ref.stats[p].estimate()
                 for key in ("n", "d_align", "mu_norm2", "ag_max"):
-                    assert record["points"][p][key] == pytest.approx(getattr(est, key), rel=1e-9,
-                                                                     abs=1e-12), (i, p, key)
+                    assert record["points"][p][key] == pytest.approx(
+                        getattr(est, key), rel=1e-9, abs=1e-12
+                    ), (i, p, key)

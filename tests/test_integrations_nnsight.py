@@ -15,7 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_example_nnsight_runs():
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "probe_nnsight.py"), "--tiny"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "probe_nnsight.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "agree" in out.stdout

@@ -30,13 +30,22 @@ def test_peers_agree(with_opacus):
     points = fs.residual_points(model)
     w_in = torch.randn(4, 32, generator=torch.Generator().manual_seed(2), dtype=torch.float64) / 6
     probe = bench_peers.run_probe(model, data, points, w_in, B=4)
-    other = (bench_peers.run_opacus(model, data, points, w_in, B=4) if with_opacus
-             else bench_peers.run_loop(model, data, points))
+    other = (
+        bench_peers.run_opacus(model, data, points, w_in, B=4)
+        if with_opacus
+        else bench_peers.run_loop(model, data, points)
+    )
     for p in points:
         s2 = probe[p]["ag_max"] ** 2
-        scales = {"mu_norm2": s2, "mu_norm4": s2 ** 2, "mu_sigma_mu": s2 ** 2,
-                  "trace_sigma2": s2 ** 2, "ag_max": 0.0, "d_align": 0.0,
-                  "cross_frob2": s2 * 1e-2}
+        scales = {
+            "mu_norm2": s2,
+            "mu_norm4": s2**2,
+            "mu_sigma_mu": s2**2,
+            "trace_sigma2": s2**2,
+            "ag_max": 0.0,
+            "d_align": 0.0,
+            "cross_frob2": s2 * 1e-2,
+        }
         for key, want in probe[p].items():
             if key not in other[p]:
                 continue

@@ -25,9 +25,19 @@ def hooked(seed=0, layers=3):
 
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-    cfg = HookedTransformerConfig(n_layers=layers, d_model=12, n_ctx=10, d_head=3, n_heads=4,
-                                  d_vocab=23, act_fn="gelu", dtype=torch.float64, seed=seed,
-                                  device="cpu", normalization_type="LN")
+    cfg = HookedTransformerConfig(
+        n_layers=layers,
+        d_model=12,
+        n_ctx=10,
+        d_head=3,
+        n_heads=4,
+        d_vocab=23,
+        act_fn="gelu",
+        dtype=torch.float64,
+        seed=seed,
+        device="cpu",
+        normalization_type="LN",
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return HookedTransformer(cfg)
@@ -45,9 +55,12 @@ def per_sample_rows(model, ids, labels, points):
 
         for p in points:
             model.add_hook(p, keep, dir="bwd")
-        logits = model(ids[b:b + 1])[0]
-        terms = [-torch.log_softmax(logits[t], -1)[labels[b, t + 1]]
-                 for t in range(ids.shape[1] - 1) if labels[b, t + 1] != -100]
+        logits = model(ids[b : b + 1])[0]
+        terms = [
+            -torch.log_softmax(logits[t], -1)[labels[b, t + 1]]
+            for t in range(ids.shape[1] - 1)
+            if labels[b, t + 1] != -100
+        ]
         torch.stack(terms).mean().backward()
         model.reset_hooks()
         model.zero_grad()
@@ -99,7 +112,11 @@ def test_loss_helper_styles(gen):
 
 
 def test_example_transformer_lens_runs():
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "probe_transformer_lens.py"),
-                          "--tiny"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "probe_transformer_lens.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "agree" in out.stdout

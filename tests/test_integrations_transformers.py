@@ -27,8 +27,15 @@ def tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
     return LlamaForCausalLM(cfg).to(torch.float64)
 
 
@@ -50,19 +57,35 @@ def train(tmp_path, data, callbacks=(), trainer_class=None, max_steps=3, record=
 
     model = tiny_llama()
     if record is not None:
+
         def see(module, args, kwargs):
-            record.append(({k: v.detach().clone() for k, v in module.state_dict().items()},
-                           {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                            for k, v in kwargs.items()}))
+            record.append(
+                (
+                    {k: v.detach().clone() for k, v in module.state_dict().items()},
+                    {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()},
+                )
+            )
+
         model.register_forward_pre_hook(see, with_kwargs=True)
-    callbacks = [cb(model) if callable(cb) and not isinstance(cb, transformers.TrainerCallback)
-                 else cb for cb in callbacks]
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3,
-                             gradient_accumulation_steps=2, max_steps=max_steps, learning_rate=3e-3,
-                             logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
-                             disable_tqdm=True, seed=0, dataloader_num_workers=0)
-    trainer = (trainer_class or Trainer)(model=model, args=args, train_dataset=data,
-                                         callbacks=callbacks)
+    callbacks = [
+        cb(model) if callable(cb) and not isinstance(cb, transformers.TrainerCallback) else cb
+        for cb in callbacks
+    ]
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=2,
+        max_steps=max_steps,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    trainer = (trainer_class or Trainer)(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train()
     return model, trainer
 
@@ -96,10 +119,9 @@ def check(records, refs, fp32_loss=False):
         assert record["step"] == step
         for point, est in ref.items():
             got = record["points"][point]
-            for key in (("n", "mu_norm2", "trace_sigma2", "ag_max") if fp32_loss else KEYS):
+            for key in ("n", "mu_norm2", "trace_sigma2", "ag_max") if fp32_loss else KEYS:
                 want = getattr(est, key)
-                tol = (dict(rel=1e-5, abs=1e-5 * est.ag_mean ** 2) if fp32_loss
-                       else dict(rel=1e-6, abs=1e-12))
+                tol = dict(rel=1e-5, abs=1e-5 * est.ag_mean**2) if fp32_loss else dict(rel=1e-6, abs=1e-12)
                 assert got[key] == pytest.approx(want, **tol), (step, point, key)
 
 
@@ -116,9 +138,13 @@ def test_trainer_callback_gradient_accumulation(tmp_path, gen):
         return made["cb"]
 
     recorded = []
-    observed, trainer = train(tmp_path / "obs", data, callbacks=[make],
-                              trainer_class=type("T", (FusedStatsTrainerMixin, transformers.Trainer), {}),
-                              record=recorded)
+    observed, trainer = train(
+        tmp_path / "obs",
+        data,
+        callbacks=[make],
+        trainer_class=type("T", (FusedStatsTrainerMixin, transformers.Trainer), {}),
+        record=recorded,
+    )
     # training bit-identical with and without the callback
     for (name, a), (_, b) in zip(plain.state_dict().items(), observed.state_dict().items()):
         assert torch.equal(a, b), name
@@ -139,8 +165,12 @@ def test_trainer_callback_gradient_accumulation(tmp_path, gen):
 def test_trainer_callback_wrong_declaration_raises(tmp_path, gen):
     data = Rows(gen, 6)
     with pytest.raises(fs.FusedStatsError, match="token_mean"):
-        train(tmp_path, data, max_steps=1,
-              callbacks=[lambda m: FusedStatsCallback(fs.Probe(m), loss_reduction="mean")])
+        train(
+            tmp_path,
+            data,
+            max_steps=1,
+            callbacks=[lambda m: FusedStatsCallback(fs.Probe(m), loss_reduction="mean")],
+        )
 
 
 def test_callback_arguments():
@@ -161,9 +191,16 @@ def _ddp_worker(rank, world, out_dir):
 
     from gloo_harness import init_gloo
 
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "1"})  # the group below exists already: no port is used
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "1",
+        }
+    )  # the group below exists already: no port is used
     torch.set_num_threads(1)
     init_gloo(rank, world, out_dir)
     try:
@@ -178,11 +215,18 @@ def _ddp_worker(rank, world, out_dir):
             return made["cb"]
 
         observed, _ = train(Path(out_dir) / f"obs{rank}", data, callbacks=[make], record=recorded)
-        same = all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
-                                                    observed.state_dict().values()))
-        torch.save({"same": same, "recorded": recorded, "records": made["cb"].records,
-                    "local_n": made["probe"].stats["model.layers.0"].n},
-                   Path(out_dir) / f"rank{rank}.pt")
+        same = all(
+            torch.equal(a, b) for a, b in zip(plain.state_dict().values(), observed.state_dict().values())
+        )
+        torch.save(
+            {
+                "same": same,
+                "recorded": recorded,
+                "records": made["cb"].records,
+                "local_n": made["probe"].stats["model.layers.0"].n,
+            },
+            Path(out_dir) / f"rank{rank}.pt",
+        )
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -203,7 +247,7 @@ def test_trainer_callback_ddp_two_ranks(tmp_path):
     merged = []
     for step in range(3):
         for r in ranks:
-            merged += r["recorded"][2 * step:2 * step + 2]
+            merged += r["recorded"][2 * step : 2 * step + 2]
     refs = reference_records(merged, 4, 3, use_probe_step=False)
     refs_step = reference_records(merged, 4, 3, use_probe_step=True)
     assert sum(r["local_n"] for r in ranks) == refs[-1]["model.layers.0"].n

@@ -40,8 +40,6 @@ F64 = torch.float64
 ETAS = [1.0, 0.3, 0.1, 0.03, 0.01, 1e-3]
 
 
-
-
 class Block(nn.Module):
     def __init__(self, d, h):
         super().__init__()
@@ -88,16 +86,18 @@ def trained():
         loss.backward()
         opt.step()
     model.zero_grad(set_to_none=True)
-    train = [(xtr[i:i + 128], ytr[i:i + 128]) for i in range(0, 512, 128)]
-    test = [(xte[i:i + 100], yte[i:i + 100]) for i in range(0, 256, 100)]
+    train = [(xtr[i : i + 128], ytr[i : i + 128]) for i in range(0, 512, 128)]
+    test = [(xte[i : i + 100], yte[i : i + 100]) for i in range(0, 256, 100)]
     return model, train, test
 
 
 def state(model):
-    return ({k: v.clone() for k, v in model.state_dict().items()},
-            [n for n, _ in model.named_modules()],
-            [(m.training, len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()],
-            [p.requires_grad for p in model.parameters()])
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        [n for n, _ in model.named_modules()],
+        [(m.training, len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()],
+        [p.requires_grad for p in model.parameters()],
+    )
 
 
 def assert_unchanged(model, before):
@@ -109,7 +109,7 @@ def assert_unchanged(model, before):
     assert [p.requires_grad for p in model.parameters()] == req
 
 
-PHI = {"gelu": lambda x: 0.5 * x * (1 + torch.erf(x / 2 ** 0.5)), "relu": lambda x: x.clamp(min=0)}
+PHI = {"gelu": lambda x: 0.5 * x * (1 + torch.erf(x / 2**0.5)), "relu": lambda x: x.clamp(min=0)}
 
 
 def hand_reference(model, point, train, test, kind, w_in, activation, etas, feature_dim):
@@ -168,10 +168,14 @@ def check_rows(result, context, measured_ref):
     for r, want in zip(rows, measured_ref):
         assert r.predicted == pytest.approx(-r.eta * result.inner, rel=1e-15, abs=0), f"{context}: {r}"
         assert r.measured == pytest.approx(want, rel=1e-9, abs=0), f"{context}: measured {r} vs {want}"
-        assert r.measured != 0 and (r.measured > 0) == (r.predicted > 0), f"{context}: sign at eta={r.eta}: {r}"
+        assert r.measured != 0 and (r.measured > 0) == (r.predicted > 0), (
+            f"{context}: sign at eta={r.eta}: {r}"
+        )
         assert r.ratio == pytest.approx(r.measured / r.predicted, rel=1e-15)
     errs = [abs(r.ratio - 1) for r in rows]
-    assert all(b <= a + 1e-9 for a, b in itertools.pairwise(errs)), f"{context}: |ratio-1| not shrinking: {errs}"
+    assert all(b <= a + 1e-9 for a, b in itertools.pairwise(errs)), (
+        f"{context}: |ratio-1| not shrinking: {errs}"
+    )
     assert 0.95 <= rows[-1].ratio <= 1.05, f"{context}: ratio {rows[-1].ratio} at eta={rows[-1].eta}"
     # the largest step is visibly beyond first order: the measurement is not a copy of the prediction
     assert abs(rows[0].ratio - 1) > 1e-3, f"{context}: ratio {rows[0].ratio} at eta={rows[0].eta}"
@@ -196,7 +200,9 @@ def test_trained_resmlp_ratio_tends_to_one(trained, kind):
     assert abs(result.inner) > 1e-5  # a real signal
     check_rows(result, f"resmlp {kind}", measured)
     table = result.to_markdown()
-    assert "| eta | predicted | measured | ratio |" in table and table.count("\n|") == len(ETAS) + 2  # header rule + rows
+    assert (
+        "| eta | predicted | measured | ratio |" in table and table.count("\n|") == len(ETAS) + 2
+    )  # header rule + rows
     assert result.to_dict()["rows"][0]["eta"] == 1.0
 
 
@@ -209,11 +215,12 @@ def test_resnet_conv_point(kind, gen):
     test = [(x[16:], y[16:])]
     before = state(model)
     channels = model.layer2[1].conv2.out_channels  # the stream's width at layer2.1
-    w_in = torch.randn(3, channels, generator=gen, dtype=F64) / channels ** 0.5
+    w_in = torch.randn(3, channels, generator=gen, dtype=F64) / channels**0.5
     spec = fs.CrossSpec(w_in=w_in, activation="relu")
     etas = [1e-1, 1e-2, 1e-3]
-    result = fs.intervene(model, "layer2.1", train, test, etas, kind=kind,
-                          loss_fn=fs.classification_loss, spec=spec)
+    result = fs.intervene(
+        model, "layer2.1", train, test, etas, kind=kind, loss_fn=fs.classification_loss, spec=spec
+    )
     assert_unchanged(model, before)
     want, base, measured = hand_reference(model, "layer2.1", train, test, kind, w_in, "relu", etas, 1)
     assert result.inner == pytest.approx(want, rel=1e-9)
@@ -244,8 +251,9 @@ def test_bad_input_and_failure_leave_model_intact(trained):
         return loss_fn(m, b)
 
     with pytest.raises(RuntimeError, match="boom"):
-        fs.intervene(model, "blocks.1", train, test, 0.1, kind="block", loss_fn=flaky,
-                     spec=fs.CrossSpec(rank=2))
+        fs.intervene(
+            model, "blocks.1", train, test, 0.1, kind="block", loss_fn=flaky, spec=fs.CrossSpec(rank=2)
+        )
     assert_unchanged(model, before)
     one = fs.intervene(model, "blocks.1", train, test, 0.01, loss_fn=loss_fn)
     assert len(one.rows) == 1 and one.rows[0].eta == 0.01

@@ -64,7 +64,9 @@ def _close(got, want, rtol, what):
     got = got.to(F64)
     want = want.to(F64)
     scale = float(want.abs().max()) if want.numel() else 0.0
-    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * max(scale, 1e-30), msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        got, want, rtol=rtol, atol=rtol * max(scale, 1e-30), msg=lambda m: f"{what}: {m}"
+    )
 
 
 def _reference_sums(q: torch.Tensor, centre: torch.Tensor) -> dict:
@@ -73,8 +75,14 @@ def _reference_sums(q: torch.Tensor, centre: torch.Tensor) -> dict:
     ysq = (y * y).sum(dim=1)
     qn = q.norm(dim=1)
     zero = torch.zeros((), dtype=F64)
-    return dict(s=y.sum(0), t=(ysq[:, None] * y).sum(0), a1=ysq.sum(), a2=(ysq ** 2).sum(),
-                norm_max=qn.max() if len(qn) else zero, norm_sum=qn.sum())
+    return dict(
+        s=y.sum(0),
+        t=(ysq[:, None] * y).sum(0),
+        a1=ysq.sum(),
+        a2=(ysq**2).sum(),
+        norm_max=qn.max() if len(qn) else zero,
+        norm_sum=qn.sum(),
+    )
 
 
 def _centre_for(g: torch.Tensor, gen) -> torch.Tensor:
@@ -164,8 +172,7 @@ def test_capture_sample_unit_position_splits(dtype, gen):
     mask[0, 20:] = False  # whole slices of sample 0 are masked
     _check_capture(g, mask, "sample", gen)  # T >= 16: stage 1 chosen automatically
     _check_capture(g, mask, "sample", gen, capture_splits=5)
-    _check_capture(g, None, "sample", gen, capture_splits=3, capture_single_chunk_max_d=8,
-                   capture_chunk_d=8)
+    _check_capture(g, None, "sample", gen, capture_splits=3, capture_single_chunk_max_d=8, capture_chunk_d=8)
     _check_capture(g[:1], mask[:1], "sample", gen, capture_splits=0)  # summed in the row kernel
 
 
@@ -311,8 +318,9 @@ def test_gram_rows_against_twin_and_dot_products(dtype, gen):
     rtol = {torch.float64: 1e-12}.get(dtype, 2e-6)
     _close(got, torch_twin.gram_rows(new, pool), rtol, "gram vs twin")
     a, b = new.to(F64), pool.to(F64)
-    loops = torch.tensor([[float(a[i] @ b[j]) for j in range(b.shape[0])] for i in range(a.shape[0])],
-                         dtype=F64)
+    loops = torch.tensor(
+        [[float(a[i] @ b[j]) for j in range(b.shape[0])] for i in range(a.shape[0])], dtype=F64
+    )
     _close(got, loops, rtol, "gram vs dot products")
 
 
@@ -336,8 +344,12 @@ def test_kernels_are_compilable_objects_run_by_the_interpreter_on_cpu():
 
     from fused_stats.kernels import capture, gram, second_moment
 
-    for k in (capture._capture_rows_kernel, capture._sum_positions_kernel,
-              second_moment._syrk_upper_kernel, gram._gram_kernel):
+    for k in (
+        capture._capture_rows_kernel,
+        capture._sum_positions_kernel,
+        second_moment._syrk_upper_kernel,
+        gram._gram_kernel,
+    ):
         assert isinstance(k, JITFunction)  # what the compiler and the AOT gate need
         assert k.on(torch.device("cpu")) is k.interpreted
         assert k.on(torch.device("cuda")) is k
@@ -363,8 +375,7 @@ def test_interpreter_when_flag_set_before_triton_import():
         print("child-ok")
     """)
     env = dict(os.environ)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and "child-ok" in out.stdout, out.stderr[-3000:]
 
 
@@ -381,10 +392,13 @@ def test_gpu_check_dry_run(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
     # the cross section checks the cross-gradient kernel, which its own tests cover
-    out = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(tmp_path),
-                          "--skip", "cross"],
-                         capture_output=True, text=True, timeout=300,
-                         env={k: v for k, v in os.environ.items() if k != "OUT"})
+    out = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--out", str(tmp_path), "--skip", "cross"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "OUT"},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     doc = json.loads((tmp_path / "gpu_check_dry_run.json").read_text())
     sections = doc["sections"]
@@ -395,6 +409,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert sections["cross"] == {"status": "skipped", "reason": "--skip"}
     assert "errors: none" in out.stdout.strip().splitlines()[-1]  # the table is printed last
     if not torch.cuda.is_available():  # without --dry-run the script refuses, clearly, with rc 1
-        no_gpu = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)],
-                                capture_output=True, text=True, timeout=300)
+        no_gpu = subprocess.run(
+            [sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
+        )
         assert no_gpu.returncode == 1 and "no CUDA device" in no_gpu.stdout

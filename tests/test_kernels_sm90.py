@@ -39,8 +39,9 @@ from fused_stats.kernels import _triton_compat, aot, capture, cross, gram, secon
 SPECS = {s.name: s for s in aot.production_specs()}
 H100_MAX_SMEM = 227 * 1024  # bytes of shared memory one program may use on sm_90
 
-if not (os.path.exists(_triton_compat.nvidia_tool("cuobjdump"))
-        and os.path.exists(_triton_compat.ptxas_path())):
+if not (
+    os.path.exists(_triton_compat.nvidia_tool("cuobjdump")) and os.path.exists(_triton_compat.ptxas_path())
+):
     pytest.skip("this Triton install ships no CUDA tools (ptxas/cuobjdump)", allow_module_level=True)
 
 
@@ -51,9 +52,14 @@ def reports():
 
 def test_every_kernel_is_gated():
     gated = {id(s.kernel) for s in SPECS.values()}  # ids: hashing a JITFunction hashes its source deps
-    for k in (capture._capture_rows_kernel, capture._sum_positions_kernel,
-              second_moment._syrk_upper_kernel, gram._gram_kernel, cross._phi_kernel,
-              cross._cross_kernel):
+    for k in (
+        capture._capture_rows_kernel,
+        capture._sum_positions_kernel,
+        second_moment._syrk_upper_kernel,
+        gram._gram_kernel,
+        cross._phi_kernel,
+        cross._cross_kernel,
+    ):
         assert id(k) in gated, k.fn.__name__
 
 
@@ -99,8 +105,9 @@ def test_cross_phi_ffma_only_in_the_activation():
     if not aot.can_compile_in_process():
         pytest.skip("Triton was imported with TRITON_INTERPRET=1 in this process")
     base = SPECS[next(n for n in SPECS if n.startswith("cross_phi_fp32"))]
-    plain = dataclasses.replace(base, name=base.name + "_identity",
-                                constexprs={**base.constexprs, "ACT": "identity"})
+    plain = dataclasses.replace(
+        base, name=base.name + "_identity", constexprs={**base.constexprs, "ACT": "identity"}
+    )
     r = aot.report(plain)
     assert r.sass["FFMA"] == 0 and r.sass["HGMMA"] > 0 and r.ok, r
 
@@ -134,7 +141,8 @@ def test_ieee_fp32_alternative_has_no_tensor_cores():
     if not aot.can_compile_in_process():
         pytest.skip("Triton was imported with TRITON_INTERPRET=1 in this process")
     base = SPECS[next(n for n in SPECS if n.startswith("syrk_upper_fp32"))]
-    ieee = dataclasses.replace(base, name=base.name + "_ieee",
-                               constexprs={**base.constexprs, "PRECISION": "ieee"}, expect=("FFMA",))
+    ieee = dataclasses.replace(
+        base, name=base.name + "_ieee", constexprs={**base.constexprs, "PRECISION": "ieee"}, expect=("FFMA",)
+    )
     r = aot.report(ieee)
     assert r.sass["HGMMA"] == 0 and r.sass["FFMA"] > 0, r.sass

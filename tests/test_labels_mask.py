@@ -29,9 +29,16 @@ VOCAB = 40
 
 def tiny_llama(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
-                                   max_position_embeddings=16, initializer_range=0.3)
+    cfg = transformers.LlamaConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=16,
+        initializer_range=0.3,
+    )
     return transformers.LlamaForCausalLM(cfg).double()
 
 

@@ -52,12 +52,17 @@ def feed(acc, n: int, batch: int, gen) -> None:
         done += b
 
 
-@pytest.mark.parametrize("second_moment,dim,n", [
-    ("dense", 48, 30), ("dense", 7, 500),
-    ("pool", 48, 30), ("pool", 8, 200),
-    ("auto", 48, auto_pool_limit(48)),       # the largest pool auto keeps
-    ("auto", 48, auto_pool_limit(48) + 1),   # one more: dense
-])
+@pytest.mark.parametrize(
+    "second_moment,dim,n",
+    [
+        ("dense", 48, 30),
+        ("dense", 7, 500),
+        ("pool", 48, 30),
+        ("pool", 8, 200),
+        ("auto", 48, auto_pool_limit(48)),  # the largest pool auto keeps
+        ("auto", 48, auto_pool_limit(48) + 1),  # one more: dense
+    ],
+)
 def test_plan_matches_allocated_state(second_moment, dim, n, gen):
     acc = fs.GradStats(dim, second_moment=second_moment)
     feed(acc, n, 7, gen)
@@ -79,18 +84,28 @@ def test_auto_plan_never_exceeds_dense():
 
 def test_plan_of_a_probe_on_a_tiny_llama(gen):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3,
-                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=50,
-                                      max_position_embeddings=32)
+    config = transformers.LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=50,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     probe = fs.Probe(model, second_moment="auto")
 
     def loss_fn(m, batch):
         logits = m(input_ids=batch).logits[:, :-1]
-        return torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
-            reduction="none").reshape(batch.shape[0], -1).mean(1)
+        return (
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
+            )
+            .reshape(batch.shape[0], -1)
+            .mean(1)
+        )
 
     probe.step(torch.randint(0, 50, (6, 5), generator=gen), loss_fn)
     probe.step(torch.randint(0, 50, (4, 5), generator=gen), loss_fn, stream="test")
@@ -118,7 +133,7 @@ def test_plan_command_llama_shapes(capsys, tmp_path):
     assert main(["plan", "--model", str(config), "--pool", "1000", "--streams", "1", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert (row["dim"], row["points"], row["auto_mode"]) == (2048, 16, "pool")
-    assert row["pool"] == (3 * 2048 + 4 + 1000 * 2048 + 1000 ** 2) * 8
+    assert row["pool"] == (3 * 2048 + 4 + 1000 * 2048 + 1000**2) * 8
     assert row["total_auto"] == row["pool"] * 16
     assert main(["plan", "--dim", "0", "--points", "3"]) == 2
     assert "--dim: must be an integer >= 1, got 0" in capsys.readouterr().err
@@ -138,7 +153,7 @@ def test_rss_flat_over_a_stream(second_moment, gen):
         samples.append(rss_bytes())
     # the trend (median of the last 20 batches minus that of the 20 after warm-up), not single
     # samples, which move by the per-batch workspace when freed buffers go back to the OS late
-    growth = statistics.median(samples[-20:]) - statistics.median(samples[warm:warm + 20])
+    growth = statistics.median(samples[-20:]) - statistics.median(samples[warm : warm + 20])
     assert acc.n == batch * batches and acc.mode == "dense"
     # leaking one d x d fp64 matrix per batch would add 70 * 128 KiB = 8.75 MiB here
     assert growth < 2**20, f"RSS grew by {growth / 2**20:.2f} MiB after warm-up"

@@ -52,12 +52,11 @@ def _transformers():
     module.logging.set_verbosity_error()
     return module
 
+
 VOCAB = 64
 F64 = torch.float64
 FIELDS = ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "trace_sigma", "ag_max", "ag_mean")
 ROOT = Path(__file__).resolve().parents[1]
-
-
 
 
 # ----------------------------------------------------------------------------- models and data
@@ -67,13 +66,15 @@ def _rmsnorm_same_dtype(self, hidden_states):
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def fp64_token_mean_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
-                         shift_labels=None, **kwargs):
+def fp64_token_mean_loss(
+    logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+):
     """HF's causal-LM loss (mean over all valid shifted targets of the batch), kept in fp64."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    total = F.cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1),
-                            ignore_index=ignore_index, reduction="sum")
+    total = F.cross_entropy(
+        logits.reshape(-1, vocab_size), shift_labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
+    )
     count = (shift_labels != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
     return total / count
 
@@ -98,9 +99,15 @@ def llama(seed=0, hidden=16, layers=2):
     torch.manual_seed(seed)
     transformers = _transformers()
     cfg = transformers.LlamaConfig(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
-        max_position_embeddings=64, initializer_range=0.3)
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
     return transformers.LlamaForCausalLM(cfg).train()
 
 
@@ -110,7 +117,8 @@ def checkpointing(model, mode):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+            gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"}
+        )
 
 
 def lm_batch(gen, lengths, T, prompts):
@@ -119,8 +127,10 @@ def lm_batch(gen, lengths, T, prompts):
 
 def batches(gen):
     # very unequal valid-target counts, so "mean" and "token_mean" scale differently
-    return [lm_batch(gen, [10, 4, 7, 9, 3], 10, [0, 1, 3, 0, 0]),
-            lm_batch(gen, [6, 8, 2, 8], 8, [2, 0, 0, 1])]
+    return [
+        lm_batch(gen, [10, 4, 7, 9, 3], 10, [0, 1, 3, 0, 0]),
+        lm_batch(gen, [6, 8, 2, 8], 8, [2, 0, 0, 1]),
+    ]
 
 
 def training_loss(model, batch, reduction):
@@ -147,8 +157,10 @@ def assert_same_stats(ref: fs.Probe, obs: fs.Probe, rel=1e-6, stream="train"):
 
 def n_valid(batch):
     """Valid shifted targets per sample, counted here independently (HF's rule)."""
-    return [int(sum(1 for t in range(1, batch["labels"].shape[1]) if batch["labels"][b, t] != -100))
-            for b in range(batch["labels"].shape[0])]
+    return [
+        int(sum(1 for t in range(1, batch["labels"].shape[1]) if batch["labels"][b, t] != -100))
+        for b in range(batch["labels"].shape[0])
+    ]
 
 
 # --------------------------------------------------------------------- statistics equal Probe.step
@@ -170,8 +182,9 @@ def test_observe_equals_probe_step(fp64_llama, gen, gc, reduction):
         assert ob.folded
         counts = n_valid(batch)
         B = len(counts)
-        want = {"sum": [1.0] * B, "mean": [float(B)] * B,
-                "token_mean": [sum(counts) / c for c in counts]}[reduction]
+        want = {"sum": [1.0] * B, "mean": [float(B)] * B, "token_mean": [sum(counts) / c for c in counts]}[
+            reduction
+        ]
         assert torch.allclose(ob.scale, torch.tensor(want, dtype=F64), rtol=1e-15)
         assert ob.loss_weight == (1.0 if reduction == "token_mean" else None)
     assert obs.steps["train"] == 2
@@ -201,8 +214,9 @@ def test_observe_own_token_mean_with_batch_argument(fp64_llama, gen):
         logits = None
         with obs.observe(loss_reduction="token_mean", batch=batch):
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = fp64_token_mean_loss(logits[:, :-1], batch["labels"][:, 1:], VOCAB,
-                                        shift_labels=batch["labels"][:, 1:])
+            loss = fp64_token_mean_loss(
+                logits[:, :-1], batch["labels"][:, 1:], VOCAB, shift_labels=batch["labels"][:, 1:]
+            )
             loss.backward()
     assert_same_stats(ref, obs)
 
@@ -308,7 +322,7 @@ def test_nan_at_padding_is_ignored(fp64_llama, gen):
         out.register_hook(lambda g: g.masked_fill(pad.unsqueeze(-1), math.nan))
 
     handle = model.model.layers[0].register_forward_hook(poison)  # the lowest point: the NaN
-    obs = fs.Probe(model, second_moment="dense")                   # reaches no other point
+    obs = fs.Probe(model, second_moment="dense")  # reaches no other point
     try:
         with obs.observe(loss_reduction="token_mean"):
             model(**batch).loss.backward()
@@ -476,8 +490,9 @@ class _Null:
         return False
 
 
-@pytest.mark.parametrize("gc,autocast", [("off", False), ("non-reentrant", False),
-                                         ("reentrant", False), ("off", True)])
+@pytest.mark.parametrize(
+    "gc,autocast", [("off", False), ("non-reentrant", False), ("reentrant", False), ("off", True)]
+)
 def test_training_bit_identical(gen, gc, autocast):
     base = llama(5, hidden=32)
     data = [lm_batch(gen, [12, 7, 12, 9], 12, [0, 2, 0, 1]) for _ in range(3)]
@@ -491,8 +506,10 @@ def test_training_bit_identical(gen, gc, autocast):
         assert torch.equal(p, q), name
         assert torch.equal(p.grad, q.grad), name
     # observe's hooks are gone (checkpointing adds its own, alike in both models)
-    hooks = [[(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
-             for model in (plain, watched)]
+    hooks = [
+        [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+        for model in (plain, watched)
+    ]
     assert hooks[0] == hooks[1]
 
 
@@ -528,8 +545,11 @@ def test_bf16_autocast_observe_equals_probe_step(gen):
         opt.step()
     assert [p for p, _ in seen["ref"]] == [p for p, _ in seen["whole"]] == ref.points * 2
     dtypes = {p: g.dtype for p, g in seen["ref"]}
-    assert dtypes == {"model.layers.0.mlp": torch.bfloat16, "model.layers.0": torch.float32,
-                      "model.layers.1": torch.float32}
+    assert dtypes == {
+        "model.layers.0.mlp": torch.bfloat16,
+        "model.layers.0": torch.float32,
+        "model.layers.1": torch.float32,
+    }
     for (point, a), (_, b) in zip(seen["ref"], seen["whole"]):
         assert b.dtype == torch.float32 and torch.equal(a.float(), b), point
     assert_same_stats(ref, whole, rel=0.0)
@@ -540,8 +560,15 @@ def test_bf16_autocast_observe_equals_probe_step(gen):
     # field is held to 1e-6 of its own size or of its natural scale S^(k/2), S = tr(Sigma) +
     # |mu|^2 = E|q|^2 and k its degree in q, whichever is larger (worst measured: 9e-8 of that)
     assert [lean.stats[p].n for p in ref.points] == [ref.stats[p].n for p in ref.points] == [9] * 3
-    degree = {"mu_norm2": 2, "mu_norm4": 4, "mu_sigma_mu": 4, "trace_sigma2": 4, "trace_sigma": 2,
-              "ag_max": 1, "ag_mean": 1}
+    degree = {
+        "mu_norm2": 2,
+        "mu_norm4": 4,
+        "mu_sigma_mu": 4,
+        "trace_sigma2": 4,
+        "trace_sigma": 2,
+        "ag_max": 1,
+        "ag_mean": 1,
+    }
     assert set(degree) == set(FIELDS)
     for point in ref.points:
         a, b = ref.stats[point].estimate(), lean.stats[point].estimate()
@@ -575,7 +602,8 @@ def _state(probe):
 def _same_state(before, probe):
     after = _state(probe)
     return before.keys() == after.keys() and all(
-        before[p][0] == after[p][0] and torch.equal(before[p][1], after[p][1]) for p in before)
+        before[p][0] == after[p][0] and torch.equal(before[p][1], after[p][1]) for p in before
+    )
 
 
 @pytest.fixture
@@ -608,7 +636,10 @@ def test_missing_or_invalid_declaration(primed):
 def test_wrong_scale_shape_rejected_state_unchanged(primed):
     model, probe, batch = primed
     before = _state(probe)
-    with pytest.raises(fs.FusedStatsError, match=r"scale has shape \(3,\); expected \(4,\)"), probe.observe(scale=torch.ones(3)):
+    with (
+        pytest.raises(fs.FusedStatsError, match=r"scale has shape \(3,\); expected \(4,\)"),
+        probe.observe(scale=torch.ones(3)),
+    ):
         model(**batch).loss.backward()
     assert _same_state(before, probe)
 
@@ -620,7 +651,10 @@ def test_mean_declared_for_hf_token_mean_loss_raises(primed):
         model(**batch).loss.backward()
     assert _same_state(before, probe)
     # the HF loss divided by 4 without loss_scale: the weight is named in the message
-    with pytest.raises(fs.FusedStatsError, match=r"loss_scale=0.25"), probe.observe(loss_reduction="token_mean"):
+    with (
+        pytest.raises(fs.FusedStatsError, match=r"loss_scale=0.25"),
+        probe.observe(loss_reduction="token_mean"),
+    ):
         (model(**batch).loss / 4).backward()
     assert _same_state(before, probe)
 
@@ -628,31 +662,55 @@ def test_mean_declared_for_hf_token_mean_loss_raises(primed):
 def test_mean_with_unequal_label_counts_warns(primed):
     model, probe, batch = primed
     with pytest.warns(UserWarning, match="token_mean"), probe.observe(loss_reduction="mean"):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       labels=batch["labels"]).logits
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        ).logits
         # the user's own loss (the model's .loss is not used): a batch mean of token losses
-        F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1),
-                        ignore_index=-100).backward()
+        F.cross_entropy(
+            logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1), ignore_index=-100
+        ).backward()
 
 
 def test_usage_errors_leave_state_unchanged(primed):
     model, probe, batch = primed
     before = _state(probe)
-    with pytest.raises(fs.FusedStatsError, match="no gradient reached"), probe.observe(loss_reduction="token_mean"):
+    with (
+        pytest.raises(fs.FusedStatsError, match="no gradient reached"),
+        probe.observe(loss_reduction="token_mean"),
+    ):
         model(**batch)
-    with pytest.raises(fs.FusedStatsError, match="more than one gradient"), probe.observe(loss_reduction="token_mean"):
+    with (
+        pytest.raises(fs.FusedStatsError, match="more than one gradient"),
+        probe.observe(loss_reduction="token_mean"),
+    ):
         model(**batch).loss.backward()
         model(**batch).loss.backward()
-    with pytest.raises(fs.FusedStatsError, match="no gradient reached"), probe.observe(loss_reduction="token_mean"):
+    with (
+        pytest.raises(fs.FusedStatsError, match="no gradient reached"),
+        probe.observe(loss_reduction="token_mean"),
+    ):
         pass
-    with pytest.raises(fs.FusedStatsError, match="inside the with-block"), probe.observe(loss_reduction="token_mean"):
+    with (
+        pytest.raises(fs.FusedStatsError, match="inside the with-block"),
+        probe.observe(loss_reduction="token_mean"),
+    ):
         loss = model(**batch).loss
     loss.backward()  # after the block: its tensor hooks are gone, nothing is captured
-    with pytest.raises(fs.FusedStatsError, match="token_mean"), probe.observe(loss_reduction="token_mean"):  # no labels nor attention mask
+    with (
+        pytest.raises(fs.FusedStatsError, match="token_mean"),
+        probe.observe(loss_reduction="token_mean"),
+    ):  # no labels nor attention mask
         model(input_ids=batch["input_ids"]).logits.sum().backward()
-    with pytest.raises(fs.FusedStatsError, match="nested"), probe.observe(loss_reduction="sum"), probe.observe(loss_reduction="sum"):
+    with (
+        pytest.raises(fs.FusedStatsError, match="nested"),
+        probe.observe(loss_reduction="sum"),
+        probe.observe(loss_reduction="sum"),
+    ):
         pass
-    with pytest.raises(ZeroDivisionError), probe.observe(loss_reduction="token_mean"):  # the user's own error passes through untouched
+    with (
+        pytest.raises(ZeroDivisionError),
+        probe.observe(loss_reduction="token_mean"),
+    ):  # the user's own error passes through untouched
         model(**batch).loss.backward()
         1 / 0  # noqa: B018  (raises: the user's own error inside the block)
     assert _same_state(before, probe)
@@ -666,7 +724,10 @@ def test_point_that_never_ran(gen):
     net = Residual().double()
     probe = fs.Probe(net, points=["blocks.0", "blocks.2"], second_moment="dense")
     x = torch.randn(5, 5, generator=gen, dtype=F64)
-    with pytest.raises(fs.FusedStatsError, match=r"points \['blocks.2'\] did not run"), probe.observe(loss_reduction="sum"):
+    with (
+        pytest.raises(fs.FusedStatsError, match=r"points \['blocks.2'\] did not run"),
+        probe.observe(loss_reduction="sum"),
+    ):
         h = net.inp(x)
         net.out(h + net.blocks[0](h)).sum().backward()
     assert probe.stats == {}
@@ -717,8 +778,17 @@ def test_monitor_log_against_reference_probes(fp64_llama, gen, tmp_path, window)
         for p, est in want.items():
             got = record["points"][p]
             assert got["n"] == est.n == (6 if window else 3 * record["step"] // 10)
-            for key in ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "ag_max", "ag_mean",
-                        "d_par", "d_2", "d_align"):
+            for key in (
+                "mu_norm2",
+                "mu_norm4",
+                "mu_sigma_mu",
+                "trace_sigma2",
+                "ag_max",
+                "ag_mean",
+                "d_par",
+                "d_2",
+                "d_align",
+            ):
                 w = getattr(est, key)
                 if math.isinf(w):  # written as "Infinity" and read back as a float
                     assert got[key] == w
@@ -773,8 +843,13 @@ class Residual(nn.Module):
 
 def ddp_data(steps=2, per_rank=6, world=2):
     g = torch.Generator().manual_seed(11)
-    return [(torch.randn(world * per_rank, 5, generator=g, dtype=F64),
-             torch.randint(0, 3, (world * per_rank,), generator=g)) for _ in range(steps)]
+    return [
+        (
+            torch.randn(world * per_rank, 5, generator=g, dtype=F64),
+            torch.randint(0, 3, (world * per_rank,), generator=g),
+        )
+        for _ in range(steps)
+    ]
 
 
 def _ddp_worker(rank, world, out_dir):
@@ -790,8 +865,12 @@ def _ddp_worker(rank, world, out_dir):
         model = Residual().double()
         ddp = DDP(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        probe = fs.Probe(model, points=["blocks.0", "blocks.1", "blocks.2"], second_moment="dense",
-                         cross=fs.CrossSpec(rank=3, seed=5))
+        probe = fs.Probe(
+            model,
+            points=["blocks.0", "blocks.1", "blocks.2"],
+            second_moment="dense",
+            cross=fs.CrossSpec(rank=3, seed=5),
+        )
         log = fs.MonitorLog(Path(out_dir) / "ddp.jsonl" if rank == 0 else None, every=2, all_reduce=True)
         for x, y in ddp_data():
             xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
@@ -801,8 +880,7 @@ def _ddp_worker(rank, world, out_dir):
             opt.step()
         local_n = probe.stats["blocks.0"].n
         all_reduce_probe(probe)
-        result = {"local_n": local_n,
-                  "est": {p: probe.stats[p].estimate().to_dict() for p in probe.points}}
+        result = {"local_n": local_n, "est": {p: probe.stats[p].estimate().to_dict() for p in probe.points}}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
         # both ranks done before DDP's reducer and the group are torn down: a rank that exits
         # while the other still talks to it was seen to abort ("terminate called ...")
@@ -825,8 +903,12 @@ def test_ddp_local_stats_all_reduced(tmp_path):
     torch.manual_seed(0)
     model = Residual().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref = fs.Probe(model, points=["blocks.0", "blocks.1", "blocks.2"], second_moment="dense",
-                   cross=fs.CrossSpec(rank=3, seed=5))
+    ref = fs.Probe(
+        model,
+        points=["blocks.0", "blocks.1", "blocks.2"],
+        second_moment="dense",
+        cross=fs.CrossSpec(rank=3, seed=5),
+    )
     for x, y in ddp_data():
         # each rank's half as its own step: the cross statistics' standard error uses pairs within
         # a batch, so the reference must see the same batches as the ranks did
@@ -850,7 +932,9 @@ def test_ddp_local_stats_all_reduced(tmp_path):
             # the merged line carries the merged cross-gradient statistics too
             sat = ref.saturation(p)
             assert abs(logged["points"][p]["cross_frob2"] - sat.cross_frob2) <= 1e-9 * abs(sat.cross_frob2)
-            assert abs(logged["points"][p]["cross_frob2_se"] - sat.cross_frob2_se) <= 1e-9 * sat.cross_frob2_se
+            assert (
+                abs(logged["points"][p]["cross_frob2_se"] - sat.cross_frob2_se) <= 1e-9 * sat.cross_frob2_se
+            )
 
 
 # ----------------------------------------------------------------------------- examples
@@ -866,8 +950,9 @@ def _example(name):
 
 def test_examples_run_tiny(tmp_path):
     lm = _example("monitor_llama_training")
-    result = lm.run(steps=4, hidden=16, layers=2, seq=32, batch=4, every=2, out=tmp_path / "lm",
-                    progress=False)
+    result = lm.run(
+        steps=4, hidden=16, layers=2, seq=32, batch=4, every=2, out=tmp_path / "lm", progress=False
+    )
     records = read_monitor_log(result["log"])
     assert [r["step"] for r in records] == [2, 4]
     assert records[-1]["points"]["model.layers.1"]["n"] == 8  # window: 2 steps x 4 sequences

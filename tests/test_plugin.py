@@ -19,8 +19,14 @@ def rows_formulas(rows: np.ndarray) -> dict:
     S = float(mean @ mean)
     V = float(np.sum((X @ mean) ** 2) / (n - 1))
     T = float(np.sum((X @ X.T) ** 2) / (n - 1) ** 2)
-    return {"S": S, "V": V, "T": T, "d_par": S * S / V, "d_2": S * S / T,
-            "d_align": min(S * S / V, S * S / T)}
+    return {
+        "S": S,
+        "V": V,
+        "T": T,
+        "d_par": S * S / V,
+        "d_2": S * S / T,
+        "d_align": min(S * S / V, S * S / T),
+    }
 
 
 @pytest.mark.parametrize("second_moment", ["dense", "pool"])
@@ -51,8 +57,12 @@ def test_plugin_sequences_and_merge(gen):
     a.update(grads[0], mask=masks[0])
     b.update(grads[1], mask=masks[1])
     a.merge(b)
-    rows = np.concatenate([np.stack([sum(g[i, t].numpy() for t in range(T) if m[i, t])
-                                     for i in range(g.shape[0])]) for g, m in zip(grads, masks)])
+    rows = np.concatenate(
+        [
+            np.stack([sum(g[i, t].numpy() for t in range(T) if m[i, t]) for i in range(g.shape[0])])
+            for g, m in zip(grads, masks)
+        ]
+    )
     plug = a.estimate().plugin
     for key, value in rows_formulas(rows).items():
         assert getattr(plug, key) == pytest.approx(value, rel=1e-12, abs=0), key
@@ -79,11 +89,13 @@ def test_plugin_bias_directions_example():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "examples" / "plugin_vs_unbiased.py"
-    out = subprocess.run([sys.executable, str(script), "--repeats", "6"], capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(script), "--repeats", "6"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
-    rows = {float(line.split()[0]): [float(x) for x in line.split()[1:]]
-            for line in out.stdout.splitlines()[2:]}
-    assert rows[0.3][3] > 3            # plug-in / true: inflated
-    assert rows[3.0][3] < 0.95         # deflated
-    assert 0.9 < rows[3.0][2] < 1.1    # unbiased / true
+    rows = {
+        float(line.split()[0]): [float(x) for x in line.split()[1:]] for line in out.stdout.splitlines()[2:]
+    }
+    assert rows[0.3][3] > 3  # plug-in / true: inflated
+    assert rows[3.0][3] < 0.95  # deflated
+    assert 0.9 < rows[3.0][2] < 1.1  # unbiased / true

@@ -72,8 +72,12 @@ def test_overflow_at_a_later_point_leaves_every_point_unchanged(nonfinite, gen):
     x = torch.randn(6, 5, generator=gen, dtype=F64)
     grads = {}
     # the gradients really are finite: only |q|^4 overflows at `second`
-    handles = [getattr(model, n).register_full_backward_hook(
-        lambda m, gi, go, n=n: grads.__setitem__(n, go[0].detach())) for n in ("first", "second")]
+    handles = [
+        getattr(model, n).register_full_backward_hook(
+            lambda m, gi, go, n=n: grads.__setitem__(n, go[0].detach())
+        )
+        for n in ("first", "second")
+    ]
     per_sample_loss(model, x.requires_grad_()).sum().backward()
     for h in handles:
         h.remove()

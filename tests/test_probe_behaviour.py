@@ -27,13 +27,18 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 
-
-
 def tiny_llama(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=2, vocab_size=50,
-                                   max_position_embeddings=32, initializer_range=0.3)
+    cfg = transformers.LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=50,
+        max_position_embeddings=32,
+        initializer_range=0.3,
+    )
     return transformers.LlamaForCausalLM(cfg).double()
 
 
@@ -81,8 +86,11 @@ def assert_model_as_before(model, before):
 
 
 def acc_state(probe):
-    return {(s, p): (a.n, None if a.n == 0 else a.estimate() if a.n >= 4 else a.raw_sum().clone())
-            for s, table in (("train", probe.stats), ("test", probe.test_stats)) for p, a in table.items()}
+    return {
+        (s, p): (a.n, None if a.n == 0 else a.estimate() if a.n >= 4 else a.raw_sum().clone())
+        for s, table in (("train", probe.stats), ("test", probe.test_stats))
+        for p, a in table.items()
+    }
 
 
 def assert_state_equal(a, b):
@@ -162,14 +170,17 @@ def test_exception_in_loss_fn_restores_everything(where, gen):
 
 
 # ---------------------------------------------------------------------------- loss checks
-@pytest.mark.parametrize("bad,needle", [
-    (lambda loss: loss.mean(), "shape ()"),
-    (lambda loss: loss[:, None], "shape (6, 1)"),
-    (lambda loss: loss[:5], "shape (5,)"),
-    (lambda loss: loss.detach(), "do not depend"),
-    (lambda loss: loss * torch.tensor([1, 1, float("nan"), 1, 1, 1], dtype=loss.dtype), "samples [2]"),
-    (lambda loss: (loss > 0).long(), "dtype"),
-])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        (lambda loss: loss.mean(), "shape ()"),
+        (lambda loss: loss[:, None], "shape (6, 1)"),
+        (lambda loss: loss[:5], "shape (5,)"),
+        (lambda loss: loss.detach(), "do not depend"),
+        (lambda loss: loss * torch.tensor([1, 1, float("nan"), 1, 1, 1], dtype=loss.dtype), "samples [2]"),
+        (lambda loss: (loss > 0).long(), "dtype"),
+    ],
+)
 def test_bad_loss_output_rejected_state_unchanged(bad, needle, gen):
     model = tiny_llama(2)
     batch = lm_batch(gen)
@@ -273,8 +284,9 @@ def test_tuple_namedtuple_list_outputs_match_reference(gen):
         assert torch.equal(model(x), before)
     rows = {p: [] for p in points}
     for b in range(9):
-        g = R.point_grads_one_sample(model, points,
-                                     lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b])))
+        g = R.point_grads_one_sample(
+            model, points, lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b]))
+        )
         for p in points:
             rows[p].append(g[p])
     for p in points:
@@ -296,14 +308,23 @@ def test_in_place_change_of_a_captured_output_is_detected(gen):
 # ---------------------------------------------------------------------------- points
 def test_residual_points_of_supported_families():
     torch.manual_seed(0)
-    neox = transformers.GPTNeoXModel(transformers.GPTNeoXConfig(
-        hidden_size=8, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2, vocab_size=20))
+    neox = transformers.GPTNeoXModel(
+        transformers.GPTNeoXConfig(
+            hidden_size=8, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2, vocab_size=20
+        )
+    )
     gpt2 = transformers.GPT2Model(transformers.GPT2Config(n_embd=8, n_layer=3, n_head=2, vocab_size=20))
     assert fs.residual_points(neox) == ["layers.0", "layers.1", "layers.2"]
     assert fs.residual_points(gpt2) == ["h.0", "h.1", "h.2"]
     assert fs.residual_points(tiny_llama().model) == ["layers.0", "layers.1"]
     assert fs.residual_points(tiny_resnet("bottleneck", (2, 1, 1, 2), width=2)) == [
-        "layer1.0", "layer1.1", "layer2.0", "layer3.0", "layer4.0", "layer4.1"]
+        "layer1.0",
+        "layer1.1",
+        "layer2.0",
+        "layer3.0",
+        "layer4.0",
+        "layer4.1",
+    ]
     r20 = fs.residual_points(cifar_resnet20(width=2))
     assert r20 == [f"layer{s}.{i}" for s in (1, 2, 3) for i in range(3)]
 
@@ -367,8 +388,9 @@ def test_conv1d_points_use_channel_axis(gen):
     assert probe.dims == {"blocks.0": 3, "blocks.1": 3}
     rows = {p: [] for p in probe.points}
     for b in range(6):
-        g = R.point_grads_one_sample(model, probe.points,
-                                     lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b])))
+        g = R.point_grads_one_sample(
+            model, probe.points, lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b]))
+        )
         for p in probe.points:
             rows[p].append(g[p][0].sum(-1, keepdim=True).T)  # the gradient of this block's conv
     # blocks.i's output is tanh(conv) (its skip is outside), so compare the same tensors
@@ -415,8 +437,13 @@ def test_flat_unit_on_sequences_zeroes_padding(gen):
     rows = []
     for b in range(6):
         length = int(batch["attention_mask"][b].sum())
-        g = R.point_grads_one_sample(model, ["model.layers.0"], lambda m, b=b, length=length: R.lm_sample_loss(
-            m, batch["input_ids"][b, :length], batch["labels"][b, :length]))["model.layers.0"][0]
+        g = R.point_grads_one_sample(
+            model,
+            ["model.layers.0"],
+            lambda m, b=b, length=length: R.lm_sample_loss(
+                m, batch["input_ids"][b, :length], batch["labels"][b, :length]
+            ),
+        )["model.layers.0"][0]
         full = torch.zeros(6, 16, dtype=torch.float64)
         full[:length] = g
         full[~keep[b]] = 0
@@ -452,15 +479,20 @@ def test_nonfinite_gradient_raise_or_skip(gen):
 
 def test_argument_checks():
     model = cifar_resnet20(width=2)
-    for kwargs, needle in [({"unit": "token"}, "unit"), ({"second_moment": "full"}, "second_moment"),
-                           ({"cross": object()}, "cross"), ({"feature_dim": {"nope": 1}}, "feature_dim"),
-                           ({"backend": "cuda"}, "backend")]:
+    for kwargs, needle in [
+        ({"unit": "token"}, "unit"),
+        ({"second_moment": "full"}, "second_moment"),
+        ({"cross": object()}, "cross"),
+        ({"feature_dim": {"nope": 1}}, "feature_dim"),
+        ({"backend": "cuda"}, "backend"),
+    ]:
         with pytest.raises(fs.FusedStatsError, match=needle):
             fs.Probe(model, **kwargs)
     probe = fs.Probe(model)
     with pytest.raises(fs.FusedStatsError, match="stream"):
-        probe.step((torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long)),
-                   fs.classification_loss, stream="val")
+        probe.step(
+            (torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long)), fs.classification_loss, stream="val"
+        )
     with torch.inference_mode(), pytest.raises(fs.FusedStatsError, match="inference_mode"):
         probe.step((torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long)), fs.classification_loss)
     with pytest.raises(fs.FusedStatsError, match="nothing probed"):
@@ -469,8 +501,13 @@ def test_argument_checks():
 
 def test_run_with_progress_and_max_batches(gen, capsys):
     net = cifar_resnet20(width=2, seed=0).double()
-    data = [(torch.randn(3, 3, 8, 8, generator=gen, dtype=torch.float64),
-             torch.randint(0, 10, (3,), generator=gen)) for _ in range(5)]
+    data = [
+        (
+            torch.randn(3, 3, 8, 8, generator=gen, dtype=torch.float64),
+            torch.randint(0, 10, (3,), generator=gen),
+        )
+        for _ in range(5)
+    ]
     probe = fs.Probe(net, second_moment="dense")
     assert probe.run(data, fs.classification_loss, max_batches=3) == 3
     assert probe.stats["layer1.0"].n == 9 and probe.steps["train"] == 3
@@ -493,8 +530,9 @@ def test_callbacks_receive_activation_and_gradient(gen):
         z = net.layer2[0](net.layer1(net.relu(net.bn1(net.conv1(x)))))
     assert torch.equal(cap.activation, z)
     for b in range(5):
-        g = R.point_grads_one_sample(net, ["layer2.0"],
-                                     lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b])))
+        g = R.point_grads_one_sample(
+            net, ["layer2.0"], lambda m, b=b: R.classification_sample_loss(m, x[b], int(y[b]))
+        )
         assert torch.allclose(cap.grad[b], g["layer2.0"][0], rtol=1e-10, atol=1e-14)
 
 
@@ -581,8 +619,14 @@ def test_report_structure_and_weak_points(gen, tmp_path):
     assert fs.Report.from_json(path).points[0]["name"] == "layer1.0"
     dense, _ = two_streams(gen, 5, 0, second_moment="dense")
     d2 = dense._report_data(misalignment_trials=100)
-    assert all(pt["misalignment"] is None and pt["certificate"] is None and pt["test"] is None
-               and pt["realized_alignment"] is None and pt["train"]["n"] == 5 for pt in d2["points"])
+    assert all(
+        pt["misalignment"] is None
+        and pt["certificate"] is None
+        and pt["test"] is None
+        and pt["realized_alignment"] is None
+        and pt["train"]["n"] == 5
+        for pt in d2["points"]
+    )
     with pytest.raises(fs.FusedStatsError, match=r"needs a pool|no sample pool"):
         dense.misalignment("layer1.0", M=2, K=2)
 
@@ -674,8 +718,13 @@ def test_flat_unit_drops_a_sample_with_no_counted_position(gen):
         if b == 2:
             continue
         length = int(batch["attention_mask"][b].sum())
-        g = R.point_grads_one_sample(model, ["model.layers.0"], lambda m, b=b, length=length: R.lm_sample_loss(
-            m, batch["input_ids"][b, :length], batch["labels"][b, :length]))["model.layers.0"][0]
+        g = R.point_grads_one_sample(
+            model,
+            ["model.layers.0"],
+            lambda m, b=b, length=length: R.lm_sample_loss(
+                m, batch["input_ids"][b, :length], batch["labels"][b, :length]
+            ),
+        )["model.layers.0"][0]
         full = torch.zeros(6, 16, dtype=torch.float64)
         full[:length] = g
         full[mask[b] == 0] = 0

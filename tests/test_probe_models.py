@@ -27,23 +27,34 @@ transformers.logging.set_verbosity_error()
 VOCAB = 64
 
 
-
-
 def build_lm(kind: str, seed: int = 0):
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, initializer_range=0.3)
     if kind == "llama":
-        cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                       num_attention_heads=2, num_key_value_heads=2,
-                                       max_position_embeddings=64, **common)
+        cfg = transformers.LlamaConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **common,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     elif kind == "neox":
-        cfg = transformers.GPTNeoXConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, max_position_embeddings=64, **common)
+        cfg = transformers.GPTNeoXConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            **common,
+        )
         model = transformers.GPTNeoXForCausalLM(cfg)
     elif kind == "gpt2":
-        cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=64,
-                                      bos_token_id=0, eos_token_id=0, **common)
+        cfg = transformers.GPT2Config(
+            n_embd=16, n_layer=2, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0, **common
+        )
         model = transformers.GPT2LMHeadModel(cfg)
     else:
         raise AssertionError(kind)
@@ -54,9 +65,11 @@ def lm_batch(gen, lengths, T, prompts):
     return padded_lm_batch(gen, lengths, T, VOCAB, prompts)
 
 
-LM_POINTS = {"llama": ["model.layers.0", "model.layers.1"],
-             "neox": ["gpt_neox.layers.0", "gpt_neox.layers.1"],
-             "gpt2": ["transformer.h.0", "transformer.h.1"]}
+LM_POINTS = {
+    "llama": ["model.layers.0", "model.layers.1"],
+    "neox": ["gpt_neox.layers.0", "gpt_neox.layers.1"],
+    "gpt2": ["transformer.h.0", "transformer.h.1"],
+}
 
 
 @pytest.mark.parametrize("kind", ["llama", "neox", "gpt2"])
@@ -107,11 +120,14 @@ def test_lm_position_label_mask_matches_reference(gen):
         R.assert_estimate_matches(probe.stats[p].estimate(), ref[p], context=f"labels {p}")
 
 
-@pytest.mark.parametrize("unit,batch_size,side,points", [
-    ("sample", 10, 8, "residual"),
-    ("position", 5, 3, ["layer1.0", "layer2.0", "layer3.2"]),  # n = 45, 20, 5
-    ("flat", 8, 4, "residual"),
-])
+@pytest.mark.parametrize(
+    "unit,batch_size,side,points",
+    [
+        ("sample", 10, 8, "residual"),
+        ("position", 5, 3, ["layer1.0", "layer2.0", "layer3.2"]),  # n = 45, 20, 5
+        ("flat", 8, 4, "residual"),
+    ],
+)
 def test_cifar_resnet20_matches_per_sample_loop(unit, batch_size, side, points, gen):
     model = cifar_resnet20(width=4, seed=0, random_batchnorm=True).double().train()
     x = torch.randn(batch_size, 3, side, side, generator=gen, dtype=torch.float64)
@@ -142,8 +158,16 @@ def test_torchvision_style_resnet_matches_per_sample_loop(gen):
 
 
 def _assert_same_estimates(a, b, rel=1e-9, context=""):
-    for key in ("n", "mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "trace_sigma",
-                "ag_max", "ag_mean"):
+    for key in (
+        "n",
+        "mu_norm2",
+        "mu_norm4",
+        "mu_sigma_mu",
+        "trace_sigma2",
+        "trace_sigma",
+        "ag_max",
+        "ag_mean",
+    ):
         va, vb = getattr(a, key), getattr(b, key)
         assert abs(va - vb) <= rel * max(abs(va), abs(vb), 1e-300), f"{context}: {key} {va} vs {vb}"
 
@@ -170,6 +194,6 @@ def test_batch_size_invariance_resnet(gen):
     one.step((x, y), fs.classification_loss)
     many = fs.Probe(model, second_moment="pool")
     for b in range(8):
-        many.step((x[b:b + 1], y[b:b + 1]), fs.classification_loss)
+        many.step((x[b : b + 1], y[b : b + 1]), fs.classification_loss)
     for p in one.points:
         _assert_same_estimates(one.stats[p].estimate(), many.stats[p].estimate(), context=p)

@@ -46,8 +46,7 @@ from tiny_models import TanhBlock
 F64 = torch.float64
 TARGETS = ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2")
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-SETTINGS = dict(deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ----------------------------------------------------------------------------- reference
@@ -153,12 +152,17 @@ def check_against_reference(acc, vectors: list[torch.Tensor]) -> None:
     scale = float((q * q).sum(dim=1).max())  # max |q|^2
     for key, degree in (("mu_norm2", 1), ("mu_norm4", 2), ("mu_sigma_mu", 2), ("trace_sigma2", 2)):
         tol = 1e-10 * max(scale, 1e-300) ** degree * q.shape[0]
-        assert abs(getattr(est, key) - ref[key]) <= tol + 1e-9 * abs(ref[key]), (key, getattr(est, key), ref[key])
+        assert abs(getattr(est, key) - ref[key]) <= tol + 1e-9 * abs(ref[key]), (
+            key,
+            getattr(est, key),
+            ref[key],
+        )
     norms = q.norm(dim=1)
     assert math.isclose(est.ag_max, float(norms.max()), rel_tol=1e-12)
     assert math.isclose(est.ag_mean, float(norms.mean()), rel_tol=1e-10)
-    assert math.isclose(float(acc.mean().norm()), float(q.mean(0).norm()), rel_tol=1e-9,
-                        abs_tol=1e-12 * math.sqrt(scale))
+    assert math.isclose(
+        float(acc.mean().norm()), float(q.mean(0).norm()), rel_tol=1e-9, abs_tol=1e-12 * math.sqrt(scale)
+    )
     if acc.mode == "pool":
         assert torch.allclose(acc.pool_rows(), q, rtol=1e-12, atol=1e-12 * math.sqrt(scale))
 
@@ -167,8 +171,13 @@ def check_against_reference(acc, vectors: list[torch.Tensor]) -> None:
 @st.composite
 def batch_specs(draw, dim: int):
     """A dict describing one update call, plus what must happen (``expect``: list of words)."""
-    kind = draw(st.sampled_from(["ok"] * 4 + ["nonfinite"] * 2 + [
-        "wrong_dim", "int", "meta", "bad_mask", "unit_change", "meta_mask"]))
+    kind = draw(
+        st.sampled_from(
+            ["ok"] * 4
+            + ["nonfinite"] * 2
+            + ["wrong_dim", "int", "meta", "bad_mask", "unit_change", "meta_mask"]
+        )
+    )
     unit = draw(st.sampled_from(["sample", "position", "flat"]))
     layout = draw(st.sampled_from(["2d", "3d", "nchw"]))
     B = draw(st.sampled_from([1, 2, 3, 4, 5, 0]))  # 0 (an empty batch) now and then
@@ -179,10 +188,22 @@ def batch_specs(draw, dim: int):
     seed = draw(st.integers(0, 2**31 - 1))
     mask_kind = draw(st.sampled_from(["none", "none", "per_sample", "positions", "all_false"]))
     mask_dtype = draw(st.sampled_from([torch.bool, torch.int64, torch.float32]))
-    return dict(kind=kind, unit=unit, layout=layout, B=B, T=T, dtype=dtype, scale=scale,
-                offset=offset, seed=seed, mask_kind=mask_kind, mask_dtype=mask_dtype, dim=dim,
-                where_bad=draw(st.sampled_from(["counted", "uncounted"])),
-                bad_value=draw(st.sampled_from([math.nan, math.inf, -math.inf])))
+    return dict(
+        kind=kind,
+        unit=unit,
+        layout=layout,
+        B=B,
+        T=T,
+        dtype=dtype,
+        scale=scale,
+        offset=offset,
+        seed=seed,
+        mask_kind=mask_kind,
+        mask_dtype=mask_dtype,
+        dim=dim,
+        where_bad=draw(st.sampled_from(["counted", "uncounted"])),
+        bad_value=draw(st.sampled_from([math.nan, math.inf, -math.inf])),
+    )
 
 
 def build(spec: dict, locked_unit):
@@ -206,12 +227,16 @@ def build(spec: dict, locked_unit):
         shape, feature_dim = (B, d, T, 2), 1
     feat_axis = feature_dim % len(shape)
     if spec["kind"] == "wrong_dim":
-        shape = tuple(s + 1 if i == feat_axis else s for i, s in enumerate(shape)) if unit != "flat" \
+        shape = (
+            tuple(s + 1 if i == feat_axis else s for i, s in enumerate(shape))
+            if unit != "flat"
             else (B, d + 1)
-    grad = (spec["offset"] + spec["scale"] * torch.randn(*shape, generator=gen, dtype=F64))
+        )
+    grad = spec["offset"] + spec["scale"] * torch.randn(*shape, generator=gen, dtype=F64)
     mask = None
     if (unit != "flat" and spec["mask_kind"] != "none" and shape[0] > 0) or (
-            unit != "flat" and spec["kind"] == "bad_mask"):
+        unit != "flat" and spec["kind"] == "bad_mask"
+    ):
         positions = tuple(s for i, s in enumerate(shape) if i not in (0, feat_axis))
         if spec["mask_kind"] == "per_sample":
             mask = torch.rand(B, generator=gen) < 0.6
@@ -269,13 +294,21 @@ def reference_keep(grad, mask, unit, feature_dim) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- update properties
 @settings(max_examples=400, **SETTINGS)
-@given(data=st.data(), dim=st.sampled_from([1, 3, 8]),
-       second_moment=st.sampled_from(["dense", "pool", "auto"]),
-       capacity=st.sampled_from([None, 20]),
-       policy=st.sampled_from(["raise", "skip"]))
+@given(
+    data=st.data(),
+    dim=st.sampled_from([1, 3, 8]),
+    second_moment=st.sampled_from(["dense", "pool", "auto"]),
+    capacity=st.sampled_from([None, 20]),
+    policy=st.sampled_from(["raise", "skip"]),
+)
 def test_updates_are_correct_or_rejected_cleanly(data, dim, second_moment, capacity, policy):
-    acc = fs.GradStats(dim, second_moment=second_moment, nonfinite=policy,
-                       pool_capacity=capacity if second_moment == "pool" else None, name="h.3")
+    acc = fs.GradStats(
+        dim,
+        second_moment=second_moment,
+        nonfinite=policy,
+        pool_capacity=capacity if second_moment == "pool" else None,
+        name="h.3",
+    )
     vectors: list[torch.Tensor] = []
     locked_unit = None
     for spec in data.draw(st.lists(batch_specs(dim), min_size=1, max_size=4)):
@@ -310,10 +343,15 @@ def test_updates_are_correct_or_rejected_cleanly(data, dim, second_moment, capac
 
 # ----------------------------------------------------------------------------- merge properties
 @settings(max_examples=120, **SETTINGS)
-@given(seed=st.integers(0, 2**31 - 1), dim=st.integers(1, 4),
-       kinds=st.tuples(st.sampled_from(["dense", "pool", "auto"]), st.sampled_from(["dense", "pool", "auto"])),
-       sizes=st.tuples(st.integers(0, 9), st.integers(0, 9)),
-       other_dim=st.booleans(), other_unit=st.booleans(), meta=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dim=st.integers(1, 4),
+    kinds=st.tuples(st.sampled_from(["dense", "pool", "auto"]), st.sampled_from(["dense", "pool", "auto"])),
+    sizes=st.tuples(st.integers(0, 9), st.integers(0, 9)),
+    other_dim=st.booleans(),
+    other_unit=st.booleans(),
+    meta=st.booleans(),
+)
 def test_merge_is_correct_or_rejected_cleanly(seed, dim, kinds, sizes, other_dim, other_unit, meta):
     gen = torch.Generator().manual_seed(seed)
     a = fs.GradStats(dim, second_moment=kinds[0])
@@ -373,11 +411,11 @@ def test_damaged_state_files_are_rejected(tmp_path_factory, data, mode):
     raw = path.read_bytes()
     how = data.draw(st.sampled_from(["truncate", "flip", "flip", "garbage", "empty"]))
     if how == "truncate":
-        damaged = raw[:data.draw(st.integers(0, len(raw) - 1))]
+        damaged = raw[: data.draw(st.integers(0, len(raw) - 1))]
     elif how == "flip":
         pos = data.draw(st.integers(0, len(raw) - 1))
         bit = data.draw(st.integers(1, 255))
-        damaged = raw[:pos] + bytes([raw[pos] ^ bit]) + raw[pos + 1:]
+        damaged = raw[:pos] + bytes([raw[pos] ^ bit]) + raw[pos + 1 :]
     elif how == "garbage":
         damaged = bytes(data.draw(st.binary(min_size=1, max_size=200)))
     else:
@@ -400,8 +438,10 @@ def test_wrong_version_and_format_are_named(tmp_path, gen):
     with safe_open(str(path), "pt") as handle:
         meta = handle.metadata()
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118  (a safetensors handle is not iterable)
-    for key, value, words in (("version", "2", ["version '2'", "reads version 1"]),
-                              ("format", "something.else", ["something.else"])):
+    for key, value, words in (
+        ("version", "2", ["version '2'", "reads version 1"]),
+        ("format", "something.else", ["something.else"]),
+    ):
         bad = dict(meta, **{key: value})
         other = tmp_path / f"{key}.safetensors"
         save_file(tensors, str(other), metadata=bad)
@@ -435,13 +475,21 @@ class Net(torch.nn.Module):
 
 
 def hook_count(model) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-               + len(getattr(m, "_forward_hooks_with_kwargs", {})) for m in model.modules())
+    return sum(
+        len(m._forward_hooks)
+        + len(m._forward_pre_hooks)
+        + len(m._backward_hooks)
+        + len(getattr(m, "_forward_hooks_with_kwargs", {}))
+        for m in model.modules()
+    )
 
 
 @settings(max_examples=40, **SETTINGS)
-@given(failure=st.sampled_from(["raise", "nan_input", "mean_loss", "int_loss", "wrong_batch", "ok"]),
-       seed=st.integers(0, 1000), B=st.integers(1, 4))
+@given(
+    failure=st.sampled_from(["raise", "nan_input", "mean_loss", "int_loss", "wrong_batch", "ok"]),
+    seed=st.integers(0, 1000),
+    B=st.integers(1, 4),
+)
 def test_failed_probe_step_leaves_no_hook_and_no_change(failure, seed, B):
     from fused_stats.api.probe import Probe
 
@@ -464,9 +512,14 @@ def test_failed_probe_step_leaves_no_hook_and_no_change(failure, seed, B):
         m(batch)
         raise RuntimeError("user loss failed")
 
-    loss = {"raise": raising, "nan_input": good_loss, "ok": good_loss, "wrong_batch": good_loss,
-            "mean_loss": lambda m, b: good_loss(m, b).mean(),
-            "int_loss": lambda m, b: good_loss(m, b).long()}[failure]
+    loss = {
+        "raise": raising,
+        "nan_input": good_loss,
+        "ok": good_loss,
+        "wrong_batch": good_loss,
+        "mean_loss": lambda m, b: good_loss(m, b).mean(),
+        "int_loss": lambda m, b: good_loss(m, b).long(),
+    }[failure]
     if failure == "nan_input":
         x[0, 0] = math.nan
     if failure == "wrong_batch":

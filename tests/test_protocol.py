@@ -34,8 +34,16 @@ def centred_sums(q: torch.Tensor, c: torch.Tensor) -> dict:
     """n, s, t, A1, A2, S and the pool rows of ``q`` about ``c``, straight from the definitions."""
     y = q - c
     sq = (y * y).sum(dim=1)
-    return {"n": q.shape[0], "s": y.sum(0), "t": (sq[:, None] * y).sum(0), "a1": sq.sum(),
-            "a2": (sq * sq).sum(), "S": y.T @ y, "pool": y, "gram": y @ y.T}
+    return {
+        "n": q.shape[0],
+        "s": y.sum(0),
+        "t": (sq[:, None] * y).sum(0),
+        "a1": sq.sum(),
+        "a2": (sq * sq).sum(),
+        "S": y.T @ y,
+        "pool": y,
+        "gram": y @ y.T,
+    }
 
 
 @pytest.mark.parametrize("form", ["dense", "pool"])
@@ -64,12 +72,11 @@ def test_load_state_dict_copies_into_fresh_allocations_and_checks_shapes(gen):
     acc.update(torch.randn(7, 4, generator=gen, dtype=F64) + 1.0)
     state = acc.state_dict()
     # a state whose tensors are views at an odd offset of a shared buffer (as a file buffer gives)
-    buffer = torch.zeros(1 + sum(v.numel() for v in state.values() if isinstance(v, torch.Tensor)),
-                         dtype=F64)
+    buffer = torch.zeros(1 + sum(v.numel() for v in state.values() if isinstance(v, torch.Tensor)), dtype=F64)
     offset, viewed = 1, dict(state)
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
-            view = buffer[offset:offset + value.numel()].view(value.shape)
+            view = buffer[offset : offset + value.numel()].view(value.shape)
             view.copy_(value)
             viewed[key] = view
             offset += value.numel()
@@ -178,8 +185,9 @@ def per_sample_q(model, x, y, points):
     """Per-sample activation gradients, one backward per sample."""
     out = {p: [] for p in points}
     for b in range(x.shape[0]):
-        grads = point_grads_one_sample(model, points,
-                                       lambda m, b=b: classification_sample_loss(m, x[b], int(y[b])))
+        grads = point_grads_one_sample(
+            model, points, lambda m, b=b: classification_sample_loss(m, x[b], int(y[b]))
+        )
         for p in points:
             out[p].append(grads[p].reshape(-1))
     return {p: torch.stack(v) for p, v in out.items()}
@@ -188,8 +196,9 @@ def per_sample_q(model, x, y, points):
 def test_probe_table_views_histogram_and_symmetric_results(gen):
     model = Net().double()
     points = ["first", "second"]
-    probe = fs.Probe(model, points=points, second_moment="pool",
-                     norm_histogram={"low": 1e-4, "high": 1e1, "bins": 10})
+    probe = fs.Probe(
+        model, points=points, second_moment="pool", norm_histogram={"low": 1e-4, "high": 1e1, "bins": 10}
+    )
     xs = [torch.randn(6, 4, generator=gen, dtype=F64) for _ in range(3)]
     ys = [torch.randint(0, 3, (6,), generator=gen) for _ in range(3)]
     for x, y in zip(xs[:2], ys[:2]):
@@ -198,15 +207,17 @@ def test_probe_table_views_histogram_and_symmetric_results(gen):
     q_train = per_sample_q(model, torch.cat(xs[:2]), torch.cat(ys[:2]), points)
     q_test = per_sample_q(model, xs[2], ys[2], points)
     # the public names are views of the one table
-    assert set(probe.table) == {(k, s, p) for k in ("grad", "norm_hist") for s in ("train", "test")
-                                for p in points}
+    assert set(probe.table) == {
+        (k, s, p) for k in ("grad", "norm_hist") for s in ("train", "test") for p in points
+    }
     for p in points:
         assert probe.stats[p] is probe.table[("grad", "train", p)]
         assert probe.test_stats[p] is probe.table[("grad", "test", p)]
         # the histogram against numpy on per-sample norms from per-sample backward passes
         hist = probe.table[("norm_hist", "train", p)]
         assert [int(v) for v in hist.counts.tolist()] == numpy_histogram(
-            q_train[p].norm(dim=1).numpy(), 1e-4, 1e1, 10)
+            q_train[p].norm(dim=1).numpy(), 1e-4, 1e1, 10
+        )
         # estimate / certificate per stream, realized alignment as a result object
         est = probe.estimate(p, stream="test")
         assert est.n == 6 and est.mu_norm2 == probe.test_stats[p].estimate().mu_norm2
@@ -252,8 +263,12 @@ def test_cross_estimate_plugin_and_mean_against_per_sample_c(gen):
 
 def test_checkpoint_round_trip_of_a_probe_with_histograms(tmp_path, gen):
     def make(hist=True):
-        return fs.Probe(Net().double(), points=["first", "second"], second_moment="dense",
-                        norm_histogram={"bins": 6} if hist else False)
+        return fs.Probe(
+            Net().double(),
+            points=["first", "second"],
+            second_moment="dense",
+            norm_histogram={"bins": 6} if hist else False,
+        )
 
     probe = make()
     x, y = torch.randn(5, 4, generator=gen, dtype=F64), torch.randint(0, 3, (5,), generator=gen)
@@ -285,16 +300,19 @@ def test_checkpoint_of_other_settings_is_refused_by_the_declared_settings(tmp_pa
     x, y = torch.randn(5, 4, generator=gen, dtype=F64), torch.randint(0, 3, (5,), generator=gen)
     probe.step((x, y), fs.classification_loss)
     probe.save_state(tmp_path / "ckpt")
-    for kw, words in [(dict(second_moment="pool", norm_histogram={"bins": 6}),
-                       ["'first' (train)", "second_moment 'pool' vs 'dense'"]),
-                      (dict(second_moment="dense", norm_histogram={"bins": 7}),
-                       ["norm_hist", "bins 7 vs 6"])]:
-        fresh = make(**kw)   # nothing stepped: compared with the accumulator it would create
+    for kw, words in [
+        (
+            dict(second_moment="pool", norm_histogram={"bins": 6}),
+            ["'first' (train)", "second_moment 'pool' vs 'dense'"],
+        ),
+        (dict(second_moment="dense", norm_histogram={"bins": 7}), ["norm_hist", "bins 7 vs 6"]),
+    ]:
+        fresh = make(**kw)  # nothing stepped: compared with the accumulator it would create
         with pytest.raises(fs.FusedStatsError, match="other settings than this probe's") as info:
             fresh.load_state(tmp_path / "ckpt")
         assert all(w in str(info.value) for w in words), (words, str(info.value))
         assert not fresh.table
-        stepped = make(**kw)   # stepped: compared with the accumulator it holds, kept as it was
+        stepped = make(**kw)  # stepped: compared with the accumulator it holds, kept as it was
         stepped.step((x, y), fs.classification_loss)
         before = {key: acc.state_dict() for key, acc in stepped.table.items()}
         with pytest.raises(fs.FusedStatsError, match=words[-1]):

@@ -29,10 +29,10 @@ def brute_force(q: torch.Tensor) -> dict:
     g = q @ q.T
     u1 = sum(g[i, j] for i, j in itertools.permutations(range(n), 2)) / (n * (n - 1))
     u2 = sum(g[i, j] ** 2 for i, j in itertools.permutations(range(n), 2)) / (n * (n - 1))
-    u3 = sum(g[i, j] * g[j, k] for i, j, k in itertools.permutations(range(n), 3)) / (
-        n * (n - 1) * (n - 2))
+    u3 = sum(g[i, j] * g[j, k] for i, j, k in itertools.permutations(range(n), 3)) / (n * (n - 1) * (n - 2))
     u4 = sum(g[i, j] * g[k, m] for i, j, k, m in itertools.permutations(range(n), 4)) / (
-        n * (n - 1) * (n - 2) * (n - 3))
+        n * (n - 1) * (n - 2) * (n - 3)
+    )
     mu4, msm, tr2 = float(u4), float(u3 - u4), float(u2 - 2 * u3 + u4)
     norms = q.norm(dim=1)
     # docs/design.md, section 2 conventions: |mu|^4 <= 0 means no signal (dimensions 0); a variance
@@ -42,10 +42,18 @@ def brute_force(q: torch.Tensor) -> dict:
         d_2 = mu4 / tr2 if tr2 > 0 else math.inf
     else:
         d_par = d_2 = 0.0
-    return {"n": n, "mu_norm2": float(u1), "mu_norm4": mu4, "mu_sigma_mu": msm,
-            "trace_sigma2": tr2, "d_par": d_par, "d_2": d_2,
-            "d_align": min(d_par, d_2), "ag_max": float(norms.max()),
-            "ag_mean": float(norms.mean())}
+    return {
+        "n": n,
+        "mu_norm2": float(u1),
+        "mu_norm4": mu4,
+        "mu_sigma_mu": msm,
+        "trace_sigma2": tr2,
+        "d_par": d_par,
+        "d_2": d_2,
+        "d_align": min(d_par, d_2),
+        "ag_max": float(norms.max()),
+        "ag_mean": float(norms.mean()),
+    }
 
 
 def samples(n: int, d: int, seed: int, shift: float = 0.3) -> torch.Tensor:
@@ -66,21 +74,35 @@ def make_data(n_train=9, n_test=8, d=5, seed=0, points=2) -> tuple[dict, list]:
         train.update(qa[4:])
         test.update(qb)
         est = train.estimate()
-        entries.append({
-            "name": f"model.layers.{index}", "index": index, "dim": d,
-            "train": est.to_dict(), "test": test.estimate().to_dict(),
-            "certificate": est.certificate(3, 4).to_dict(),
-            "misalignment": fs.misalignment_probability(train, 3, 4, trials=500, seed=1).to_dict(),
-            "realized_alignment": fs.realized_alignment(train, test),
-            "saturation": None,
-        })
+        entries.append(
+            {
+                "name": f"model.layers.{index}",
+                "index": index,
+                "dim": d,
+                "train": est.to_dict(),
+                "test": test.estimate().to_dict(),
+                "certificate": est.certificate(3, 4).to_dict(),
+                "misalignment": fs.misalignment_probability(train, 3, 4, trials=500, seed=1).to_dict(),
+                "realized_alignment": fs.realized_alignment(train, test),
+                "saturation": None,
+            }
+        )
         raw.append((qa, qb))
-    data = {"format": "fused_stats.report", "version": 1,
-            "fused_stats_version": fs.__version__, "created": Report.now(),
-            "model": {"class": "TinyModel", "num_parameters": 1234,
-                      "config": {"hidden_size": d, "num_layers": points}},
-            "unit": "sample", "second_moment": "pool", "points": entries,
-            "meta": {"width": d, "depth": points, "seed": seed}}
+    data = {
+        "format": "fused_stats.report",
+        "version": 1,
+        "fused_stats_version": fs.__version__,
+        "created": Report.now(),
+        "model": {
+            "class": "TinyModel",
+            "num_parameters": 1234,
+            "config": {"hidden_size": d, "num_layers": points},
+        },
+        "unit": "sample",
+        "second_moment": "pool",
+        "points": entries,
+        "meta": {"width": d, "depth": points, "seed": seed},
+    }
     return data, raw
 
 
@@ -98,10 +120,8 @@ def test_report_numbers_equal_brute_force_u_statistics():
         var = (1 / M + 1 / K) * max(ref["mu_sigma_mu"], 0) + max(ref["trace_sigma2"], 0) / (M * K)
         assert entry["certificate"]["b_exact"] == pytest.approx(var / (var + ref["mu_norm4"]), rel=1e-9)
         n_eff = M * K / (M + K + 1)
-        assert entry["certificate"]["b_align"] == pytest.approx(
-            1 / (1 + n_eff * ref["d_align"]), rel=1e-9)
-        assert entry["realized_alignment"] == pytest.approx(
-            float(qa.mean(0) @ qb.mean(0)), rel=1e-9)
+        assert entry["certificate"]["b_align"] == pytest.approx(1 / (1 + n_eff * ref["d_align"]), rel=1e-9)
+        assert entry["realized_alignment"] == pytest.approx(float(qa.mean(0) @ qb.mean(0)), rel=1e-9)
 
 
 # ---------------------------------------------------------------------------- JSON
@@ -110,8 +130,7 @@ def test_json_round_trip_keeps_inf_and_nan(tmp_path):
     data["points"][0]["train"]["d_par"] = math.inf
     data["points"][0]["test"]["mu_sigma_mu"] = -math.inf
     data["points"][1]["realized_alignment"] = math.nan
-    data["points"][1]["saturation"] = {"cross_frob2": 0.25, "cross_frob2_se": math.nan,
-                                       "saturated": False}
+    data["points"][1]["saturation"] = {"cross_frob2": 0.25, "cross_frob2_se": math.nan, "saturated": False}
     data["meta"]["test_loss"] = math.nan
     report = Report(data)
     path = report.to_json(tmp_path / "sub" / "r.json")
@@ -150,8 +169,7 @@ def _table_after(markdown: str, heading: str) -> dict[str, list[str]]:
     for line in block.splitlines()[1:]:
         if line.startswith("## "):
             break
-        if line.startswith("| ") and not line.startswith(("| quantity", "| point")) \
-                and "---" not in line:
+        if line.startswith("| ") and not line.startswith(("| quantity", "| point")) and "---" not in line:
             cells = [c.strip() for c in line.strip("|").split("|")]
             rows[cells[0]] = cells[1:]
     return rows
@@ -160,9 +178,18 @@ def _table_after(markdown: str, heading: str) -> dict[str, list[str]]:
 def test_markdown_shows_brute_force_values():
     data, raw = make_data()
     md = Report(data).to_markdown()
-    labels = {"n": "n", "‖μ‖²": "mu_norm2", "‖μ‖⁴": "mu_norm4", "μᵀΣμ": "mu_sigma_mu",
-              "tr(Σ²)": "trace_sigma2", "d_par": "d_par", "d_2": "d_2",
-              "d_align": "d_align", "AG_max": "ag_max", "AG_mean": "ag_mean"}
+    labels = {
+        "n": "n",
+        "‖μ‖²": "mu_norm2",
+        "‖μ‖⁴": "mu_norm4",
+        "μᵀΣμ": "mu_sigma_mu",
+        "tr(Σ²)": "trace_sigma2",
+        "d_par": "d_par",
+        "d_2": "d_2",
+        "d_align": "d_align",
+        "AG_max": "ag_max",
+        "AG_mean": "ag_mean",
+    }
     for entry, (qa, qb) in zip(data["points"], raw):
         table = _table_after(md, f"## Point `{entry['name']}`")
         for label, key in labels.items():
@@ -218,9 +245,13 @@ def test_plot_sweeps_and_rows(tmp_path):
     for width in (4, 6, 8):
         for seed in (0, 1):
             data, _ = make_data(d=width, seed=seed + width)
-            data["meta"] = {"width": width, "depth": width // 2, "seed": seed,
-                            "test_loss": 1.0 / width,
-                            "stream_norm": {p["name"]: 2.0 + p["index"] for p in data["points"]}}
+            data["meta"] = {
+                "width": width,
+                "depth": width // 2,
+                "seed": seed,
+                "test_loss": 1.0 / width,
+                "stream_norm": {p["name"]: 2.0 + p["index"] for p in data["points"]},
+            }
             data["points"][-1]["saturation"] = {"cross_frob2": 0.1 * width, "cross_frob2_se": 0.01}
             reports.append(Report(data))
     rows = sweep_rows(reports, "width")
@@ -249,17 +280,20 @@ def test_missing_matplotlib_gives_clear_error(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(format="something.else"), "not a fused_stats report"),
-    (lambda d: d.update(version=2), "unsupported version 2"),
-    (lambda d: d.pop("meta"), "missing top-level keys \\['meta'\\]"),
-    (lambda d: d["model"].update(num_parameters="many"), "num_parameters"),
-    (lambda d: d["points"][0]["train"].pop("d_align"), "lacks keys \\['d_align'\\]"),
-    (lambda d: d["points"][0]["certificate"].update(b_exact="high"), "b_exact"),
-    (lambda d: d["points"][1].update(name="model.layers.0"), "appears twice"),
-    (lambda d: d["points"][0].update(realized_alignment=[1.0]), "realized_alignment"),
-    (lambda d: d["points"][0].update(index=1.5), "index must be an int"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(format="something.else"), "not a fused_stats report"),
+        (lambda d: d.update(version=2), "unsupported version 2"),
+        (lambda d: d.pop("meta"), "missing top-level keys \\['meta'\\]"),
+        (lambda d: d["model"].update(num_parameters="many"), "num_parameters"),
+        (lambda d: d["points"][0]["train"].pop("d_align"), "lacks keys \\['d_align'\\]"),
+        (lambda d: d["points"][0]["certificate"].update(b_exact="high"), "b_exact"),
+        (lambda d: d["points"][1].update(name="model.layers.0"), "appears twice"),
+        (lambda d: d["points"][0].update(realized_alignment=[1.0]), "realized_alignment"),
+        (lambda d: d["points"][0].update(index=1.5), "index must be an int"),
+    ],
+)
 def test_bad_report_dicts_raise(mutate, message):
     data, _ = make_data()
     mutate(data)
@@ -307,6 +341,7 @@ def test_failed_write_keeps_existing_file(tmp_path, monkeypatch):
 def _exact_spearman(xs, ys):
     """Reference: ρ from the textbook formula on average ranks, p by enumerating every
     permutation (small n only)."""
+
     def ranks(v):
         return [sum(1 for w in v if w < a) + (sum(1 for w in v if w == a) + 1) / 2 for a in v]
 
@@ -322,11 +357,14 @@ def _exact_spearman(xs, ys):
     return rho, p
 
 
-@pytest.mark.parametrize("xs, ys", [
-    ([1, 2, 3, 4, 5, 6], [0.1, 0.3, 0.2, 0.5, 0.4, 0.9]),
-    ([32, 32, 64, 64, 128, 128], [0.01, 0.03, 0.02, 0.02, 0.05, 0.04]),   # ties
-    ([1, 2, 3, 4, 5], [5.0, 3.0, 4.0, 1.0, 2.0]),
-])
+@pytest.mark.parametrize(
+    "xs, ys",
+    [
+        ([1, 2, 3, 4, 5, 6], [0.1, 0.3, 0.2, 0.5, 0.4, 0.9]),
+        ([32, 32, 64, 64, 128, 128], [0.01, 0.03, 0.02, 0.02, 0.05, 0.04]),  # ties
+        ([1, 2, 3, 4, 5], [5.0, 3.0, 4.0, 1.0, 2.0]),
+    ],
+)
 def test_rank_correlation_small_n_is_the_exact_permutation_test(xs, ys):
     from fused_stats.accumulators.trends import rank_correlation
 
@@ -342,9 +380,10 @@ def test_rank_correlation_monte_carlo_matches_exact_enumeration():
 
     gen = torch.Generator().manual_seed(11)
     xs = [16, 16, 32, 32, 64, 64, 128, 128]
-    ys = (torch.tensor([float(x) for x in xs]).log() * 0.3
-          + torch.randn(8, generator=gen, dtype=torch.float64)).tolist()
-    rho, p = rank_correlation(xs, ys, permutations=20_000, seed=5)   # 20000 < 8! = 40320
+    ys = (
+        torch.tensor([float(x) for x in xs]).log() * 0.3 + torch.randn(8, generator=gen, dtype=torch.float64)
+    ).tolist()
+    rho, p = rank_correlation(xs, ys, permutations=20_000, seed=5)  # 20000 < 8! = 40320
     ref_rho, ref_p = _exact_spearman(xs, ys)
     assert rho == pytest.approx(ref_rho, abs=1e-12)
     assert abs(p - ref_p) <= 4 * math.sqrt(ref_p * (1 - ref_p) / 20_000) + 1e-4
@@ -384,7 +423,9 @@ def test_p_value_does_not_depend_on_the_order_of_the_runs():
         reports.append(Report(data))
     text = sweep_summary(reports, "depth")
     assert sweep_summary([reports[i] for i in order], "depth") == text
-    assert f"p = {first[1]:.3g}" in next(line for line in text.splitlines() if line.startswith("test_loss vs"))
+    assert f"p = {first[1]:.3g}" in next(
+        line for line in text.splitlines() if line.startswith("test_loss vs")
+    )
 
 
 def test_cosine_of_the_mean_gradients():
@@ -399,8 +440,11 @@ def test_sweep_summary_medians_and_trend_words():
     from fused_stats.api.report import sweep_summary
 
     reports = []
-    for width, values in ((16, (0.010, 0.020, 0.015)), (32, (0.030, 0.050, 0.040)),
-                          (64, (0.070, 0.060, 0.080))):
+    for width, values in (
+        (16, (0.010, 0.020, 0.015)),
+        (32, (0.030, 0.050, 0.040)),
+        (64, (0.070, 0.060, 0.080)),
+    ):
         for seed, value in enumerate(values):
             data, _ = make_data(points=2, seed=seed)
             data["meta"] = {"width": width, "seed": seed}
@@ -427,9 +471,12 @@ def test_png_files_get_the_permissions_of_the_json_and_markdown(tmp_path):
     report = Report(data)
     old = os.umask(0o022)
     try:
-        files = [report.to_json(tmp_path / "r.json"), report.to_markdown_file(tmp_path / "r.md"),
-                 report.plot(tmp_path / "r.png"),
-                 plot_sweep([report, Report(make_data(seed=1)[0])], "width", tmp_path / "s.png")]
+        files = [
+            report.to_json(tmp_path / "r.json"),
+            report.to_markdown_file(tmp_path / "r.md"),
+            report.plot(tmp_path / "r.png"),
+            plot_sweep([report, Report(make_data(seed=1)[0])], "width", tmp_path / "s.png"),
+        ]
     finally:
         os.umask(old)
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in files}
@@ -460,14 +507,17 @@ def _check_readable(fig):
     for ax in fig.axes:
         assert ax.get_ylabel().strip(), ax.get_title()
         legend = ax.get_legend()
-        if legend is not None:   # the legend sits below the axes and its tick labels
+        if legend is not None:  # the legend sits below the axes and its tick labels
             assert legend.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0 + 1
         labels = [t for t in ax.get_yticklabels() if t.get_text() and t.get_visible()]
-        ys = sorted(t.get_window_extent(renderer).y0 for t in labels
-                    if ax.get_ylim()[0] <= t.get_position()[1] <= ax.get_ylim()[1])
+        ys = sorted(
+            t.get_window_extent(renderer).y0
+            for t in labels
+            if ax.get_ylim()[0] <= t.get_position()[1] <= ax.get_ylim()[1]
+        )
         heights = [t.get_window_extent(renderer).height for t in labels]
         for a, b in itertools.pairwise(ys):
-            assert b - a >= 0.9 * max(heights), (ax.get_title(), ys)   # no two labels overlap
+            assert b - a >= 0.9 * max(heights), (ax.get_title(), ys)  # no two labels overlap
 
 
 def test_report_plot_panels_only_for_computed_numbers(tmp_path, captured):
@@ -482,7 +532,7 @@ def test_report_plot_panels_only_for_computed_numbers(tmp_path, captured):
     for p in data["points"]:
         p["certificate"] = None
     Report(data).plot(tmp_path / "b.png")
-    assert len(captured[1].axes) == 2   # no transfer panel at all
+    assert len(captured[1].axes) == 2  # no transfer panel at all
     _check_readable(captured[1])
 
 
@@ -491,8 +541,12 @@ def test_sweep_plots_are_readable_with_symlog_zeros(tmp_path, captured):
     values = [0.0, 0.046, 1.3e-4, 7.2e-5, 3.3e-3, 9.9e-5, 8.7e-4, 2.3e-3, 1.2e-3]
     for i, value in enumerate(values):
         data, _ = make_data(points=2, seed=i)
-        data["meta"] = {"width": (32, 64, 128)[i // 3], "depth": (1, 2, 4)[i // 3], "seed": i % 3,
-                        "test_loss": 2.0 + 0.01 * i}
+        data["meta"] = {
+            "width": (32, 64, 128)[i // 3],
+            "depth": (1, 2, 4)[i // 3],
+            "seed": i % 3,
+            "test_loss": 2.0 + 0.01 * i,
+        }
         data["points"][-1]["train"]["d_align"] = value
         data["points"][-1]["saturation"] = {"cross_frob2": 1e-4 * (i + 1), "cross_frob2_se": 1e-5}
         reports.append(Report(data))
@@ -506,7 +560,10 @@ def test_sweep_plots_are_readable_with_symlog_zeros(tmp_path, captured):
         _check_readable(fig)
     # no stream_norm in meta: no panel for the scale-free AG_max
     assert [ax.get_title() for ax in depth_fig.axes] == [
-        "AG_max vs depth (spread over seeds)", "cross-gradient vs depth", "held-out loss vs depth"]
+        "AG_max vs depth (spread over seeds)",
+        "cross-gradient vs depth",
+        "held-out loss vs depth",
+    ]
 
 
 # ---------------------------------------------------------------------------- norm histogram
@@ -527,9 +584,10 @@ def _per_sample_norms(model, x, y, name) -> list[float]:
     for i in range(x.shape[0]):
         seen = {}
         handle = model.get_submodule(name).register_forward_hook(
-            lambda mod, args, out, seen=seen: seen.setdefault("z", out))
+            lambda mod, args, out, seen=seen: seen.setdefault("z", out)
+        )
         try:
-            loss = torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
+            loss = torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
         finally:
             handle.remove()
         (g,) = torch.autograd.grad(loss, [seen["z"]])
@@ -543,8 +601,12 @@ def test_report_renders_the_norm_histogram_of_per_sample_norms(tmp_path, capture
     gen = torch.Generator().manual_seed(7)
     model = _TwoLayer().double()
     low, high, bins = 0.1, 1.5, 8
-    probe = fs.Probe(model, points=["first", "second"], second_moment="pool",
-                     norm_histogram={"low": low, "high": high, "bins": bins})
+    probe = fs.Probe(
+        model,
+        points=["first", "second"],
+        second_moment="pool",
+        norm_histogram={"low": low, "high": high, "bins": bins},
+    )
     xs = [torch.randn(10, 4, generator=gen, dtype=torch.float64) * 2 for _ in range(2)]
     ys = [torch.randint(0, 3, (10,), generator=gen) for _ in range(2)]
     for x, y in zip(xs, ys):

@@ -70,10 +70,14 @@ GRAD_CASES = {
 @pytest.mark.parametrize("case", list(GRAD_CASES))
 def test_grad_stats_resume_is_bit_identical(tmp_path, misaligned, case):
     spec = GRAD_CASES[case]
-    batches = grad_batches(10 + len(case), 5, size=3 if case == "position" else 5,
-                           positions=spec["positions"])
-    live = fs.GradStats(DIM, second_moment=spec["second_moment"], pool_capacity=64
-                        if spec["second_moment"] == "pool" else None)
+    batches = grad_batches(
+        10 + len(case), 5, size=3 if case == "position" else 5, positions=spec["positions"]
+    )
+    live = fs.GradStats(
+        DIM,
+        second_moment=spec["second_moment"],
+        pool_capacity=64 if spec["second_moment"] == "pool" else None,
+    )
     for grad, mask in batches[:3]:
         live.update(grad, mask=mask, unit=spec["unit"])
     saved_mode = live.mode
@@ -207,14 +211,23 @@ def probe_batches(seed: int, count: int, size: int = 4, T: int = 3):
     for _ in range(count):
         mask = torch.rand(size, T, generator=gen) < 0.8
         mask[:, 0] = True
-        out.append({"x": torch.randn(size, T, 4, generator=gen) + 0.5, "attention_mask": mask,
-                    "y": torch.randint(0, 3, (size,), generator=gen)})
+        out.append(
+            {
+                "x": torch.randn(size, T, 4, generator=gen) + 0.5,
+                "attention_mask": mask,
+                "y": torch.randint(0, 3, (size,), generator=gen),
+            }
+        )
     return out
 
 
 def new_probe():
-    return fs.Probe(TwoBlockNet(), points=["blocks.0", "blocks.1"], second_moment="auto",
-                    cross=fs.CrossSpec(rank=4, activation="gelu", seed=5))
+    return fs.Probe(
+        TwoBlockNet(),
+        points=["blocks.0", "blocks.1"],
+        second_moment="auto",
+        cross=fs.CrossSpec(rank=4, activation="gelu", seed=5),
+    )
 
 
 def feed(probe, train, test):

@@ -35,8 +35,11 @@ from fused_stats.accumulators.cross_stats import CrossStats
 from tiny_models import TanhBlock
 
 F64 = torch.float64
-PHI = {"tanh": math.tanh, "gelu": lambda x: 0.5 * x * (1 + math.erf(x / math.sqrt(2))),
-       "relu": lambda x: max(x, 0.0)}
+PHI = {
+    "tanh": math.tanh,
+    "gelu": lambda x: 0.5 * x * (1 + math.erf(x / math.sqrt(2))),
+    "relu": lambda x: max(x, 0.0),
+}
 
 
 def per_sample_c(q, z, mask, w_in, activation, unit):
@@ -52,8 +55,7 @@ def per_sample_c(q, z, mask, w_in, activation, unit):
         for t in range(T):
             if not keep[b, t]:
                 continue
-            f = torch.tensor([phi(float(w_in[k].double() @ z[b, t].double())) for k in range(r)],
-                             dtype=F64)
+            f = torch.tensor([phi(float(w_in[k].double() @ z[b, t].double())) for k in range(r)], dtype=F64)
             c_t = torch.outer(q[b, t].double(), f)
             if unit == "position":
                 out.append(c_t)
@@ -93,8 +95,7 @@ def reference_null_tail(batches: list[list[torch.Tensor]]):
     x = ((n - 1) * u_hat + tr1) / a
     z, p = wilson_hilferty(x, nu)
     # the tail written out above is a chi-square tail: close to the exact one at this nu
-    exact = float(torch.special.gammaincc(torch.tensor(nu / 2, dtype=F64),
-                                          torch.tensor(x / 2, dtype=F64)))
+    exact = float(torch.special.gammaincc(torch.tensor(nu / 2, dtype=F64), torch.tensor(x / 2, dtype=F64)))
     assert abs(p - exact) < 0.01, (p, exact, nu)
     return z, p, u_hat, nu
 
@@ -171,29 +172,37 @@ def test_probe_saturation_z_and_p_from_one_backward_per_sample(n, gen):
     y = torch.randn(n, generator=gen, dtype=F64)
     w_in = torch.randn(r, d, generator=gen, dtype=F64)
     points = ["blocks.0", "blocks.1"]
-    probe = fs.Probe(model, points=points, second_moment="dense",
-                     cross=fs.CrossSpec(w_in=w_in, activation="tanh"))
+    probe = fs.Probe(
+        model, points=points, second_moment="dense", cross=fs.CrossSpec(w_in=w_in, activation="tanh")
+    )
     sizes = [n] if n == 8 else [7, 5]
     start = 0
     for size in sizes:
-        probe.step((x[start:start + size], y[start:start + size]), squared_error)
+        probe.step((x[start : start + size], y[start : start + size]), squared_error)
         start += size
     per_point = {p: [] for p in points}
     for size_start, size in zip([0, sizes[0]], sizes):
         batch_cs = {p: [] for p in points}
         for i in range(size_start, size_start + size):
             outs = {}
-            handles = [model.get_submodule(p).register_forward_hook(
-                lambda m, a, o, p=p, outs=outs: outs.__setitem__(p, o)) for p in points]
+            handles = [
+                model.get_submodule(p).register_forward_hook(
+                    lambda m, a, o, p=p, outs=outs: outs.__setitem__(p, o)
+                )
+                for p in points
+            ]
             try:
-                loss = (model(x[i:i + 1]) - y[i]) ** 2
+                loss = (model(x[i : i + 1]) - y[i]) ** 2
             finally:
                 for h in handles:
                     h.remove()
             grads = torch.autograd.grad(loss.sum(), [outs[p] for p in points])
             for p, g in zip(points, grads):
-                batch_cs[p].append(per_sample_c(g[:, None].detach(), outs[p][:, None].detach(), None,
-                                                w_in, "tanh", "sample")[0])
+                batch_cs[p].append(
+                    per_sample_c(
+                        g[:, None].detach(), outs[p][:, None].detach(), None, w_in, "tanh", "sample"
+                    )[0]
+                )
         for p in points:
             per_point[p].append(batch_cs[p])
     for p in points:

@@ -57,14 +57,16 @@ def test_modes_agree_and_auto_stays_small(regime, gen):
     sizes = [1, 2, 3, 1, 4, 2, 7, 40]  # crosses the switch (9) inside the 5th batch
     start, switched_at = 0, None
     for size in sizes:
-        batch = q[start:start + size]
+        batch = q[start : start + size]
         start += size
         for acc in accs.values():
             acc.update(batch)
         auto = accs["auto"]
         bound = min(fs.GradStats.planned_nbytes(D, "pool", auto.n), fs.GradStats.planned_nbytes(D, "dense"))
         assert auto.state_nbytes() <= bound, f"auto holds {auto.state_nbytes()} B > {bound} B at n={auto.n}"
-        assert held_bytes(auto) <= bound, f"auto's storages hold {held_bytes(auto)} B > {bound} B at n={auto.n}"
+        assert held_bytes(auto) <= bound, (
+            f"auto's storages hold {held_bytes(auto)} B > {bound} B at n={auto.n}"
+        )
         assert held_bytes(auto) == auto.state_nbytes()
         assert auto.mode == ("pool" if auto.n <= 9 else "dense"), f"n={auto.n}, mode={auto.mode}"
         if auto.mode == "dense" and switched_at is None:
@@ -74,8 +76,9 @@ def test_modes_agree_and_auto_stays_small(regime, gen):
         if accs["pool"].n >= 4:
             want = {key: getattr(accs["pool"].estimate(), key) for key in TARGETS}
             for mode in ("dense", "auto"):
-                assert_targets_close(accs[mode].estimate(), want, 1e-10,
-                                     context=f"{mode} vs pool at n={start}, {regime}")
+                assert_targets_close(
+                    accs[mode].estimate(), want, 1e-10, context=f"{mode} vs pool at n={start}, {regime}"
+                )
     assert switched_at == 11  # 1+2+3+1 = 7 <= 9 < 7+4
 
 
@@ -85,8 +88,8 @@ def test_auto_with_small_pool_capacity_switches_there(gen):
     acc = fs.GradStats(D, second_moment="auto", pool_capacity=5)
     dense = fs.GradStats(D, second_moment="dense")
     for k in range(0, 20, 2):
-        acc.update(q[k:k + 2])
-        dense.update(q[k:k + 2])
+        acc.update(q[k : k + 2])
+        dense.update(q[k : k + 2])
         assert acc.mode == ("pool" if acc.n <= 5 else "dense")
     assert_targets_close(acc.estimate(), {key: getattr(dense.estimate(), key) for key in TARGETS}, 1e-10)
 

@@ -41,8 +41,11 @@ def assert_same(merged, ref, rel=1e-10):
     assert (merged.n, merged.mode, merged.dim) == (ref.n, ref.mode, ref.dim)
     em, er = merged.estimate(), ref.estimate()
     for key in FIELDS:
-        assert math.isclose(getattr(em, key), getattr(er, key), rel_tol=rel), (key, getattr(em, key),
-                                                                               getattr(er, key))
+        assert math.isclose(getattr(em, key), getattr(er, key), rel_tol=rel), (
+            key,
+            getattr(em, key),
+            getattr(er, key),
+        )
     if ref.mode == "pool":
         assert torch.allclose(merged.pool_rows(), ref.pool_rows(), rtol=1e-12, atol=1e-12)
         a = fs.misalignment_probability(merged, 3, 3, trials=300, seed=1)
@@ -54,17 +57,30 @@ D_AUTO = 20
 LIMIT = auto_pool_limit(D_AUTO)  # 11
 
 CASES = {
-    "dense": (dict(dim=7, second_moment="dense"),
-              [shard(1, [6, 4], 7, 50.0), shard(2, [9], 7, -3.0), shard(3, [2, 2, 3], 7, 0.0)]),
-    "pool": (dict(dim=5, second_moment="pool"),
-             [shard(4, [5], 5, 2.0), shard(5, [3, 3], 5, 2.5), shard(6, [4], 5, -1.0)]),
-    "auto_stays_pool": (dict(dim=D_AUTO, second_moment="auto"),
-                        [shard(7, [3], D_AUTO, 1.0), shard(8, [4], D_AUTO, 1.0), shard(9, [2], D_AUTO, 1.0)]),
-    "auto_switches_in_merge": (dict(dim=D_AUTO, second_moment="auto"),
-                               [shard(10, [LIMIT - 1], D_AUTO, 3.0), shard(11, [LIMIT - 2], D_AUTO, 1.0),
-                                shard(12, [5], D_AUTO, 1.0)]),
-    "fp32_large_mean": (dict(dim=6, second_moment="dense"),
-                        [shard(13, [8], 6, 100.0, torch.float32), shard(14, [8], 6, 100.0, torch.float32)]),
+    "dense": (
+        dict(dim=7, second_moment="dense"),
+        [shard(1, [6, 4], 7, 50.0), shard(2, [9], 7, -3.0), shard(3, [2, 2, 3], 7, 0.0)],
+    ),
+    "pool": (
+        dict(dim=5, second_moment="pool"),
+        [shard(4, [5], 5, 2.0), shard(5, [3, 3], 5, 2.5), shard(6, [4], 5, -1.0)],
+    ),
+    "auto_stays_pool": (
+        dict(dim=D_AUTO, second_moment="auto"),
+        [shard(7, [3], D_AUTO, 1.0), shard(8, [4], D_AUTO, 1.0), shard(9, [2], D_AUTO, 1.0)],
+    ),
+    "auto_switches_in_merge": (
+        dict(dim=D_AUTO, second_moment="auto"),
+        [
+            shard(10, [LIMIT - 1], D_AUTO, 3.0),
+            shard(11, [LIMIT - 2], D_AUTO, 1.0),
+            shard(12, [5], D_AUTO, 1.0),
+        ],
+    ),
+    "fp32_large_mean": (
+        dict(dim=6, second_moment="dense"),
+        [shard(13, [8], 6, 100.0, torch.float32), shard(14, [8], 6, 100.0, torch.float32)],
+    ),
 }
 
 
@@ -103,11 +119,13 @@ def _saved(tmp_path, name, acc):
 
 
 def test_bad_merges_exit_2_and_write_nothing(tmp_path, capsys):
-    good = _saved(tmp_path, "good.safetensors", feed(fs.GradStats(4, second_moment="dense"),
-                                                        shard(20, [5], 4, 1.0)))
+    good = _saved(
+        tmp_path, "good.safetensors", feed(fs.GradStats(4, second_moment="dense"), shard(20, [5], 4, 1.0))
+    )
     other_dim = _saved(tmp_path, "dim5.safetensors", feed(fs.GradStats(5), shard(21, [5], 5, 1.0)))
-    pool = _saved(tmp_path, "pool.safetensors", feed(fs.GradStats(4, second_moment="pool"),
-                                                       shard(22, [5], 4, 1.0)))
+    pool = _saved(
+        tmp_path, "pool.safetensors", feed(fs.GradStats(4, second_moment="pool"), shard(22, [5], 4, 1.0))
+    )
     damaged = tmp_path / "damaged.safetensors"
     data = bytearray((tmp_path / "good.safetensors").read_bytes())
     data[-5] ^= 0xFF
@@ -147,8 +165,10 @@ def test_cli_merge_of_probe_checkpoint_directories(tmp_path, capsys):
     for job in range(3):
         probe = _Probe()
         for i, (name, d) in enumerate(dims.items()):
-            for stream, table, ref_table in (("train", probe.stats, ref.stats),
-                                             ("test", probe.test_stats, ref.test_stats)):
+            for stream, table, ref_table in (
+                ("train", probe.stats, ref.stats),
+                ("test", probe.test_stats, ref.test_stats),
+            ):
                 data = shard(100 + 10 * job + 2 * i + (stream == "test"), [4, 3], d, 1.0 + job)
                 table[name] = feed(fs.GradStats(d, second_moment="pool"), data)
                 ref_table.setdefault(name, fs.GradStats(d, second_moment="pool"))
@@ -169,8 +189,12 @@ def test_console_script_is_installed(tmp_path):
     a = _saved(tmp_path, "a.safetensors", feed(fs.GradStats(3), shard(30, [4], 3, 1.0)))
     b = _saved(tmp_path, "b.safetensors", feed(fs.GradStats(3), shard(31, [4], 3, 1.0)))
     out = tmp_path / "ab.safetensors"
-    proc = subprocess.run([sys.executable, "-m", "fused_stats.cli", "merge", str(out), a, b],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fused_stats.cli", "merge", str(out), a, b],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert fs.GradStats.load(out).n == 8
 
@@ -196,8 +220,7 @@ def test_cli_merge_of_norm_histogram_files_equals_numpy(tmp_path, capsys):
     edges = np.logspace(np.log10(low), np.log10(high), bins + 1)
     counts = merged.to_dict()
     assert counts["counts"] == np.histogram(norms, bins=edges)[0].tolist()
-    assert (counts["underflow"], counts["overflow"]) == (int((norms < low).sum()),
-                                                         int((norms >= high).sum()))
+    assert (counts["underflow"], counts["overflow"]) == (int((norms < low).sum()), int((norms >= high).sum()))
     other = tmp_path / "other.safetensors"
     NormHistogram(4, low=low, high=high, bins=bins + 1).save(other)
     assert main(["merge", str(tmp_path / "bad.safetensors"), paths[0], str(other)]) == 2

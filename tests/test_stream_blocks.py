@@ -36,15 +36,27 @@ REL = 1e-10
 
 def config(arch: str, layers: int = 3, d: int = 16):
     if arch == "llama":
-        return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=d, intermediate_size=24,
-                                        num_hidden_layers=layers, num_attention_heads=4,
-                                        num_key_value_heads=2, max_position_embeddings=32)
+        return transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=d,
+            intermediate_size=24,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
     if arch == "neox":
-        return transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=d, intermediate_size=24,
-                                          num_hidden_layers=layers, num_attention_heads=4,
-                                          max_position_embeddings=32)
-    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=d, n_layer=layers, n_head=4,
-                                   n_positions=32, bos_token_id=0, eos_token_id=0)
+        return transformers.GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=d,
+            intermediate_size=24,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            max_position_embeddings=32,
+        )
+    return transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=d, n_layer=layers, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
 
 
 def tiny(arch: str, layers: int = 3, seed: int = 0):
@@ -59,8 +71,10 @@ def tiny(arch: str, layers: int = 3, seed: int = 0):
 
 def data(seed: int):
     gen = torch.Generator().manual_seed(seed)
-    train = [padded_lm_batch(gen, [9, 6, 4], 9, VOCAB, prompts=[2, 1, 0]),
-             padded_lm_batch(gen, [8, 8, 3, 5], 8, VOCAB)]
+    train = [
+        padded_lm_batch(gen, [9, 6, 4], 9, VOCAB, prompts=[2, 1, 0]),
+        padded_lm_batch(gen, [8, 8, 3, 5], 8, VOCAB),
+    ]
     test = [padded_lm_batch(gen, [7, 5, 6], 7, VOCAB), padded_lm_batch(gen, [6, 4, 7], 7, VOCAB)]
     return train, test
 
@@ -82,8 +96,9 @@ def assert_close(got, want, where):
         for k in want:
             assert_close(got[k], want[k], f"{where}.{k}")
     elif isinstance(want, float):
-        assert math.isclose(got, want, rel_tol=REL, abs_tol=1e-15) or (math.isnan(got) and math.isnan(want)), \
-            (where, got, want)
+        assert math.isclose(got, want, rel_tol=REL, abs_tol=1e-15) or (
+            math.isnan(got) and math.isnan(want)
+        ), (where, got, want)
     else:
         assert got == want, (where, got, want)
 
@@ -92,8 +107,11 @@ def assert_same_probe(got, want):
     assert got.points == want.points
     for point in want.points:
         for stream in ("train", "test"):
-            assert_close(got.estimates(stream)[point].to_dict(), want.estimates(stream)[point].to_dict(),
-                         f"{point}/{stream}")
+            assert_close(
+                got.estimates(stream)[point].to_dict(),
+                want.estimates(stream)[point].to_dict(),
+                f"{point}/{stream}",
+            )
         assert_close(got.certificate(point).to_dict(), want.certificate(point).to_dict(), f"{point}/cert")
         assert_close(got.realized_alignment(point), want.realized_alignment(point), f"{point}/align")
         if want.cross is not None:
@@ -123,16 +141,34 @@ def test_streamed_equals_in_memory(arch, source, folders):
     model = tiny(arch)
     train, test = data(3)
     want = {unit: probe(model, unit, train, test) for unit in ("sample", "position")}
-    want_iv = {kind: fs.intervene(model, fs.residual_points(model)[1], train, test, eta=[1e-3, 1e-2],
-                                  kind=kind, loss_fn=fs.causal_lm_loss, spec=fs.CrossSpec(rank=3))
-               for kind in ("bias", "block")}
+    want_iv = {
+        kind: fs.intervene(
+            model,
+            fs.residual_points(model)[1],
+            train,
+            test,
+            eta=[1e-3, 1e-2],
+            kind=kind,
+            loss_fn=fs.causal_lm_loss,
+            spec=fs.CrossSpec(rank=3),
+        )
+        for kind in ("bias", "block")
+    }
     with streamed(model if source == "module" else "folder", arch, folders) as st:
         assert fs.residual_points(st.model) == fs.residual_points(tiny(arch))
         for unit in ("sample", "position"):
             assert_same_probe(probe(st.model, unit, train, test), want[unit])
         for kind, ref in want_iv.items():
-            got = fs.intervene(st.model, ref.point, train, test, eta=[1e-3, 1e-2], kind=kind,
-                               loss_fn=fs.causal_lm_loss, spec=fs.CrossSpec(rank=3))
+            got = fs.intervene(
+                st.model,
+                ref.point,
+                train,
+                test,
+                eta=[1e-3, 1e-2],
+                kind=kind,
+                loss_fn=fs.causal_lm_loss,
+                spec=fs.CrossSpec(rank=3),
+            )
             assert_close(got.to_dict(), ref.to_dict(), f"intervene/{kind}")
         assert st.peak_resident_bytes > 0
 
@@ -171,8 +207,9 @@ def test_peak_block_bytes(tmp_path, prefetch):
         resident = [t for n, t in st.model.named_parameters() if ".layers." not in n]
         assert resident and all(t.device.type == "cpu" for t in resident)
         buffers = [t for n, t in st.model.named_buffers() if ".layers." not in n]
-        assert st.resident_bytes == sum(t.numel() * t.element_size() for t in
-                                        {id(t): t for t in resident + buffers}.values())
+        assert st.resident_bytes == sum(
+            t.numel() * t.element_size() for t in {id(t): t for t in resident + buffers}.values()
+        )
     assert_same_probe(p, probe(model, "sample", train, test))
 
 
@@ -211,9 +248,14 @@ RSS_SCRIPT = textwrap.dedent("""
 def test_peak_rss_of_a_fresh_process(tmp_path):
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to reset the peak RSS")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=640, intermediate_size=1792,
-                                   num_hidden_layers=8, num_attention_heads=10,
-                                   max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=640,
+        intermediate_size=1792,
+        num_hidden_layers=8,
+        num_attention_heads=10,
+        max_position_embeddings=32,
+    )
     with torch.device("meta"):
         shapes = transformers.AutoModelForCausalLM.from_config(cfg)
     param_bytes = sum(p.numel() * 4 for p in shapes.parameters())
@@ -222,10 +264,17 @@ def test_peak_rss_of_a_fresh_process(tmp_path):
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(tmp_path, max_shard_size="64MB")
     del model
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(fs.__file__).parents[1]),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), "stream"], env=env,
-                         capture_output=True, text=True, timeout=120)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(fs.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(tmp_path), "stream"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     growth = json.loads(out.stdout.strip().splitlines()[-1])
     assert growth["streamed"] < 0.5 * param_bytes, (growth, param_bytes)
@@ -250,8 +299,10 @@ def test_module_left_as_it_was():
     assert [(n, id(m)) for n, m in model.named_modules()] == modules
     now = list(model.named_parameters())
     assert [(n, id(p)) for n, p in now] == [(n, i) for n, i, _, _ in params]
-    assert all(torch.equal(p, v) and p.dtype == v.dtype and p.requires_grad == r
-               for (_, p), (_, _, v, r) in zip(now, params))
+    assert all(
+        torch.equal(p, v) and p.dtype == v.dtype and p.requires_grad == r
+        for (_, p), (_, _, v, r) in zip(now, params)
+    )
     assert [m.training for m in model.modules()] == flags and model.config.use_cache == use_cache
     with torch.no_grad():
         after = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -272,7 +323,8 @@ def state(p):
 
 def same_state(a, b):
     return a.keys() == b.keys() and all(
-        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
 
 
 TARGET = "model.layers.1.mlp.up_proj.weight"
@@ -390,8 +442,10 @@ class SpreadNet(torch.nn.Module):
 def spread_check(devices):
     model = SpreadNet(devices)
     gen = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(7, 3, generator=gen, dtype=F64), torch.randint(0, 4, (7,), generator=gen))
-               for _ in range(2)]
+    batches = [
+        (torch.randn(7, 3, generator=gen, dtype=F64), torch.randint(0, 4, (7,), generator=gen))
+        for _ in range(2)
+    ]
 
     def loss(m, b):
         logits = m(b[0])
@@ -423,8 +477,9 @@ def test_state_on_each_points_device_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs two CUDA devices")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices"
+)
 def test_state_on_each_points_device_two_gpus():
     spread_check(["cuda:0", "cuda:1", "cuda:1"])
 
@@ -450,18 +505,42 @@ def test_streamed_to_gpu_equals_in_memory(folders):
 def test_cli_probe_stream_blocks_equals_in_memory(tmp_path):
     from fused_stats.cli import main
 
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=24,
-                                   num_hidden_layers=3, num_attention_heads=4,
-                                   max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=F64).save_pretrained(
-        tmp_path / "ckpt", max_shard_size="40KB")
+        tmp_path / "ckpt", max_shard_size="40KB"
+    )
     reports = {}
     for flag in ([], ["--stream-blocks"]):
         out = tmp_path / ("streamed" if flag else "plain")
-        rc = main(["probe", "--model", str(tmp_path / "ckpt"), *flag, "--batches", "2",
-                   "--batch-size", "3", "--seq-len", "16", "--dtype", "float64", "--trials", "0",
-                   "--no-progress", "--out", str(out)])
+        rc = main(
+            [
+                "probe",
+                "--model",
+                str(tmp_path / "ckpt"),
+                *flag,
+                "--batches",
+                "2",
+                "--batch-size",
+                "3",
+                "--seq-len",
+                "16",
+                "--dtype",
+                "float64",
+                "--trials",
+                "0",
+                "--no-progress",
+                "--out",
+                str(out),
+            ]
+        )
         assert rc == 0
         reports[bool(flag)] = json.loads((out / "report.json").read_text())
     for got, want in zip(reports[True]["points"], reports[False]["points"]):
@@ -473,9 +552,15 @@ def test_plan_stream_blocks_counts_the_models_parameters(capsys):
     from fused_stats.api.plan import plan_streaming
     from fused_stats.cli import main
 
-    cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                                   num_hidden_layers=1, num_attention_heads=64,
-                                   num_key_value_heads=8, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=1,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     block = sum(p.numel() for p in model.model.layers[0].parameters())

@@ -53,8 +53,9 @@ def one_stream(q: torch.Tensor, mode: str = "dense") -> fs.GradStats:
 def test_one_stream_matches_two_pass_reference(regime, gen):
     mu, L = population(D, regime, gen)
     q = draw((300,), mu, L, gen)
-    assert_targets_close(one_stream(q).estimate(), two_pass_targets(q), REL,
-                         context=f"one stream vs two-pass, {regime}")
+    assert_targets_close(
+        one_stream(q).estimate(), two_pass_targets(q), REL, context=f"one stream vs two-pass, {regime}"
+    )
 
 
 @pytest.mark.parametrize("regime", list(REGIMES))
@@ -127,8 +128,8 @@ def test_auto_into_auto_crossing_the_switch(regime, gen):
     q = draw((2 * limit - 2,), mu, L, gen)  # each half fits a pool, together they do not
     a = fs.GradStats(D, second_moment="auto")
     b = fs.GradStats(D, second_moment="auto")
-    a.update(q[:limit - 1])
-    b.update(q[limit - 1:])
+    a.update(q[: limit - 1])
+    b.update(q[limit - 1 :])
     assert a.mode == b.mode == "pool"
     a.merge(b)
     assert a.mode == "dense", f"{a.n} samples > auto limit {limit} should be dense"

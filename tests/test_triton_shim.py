@@ -30,19 +30,20 @@ from fused_stats.kernels import _common, _triton_compat
 
 PACKAGE = Path(fused_stats.__file__).resolve().parent
 INTERNAL_IMPORT = re.compile(
-    r"^\s*(from|import)\s+triton\.(runtime|compiler|backends|language\.standard)\b", re.M)
+    r"^\s*(from|import)\s+triton\.(runtime|compiler|backends|language\.standard)\b", re.M
+)
 
 
 def test_installed_triton_has_every_internal_the_kernels_use():
     missing = _triton_compat.missing_internals()
-    assert not missing, ("the installed Triton lacks or changed internals fused_stats' kernels use:\n  "
-                         + "\n  ".join(missing))
+    assert not missing, (
+        "the installed Triton lacks or changed internals fused_stats' kernels use:\n  " + "\n  ".join(missing)
+    )
 
 
 def test_a_missing_internal_is_named(monkeypatch):
     real = _triton_compat._lookup
-    monkeypatch.setattr(_triton_compat, "_lookup",
-                        lambda key: None if key == "sum_combine" else real(key))
+    monkeypatch.setattr(_triton_compat, "_lookup", lambda key: None if key == "sum_combine" else real(key))
     missing = _triton_compat.missing_internals(aot=False)
     assert any("triton.language.standard._sum_combine" in line for line in missing), missing
     with pytest.raises(FusedStatsError, match=r"no triton\.language\.standard\._sum_combine"):
@@ -90,5 +91,8 @@ def test_no_kernel_module_imports_the_aot_module():
         if path.name == "aot.py":
             continue
         text = path.read_text()
-        assert not re.search(r"^\s*from\s+(\.|fused_stats\.kernels\.)aot\s+import|^\s*from\s+\.\s+import\s+.*\baot\b",
-                             text, re.M), f"{path.name} imports the AOT module"
+        assert not re.search(
+            r"^\s*from\s+(\.|fused_stats\.kernels\.)aot\s+import|^\s*from\s+\.\s+import\s+.*\baot\b",
+            text,
+            re.M,
+        ), f"{path.name} imports the AOT module"

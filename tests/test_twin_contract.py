@@ -92,8 +92,11 @@ def cross_cases(gen):
 
 OPS = {
     "capture_reduce": (capture_cases, torch_twin.capture_reduce, kernels.capture_reduce),
-    "second_moment_update": (second_moment_cases, torch_twin.second_moment_update,
-                             kernels.second_moment_update),
+    "second_moment_update": (
+        second_moment_cases,
+        torch_twin.second_moment_update,
+        kernels.second_moment_update,
+    ),
     "gram_rows": (gram_cases, torch_twin.gram_rows, kernels.gram_rows),
     "cross_reduce": (cross_cases, cross_twin.cross_reduce, kernels.cross_reduce),
 }
@@ -109,8 +112,7 @@ def message(fn, args) -> str:
 def test_twin_and_launcher_refuse_the_same_input_the_same_way(op, gen):
     cases, twin, launcher = OPS[op]
     for name, args in cases(gen).items():
-        before = [a.clone() if isinstance(a, torch.Tensor) and a.device != META else None
-                  for a in args]
+        before = [a.clone() if isinstance(a, torch.Tensor) and a.device != META else None for a in args]
         got_twin, got_kernel = message(twin, args), message(launcher, args)
         assert got_twin == got_kernel, f"{op}, {name}: twin says {got_twin!r}, launcher {got_kernel!r}"
         for a, b in zip(args, before):
@@ -135,8 +137,10 @@ def test_every_op_dispatches_by_backend(monkeypatch, gen):
     calls = []
     names = ("capture_reduce", "second_moment_update", "gram_rows", "cross_reduce")
     for name in names:
-        for module, tag in ((torch_twin if name != "cross_reduce" else cross_twin, "torch"),
-                            (kernels, "triton")):
+        for module, tag in (
+            (torch_twin if name != "cross_reduce" else cross_twin, "torch"),
+            (kernels, "triton"),
+        ):
             monkeypatch.setattr(module, name, lambda *a, _t=tag, _n=name: calls.append((_n, _t)))
     g = torch.randn(2, 3, 5, generator=gen)
     rows = torch.randn(4, 5, generator=gen)

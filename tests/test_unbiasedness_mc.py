@@ -29,8 +29,12 @@ F64 = torch.float64
 
 def targets(mu: torch.Tensor, sigma: torch.Tensor) -> dict[str, float]:
     m2 = float(mu @ mu)
-    return {"mu_norm2": m2, "mu_norm4": m2 * m2, "mu_sigma_mu": float(mu @ sigma @ mu),
-            "trace_sigma2": float((sigma @ sigma).trace())}
+    return {
+        "mu_norm2": m2,
+        "mu_norm4": m2 * m2,
+        "mu_sigma_mu": float(mu @ sigma @ mu),
+        "trace_sigma2": float((sigma @ sigma).trace()),
+    }
 
 
 def spiked_gaussian(gen: torch.Generator):
@@ -76,5 +80,6 @@ def test_estimators_unbiased(population, gen):
     z = {key: z_score(est[key], truth[key]) for key in truth}
     assert all(abs(value) < 4 for value in z.values()), f"{population.__name__}: z = {z}, truth = {truth}"
     z_plug = {key: z_score(plug_in[key], truth[key]) for key in plug_in}
-    assert all(abs(value) > 4 for value in z_plug.values()), \
+    assert all(abs(value) > 4 for value in z_plug.values()), (
         f"{population.__name__}: biased plug-ins not detected, z = {z_plug} (test has no power)"
+    )

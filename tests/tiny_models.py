@@ -30,7 +30,7 @@ def padded_lm_batch(gen, lengths, T, vocab, prompts=None):
         mask[b, :length] = 1
         labels[b, length:] = -100
         if prompts is not None:
-            labels[b, :prompts[b]] = -100
+            labels[b, : prompts[b]] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -38,6 +38,6 @@ def split(batch, sizes):
     """Consecutive sub-batches of ``sizes`` samples."""
     out, start = [], 0
     for size in sizes:
-        out.append({k: v[start:start + size] for k, v in batch.items()})
+        out.append({k: v[start : start + size] for k, v in batch.items()})
         start += size
     return out

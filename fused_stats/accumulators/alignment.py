@@ -74,8 +74,7 @@ class Alignment(float):
         return (Alignment, (float(self), self.M, self.K))
 
 
-def split_alignments(acc, M: int, K: int, trials: int, seed: int = 0,
-                     chunk: int = 1024) -> torch.Tensor:
+def split_alignments(acc, M: int, K: int, trials: int, seed: int = 0, chunk: int = 1024) -> torch.Tensor:
     """``μ_Mᵀg_K`` for ``trials`` random disjoint splits of the pool (fp64, shape (trials,))."""
     if acc.mode != "pool":
         raise FusedStatsError(acc._no_pool_message())
@@ -93,10 +92,10 @@ def split_alignments(acc, M: int, K: int, trials: int, seed: int = 0,
         m = min(chunk, trials - start)
         perm = torch.rand(m, N, generator=gen).argsort(dim=1)
         in_a = torch.zeros(m, N, dtype=F64).scatter_(1, perm[:, :M], 1.0)
-        in_b = torch.zeros(m, N, dtype=F64).scatter_(1, perm[:, M:M + K], 1.0)
+        in_b = torch.zeros(m, N, dtype=F64).scatter_(1, perm[:, M : M + K], 1.0)
         cross = ((in_a @ G) * in_b).sum(dim=1)
         raw = cross + K * (in_a @ u) + M * (in_b @ u) + M * K * cc
-        out[start:start + m] = raw / (M * K)
+        out[start : start + m] = raw / (M * K)
     return out
 
 
@@ -107,9 +106,15 @@ def misalignment_probability(acc, M: int, K: int, trials: int = 10_000, seed: in
     """
     values = split_alignments(acc, M, K, trials, seed)
     p = float((values <= 0).double().mean())
-    return Misalignment(probability=p, stderr=math.sqrt(max(p * (1 - p), 0.0) / trials),
-                        trials=trials, M=M, K=K, pool_size=acc.n,
-                        mean_alignment=float(values.mean()))
+    return Misalignment(
+        probability=p,
+        stderr=math.sqrt(max(p * (1 - p), 0.0) / trials),
+        trials=trials,
+        M=M,
+        K=K,
+        pool_size=acc.n,
+        mean_alignment=float(values.mean()),
+    )
 
 
 def realized_alignment(train_acc, test_acc) -> Alignment:
@@ -118,8 +123,8 @@ def realized_alignment(train_acc, test_acc) -> Alignment:
         raise FusedStatsError(f"streams differ in dim: {train_acc.dim} vs {test_acc.dim}")
     if train_acc.n == 0 or test_acc.n == 0:
         raise FusedStatsError(
-            f"realized_alignment needs samples in both streams (train n={train_acc.n}, "
-            f"test n={test_acc.n})")
+            f"realized_alignment needs samples in both streams (train n={train_acc.n}, test n={test_acc.n})"
+        )
     a = train_acc.raw_sum().to("cpu")
     b = test_acc.raw_sum().to("cpu")
     return Alignment(float(a @ b) / (train_acc.n * test_acc.n), train_acc.n, test_acc.n)

@@ -101,17 +101,21 @@ def state_differences(a: Mapping, b: Mapping) -> list[str]:
     for key in sorted(set(a) | set(b)):
         x, y = a.get(key, "<missing>"), b.get(key, "<missing>")
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-                    and x.dtype == y.dtype and x.shape == y.shape
-                    and x.device == y.device and torch.equal(x, y)):
+            if not (
+                isinstance(x, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+                and x.dtype == y.dtype
+                and x.shape == y.shape
+                and x.device == y.device
+                and torch.equal(x, y)
+            ):
                 out.append(key)
         elif x != y:
             out.append(key)
     return out
 
 
-def extend_gram(gram: torch.Tensor, rows: torch.Tensor, new_rows: torch.Tensor,
-                backend: str) -> torch.Tensor:
+def extend_gram(gram: torch.Tensor, rows: torch.Tensor, new_rows: torch.Tensor, backend: str) -> torch.Tensor:
     """The Gram matrix of ``cat(rows, new_rows)`` from ``gram = rows rowsᵀ`` (a new tensor)."""
     from .. import ops
 
@@ -179,8 +183,10 @@ class Accumulator:
 
     def counters(self) -> dict:
         """The plain (non-tensor) part of the state."""
-        return {key: (list(getattr(self, key)) if kind == "sum_list" else getattr(self, key))
-                for key, kind in self.COUNTERS.items()}
+        return {
+            key: (list(getattr(self, key)) if kind == "sum_list" else getattr(self, key))
+            for key, kind in self.COUNTERS.items()
+        }
 
     def present_fields(self, counters: Mapping | None = None) -> list[Field]:
         """The declared fields a state with ``counters`` holds."""
@@ -214,12 +220,12 @@ class Accumulator:
         if missing:
             held = sorted(k for k in state if k not in self.COUNTERS and state[k] is not None)
             raise FusedStatsError(f"{where} holds tensors {held} and lacks tensors {missing}")
-        extra = sorted(f.name for f in self.FIELDS
-                       if f not in present and state.get(f.name) is not None)
+        extra = sorted(f.name for f in self.FIELDS if f not in present and state.get(f.name) is not None)
         if extra:
             raise FusedStatsError(
                 f"{where} is inconsistent: holds tensors {extra}, which a state with "
-                f"{self._state_label(counters)} does not have")
+                f"{self._state_label(counters)} does not have"
+            )
         for f in present:
             value = state.get(f.name)
             if value is None:
@@ -232,7 +238,8 @@ class Accumulator:
                 wanted = "floating point" if f.dtype is None else str(f.dtype).replace("torch.", "")
                 raise FusedStatsError(
                     f"{where} is inconsistent: {f.name} has shape {tuple(value.shape)} and dtype "
-                    f"{value.dtype}, expected {shape} {wanted} for {self._state_label(counters)}")
+                    f"{value.dtype}, expected {shape} {wanted} for {self._state_label(counters)}"
+                )
 
     def _check_counters(self, counters: Mapping, where: str) -> None:
         """Raise unless the counters are consistent (hook; the base checks nothing)."""
@@ -298,11 +305,15 @@ class Accumulator:
         """Write settings and state atomically to ``path`` (safetensors; versioned, SHA-256 over
         the tensors and the metadata)."""
         state = self.state_dict()
-        tensors = {f.name: state[f.name].to("cpu").contiguous() for f in self.FIELDS
-                   if state[f.name] is not None}
-        meta = {"format": self.FORMAT, "version": str(self.VERSION),
-                "config": json.dumps(self.config()),
-                "state": json.dumps({key: state[key] for key in self.COUNTERS})}
+        tensors = {
+            f.name: state[f.name].to("cpu").contiguous() for f in self.FIELDS if state[f.name] is not None
+        }
+        meta = {
+            "format": self.FORMAT,
+            "version": str(self.VERSION),
+            "config": json.dumps(self.config()),
+            "state": json.dumps({key: state[key] for key in self.COUNTERS}),
+        }
         persistence.save_checked(path, tensors, meta)
 
     @classmethod
@@ -319,8 +330,11 @@ class Accumulator:
                 raise TypeError("config and state must be JSON objects")
             target = torch.device(device) if device is not None else torch.device("cpu")
             acc = cls.from_config(config, tensors, target, backend)
-            state = {key: cls._read_counter(counters, key) for key in cls.COUNTERS
-                     if key in counters or key not in cls.COUNTER_DEFAULTS}
+            state = {
+                key: cls._read_counter(counters, key)
+                for key in cls.COUNTERS
+                if key in counters or key not in cls.COUNTER_DEFAULTS
+            }
             state = {**cls.COUNTER_DEFAULTS, **state}
         except (KeyError, ValueError, TypeError) as exc:  # FusedStatsError is a ValueError too
             raise FusedStatsError(f"{where} has unreadable or invalid metadata: {exc}") from exc
@@ -353,9 +367,11 @@ class Accumulator:
         if type(other) is not type(self):
             return [f"kind {self.KIND!r} vs {getattr(other, 'KIND', type(other).__name__)!r}"]
         mine, theirs = self.config(), other.config()
-        out = [f"{key} {mine.get(key)!r} vs {theirs.get(key)!r}"
-               for key in sorted(set(mine) | set(theirs))
-               if key not in ("name", "nonfinite") and mine.get(key) != theirs.get(key)]
+        out = [
+            f"{key} {mine.get(key)!r} vs {theirs.get(key)!r}"
+            for key in sorted(set(mine) | set(theirs))
+            if key not in ("name", "nonfinite") and mine.get(key) != theirs.get(key)
+        ]
         # the unit (every Prepared batch has one) fixes what a sample is; other labels, such as
         # a representation, may differ between equal statistics
         a, b = getattr(self, "unit", None), getattr(other, "unit", None)

@@ -159,13 +159,26 @@ class CrossStats(Accumulator):
         # c of the last batch if it held exactly one sample: paired with the next such batch
         Field("carry", _block, "local", optional=True),
     )
-    COUNTERS: ClassVar[dict[str, str]] = {"n": "sum", "batches": "sum", "p": "sum_list",
-                                          "unit": "label", "skipped_batches": "sum"}
+    COUNTERS: ClassVar[dict[str, str]] = {
+        "n": "sum",
+        "batches": "sum",
+        "p": "sum_list",
+        "unit": "label",
+        "skipped_batches": "sum",
+    }
     COUNTER_DEFAULTS: ClassVar[dict] = {"skipped_batches": 0}
 
-    def __init__(self, dim: int, w_in: torch.Tensor, activation: str = "gelu", device=None,
-                 backend: Backend = "auto", name: str | None = None, group_size: int = 256,
-                 nonfinite: Nonfinite = "raise"):
+    def __init__(
+        self,
+        dim: int,
+        w_in: torch.Tensor,
+        activation: str = "gelu",
+        device=None,
+        backend: Backend = "auto",
+        name: str | None = None,
+        group_size: int = 256,
+        nonfinite: Nonfinite = "raise",
+    ):
         if activation not in ACTIVATIONS:
             raise FusedStatsError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         if w_in.dim() != 2:
@@ -191,8 +204,13 @@ class CrossStats(Accumulator):
         self.unit: str | None = None  # set by the first batch with samples
         self.carry: torch.Tensor | None = None
 
-    def prepare(self, grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None = None,
-                unit: CrossUnit = "sample") -> Prepared:
+    def prepare(
+        self,
+        grad: torch.Tensor,
+        act: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        unit: CrossUnit = "sample",
+    ) -> Prepared:
         """Check one batch and compute its sums WITHOUT changing the state; :meth:`commit` adds
         them. Callers that must update several accumulators all-or-nothing (the probe) prepare
         every one before committing any.
@@ -204,31 +222,37 @@ class CrossStats(Accumulator):
             raise FusedStatsError(f"cross gradient{w}: unit must be one of {UNITS}, got {unit!r}")
         if self.unit is not None and unit != self.unit:
             raise FusedStatsError(
-                f"cross gradient{w}: batch with unit={unit!r}, but the state holds unit={self.unit!r} "
-                "samples")
+                f"cross gradient{w}: batch with unit={unit!r}, but the state holds unit={self.unit!r} samples"
+            )
         if not isinstance(grad, torch.Tensor) or not isinstance(act, torch.Tensor):
             raise FusedStatsError(
                 f"cross gradient{w}: grad and activation must be tensors, got "
-                f"{type(grad).__name__} and {type(act).__name__}")
+                f"{type(grad).__name__} and {type(act).__name__}"
+            )
         if grad.dim() == 2:
             grad = grad.unsqueeze(1)
         if act.dim() == 2:
             act = act.unsqueeze(1)
         if grad.dim() != 3 or grad.shape[-1] != self.dim:
             raise FusedStatsError(
-                f"cross gradient{w}: grad has shape {tuple(grad.shape)}, expected (B, T, {self.dim})")
+                f"cross gradient{w}: grad has shape {tuple(grad.shape)}, expected (B, T, {self.dim})"
+            )
         if act.shape[:2] != grad.shape[:2] or act.shape[-1] != self.in_dim:
             raise FusedStatsError(
                 f"cross gradient{w}: activation has shape {tuple(act.shape)}, expected "
-                f"({grad.shape[0]}, {grad.shape[1]}, {self.in_dim}) to match grad {tuple(grad.shape)}")
+                f"({grad.shape[0]}, {grad.shape[1]}, {self.in_dim}) to match grad {tuple(grad.shape)}"
+            )
         if grad.device != self.device or act.device != self.device:
             raise FusedStatsError(
-                f"cross gradient{w}: tensors on {grad.device}/{act.device}, state on {self.device}")
+                f"cross gradient{w}: tensors on {grad.device}/{act.device}, state on {self.device}"
+            )
         if mask is not None and tuple(mask.shape) != tuple(grad.shape[:2]):
             raise FusedStatsError(
-                f"cross gradient{w}: mask has shape {tuple(mask.shape)}, expected {tuple(grad.shape[:2])}")
-        batch = ops.cross_reduce(grad, act, mask, self.w_in, self.activation, unit,
-                                 self.group_size, self.backend)
+                f"cross gradient{w}: mask has shape {tuple(mask.shape)}, expected {tuple(grad.shape[:2])}"
+            )
+        batch = ops.cross_reduce(
+            grad, act, mask, self.w_in, self.activation, unit, self.group_size, self.backend
+        )
         finite = not batch.n or self._finite(batch)
         return Prepared(unit=unit, base_n=self.n, batch=batch, finite=finite)
 
@@ -236,8 +260,9 @@ class CrossStats(Accumulator):
     def _finite(batch) -> bool:
         """Whether every sum of a batch is finite (also the tuple sums, which square
         ``<c_i, c_j>`` and overflow first)."""
-        sums = torch.cat([torch.stack([batch.sq_norm_sum, batch.u2, batch.u3, batch.u4]),
-                          batch.c_sum.reshape(-1)])
+        sums = torch.cat(
+            [torch.stack([batch.sq_norm_sum, batch.u2, batch.u3, batch.u4]), batch.c_sum.reshape(-1)]
+        )
         return bool(torch.isfinite(sums).all())  # one check, one host sync
 
     def commit(self, prepared) -> None:
@@ -248,7 +273,8 @@ class CrossStats(Accumulator):
         if prepared.base_n != self.n:
             raise FusedStatsError(
                 f"stale prepared batch{self._where()}: prepared at n={prepared.base_n}, the state "
-                f"now has n={self.n}; prepare it again")
+                f"now has n={self.n}; prepare it again"
+            )
         batch, unit = prepared.batch, prepared.unit
         if batch is None or batch.n == 0:
             return
@@ -258,7 +284,8 @@ class CrossStats(Accumulator):
                 return
             raise FusedStatsError(
                 f"non-finite gradient or activation{self._where()} (cross-gradient sums of a batch "
-                f"of {batch.n} samples); nothing was accumulated")
+                f"of {batch.n} samples); nothing was accumulated"
+            )
         self.n += batch.n
         self.batches += 1
         self.unit = unit
@@ -275,8 +302,13 @@ class CrossStats(Accumulator):
         else:
             self.carry = None
 
-    def update(self, grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None = None,
-               unit: CrossUnit = "sample") -> None:
+    def update(
+        self,
+        grad: torch.Tensor,
+        act: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        unit: CrossUnit = "sample",
+    ) -> None:
         """``grad`` and ``act``: (B, T, d) and (B, T, d_in) (or (B, d)/(B, d_in)); ``mask`` (B, T).
 
         A rejected batch (:class:`FusedStatsError`) leaves the state unchanged."""
@@ -286,13 +318,14 @@ class CrossStats(Accumulator):
     def _differences(self, other) -> list[str]:
         if not isinstance(other, CrossStats):
             return [f"other is a {type(other).__name__}, not a CrossStats"]
-        out = [f"{attr} {getattr(self, attr)!r} vs {getattr(other, attr)!r}"
-               for attr in ("dim", "rank", "in_dim", "activation")
-               if getattr(self, attr) != getattr(other, attr)]
+        out = [
+            f"{attr} {getattr(self, attr)!r} vs {getattr(other, attr)!r}"
+            for attr in ("dim", "rank", "in_dim", "activation")
+            if getattr(self, attr) != getattr(other, attr)
+        ]
         if self.w_in.dtype != other.w_in.dtype:
             out.append(f"w_in dtype {self.w_in.dtype} vs {other.w_in.dtype}")
-        elif self.w_in.shape == other.w_in.shape and not torch.equal(
-                self.w_in.cpu(), other.w_in.cpu()):
+        elif self.w_in.shape == other.w_in.shape and not torch.equal(self.w_in.cpu(), other.w_in.cpu()):
             gap = float((self.w_in.cpu().double() - other.w_in.cpu().double()).abs().max())
             out.append(f"w_in values (max |difference| {gap:.3g})")
         if self.unit is not None and other.unit is not None and self.unit != other.unit:
@@ -310,7 +343,9 @@ class CrossStats(Accumulator):
             theirs = other._where() if isinstance(other, CrossStats) else ""
             raise IncompatibleStates(
                 f"cannot merge cross statistics{theirs} into those{self._where()} of a different "
-                "block or unit; they differ in " + "; ".join(diffs), diffs)
+                "block or unit; they differ in " + "; ".join(diffs),
+                diffs,
+            )
 
     def describe(self) -> dict:
         return {"rank": self.rank, "activation": self.activation, "unit": self.unit}
@@ -324,9 +359,15 @@ class CrossStats(Accumulator):
         return self.w_in.dtype
 
     def config(self) -> dict:
-        return {"dim": self.dim, "rank": self.rank, "in_dim": self.in_dim,
-                "activation": self.activation, "group_size": self.group_size, "name": self.name,
-                "nonfinite": self.nonfinite}
+        return {
+            "dim": self.dim,
+            "rank": self.rank,
+            "in_dim": self.in_dim,
+            "activation": self.activation,
+            "group_size": self.group_size,
+            "name": self.name,
+            "nonfinite": self.nonfinite,
+        }
 
     @classmethod
     def from_config(cls, config, tensors, device=None, backend="auto") -> CrossStats:
@@ -336,15 +377,27 @@ class CrossStats(Accumulator):
         if min(dim, rank, in_dim, group_size) < 1 or activation not in ACTIVATIONS:
             raise FusedStatsError(
                 f"dim={dim}, rank={rank}, in_dim={in_dim}, activation={activation!r}, "
-                f"group_size={group_size} do not describe a block")
-        if not isinstance(w_in, torch.Tensor) or tuple(w_in.shape) != (rank, in_dim) \
-                or not w_in.is_floating_point():
+                f"group_size={group_size} do not describe a block"
+            )
+        if (
+            not isinstance(w_in, torch.Tensor)
+            or tuple(w_in.shape) != (rank, in_dim)
+            or not w_in.is_floating_point()
+        ):
             shape = None if w_in is None else (tuple(w_in.shape), w_in.dtype)
             raise FusedStatsError(
-                f"w_in is {shape}, expected ({rank}, {in_dim}) floating point for dim={dim}, "
-                f"rank={rank}")
-        return cls(dim, w_in, activation, device, backend, config["name"], group_size,
-                   config.get("nonfinite", "raise"))
+                f"w_in is {shape}, expected ({rank}, {in_dim}) floating point for dim={dim}, rank={rank}"
+            )
+        return cls(
+            dim,
+            w_in,
+            activation,
+            device,
+            backend,
+            config["name"],
+            group_size,
+            config.get("nonfinite", "raise"),
+        )
 
     @classmethod
     def _file_label(cls) -> str:
@@ -356,20 +409,36 @@ class CrossStats(Accumulator):
     def _check_counters(self, counters, where: str) -> None:
         n, batches, p, unit = counters["n"], counters["batches"], counters["p"], counters["unit"]
         bounds = (n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3))
-        if (n < 0 or not 0 <= batches <= max(n, 0) or len(p) != 3
-                or any(not 0 <= v <= b for v, b in zip(p, bounds)) or unit not in (None, *UNITS)
-                or (n > 0) != (unit is not None) or (n > 0) != (batches > 0)
-                or counters["skipped_batches"] < 0):
+        if (
+            n < 0
+            or not 0 <= batches <= max(n, 0)
+            or len(p) != 3
+            or any(not 0 <= v <= b for v, b in zip(p, bounds))
+            or unit not in (None, *UNITS)
+            or (n > 0) != (unit is not None)
+            or (n > 0) != (batches > 0)
+            or counters["skipped_batches"] < 0
+        ):
             raise FusedStatsError(
                 f"{where} is inconsistent: dim={self.dim}, rank={self.rank}, in_dim={self.in_dim}, "
-                f"activation={self.activation!r}, n={n}, batches={batches}, p={p}, unit={unit!r}")
+                f"activation={self.activation!r}, n={n}, batches={batches}, p={p}, unit={unit!r}"
+            )
 
     def settings_row(self) -> list[int]:
         from .distributed import tensor_digest
 
-        return [self.dim, self.rank, self.in_dim, ACTIVATIONS.index(self.activation),
-                -1 if self.unit is None else UNITS.index(self.unit), self.n, self.batches,
-                *self.p, tensor_digest(self.w_in), self.skipped_batches]
+        return [
+            self.dim,
+            self.rank,
+            self.in_dim,
+            ACTIVATIONS.index(self.activation),
+            -1 if self.unit is None else UNITS.index(self.unit),
+            self.n,
+            self.batches,
+            *self.p,
+            tensor_digest(self.w_in),
+            self.skipped_batches,
+        ]
 
     def check_settings(self, table: torch.Tensor) -> None:
         where = self._where()
@@ -388,18 +457,22 @@ class CrossStats(Accumulator):
                     diffs.append(f"{what} {values} (by rank)")
         units = {int(u) for u, n in zip(table[:, 4], table[:, 5]) if n > 0}
         if len(units) > 1:
-            diffs.append(f"unit {[None if u < 0 else UNITS[u] for u in table[:, 4].tolist()]} "
-                         "(by rank)")
+            diffs.append(f"unit {[None if u < 0 else UNITS[u] for u in table[:, 4].tolist()]} (by rank)")
         if diffs:
-            raise IncompatibleStates(f"all_reduce of cross statistics{where}: ranks disagree on "
-                                     + "; ".join(diffs), diffs)
+            raise IncompatibleStates(
+                f"all_reduce of cross statistics{where}: ranks disagree on " + "; ".join(diffs), diffs
+            )
 
     def _reduce_start(self, table: torch.Tensor, group, device):
         totals = table.sum(dim=0).tolist()
         units = [int(u) for u, n in zip(table[:, 4], table[:, 5]) if n > 0]
-        counters = {"n": int(totals[5]), "batches": int(totals[6]),
-                    "p": [int(totals[7]), int(totals[8]), int(totals[9])],
-                    "unit": UNITS[units[0]] if units else None, "skipped_batches": int(totals[11])}
+        counters = {
+            "n": int(totals[5]),
+            "batches": int(totals[6]),
+            "p": [int(totals[7]), int(totals[8]), int(totals[9])],
+            "unit": UNITS[units[0]] if units else None,
+            "skipped_batches": int(totals[11]),
+        }
         return self.state_dict(), counters
 
     # ------------------------------------------------------------------ results
@@ -410,8 +483,9 @@ class CrossStats(Accumulator):
         total = float((self.c_sum * self.c_sum).sum())
         return (total - float(self.sq_norm_sum)) / (self.n * (self.n - 1))
 
-    def saturation(self, alpha: float = 0.05, ag_max: float = math.nan,
-                   ag_mean: float = math.nan) -> Saturation:
+    def saturation(
+        self, alpha: float = 0.05, ag_max: float = math.nan, ag_mean: float = math.nan
+    ) -> Saturation:
         """The saturation test at level ``alpha`` (module docstring)."""
         if not 0 < alpha < 1:
             raise FusedStatsError(f"alpha must be in (0, 1), got {alpha}")
@@ -421,7 +495,8 @@ class CrossStats(Accumulator):
             raise FusedStatsError(
                 f"saturation test{self._where()} needs two independent samples in one batch or in "
                 f"two consecutive single-sample batches (for the standard error); got "
-                f"{self.batches} batches totalling n={n}")
+                f"{self.batches} batches totalling n={n}"
+            )
         e2 = float(self.u[0]) / self.p[0]
         m4 = float(self.u[2]) / self.p[2] if self.p[2] else max(value, 0.0) ** 2
         e3 = float(self.u[1]) / self.p[1] if self.p[1] else m4
@@ -430,21 +505,39 @@ class CrossStats(Accumulator):
         se = math.sqrt(max(var, 0.0))
         se0 = math.sqrt(max(2 * e2 / (n * (n - 1)), 0.0))
         z, p = null_tail(value, n, tr1=float(self.sq_norm_sum) / n, tr2=e2)
-        return Saturation(n=n, rank=self.rank, cross_frob2=value, cross_frob2_se=se,
-                          cross_frob2_se_null=se0, z=z, p_value=p, alpha=alpha,
-                          saturated=p > alpha, ag_max=ag_max, ag_mean=ag_mean)
+        return Saturation(
+            n=n,
+            rank=self.rank,
+            cross_frob2=value,
+            cross_frob2_se=se,
+            cross_frob2_se_null=se0,
+            z=z,
+            p_value=p,
+            alpha=alpha,
+            saturated=p > alpha,
+            ag_max=ag_max,
+            ag_mean=ag_mean,
+        )
 
     def estimate(self) -> CrossEstimate:
         """Unbiased ``|C|_F²`` with the plug-in ``|C̄|_F²`` and ``C̄`` (:class:`CrossEstimate`)."""
         value = self.cross_frob2()
         mean = (self.c_sum / self.n).detach().to("cpu")
-        return CrossEstimate(n=self.n, dim=self.dim, rank=self.rank, cross_frob2=value,
-                             plugin_frob2=float(mean.square().sum()),
-                             mean_sq_norm=float(self.sq_norm_sum) / self.n, c_mean=mean)
+        return CrossEstimate(
+            n=self.n,
+            dim=self.dim,
+            rank=self.rank,
+            cross_frob2=value,
+            plugin_frob2=float(mean.square().sum()),
+            mean_sq_norm=float(self.sq_norm_sum) / self.n,
+            c_mean=mean,
+        )
 
     def state_nbytes(self) -> int:
         return (self.c_sum.numel() + self.w_in.numel() + 4) * 8
 
     def __repr__(self) -> str:
-        return (f"CrossStats(dim={self.dim}, rank={self.rank}, activation={self.activation!r}, "
-                f"n={self.n}, unit={self.unit!r}{self._where()})")
+        return (
+            f"CrossStats(dim={self.dim}, rank={self.rank}, activation={self.activation!r}, "
+            f"n={self.n}, unit={self.unit!r}{self._where()})"
+        )

@@ -34,7 +34,8 @@ def require_initialised() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise FusedStatsError(
             "all_reduce needs an initialised torch.distributed process group "
-            "(torch.distributed.init_process_group('nccl' or 'gloo', ...))")
+            "(torch.distributed.init_process_group('nccl' or 'gloo', ...))"
+        )
 
 
 def comm_device(group, state_device: torch.device | None) -> torch.device:
@@ -42,7 +43,7 @@ def comm_device(group, state_device: torch.device | None) -> torch.device:
     backend = str(dist.get_backend(group)).lower()
     on_cuda = state_device is not None and state_device.type == "cuda"
     if backend == "nccl" or ("nccl" in backend and (on_cuda or "gloo" not in backend)):
-        return (state_device if on_cuda else torch.device("cuda", torch.cuda.current_device()))
+        return state_device if on_cuda else torch.device("cuda", torch.cuda.current_device())
     if "gloo" in backend or backend == "mpi":
         return torch.device("cpu")
     return state_device if state_device is not None else torch.device("cpu")
@@ -60,8 +61,7 @@ def gather_rows(row: list[int], group, device) -> torch.Tensor:
     return torch.stack(table).cpu()
 
 
-def reduce_fields(acc, state: dict, counters: dict | None, table: torch.Tensor, group,
-                  device) -> dict:
+def reduce_fields(acc, state: dict, counters: dict | None, table: torch.Tensor, group, device) -> dict:
     """The reduced state: ``state`` (this rank's, aligned) combined over the ranks field by field
     as the declaration says; ``counters``: those of the result (None: no rank holds samples, the
     state stays as it is)."""
@@ -84,7 +84,7 @@ def reduce_fields(acc, state: dict, counters: dict | None, table: torch.Tensor, 
         start = 0
         for f in fields:
             size = state[f.name].numel()
-            out[f.name] = flat[start:start + size].reshape(state[f.name].shape).clone()
+            out[f.name] = flat[start : start + size].reshape(state[f.name].shape).clone()
             start += size
     rows = [f for f in present if f.reduction == "rows"]
     if rows:
@@ -132,16 +132,16 @@ def all_reduce_many(accs: dict, group=None) -> None:
     for name in names:
         if not isinstance(getattr(accs[name], "KIND", None), str):
             raise FusedStatsError(
-                f"all_reduce: cannot reduce a {type(accs[name]).__name__} at {name!r} (not an "
-                "accumulator)")
+                f"all_reduce: cannot reduce a {type(accs[name]).__name__} at {name!r} (not an accumulator)"
+            )
     kinds = [accs[name].KIND for name in names]
     some = next(iter(accs.values()), None)
     device = comm_device(group, None if some is None else some.device)
-    table = gather_rows([names_digest([f"{k}:{n}" for k, n in zip(kinds, names)]), len(names)],
-                        group, device)
+    table = gather_rows([names_digest([f"{k}:{n}" for k, n in zip(kinds, names)]), len(names)], group, device)
     if bool((table != table[0]).any()):
         raise FusedStatsError(
             f"all_reduce: ranks hold different sets of accumulators (counts by rank "
-            f"{table[:, 1].tolist()}); this rank has {names}")
+            f"{table[:, 1].tolist()}); this rank has {names}"
+        )
     for name in names:
         accs[name].all_reduce(group)

@@ -114,15 +114,25 @@ def falling(n: int, k: int) -> float:
     return out
 
 
-def finalize(n: int, dim: int, kappa: float, a1: float, a2: float, F: float, beta: float,
-             tau: float, ag_max: float, ag_sum: float) -> Estimate:
+def finalize(
+    n: int,
+    dim: int,
+    kappa: float,
+    a1: float,
+    a2: float,
+    F: float,
+    beta: float,
+    tau: float,
+    ag_max: float,
+    ag_sum: float,
+) -> Estimate:
     """Estimates from sums centred at the sample mean (module docstring); all inputs fp64 floats."""
     n2, n3, n4 = falling(n, 2), falling(n, 3), falling(n, 4)
     mu_norm2 = kappa - a1 / n2
-    mu_norm4 = (kappa * kappa - 2 * kappa * a1 / n2 - 4 * beta / n2 + 8 * tau / n3
-                + (a1 * a1 - 6 * a2 + 2 * F) / n4)
-    mu_sigma_mu = (beta / (n - 1) - 2 * tau / ((n - 1) * (n - 2))
-                   + (2 * n * a2 - (n - 1) * F - a1 * a1) / n4)
+    mu_norm4 = (
+        kappa * kappa - 2 * kappa * a1 / n2 - 4 * beta / n2 + 8 * tau / n3 + (a1 * a1 - 6 * a2 + 2 * F) / n4
+    )
+    mu_sigma_mu = beta / (n - 1) - 2 * tau / ((n - 1) * (n - 2)) + (2 * n * a2 - (n - 1) * F - a1 * a1) / n4
     trace_sigma2 = ((n - 1) * (n - 2) * F - n * (n - 1) * a2 + a1 * a1) / n4
     has_signal = mu_norm4 > 0
     if has_signal:
@@ -132,10 +142,22 @@ def finalize(n: int, dim: int, kappa: float, a1: float, a2: float, F: float, bet
         d_align = min(d_par, d_2)
     else:
         d_par = d_2 = d_align = 0.0
-    return Estimate(n=n, dim=dim, mu_norm2=mu_norm2, mu_norm4=mu_norm4, mu_sigma_mu=mu_sigma_mu,
-                    trace_sigma2=trace_sigma2, trace_sigma=a1 / (n - 1), d_par=d_par, d_2=d_2,
-                    d_align=d_align, ag_max=ag_max, ag_mean=ag_sum / n, has_signal=has_signal,
-                    plugin=plugin_from_centred(n, kappa, beta, F))
+    return Estimate(
+        n=n,
+        dim=dim,
+        mu_norm2=mu_norm2,
+        mu_norm4=mu_norm4,
+        mu_sigma_mu=mu_sigma_mu,
+        trace_sigma2=trace_sigma2,
+        trace_sigma=a1 / (n - 1),
+        d_par=d_par,
+        d_2=d_2,
+        d_align=d_align,
+        ag_max=ag_max,
+        ag_mean=ag_sum / n,
+        has_signal=has_signal,
+        plugin=plugin_from_centred(n, kappa, beta, F),
+    )
 
 
 def certificate(est: Estimate, M: int, K: int) -> Certificate:
@@ -147,8 +169,9 @@ def certificate(est: Estimate, M: int, K: int) -> Certificate:
     M, K = int(M), int(K)
     n_eff = M * K / (M + K + 1)
     if not est.has_signal:
-        return Certificate(M, K, n_eff, 1.0, 1.0, False,
-                           f"no certificate: estimated |mu|^4 = {est.mu_norm4:.3e} <= 0")
+        return Certificate(
+            M, K, n_eff, 1.0, 1.0, False, f"no certificate: estimated |mu|^4 = {est.mu_norm4:.3e} <= 0"
+        )
     var = (1 / M + 1 / K) * max(est.mu_sigma_mu, 0.0) + max(est.trace_sigma2, 0.0) / (M * K)
     b_exact = var / (var + est.mu_norm4)
     b_align = 1.0 / (1.0 + n_eff * est.d_align)

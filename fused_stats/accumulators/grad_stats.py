@@ -94,8 +94,11 @@ def shift(sums: Mapping, delta: torch.Tensor) -> dict:
         "s": s - n * delta,
         "t": t - 2 * S_delta - a1 * delta + dd * s + 2 * ds * delta - n * dd * delta,
         "a1": torch.tensor(a1 - 2 * ds + n * dd, dtype=F64, device=s.device),
-        "a2": torch.tensor(a2 - 4 * float(delta @ t) + 4 * dSd + 2 * dd * a1 - 4 * dd * ds
-                           + n * dd * dd, dtype=F64, device=s.device),
+        "a2": torch.tensor(
+            a2 - 4 * float(delta @ t) + 4 * dSd + 2 * dd * a1 - 4 * dd * ds + n * dd * dd,
+            dtype=F64,
+            device=s.device,
+        ),
     }
     if dense:
         # one new (d, d) tensor updated by three rank-one additions (no d x d temporaries)
@@ -175,12 +178,23 @@ class GradStats(Accumulator):
         Field("pool", lambda acc, c: (c["n"], acc.dim), "rows", present=_pooled),
         Field("gram", lambda acc, c: (c["n"], c["n"]), "gram", present=_pooled, rows="pool"),
     )
-    COUNTERS: ClassVar[dict[str, str]] = {"n": "sum", "mode": "label", "unit": "label",
-                                          "skipped_batches": "sum"}
+    COUNTERS: ClassVar[dict[str, str]] = {
+        "n": "sum",
+        "mode": "label",
+        "unit": "label",
+        "skipped_batches": "sum",
+    }
 
-    def __init__(self, dim: int, second_moment: SecondMoment = "auto",
-                 pool_capacity: int | None = None, device=None, backend: Backend = "auto",
-                 nonfinite: Nonfinite = "raise", name: str | None = None):
+    def __init__(
+        self,
+        dim: int,
+        second_moment: SecondMoment = "auto",
+        pool_capacity: int | None = None,
+        device=None,
+        backend: Backend = "auto",
+        nonfinite: Nonfinite = "raise",
+        name: str | None = None,
+    ):
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
             raise FusedStatsError(f"dim must be a positive int, got {dim!r}")
         if second_moment not in SECOND_MOMENTS:
@@ -232,7 +246,8 @@ class GradStats(Accumulator):
         self.s = torch.zeros(d, dtype=F64, device=dev)
         self.t = torch.zeros(d, dtype=F64, device=dev)
         self.a1, self.a2, self.norm_max, self.norm_sum = (
-            torch.zeros((), dtype=F64, device=dev) for _ in range(4))
+            torch.zeros((), dtype=F64, device=dev) for _ in range(4)
+        )
         if self.mode == "dense":
             self.S = torch.zeros(d, d, dtype=F64, device=dev)
         else:
@@ -279,7 +294,8 @@ class GradStats(Accumulator):
         if grad.device.type == "meta":  # shapes only: there are no values to accumulate
             raise FusedStatsError(
                 f"grad{w} is on the meta device (shape {tuple(grad.shape)}, no data); expected a "
-                f"tensor on {self.device or 'a real device'}")
+                f"tensor on {self.device or 'a real device'}"
+            )
         if unit not in UNITS:
             raise FusedStatsError(f"unit must be one of {UNITS}, got {unit!r}")
         if self.unit is not None and unit != self.unit:
@@ -293,24 +309,28 @@ class GradStats(Accumulator):
             if size != self.dim:
                 raise FusedStatsError(
                     f"unit='flat'{w}: one sample of shape {tuple(grad.shape[1:])} has {size} "
-                    f"elements, expected dim={self.dim} (grad shape {tuple(grad.shape)})")
+                    f"elements, expected dim={self.dim} (grad shape {tuple(grad.shape)})"
+                )
             if mask is not None:
                 raise FusedStatsError(f"unit='flat'{w} takes no mask (got shape {tuple(mask.shape)})")
             return grad.reshape(grad.shape[0], 1, self.dim), None
         if grad.dim() < 2:
             raise FusedStatsError(
-                f"grad{w} must have shape (B, d) or (B, *positions, d), got {tuple(grad.shape)}")
+                f"grad{w} must have shape (B, d) or (B, *positions, d), got {tuple(grad.shape)}"
+            )
         if not isinstance(feature_dim, int) or isinstance(feature_dim, bool):
             raise FusedStatsError(f"feature_dim must be an int, got {feature_dim!r}")
         fd = feature_dim if feature_dim >= 0 else grad.dim() + feature_dim
         if not 1 <= fd < grad.dim():
             raise FusedStatsError(
                 f"feature_dim={feature_dim} is not a non-batch dimension of grad{w} with shape "
-                f"{tuple(grad.shape)}")
+                f"{tuple(grad.shape)}"
+            )
         if grad.shape[fd] != self.dim:
             raise FusedStatsError(
                 f"grad{w} has {grad.shape[fd]} features on dim {feature_dim} (shape "
-                f"{tuple(grad.shape)}, dtype {grad.dtype}); expected dim={self.dim}")
+                f"{tuple(grad.shape)}, dtype {grad.dtype}); expected dim={self.dim}"
+            )
         g = grad.movedim(fd, -1)
         positions = tuple(g.shape[1:-1])
         B = g.shape[0]
@@ -329,15 +349,21 @@ class GradStats(Accumulator):
             raise FusedStatsError(
                 f"mask{w} has shape {tuple(mask.shape)}; expected "
                 f"{f'{(B, *positions)} or ' if positions else ''}{(B,)} "
-                f"for grad of shape {tuple(grad.shape)} with feature_dim={feature_dim}")
+                f"for grad of shape {tuple(grad.shape)} with feature_dim={feature_dim}"
+            )
         if m.dtype != torch.bool:
             if m.is_floating_point() and not torch.isfinite(m).all():
                 raise FusedStatsError(f"mask{w} contains NaN/Inf")
             m = m != 0
         return g, m
 
-    def update(self, grad: torch.Tensor, mask: torch.Tensor | None = None, unit: Unit = "sample",
-               feature_dim: int = -1) -> None:
+    def update(
+        self,
+        grad: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        unit: Unit = "sample",
+        feature_dim: int = -1,
+    ) -> None:
         """Fold one batch into the state.
 
         ``grad``: (B, d), (B, *positions, d) or, with ``feature_dim``, e.g. NCHW with
@@ -349,8 +375,13 @@ class GradStats(Accumulator):
         """
         self.commit(self.prepare(grad, mask, unit, feature_dim))
 
-    def prepare(self, grad: torch.Tensor, mask: torch.Tensor | None = None, unit: Unit = "sample",
-                feature_dim: int = -1) -> Prepared:
+    def prepare(
+        self,
+        grad: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        unit: Unit = "sample",
+        feature_dim: int = -1,
+    ) -> Prepared:
         """Validate and reduce a batch without changing the state.
 
         Raises :class:`FusedStatsError` for anything :meth:`commit` could not take (shapes, dtype,
@@ -364,8 +395,9 @@ class GradStats(Accumulator):
         if g.shape[0] == 0 or g.shape[1] == 0:
             return empty
         if self.centre is None:
-            first = ops.capture_reduce(g, m, torch.zeros(self.dim, dtype=F64, device=g.device),
-                                       op_unit, self.backend)
+            first = ops.capture_reduce(
+                g, m, torch.zeros(self.dim, dtype=F64, device=g.device), op_unit, self.backend
+            )
             if first.n == 0:
                 return empty
             if not sums_finite(first):
@@ -384,7 +416,8 @@ class GradStats(Accumulator):
         if self.second_moment == "pool" and limit is not None and self.n + batch.n > limit:
             raise FusedStatsError(
                 f"pool{self._where()} holds {self.n} samples; {batch.n} more exceed "
-                f"pool_capacity={limit}. Use second_moment='auto' or 'dense', or a larger capacity")
+                f"pool_capacity={limit}. Use second_moment='auto' or 'dense', or a larger capacity"
+            )
         return Prepared(unit, self.n, batch, finite=True, centre=centre)
 
     def commit(self, prepared: Prepared) -> None:
@@ -392,7 +425,8 @@ class GradStats(Accumulator):
         if prepared.base_n != self.n:
             raise FusedStatsError(
                 f"stale prepared batch{self._where()}: prepared at n={prepared.base_n}, the state "
-                f"now has n={self.n}; prepare it again")
+                f"now has n={self.n}; prepare it again"
+            )
         batch = prepared.batch
         if batch is None or batch.n == 0:
             return
@@ -403,7 +437,8 @@ class GradStats(Accumulator):
             raise FusedStatsError(
                 f"non-finite gradient (NaN or Inf, or so large that |y|^4 overflows){self._where()} "
                 f"in a batch of {batch.n} samples; "
-                "nothing was accumulated. Pass nonfinite='skip' to skip such batches and count them")
+                "nothing was accumulated. Pass nonfinite='skip' to skip such batches and count them"
+            )
         # ---- nothing below rejects the batch. The second moment goes first: it is the part that
         # allocates and runs kernels, so if it fails (e.g. out of memory) the sums still agree
         if self.centre is None:
@@ -450,8 +485,8 @@ class GradStats(Accumulator):
         """Unbiased fp64 estimates (see :mod:`fused_stats.accumulators.estimators`); needs n >= 4."""
         if self.n < 4:
             raise FusedStatsError(
-                f"estimate(){self._where()} needs at least 4 samples (degree-4 U-statistics), "
-                f"have n={self.n}")
+                f"estimate(){self._where()} needs at least 4 samples (degree-4 U-statistics), have n={self.n}"
+            )
         delta = self.s / self.n
         moved = shift(self._sums(), delta)
         # tr(S'^2) = |S'|_F^2 (dense) or |G'|_F^2 (pool: G' = Y'Y'^T has the same nonzero spectrum)
@@ -462,13 +497,29 @@ class GradStats(Accumulator):
         else:
             beta = float((moved["pool"] @ mean).square().sum())
         return finalize(
-            n=self.n, dim=self.dim, kappa=float(mean @ mean), a1=float(moved["a1"]),
-            a2=float(moved["a2"]), F=float(torch.dot(second.reshape(-1), second.reshape(-1))), beta=beta,
-            tau=float(mean @ moved["t"]), ag_max=self.norm_max.item(), ag_sum=self.norm_sum.item())
+            n=self.n,
+            dim=self.dim,
+            kappa=float(mean @ mean),
+            a1=float(moved["a1"]),
+            a2=float(moved["a2"]),
+            F=float(torch.dot(second.reshape(-1), second.reshape(-1))),
+            beta=beta,
+            tau=float(mean @ moved["t"]),
+            ag_max=self.norm_max.item(),
+            ag_sum=self.norm_sum.item(),
+        )
 
     def _sums(self) -> dict:
-        return {"n": self.n, "s": self.s, "t": self.t, "a1": self.a1, "a2": self.a2, "S": self.S,
-                "pool": self.pool, "gram": self.gram}
+        return {
+            "n": self.n,
+            "s": self.s,
+            "t": self.t,
+            "a1": self.a1,
+            "a2": self.a2,
+            "S": self.S,
+            "pool": self.pool,
+            "gram": self.gram,
+        }
 
     def mean(self) -> torch.Tensor:
         """The sample mean ``q̄`` (fp64)."""
@@ -491,23 +542,36 @@ class GradStats(Accumulator):
         return self.pool + self.centre
 
     def _no_pool_message(self) -> str:
-        return (f"accumulator{self._where()} holds no sample pool (mode={self.mode!r}, n={self.n}); "
-                "use second_moment='pool', or 'auto' with fewer samples than its switch point "
-                f"({self.pool_limit})")
-
+        return (
+            f"accumulator{self._where()} holds no sample pool (mode={self.mode!r}, n={self.n}); "
+            "use second_moment='pool', or 'auto' with fewer samples than its switch point "
+            f"({self.pool_limit})"
+        )
 
     # ------------------------------------------------------------------ protocol hooks
     def describe(self) -> dict:
         return {"mode": self.mode, "second_moment": self.second_moment}
 
     def config(self) -> dict:
-        return {"dim": self.dim, "second_moment": self.second_moment,
-                "pool_capacity": self.pool_capacity, "nonfinite": self.nonfinite, "name": self.name}
+        return {
+            "dim": self.dim,
+            "second_moment": self.second_moment,
+            "pool_capacity": self.pool_capacity,
+            "nonfinite": self.nonfinite,
+            "name": self.name,
+        }
 
     @classmethod
     def from_config(cls, config, tensors=None, device=None, backend="auto") -> GradStats:
-        return cls(config["dim"], config["second_moment"], config["pool_capacity"], device,
-                   backend, config["nonfinite"], config["name"])
+        return cls(
+            config["dim"],
+            config["second_moment"],
+            config["pool_capacity"],
+            device,
+            backend,
+            config["nonfinite"],
+            config["name"],
+        )
 
     def _state_label(self, counters) -> str:
         return f"dim={self.dim}, n={counters['n']}, mode={counters['mode']!r}"
@@ -515,11 +579,17 @@ class GradStats(Accumulator):
     def _check_counters(self, counters, where: str) -> None:
         n, mode, unit = counters["n"], counters["mode"], counters["unit"]
         allowed_modes = {"dense": ("dense",), "pool": ("pool",), "auto": ("pool", "dense")}
-        if (not isinstance(n, int) or n < 0 or mode not in allowed_modes[self.second_moment]
-                or unit not in (None, *UNITS) or not isinstance(counters["skipped_batches"], int)):
+        if (
+            not isinstance(n, int)
+            or n < 0
+            or mode not in allowed_modes[self.second_moment]
+            or unit not in (None, *UNITS)
+            or not isinstance(counters["skipped_batches"], int)
+        ):
             raise FusedStatsError(
                 f"{where} is inconsistent: n={n}, mode={mode!r}, unit={unit!r} for "
-                f"second_moment={self.second_moment!r}")
+                f"second_moment={self.second_moment!r}"
+            )
 
     def check_compatible(self, other) -> None:
         if not isinstance(other, GradStats):
@@ -530,14 +600,19 @@ class GradStats(Accumulator):
             raise IncompatibleStates(f"cannot merge unit={other.unit!r} into unit={self.unit!r}")
         if self.device is not None and other.device is not None and self.device != other.device:
             raise IncompatibleStates(
-                f"cannot merge state on {other.device} into state on {self.device}{self._where()}")
+                f"cannot merge state on {other.device} into state on {self.device}{self._where()}"
+            )
         if self.second_moment == "pool" and other.n and other.mode == "dense":
             raise IncompatibleStates("cannot merge a dense accumulator into a second_moment='pool' one")
-        if self.second_moment == "pool" and self.pool_limit is not None \
-                and self.n + other.n > self.pool_limit:
+        if (
+            self.second_moment == "pool"
+            and self.pool_limit is not None
+            and self.n + other.n > self.pool_limit
+        ):
             raise IncompatibleStates(
                 f"merge would put {self.n + other.n} samples ({self.n} + {other.n}) in the "
-                f"pool{self._where()} of capacity {self.pool_limit}")
+                f"pool{self._where()} of capacity {self.pool_limit}"
+            )
 
     def _target_mode(self, modes_with_data, total: int) -> str:
         """The representation one accumulator fed every sample would end in: dense once any part
@@ -579,10 +654,15 @@ class GradStats(Accumulator):
         return mine, theirs, self._combined_counters(mine, dict(theirs, mode=target))
 
     def settings_row(self) -> list[int]:
-        return [self.dim, self.n, 1 if self.mode == "pool" else 0,
-                SECOND_MOMENTS.index(self.second_moment),
-                -1 if self.unit is None else UNITS.index(self.unit),
-                -1 if self.pool_capacity is None else self.pool_capacity, self.skipped_batches]
+        return [
+            self.dim,
+            self.n,
+            1 if self.mode == "pool" else 0,
+            SECOND_MOMENTS.index(self.second_moment),
+            -1 if self.unit is None else UNITS.index(self.unit),
+            -1 if self.pool_capacity is None else self.pool_capacity,
+            self.skipped_batches,
+        ]
 
     def check_settings(self, table: torch.Tensor) -> None:
         where = self._where()
@@ -596,13 +676,14 @@ class GradStats(Accumulator):
         if len(units) > 1:
             raise IncompatibleStates(
                 f"all_reduce{where}: ranks were fed different units: "
-                f"{[None if u < 0 else UNITS[u] for u in table[:, 4].tolist()]} (by rank)")
+                f"{[None if u < 0 else UNITS[u] for u in table[:, 4].tolist()]} (by rank)"
+            )
         total = int(table[:, 1].sum())
-        if self.second_moment == "pool" and self.pool_capacity is not None \
-                and total > self.pool_capacity:
+        if self.second_moment == "pool" and self.pool_capacity is not None and total > self.pool_capacity:
             raise IncompatibleStates(
                 f"all_reduce{where}: the ranks hold {table[:, 1].tolist()} samples, {total} in all, "
-                f"more than pool_capacity={self.pool_capacity}. Use second_moment='auto' or 'dense'")
+                f"more than pool_capacity={self.pool_capacity}. Use second_moment='auto' or 'dense'"
+            )
 
     def _row_counts(self, table: torch.Tensor) -> list[int]:
         return [int(v) for v in table[:, 1]]
@@ -625,21 +706,31 @@ class GradStats(Accumulator):
         target = self._target_mode(modes, total)
         units = [int(u) for u, n in zip(table[:, 4], counts) if n > 0]
         source = int(torch.nonzero(counts > 0)[0, 0])
-        centre = (self.centre.to(device=device, dtype=F64, copy=True)
-                  if dist.get_rank(group) == source
-                  else torch.zeros(self.dim, dtype=F64, device=device))
+        centre = (
+            self.centre.to(device=device, dtype=F64, copy=True)
+            if dist.get_rank(group) == source
+            else torch.zeros(self.dim, dtype=F64, device=device)
+        )
         dist.broadcast(centre, src=global_rank(group, source), group=group)
         centre = centre.to(state_device)
         if self.n == 0:
             d = self.dim
             zero = torch.zeros((), dtype=F64, device=state_device)
-            state = {"n": 0, "mode": target, "unit": None, "skipped_batches": 0,
-                     "s": torch.zeros(d, dtype=F64, device=state_device),
-                     "t": torch.zeros(d, dtype=F64, device=state_device),
-                     "a1": zero, "a2": zero, "norm_max": zero, "norm_sum": zero,
-                     "S": torch.zeros(d, d, dtype=F64, device=state_device) if target == "dense" else None,
-                     "pool": torch.zeros(0, d, dtype=F64, device=state_device),
-                     "gram": torch.zeros(0, 0, dtype=F64, device=state_device)}
+            state = {
+                "n": 0,
+                "mode": target,
+                "unit": None,
+                "skipped_batches": 0,
+                "s": torch.zeros(d, dtype=F64, device=state_device),
+                "t": torch.zeros(d, dtype=F64, device=state_device),
+                "a1": zero,
+                "a2": zero,
+                "norm_max": zero,
+                "norm_sum": zero,
+                "S": torch.zeros(d, d, dtype=F64, device=state_device) if target == "dense" else None,
+                "pool": torch.zeros(0, d, dtype=F64, device=state_device),
+                "gram": torch.zeros(0, 0, dtype=F64, device=state_device),
+            }
         else:
             state = self.state_dict()
             state.update(shift(state, centre - self.centre))

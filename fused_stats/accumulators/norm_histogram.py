@@ -44,9 +44,17 @@ class NormHistogram(Accumulator):
     FIELDS = (Field("counts", lambda acc, c: (acc.bins + 2,), "sum"),)
     COUNTERS: ClassVar[dict[str, str]] = {"n": "sum", "unit": "label", "skipped_batches": "sum"}
 
-    def __init__(self, dim: int, low: float = 1e-6, high: float = 1e6, bins: int = 48,
-                 device=None, backend: Backend = "auto", nonfinite: Nonfinite = "raise",
-                 name: str | None = None):
+    def __init__(
+        self,
+        dim: int,
+        low: float = 1e-6,
+        high: float = 1e6,
+        bins: int = 48,
+        device=None,
+        backend: Backend = "auto",
+        nonfinite: Nonfinite = "raise",
+        name: str | None = None,
+    ):
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
             raise FusedStatsError(f"dim must be a positive int, got {dim!r}")
         if not isinstance(bins, int) or bins < 1:
@@ -67,21 +75,26 @@ class NormHistogram(Accumulator):
 
     def edges(self) -> torch.Tensor:
         """The ``bins + 1`` bin edges (fp64, CPU)."""
-        return torch.logspace(math.log10(self.low), math.log10(self.high), self.bins + 1,
-                              dtype=F64)
+        return torch.logspace(math.log10(self.low), math.log10(self.high), self.bins + 1, dtype=F64)
 
     def __repr__(self) -> str:
         return f"NormHistogram(dim={self.dim}, bins={self.bins}, n={self.n}{self._where()})"
 
     # ------------------------------------------------------------------ update
-    def prepare(self, grad: torch.Tensor, mask: torch.Tensor | None = None,
-                unit: HistogramUnit = "sample", feature_dim: int = -1) -> Prepared:
+    def prepare(
+        self,
+        grad: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        unit: HistogramUnit = "sample",
+        feature_dim: int = -1,
+    ) -> Prepared:
         """Validate a batch and bin its per-sample norms without changing the state."""
         w = self._where()
         if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() or grad.dim() < 2:
             raise FusedStatsError(
                 f"norm histogram{w}: grad must be a floating-point tensor (B, ..., d), got "
-                f"{type(grad).__name__} {getattr(grad, 'shape', '')}")
+                f"{type(grad).__name__} {getattr(grad, 'shape', '')}"
+            )
         if unit not in UNITS:
             raise FusedStatsError(f"norm histogram{w}: unit must be one of {UNITS}, got {unit!r}")
         if self.unit is not None and unit != self.unit:
@@ -92,7 +105,8 @@ class NormHistogram(Accumulator):
         if g.shape[-1] != self.dim:
             raise FusedStatsError(
                 f"norm histogram{w}: grad has {g.shape[-1]} features (shape {tuple(grad.shape)}), "
-                f"expected dim={self.dim}")
+                f"expected dim={self.dim}"
+            )
         B = g.shape[0]
         g = g.reshape(B, -1, self.dim).to(F64)
         if mask is not None:
@@ -102,8 +116,8 @@ class NormHistogram(Accumulator):
                 m = mask.reshape(B, g.shape[1])
             else:
                 raise FusedStatsError(
-                    f"norm histogram{w}: mask has shape {tuple(mask.shape)} for grad "
-                    f"{tuple(grad.shape)}")
+                    f"norm histogram{w}: mask has shape {tuple(mask.shape)} for grad {tuple(grad.shape)}"
+                )
             m = m != 0
         else:
             m = torch.ones(B, g.shape[1], dtype=torch.bool, device=g.device)
@@ -130,21 +144,32 @@ class NormHistogram(Accumulator):
                 return
             raise FusedStatsError(
                 f"non-finite gradient{self._where()} in a batch of {prepared.n} samples; nothing "
-                "was accumulated")
+                "was accumulated"
+            )
         self.counts += prepared.batch.counts
         self.n += prepared.n
         self.unit = prepared.unit
 
-    def update(self, grad: torch.Tensor, mask: torch.Tensor | None = None,
-               unit: HistogramUnit = "sample", feature_dim: int = -1) -> None:
+    def update(
+        self,
+        grad: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        unit: HistogramUnit = "sample",
+        feature_dim: int = -1,
+    ) -> None:
         self.commit(self.prepare(grad, mask, unit, feature_dim))
 
     # ------------------------------------------------------------------ results
     def to_dict(self) -> dict:
         """``{"n", "edges", "counts", "underflow", "overflow"}`` (plain lists, for reports)."""
         counts = [int(v) for v in self.counts.tolist()]
-        return {"n": self.n, "edges": self.edges().tolist(), "counts": counts[1:-1],
-                "underflow": counts[0], "overflow": counts[-1]}
+        return {
+            "n": self.n,
+            "edges": self.edges().tolist(),
+            "counts": counts[1:-1],
+            "underflow": counts[0],
+            "overflow": counts[-1],
+        }
 
     # ------------------------------------------------------------------ protocol hooks
     def describe(self) -> dict:
@@ -156,59 +181,88 @@ class NormHistogram(Accumulator):
         return names_digest([repr(self.low), repr(self.high), str(self.bins)])
 
     def config(self) -> dict:
-        return {"dim": self.dim, "low": self.low, "high": self.high, "bins": self.bins,
-                "nonfinite": self.nonfinite, "name": self.name}
+        return {
+            "dim": self.dim,
+            "low": self.low,
+            "high": self.high,
+            "bins": self.bins,
+            "nonfinite": self.nonfinite,
+            "name": self.name,
+        }
 
     @classmethod
     def from_config(cls, config, tensors=None, device=None, backend="auto") -> NormHistogram:
-        return cls(int(config["dim"]), float(config["low"]), float(config["high"]),
-                   int(config["bins"]), device, backend, config["nonfinite"], config["name"])
+        return cls(
+            int(config["dim"]),
+            float(config["low"]),
+            float(config["high"]),
+            int(config["bins"]),
+            device,
+            backend,
+            config["nonfinite"],
+            config["name"],
+        )
 
     def _check_counters(self, counters, where: str) -> None:
         if counters["n"] < 0 or counters["unit"] not in (None, *UNITS):
-            raise FusedStatsError(f"{where} is inconsistent: n={counters['n']}, "
-                                  f"unit={counters['unit']!r}")
+            raise FusedStatsError(f"{where} is inconsistent: n={counters['n']}, unit={counters['unit']!r}")
 
     def check_state(self, state, where: str) -> None:
         super().check_state(state, where)
         if float(state["counts"].sum()) != state["n"]:
             raise FusedStatsError(
                 f"{where} is inconsistent: the counts add up to {float(state['counts'].sum())}, "
-                f"n={state['n']}")
+                f"n={state['n']}"
+            )
 
     def check_compatible(self, other) -> None:
         if not isinstance(other, NormHistogram):
             raise IncompatibleStates(f"can only merge a NormHistogram, got {type(other).__name__}")
-        diffs = [f"{k} {getattr(self, k)!r} vs {getattr(other, k)!r}"
-                 for k in ("dim", "low", "high", "bins", "device")
-                 if getattr(self, k) != getattr(other, k)]
+        diffs = [
+            f"{k} {getattr(self, k)!r} vs {getattr(other, k)!r}"
+            for k in ("dim", "low", "high", "bins", "device")
+            if getattr(self, k) != getattr(other, k)
+        ]
         if self.unit and other.unit and self.unit != other.unit:
             diffs.append(f"unit {self.unit!r} vs {other.unit!r}")
         if diffs:
             raise IncompatibleStates(
                 f"cannot merge the norm histogram{other._where()} into{self._where()}: they differ "
-                "in " + "; ".join(diffs), diffs)
+                "in " + "; ".join(diffs),
+                diffs,
+            )
 
     def settings_row(self) -> list[int]:
         edges = int.from_bytes(self.edges().numpy().tobytes()[-8:], "little") & ((1 << 62) - 1)
-        return [self.dim, self.bins, edges, self.n, -1 if self.unit is None else UNITS.index(self.unit),
-                self.skipped_batches]
+        return [
+            self.dim,
+            self.bins,
+            edges,
+            self.n,
+            -1 if self.unit is None else UNITS.index(self.unit),
+            self.skipped_batches,
+        ]
 
     def check_settings(self, table: torch.Tensor) -> None:
         for col, what in ((0, "dim"), (1, "bins"), (2, "bin edges")):
             if len(set(table[:, col].tolist())) > 1:
                 raise IncompatibleStates(
                     f"all_reduce of the norm histogram{self._where()}: ranks disagree on {what}: "
-                    f"{table[:, col].tolist()} (by rank)", [what])
+                    f"{table[:, col].tolist()} (by rank)",
+                    [what],
+                )
         if len({int(u) for u, n in zip(table[:, 4], table[:, 3]) if n > 0}) > 1:
             raise IncompatibleStates(
-                f"all_reduce of the norm histogram{self._where()}: ranks were fed different units",
-                ["unit"])
+                f"all_reduce of the norm histogram{self._where()}: ranks were fed different units", ["unit"]
+            )
 
     def _reduce_start(self, table: torch.Tensor, group, device):
         units = [UNITS[int(u)] for u, n in zip(table[:, 4], table[:, 3]) if n > 0]
-        return self.state_dict(), {"n": int(table[:, 3].sum()), "unit": units[0] if units else None,
-                                   "skipped_batches": int(table[:, 5].sum())}
+        return self.state_dict(), {
+            "n": int(table[:, 3].sum()),
+            "unit": units[0] if units else None,
+            "skipped_batches": int(table[:, 5].sum()),
+        }
 
 
 class _Binned:

@@ -31,8 +31,7 @@ def tensors_checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str] | No
     """SHA-256 over the tensors (sorted by name) and the metadata entries other than ``sha256``."""
     digest = hashlib.sha256()
     if meta is not None:
-        digest.update(json.dumps({k: v for k, v in meta.items() if k != "sha256"},
-                                 sort_keys=True).encode())
+        digest.update(json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True).encode())
     for key in sorted(tensors):
         value = tensors[key].detach().to("cpu").contiguous().reshape(-1)
         digest.update(key.encode())
@@ -111,12 +110,17 @@ def _open(path, tensors: bool = True) -> tuple[dict[str, torch.Tensor], dict[str
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             meta = handle.metadata() or {}
-            values = ({key: fresh_copy(handle.get_tensor(key)) for key in handle.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
-                      if tensors else {})
+            values = (
+                {key: fresh_copy(handle.get_tensor(key)) for key in handle.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
+                if tensors
+                else {}
+            )
     except FusedStatsError:
         raise
     except Exception as exc:  # safetensors raises several types for damaged headers/data
-        raise FusedStatsError(f"state file {str(path)!r} is damaged or not a safetensors file: {exc}") from exc
+        raise FusedStatsError(
+            f"state file {str(path)!r} is damaged or not a safetensors file: {exc}"
+        ) from exc
     return values, meta
 
 
@@ -134,7 +138,8 @@ def read_checked(path, format: str, version: int) -> tuple[dict[str, torch.Tenso
     if meta.get("version") != str(version):
         raise FusedStatsError(
             f"{str(path)!r} has state version {meta.get('version')!r}; this fused_stats reads "
-            f"version {version}")
+            f"version {version}"
+        )
     if tensors_checksum(tensors, meta) != meta.get("sha256"):
         raise FusedStatsError(f"state file {str(path)!r} failed its checksum (damaged or edited)")
     return tensors, meta

@@ -47,7 +47,7 @@ def average_ranks(values) -> np.ndarray:
         j = i
         while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
             j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        ranks[order[i : j + 1]] = (i + j) / 2 + 1
         i = j + 1
     return ranks
 
@@ -101,15 +101,16 @@ def median(values) -> float:
     return v[m] if len(v) % 2 else 0.5 * (v[m - 1] + v[m])
 
 
-def trend_sentence(xs, ys, x_name: str, y_name: str, permutations: int = 10_000,
-                   seed: int = 0) -> str:
+def trend_sentence(xs, ys, x_name: str, y_name: str, permutations: int = 10_000, seed: int = 0) -> str:
     """Spearman's ρ of ``ys`` against ``xs`` with its permutation p-value, in words: "increases" /
     "decreases" only at p < 0.05, "no clear monotone trend" otherwise."""
     pairs = _finite_pairs(xs, ys)
     distinct = len({a for a, _ in pairs})
     if len(pairs) < 4 or distinct < 2:
-        return (f"{y_name} vs {x_name}: too few runs ({len(pairs)} at {distinct} {x_name} values) "
-                "to speak of a trend")
+        return (
+            f"{y_name} vs {x_name}: too few runs ({len(pairs)} at {distinct} {x_name} values) "
+            "to speak of a trend"
+        )
     rho, p = rank_correlation([a for a, _ in pairs], [b for _, b in pairs], permutations, seed)
     if math.isnan(rho):
         return f"{y_name} vs {x_name}: rank correlation undefined (a constant column)"
@@ -117,5 +118,7 @@ def trend_sentence(xs, ys, x_name: str, y_name: str, permutations: int = 10_000,
     if p < SIGNIFICANCE:
         word = "increases" if rho > 0 else "decreases"
         return f"{y_name} vs {x_name}: {word} with {x_name} in these runs ({stat})"
-    return (f"{y_name} vs {x_name}: no clear monotone trend in these runs ({stat}); with this many "
-            "runs and this seed scatter that is not evidence either way")
+    return (
+        f"{y_name} vs {x_name}: no clear monotone trend in these runs ({stat}); with this many "
+        "runs and this seed scatter that is not evidence either way"
+    )

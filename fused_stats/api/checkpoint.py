@@ -59,8 +59,12 @@ STREAMS = ("train", "test")
 LATEST = "LATEST"
 PREFIX = "ckpt-"
 # the dict attributes of a probe-like object without a table: (kind, stream) -> attribute
-LEGACY_ATTRS = {("grad", "train"): "stats", ("grad", "test"): "test_stats",
-                ("cross", "train"): "cross_stats", ("cross", "test"): "test_cross_stats"}
+LEGACY_ATTRS = {
+    ("grad", "train"): "stats",
+    ("grad", "test"): "test_stats",
+    ("cross", "train"): "cross_stats",
+    ("cross", "test"): "test_cross_stats",
+}
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -77,16 +81,18 @@ class _AttributeTable(MutableMapping):
             if table is None:
                 continue
             if not isinstance(table, MutableMapping):
-                raise FusedStatsError(f"probe.{attr} must be a dict point -> accumulator, got "
-                                      f"{type(table).__name__}")
+                raise FusedStatsError(
+                    f"probe.{attr} must be a dict point -> accumulator, got {type(table).__name__}"
+                )
             yield kind, stream, attr, table
 
     def _dict(self, kind, stream):
         for k, s, _, table in self._dicts():
             if (k, s) == (kind, stream):
                 return table
-        raise FusedStatsError(f"the probe has no {LEGACY_ATTRS.get((kind, stream), kind)!r} for "
-                              f"stream {stream!r}")
+        raise FusedStatsError(
+            f"the probe has no {LEGACY_ATTRS.get((kind, stream), kind)!r} for stream {stream!r}"
+        )
 
     def __getitem__(self, key):
         kind, stream, name = key
@@ -128,7 +134,8 @@ def probe_state(probe) -> dict:
         if not isinstance(acc, cls):
             raise FusedStatsError(
                 f"the probe's {key[0]} accumulator at {key[2]!r} ({key[1]}) is a "
-                f"{type(acc).__name__}, expected {cls.__name__}")
+                f"{type(acc).__name__}, expected {cls.__name__}"
+            )
         out[key] = acc
     return out
 
@@ -178,7 +185,8 @@ def latest_snapshot(directory) -> Path | None:
     if not (snap / "manifest.json").is_file():
         raise FusedStatsError(
             f"checkpoint {str(directory)!r}: LATEST names {name!r} but {str(snap)!r} has no "
-            "manifest.json (the folder was removed or damaged)")
+            "manifest.json (the folder was removed or damaged)"
+        )
     return snap
 
 
@@ -187,8 +195,7 @@ def has_checkpoint(directory) -> bool:
 
 
 # ---------------------------------------------------------------------------- writing
-def write_snapshot(directory, accs: dict, consumed: dict | None = None,
-                   extra: dict | None = None) -> Path:
+def write_snapshot(directory, accs: dict, consumed: dict | None = None, extra: dict | None = None) -> Path:
     """Write ``accs`` as a new snapshot of ``directory`` and point ``LATEST`` at it (module doc).
 
     ``accs``: ``{(kind, stream, point): accumulator}`` (or ``{(stream, point): GradStats}``)."""
@@ -200,8 +207,11 @@ def write_snapshot(directory, accs: dict, consumed: dict | None = None,
     latest_snapshot(directory)  # a damaged pointer is reported, not silently replaced
     # past every snapshot folder, also one renamed into place by a writer killed before it could
     # update LATEST (that folder is complete but was never published; it is removed below)
-    serials = [int(e.name[len(PREFIX):]) for e in directory.iterdir()
-               if e.is_dir() and e.name.startswith(PREFIX) and e.name[len(PREFIX):].isdigit()]
+    serials = [
+        int(e.name[len(PREFIX) :])
+        for e in directory.iterdir()
+        if e.is_dir() and e.name.startswith(PREFIX) and e.name[len(PREFIX) :].isdigit()
+    ]
     serial = max(serials, default=0) + 1
     final = directory / f"{PREFIX}{serial:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=directory))
@@ -217,12 +227,21 @@ def write_snapshot(directory, accs: dict, consumed: dict | None = None,
             counters[prefix] = index + 1
             filename = f"{prefix}-{index:04d}.safetensors"
             acc.save(tmp / filename)
-            entry = {"kind": kind, "stream": stream, "name": name, "file": filename,
-                     "dim": acc.dim, "n": acc.n, **acc.describe()}
+            entry = {
+                "kind": kind,
+                "stream": stream,
+                "name": name,
+                "file": filename,
+                "dim": acc.dim,
+                "n": acc.n,
+                **acc.describe(),
+            }
             entry["sha256"] = _file_sha256(tmp / filename)
             points.append(entry)
         manifest = {
-            "format": FORMAT, "version": VERSION, "fused_stats_version": __version__,
+            "format": FORMAT,
+            "version": VERSION,
+            "fused_stats_version": __version__,
             "serial": serial,
             "consumed": dict(consumed or {}),
             "streams": sorted({stream for _, stream, _ in accs}),
@@ -242,8 +261,11 @@ def write_snapshot(directory, accs: dict, consumed: dict | None = None,
     _fsync_dir(directory)
     # older snapshots and temp folders left by killed writers are no longer needed
     for entry in directory.iterdir():
-        if entry.name != final.name and entry.is_dir() and (
-                entry.name.startswith(PREFIX) or entry.name.startswith(".tmp-" + PREFIX)):
+        if (
+            entry.name != final.name
+            and entry.is_dir()
+            and (entry.name.startswith(PREFIX) or entry.name.startswith(".tmp-" + PREFIX))
+        ):
             shutil.rmtree(entry, ignore_errors=True)
     return final
 
@@ -257,8 +279,8 @@ def _probe_counters(probe) -> dict:
     for attr in PROBE_COUNTERS:
         value = getattr(probe, attr, None)
         if isinstance(value, dict) and all(
-                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-                for k, v in value.items()):
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in value.items()
+        ):
             out[attr] = dict(value)
     return out
 
@@ -272,8 +294,9 @@ def save_probe_state(probe, directory, consumed: dict | None = None) -> Path:
     accs = probe_state(probe)
     counters = _probe_counters(probe)
     points = list(getattr(probe, "points", None) or [])
-    return write_snapshot(directory, accs, consumed=consumed,
-                          extra={"probe": counters, "probe_points": points})
+    return write_snapshot(
+        directory, accs, consumed=consumed, extra={"probe": counters, "probe_points": points}
+    )
 
 
 # ---------------------------------------------------------------------------- reading
@@ -286,11 +309,13 @@ def read_manifest(snapshot: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise FusedStatsError(
             f"{str(path)!r} is not a {FORMAT} manifest "
-            f"(format={manifest.get('format') if isinstance(manifest, dict) else None!r})")
+            f"(format={manifest.get('format') if isinstance(manifest, dict) else None!r})"
+        )
     if manifest.get("version") != VERSION:
         raise FusedStatsError(
             f"{str(path)!r} has checkpoint version {manifest.get('version')!r}; this fused_stats "
-            f"reads version {VERSION}")
+            f"reads version {VERSION}"
+        )
     if not isinstance(manifest.get("points"), list):
         raise FusedStatsError(f"{str(path)!r} lists no points")
     return manifest
@@ -317,24 +342,28 @@ def read_snapshot(directory, device=None, backend: str = "auto"):
             cls = accumulator_class(kind)
         except FusedStatsError as exc:
             raise FusedStatsError(
-                f"checkpoint {str(snap)!r}: point {name!r} ({stream}) has kind {kind!r}: {exc}") from None
+                f"checkpoint {str(snap)!r}: point {name!r} ({stream}) has kind {kind!r}: {exc}"
+            ) from None
         key = (kind, stream, name)
         if key in accs:
             raise FusedStatsError(f"checkpoint {str(snap)!r} lists point {_label(key)} twice")
         path = snap / filename
         if Path(filename).name != filename or not path.is_file():
-            raise FusedStatsError(f"checkpoint {str(snap)!r}: point {name!r} ({stream}) file "
-                                  f"{filename!r} is missing")
+            raise FusedStatsError(
+                f"checkpoint {str(snap)!r}: point {name!r} ({stream}) file {filename!r} is missing"
+            )
         if _file_sha256(path) != entry.get("sha256"):
             raise FusedStatsError(
                 f"checkpoint {str(snap)!r}: {filename!r} (point {name!r}, {stream}) does not match "
-                "the manifest's SHA-256 (damaged or replaced)")
+                "the manifest's SHA-256 (damaged or replaced)"
+            )
         where = device(*key) if callable(device) else device
         acc = cls.load(path, device=where, backend=backend)
         if acc.dim != entry.get("dim") or acc.n != entry.get("n"):
             raise FusedStatsError(
                 f"checkpoint {str(snap)!r}: {filename!r} holds dim={acc.dim}, n={acc.n}; the "
-                f"manifest says dim={entry.get('dim')}, n={entry.get('n')}")
+                f"manifest says dim={entry.get('dim')}, n={entry.get('n')}"
+            )
         accs[key] = acc
     return manifest, accs
 
@@ -344,8 +373,11 @@ def _check_settings_fit(probe, key, loaded, mine) -> None:
     ``key``, or else of the one it would create there (:meth:`Accumulator.setting_differences`)."""
     kind, stream, name = key
     reference = mine
-    if reference is None and kind in getattr(probe, "kinds", ()) \
-            and callable(getattr(probe, "new_accumulator", None)):
+    if (
+        reference is None
+        and kind in getattr(probe, "kinds", ())
+        and callable(getattr(probe, "new_accumulator", None))
+    ):
         reference = probe.new_accumulator(kind, stream, name, loaded.dim)
     if reference is None:
         return
@@ -353,7 +385,8 @@ def _check_settings_fit(probe, key, loaded, mine) -> None:
     if diffs:
         raise FusedStatsError(
             f"checkpoint point {_label(key)} was written with other settings than this probe's: "
-            f"{'; '.join(diffs)} (probe vs checkpoint); build the probe as the checkpointed run was")
+            f"{'; '.join(diffs)} (probe vs checkpoint); build the probe as the checkpointed run was"
+        )
 
 
 def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -> None:
@@ -363,7 +396,8 @@ def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -
     if spec is None:
         raise FusedStatsError(
             f"checkpoint holds cross-gradient statistics at point {name!r} ({stream}), but this "
-            "probe was built without cross=; build it with the CrossSpec of the checkpointed run")
+            "probe was built without cross=; build it with the CrossSpec of the checkpointed run"
+        )
     if mine is not None:
         try:
             loaded.check_compatible(mine)
@@ -389,7 +423,8 @@ def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -
     if diffs:
         raise FusedStatsError(
             f"checkpoint cross statistics at point {name!r} ({stream}) are not those of this "
-            "probe's block; they differ in (checkpoint vs probe) " + "; ".join(diffs))
+            "probe's block; they differ in (checkpoint vs probe) " + "; ".join(diffs)
+        )
 
 
 def _install(probe, accs: dict, manifest: dict) -> None:
@@ -403,7 +438,8 @@ def _install(probe, accs: dict, manifest: dict) -> None:
         if points is not None and name not in points:
             raise FusedStatsError(
                 f"checkpoint point {name!r} ({stream}) is not a point of this probe; its points: "
-                f"{list(points)}")
+                f"{list(points)}"
+            )
         if stream not in STREAMS:
             raise FusedStatsError(f"checkpoint stream {stream!r} is not one of {tuple(STREAMS)}")
         mine = current.get(key)
@@ -415,35 +451,46 @@ def _install(probe, accs: dict, manifest: dict) -> None:
             _check_settings_fit(probe, key, loaded, mine)
     if getattr(probe, "cross", None) is not None:
         # samples without their cross statistics: a resumed |C|^2 would miss those batches
-        lacking = [f"{name} ({stream})" for kind, stream, name in accs
-                   if kind == "grad" and accs[(kind, stream, name)].n
-                   and ("cross", stream, name) not in accs]
+        lacking = [
+            f"{name} ({stream})"
+            for kind, stream, name in accs
+            if kind == "grad" and accs[(kind, stream, name)].n and ("cross", stream, name) not in accs
+        ]
         if lacking:
             raise FusedStatsError(
                 f"the checkpoint holds samples at {lacking} but no cross-gradient statistics there "
                 "(written by a probe without cross=?); this probe has cross= and would report "
-                "|C|_F^2 of only the batches after the resume")
+                "|C|_F^2 of only the batches after the resume"
+            )
     kept = getattr(probe, "kinds", None)
     if kept is not None:
         for kind, stream, name in accs:
             if kind not in kept and kind != "cross":  # cross: refused above, naming cross=
                 raise FusedStatsError(
                     f"checkpoint holds {kind} statistics at point {name!r} ({stream}), but this "
-                    f"probe does not keep {kind} statistics; build it as the checkpointed run was")
+                    f"probe does not keep {kind} statistics; build it as the checkpointed run was"
+                )
         for kind in kept:
-            lacking = [f"{name} ({stream})" for k, stream, name in accs
-                       if kind not in ("grad", "cross") and k == "grad" and accs[(k, stream, name)].n
-                       and (kind, stream, name) not in accs]
+            lacking = [
+                f"{name} ({stream})"
+                for k, stream, name in accs
+                if kind not in ("grad", "cross")
+                and k == "grad"
+                and accs[(k, stream, name)].n
+                and (kind, stream, name) not in accs
+            ]
             if lacking:
                 raise FusedStatsError(
                     f"the checkpoint holds samples at {lacking} but no {kind} statistics there; "
                     f"this probe keeps {kind} statistics and would count only the batches after "
-                    "the resume")
+                    "the resume"
+                )
     extra = sorted(set(current) - set(accs))
     if any(current[key].n for key in extra):
         raise FusedStatsError(
             f"the probe holds data at {[_label(k) for k in extra if current[k].n]}, which "
-            "the checkpoint does not have (was it written by a probe with other points?)")
+            "the checkpoint does not have (was it written by a probe with other points?)"
+        )
     counters = {}
     raw = manifest.get("probe") or {}
     try:
@@ -507,8 +554,9 @@ def load_probe_state(probe, directory, device=None) -> dict:
 
 
 # ---------------------------------------------------------------------------- driver
-def run_with_checkpoints(probe, batches, loss_fn, directory, every: int = 100,
-                         stream: str = "train", **step_kwargs) -> int:
+def run_with_checkpoints(
+    probe, batches, loss_fn, directory, every: int = 100, stream: str = "train", **step_kwargs
+) -> int:
     """Feed ``batches`` to ``probe.step`` with a checkpoint every ``every`` batches; resumable.
 
     If ``directory`` already holds a checkpoint, the probe is restored from it and the number of
@@ -533,7 +581,8 @@ def run_with_checkpoints(probe, batches, loss_fn, directory, every: int = 100,
         except StopIteration:
             raise FusedStatsError(
                 f"the checkpoint in {str(directory)!r} holds {done} {stream} batches but the batch "
-                f"iterable ended after {skipped}: not the same data as the checkpointed run") from None
+                f"iterable ended after {skipped}: not the same data as the checkpointed run"
+            ) from None
     since_save = 0
     for batch in iterator:
         probe.step(batch, loss_fn, stream=stream, **step_kwargs)
@@ -570,7 +619,8 @@ def merge_checkpoints(out_directory, directories) -> Path:
             extra = sorted(_label(k) for k in set(accs) - keys)
             raise FusedStatsError(
                 f"checkpoint {str(directory)!r} does not hold the same points as "
-                f"{str(directories[0])!r}: missing {missing}, extra {extra}")
+                f"{str(directories[0])!r}: missing {missing}, extra {extra}"
+            )
     merged = {}
     for key in sorted(keys):
         acc = loaded[0][1][key].copy()
@@ -580,7 +630,8 @@ def merge_checkpoints(out_directory, directories) -> Path:
             except FusedStatsError as exc:
                 raise FusedStatsError(
                     f"merging point {_label(key)} of {str(directory)!r} into that of "
-                    f"{str(directories[0])!r}: {exc}") from exc
+                    f"{str(directories[0])!r}: {exc}"
+                ) from exc
         merged[key] = acc
     consumed: dict[str, int] = {}
     counters = dict(loaded[0][0].get("probe") or {})
@@ -593,6 +644,13 @@ def merge_checkpoints(out_directory, directories) -> Path:
             for stream, count in ((manifest.get("probe") or {}).get(key) or {}).items():
                 table = counters.setdefault(key, {})
                 table[stream] = table.get(stream, 0) + int(count)
-    return write_snapshot(out_directory, merged, consumed=consumed, extra={
-        "probe": counters, "probe_points": loaded[0][0].get("probe_points", []),
-        "merged_from": [str(d.resolve()) for d in directories]})
+    return write_snapshot(
+        out_directory,
+        merged,
+        consumed=consumed,
+        extra={
+            "probe": counters,
+            "probe_points": loaded[0][0].get("probe_points", []),
+            "merged_from": [str(d.resolve()) for d in directories],
+        },
+    )

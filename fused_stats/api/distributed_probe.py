@@ -42,7 +42,8 @@ def _check_points(points: list[str], group, device) -> None:
     if bool((table != table[0]).any()):
         raise FusedStatsError(
             f"all_reduce_probe: ranks probe different points (counts by rank {table[:, 1].tolist()}); "
-            f"this rank has different sets of accumulators at points {points}")
+            f"this rank has different sets of accumulators at points {points}"
+        )
 
 
 def _fill_missing(probe, group, device) -> None:
@@ -60,10 +61,15 @@ def _fill_missing(probe, group, device) -> None:
         acc = probe.table.get(key)
         dtype = None if acc is None else acc.factory_dtype()
         if dtype is not None and dtype not in _DTYPES:
-            raise FusedStatsError(f"all_reduce_probe: the {key[0]} statistics at {key[2]!r} "
-                                  f"({key[1]}) are built with dtype {dtype}; expected float32 or float64")
-        row += [0 if acc is None else acc.dim, 0 if dtype is None else _DTYPES[dtype],
-                0 if acc is None else acc.block_digest()]
+            raise FusedStatsError(
+                f"all_reduce_probe: the {key[0]} statistics at {key[2]!r} "
+                f"({key[1]}) are built with dtype {dtype}; expected float32 or float64"
+            )
+        row += [
+            0 if acc is None else acc.dim,
+            0 if dtype is None else _DTYPES[dtype],
+            0 if acc is None else acc.block_digest(),
+        ]
     table = gather_rows(row, group, device)
     kept = table[:, 0].tolist()
     new = []
@@ -78,22 +84,26 @@ def _fill_missing(probe, group, device) -> None:
         if kind == "grad" and len(dims) > 1:
             raise FusedStatsError(
                 f"all_reduce_probe: point {name!r} ({stream}) has dim {dim_col.tolist()} "
-                "by rank (0 = no accumulator)")
+                "by rank (0 = no accumulator)"
+            )
         if len(dims) > 1 or len(codes) > 1 or len(set(blocks)) > 1 or not all(k & bit for k in kept):
             first: dict = {}
-            groups = [first.setdefault(int(b), len(first)) if d > 0 else None
-                      for b, d in zip(block_col, dim_col)]
+            groups = [
+                first.setdefault(int(b), len(first)) if d > 0 else None for b, d in zip(block_col, dim_col)
+            ]
             kept_by_rank = [bool(k & bit) for k in kept]
             if kind == "cross":
                 raise FusedStatsError(
                     f"all_reduce_probe: cross statistics at point {name!r} ({stream}) differ "
                     f"between ranks: dim {dim_col.tolist()}, W_in dtype code {dtype_col.tolist()} "
                     f"(1 float32, 2 float64, 0 none), block (activation, W_in) groups {groups}, "
-                    f"probe built with cross= {kept_by_rank} (by rank)")
+                    f"probe built with cross= {kept_by_rank} (by rank)"
+                )
             raise FusedStatsError(
                 f"all_reduce_probe: {kind} statistics at point {name!r} ({stream}) differ between "
                 f"ranks: dim {dim_col.tolist()}, settings groups {groups}, probe keeps {kind} "
-                f"{kept_by_rank} (by rank)")
+                f"{kept_by_rank} (by rank)"
+            )
         if (kind, stream, name) not in probe.table:
             dtype = {code: dt for dt, code in _DTYPES.items()}[codes.pop()] if codes else None
             new.append((kind, stream, name, dims.pop(), dtype))
@@ -102,7 +112,8 @@ def _fill_missing(probe, group, device) -> None:
         state_device = _probe_device(probe)
     for kind, stream, name, dim, dtype in new:
         probe.table[(kind, stream, name)] = probe.new_accumulator(
-            kind, stream, name, dim, dtype=dtype, device=state_device)
+            kind, stream, name, dim, dtype=dtype, device=state_device
+        )
         if kind == "grad":
             probe.dims.setdefault(name, dim)
 
@@ -119,8 +130,9 @@ def _probe_device(probe) -> torch.device:
 
 def _sum_counters(probe, group, device) -> None:
     tables = [probe.steps, probe.skipped_steps]
-    values = torch.tensor([int(t.get(stream, 0)) for t in tables for stream in STREAMS],
-                          dtype=torch.int64, device=device)
+    values = torch.tensor(
+        [int(t.get(stream, 0)) for t in tables for stream in STREAMS], dtype=torch.int64, device=device
+    )
     dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
     values = values.cpu().tolist()
     for i, t in enumerate(tables):
@@ -139,8 +151,7 @@ def all_reduce_probe(probe, group=None):
     some = next(iter(probe.table.values()), None)
     device = comm_device(group, None if some is None else some.device)
     _fill_missing(probe, group, device)
-    named = {"/".join(key if key[0] != "grad" else key[1:]): acc
-             for key, acc in probe.table.items()}
+    named = {"/".join(key if key[0] != "grad" else key[1:]): acc for key, acc in probe.table.items()}
     all_reduce_many(named, group)
     _sum_counters(probe, group, device)
     return probe

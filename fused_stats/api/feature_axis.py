@@ -21,23 +21,35 @@ from torch import nn
 from ..errors import FusedStatsError
 
 # Layers whose input and output are channels-first by definition in torch.
-CHANNELS_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm,
-                  nn.modules.instancenorm._InstanceNorm, nn.GroupNorm)
+CHANNELS_FIRST = (
+    nn.modules.conv._ConvNd,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.GroupNorm,
+)
 # Layers that act on the last axis: a module holding one is not a pure convolutional stack.
-FEATURES_LAST = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.Embedding, nn.EmbeddingBag,
-                 nn.MultiheadAttention) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+FEATURES_LAST = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.LayerNorm,
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.MultiheadAttention,
+) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 
 
 def is_conv_stack(module: nn.Module) -> bool:
     """Whether ``module`` proves a channels-first output: it is or holds a channels-first layer and
     holds no layer that acts on the last axis."""
     mods = list(module.modules())
-    return (any(isinstance(m, CHANNELS_FIRST) for m in mods)
-            and not any(isinstance(m, FEATURES_LAST) for m in mods))
+    return any(isinstance(m, CHANNELS_FIRST) for m in mods) and not any(
+        isinstance(m, FEATURES_LAST) for m in mods
+    )
 
 
-def resolve_feature_dim(module: nn.Module, activation: torch.Tensor, point: str,
-                        feature_dim: int | None = None, where: str = "") -> int:
+def resolve_feature_dim(
+    module: nn.Module, activation: torch.Tensor, point: str, feature_dim: int | None = None, where: str = ""
+) -> int:
     """The feature axis of ``module``'s output ``activation`` at ``point`` (module docstring);
     ``where`` completes the error's advice (e.g. ``" to fs.Probe"``)."""
     shape, nd = tuple(activation.shape), activation.dim()
@@ -56,8 +68,10 @@ def resolve_feature_dim(module: nn.Module, activation: torch.Tensor, point: str,
                 "the output need not be a channels-first (B, C, H, W) map (attention heads "
                 f"(B, T, H, d_head) keep the features last). Pass feature_dim=-1 (features on the "
                 f"last axis: dim {shape[-1]}) or feature_dim=1 (channels first: dim {shape[1]})"
-                f"{where}")
+                f"{where}"
+            )
     if nd < 2 or not -nd <= fd < nd or fd % nd == 0:
         raise FusedStatsError(
-            f"feature_dim={fd} is not a non-batch axis of point {point!r}'s output of shape {shape}")
+            f"feature_dim={fd} is not a non-batch axis of point {point!r}'s output of shape {shape}"
+        )
     return fd

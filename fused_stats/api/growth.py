@@ -43,8 +43,9 @@ class CrossSpec:
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise FusedStatsError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool)
-                                      or self.rank < 1):
+        if self.rank is not None and (
+            not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1
+        ):
             raise FusedStatsError(f"rank must be a positive int, got {self.rank!r}")
         if self.w_in is None:
             rank = DEFAULT_RANK if self.rank is None else self.rank
@@ -52,14 +53,19 @@ class CrossSpec:
             if not isinstance(self.w_in, torch.Tensor) or self.w_in.dim() != 2:
                 raise FusedStatsError(
                     "w_in must be a tensor of shape (rank, d), got "
-                    + (f"shape {tuple(self.w_in.shape)}" if isinstance(self.w_in, torch.Tensor)
-                       else type(self.w_in).__name__))
+                    + (
+                        f"shape {tuple(self.w_in.shape)}"
+                        if isinstance(self.w_in, torch.Tensor)
+                        else type(self.w_in).__name__
+                    )
+                )
             rows = int(self.w_in.shape[0])
             if self.rank is not None and self.rank != rows:
                 raise FusedStatsError(
                     f"CrossSpec(rank={self.rank}, w_in of shape {tuple(self.w_in.shape)}): w_in has "
                     f"{rows} rows, so the block's rank is {rows}; drop rank= or pass a w_in with "
-                    f"{self.rank} rows")
+                    f"{self.rank} rows"
+                )
             rank = rows
         object.__setattr__(self, "rank", rank)  # frozen: the resolved rank, read by every user
 
@@ -68,7 +74,8 @@ class CrossSpec:
         if self.w_in is not None:
             if self.w_in.shape[1] != dim:
                 raise FusedStatsError(
-                    f"CrossSpec.w_in has shape {tuple(self.w_in.shape)}, the point's width is {dim}")
+                    f"CrossSpec.w_in has shape {tuple(self.w_in.shape)}, the point's width is {dim}"
+                )
             return self.w_in.detach().to(dtype=dtype, device=device)
         return seeded_w_in(self.rank, dim, self.seed, dtype).to(device)
 
@@ -76,8 +83,9 @@ class CrossSpec:
 class ZeroBlock(nn.Module):
     """``h(z) = W_out φ(W_in z)`` with ``W_out = 0`` (or, ``kind="bias"``, ``h(z) = b`` with b = 0)."""
 
-    def __init__(self, dim: int, kind: str = "block", spec: CrossSpec | None = None,
-                 dtype=torch.float32, device=None):
+    def __init__(
+        self, dim: int, kind: str = "block", spec: CrossSpec | None = None, dtype=torch.float32, device=None
+    ):
         super().__init__()
         if kind not in ("bias", "block"):
             raise FusedStatsError(f"kind must be 'bias' or 'block', got {kind!r}")
@@ -113,9 +121,14 @@ def _replace_stream(out, new):
     return type(out)((new, *out[1:])) if isinstance(out, tuple) else [new, *out[1:]]
 
 
-def insert_zero_block(model: nn.Module, point: str, kind: str = "block",
-                      spec: CrossSpec | None = None, feature_dim: int | None = None,
-                      dim: int | None = None) -> ZeroBlock:
+def insert_zero_block(
+    model: nn.Module,
+    point: str,
+    kind: str = "block",
+    spec: CrossSpec | None = None,
+    feature_dim: int | None = None,
+    dim: int | None = None,
+) -> ZeroBlock:
     """Insert a zero-output residual block (or zero bias) after module ``point``; returns it.
 
     The point's output ``z`` becomes ``z + h(z)``; since ``W_out = 0`` (``b = 0``) every element
@@ -145,7 +158,8 @@ def insert_zero_block(model: nn.Module, point: str, kind: str = "block",
         if zz.shape[-1] != dim:
             raise FusedStatsError(
                 f"inserted {kind} at {point!r} has width {dim}, but the stream there has shape "
-                f"{tuple(z.shape)} with {zz.shape[-1]} features on axis {fd}; pass feature_dim/dim")
+                f"{tuple(z.shape)} with {zz.shape[-1]} features on axis {fd}; pass feature_dim/dim"
+            )
         # written into a tensor with z's exact strides: downstream kernels choose their algorithm
         # by memory format (a conv on a 1x1 map flagged channels-last rounds differently)
         added = torch.empty_like(z)

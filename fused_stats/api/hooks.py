@@ -84,16 +84,19 @@ class ActivationCapture:
                 raise FusedStatsError(
                     f"point {name!r} ({type(module).__name__}) ran more than once in one forward "
                     "pass; a reused module has no single per-sample gradient. Probe a module that "
-                    "runs once instead")
+                    "runs once instead"
+                )
             tensor, rebuild = _split(output)
             if tensor is None:
                 raise FusedStatsError(
                     f"point {name!r} ({type(module).__name__}) returned {type(output).__name__}; "
-                    "expected a tensor or a tuple/list whose first element is a tensor")
+                    "expected a tensor or a tuple/list whose first element is a tensor"
+                )
             if not tensor.is_floating_point():
                 raise FusedStatsError(
                     f"point {name!r} returned a {tensor.dtype} tensor of shape "
-                    f"{tuple(tensor.shape)}; expected a floating-point activation")
+                    f"{tuple(tensor.shape)}; expected a floating-point activation"
+                )
             first = not self.captured
             if (first and self.cut_graph) or not tensor.requires_grad:
                 tensor = tensor.detach().requires_grad_()

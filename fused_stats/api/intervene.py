@@ -64,16 +64,26 @@ class Intervention:
     rows: list[InterventionRow] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"point": self.point, "kind": self.kind, "M": self.M, "K": self.K,
-                "base_loss": self.base_loss, "inner": self.inner,
-                "rows": [r.__dict__.copy() for r in self.rows]}
+        return {
+            "point": self.point,
+            "kind": self.kind,
+            "M": self.M,
+            "K": self.K,
+            "base_loss": self.base_loss,
+            "inner": self.inner,
+            "rows": [r.__dict__.copy() for r in self.rows],
+        }
 
     def to_markdown(self) -> str:
         what = "μ_Mᵀg_K" if self.kind == "bias" else "<C_M, C_K>_F"
-        lines = [f"Direct intervention ({self.kind}) at `{self.point}`: M = {self.M} train, "
-                 f"K = {self.K} test samples, base test loss {self.base_loss:.6g}, {what} = "
-                 f"{self.inner:.4g}", "",
-                 "| eta | predicted | measured | ratio |", "|---:|---:|---:|---:|"]
+        lines = [
+            f"Direct intervention ({self.kind}) at `{self.point}`: M = {self.M} train, "
+            f"K = {self.K} test samples, base test loss {self.base_loss:.6g}, {what} = "
+            f"{self.inner:.4g}",
+            "",
+            "| eta | predicted | measured | ratio |",
+            "|---:|---:|---:|---:|",
+        ]
         for r in self.rows:
             lines.append(f"| {r.eta:.3g} | {r.predicted:.4g} | {r.measured:.4g} | {r.ratio:.4f} |")
         return "\n".join(lines)
@@ -103,8 +113,10 @@ def _mean_loss(model: nn.Module, batches: list, loss_fn) -> tuple[float, int]:
         for batch in batches:
             losses = loss_fn(model, batch)
             if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
-                raise FusedStatsError(f"loss_fn must return per-sample losses of shape (B,), got "
-                                      f"{getattr(losses, 'shape', type(losses).__name__)}")
+                raise FusedStatsError(
+                    f"loss_fn must return per-sample losses of shape (B,), got "
+                    f"{getattr(losses, 'shape', type(losses).__name__)}"
+                )
             total += losses.detach().to(device="cpu", dtype=F64).sum()
             count += losses.shape[0]
     if count == 0:
@@ -112,9 +124,18 @@ def _mean_loss(model: nn.Module, batches: list, loss_fn) -> tuple[float, int]:
     return float(total) / count, count
 
 
-def intervene(model: nn.Module, point: str, train_batches, test_batches, eta, kind: str = "bias",
-              loss_fn=None, spec: CrossSpec | None = None, feature_dim: int | None = None,
-              backend: str = "auto") -> Intervention:
+def intervene(
+    model: nn.Module,
+    point: str,
+    train_batches,
+    test_batches,
+    eta,
+    kind: str = "bias",
+    loss_fn=None,
+    spec: CrossSpec | None = None,
+    feature_dim: int | None = None,
+    backend: str = "auto",
+) -> Intervention:
     """Measured vs predicted test-loss change of one gradient step on a parameter inserted at
     ``point`` (module docstring).
 
@@ -152,15 +173,20 @@ def intervene(model: nn.Module, point: str, train_batches, test_batches, eta, ki
         if not isinstance(spec, CrossSpec):
             raise FusedStatsError(f"spec must be a fused_stats.CrossSpec, got {type(spec).__name__}")
     test_batches = list(test_batches)
-    probe = Probe(model, points=[point], unit="sample", second_moment="auto",
-                  cross=spec if kind == "block" else None, backend=backend,
-                  feature_dim=feature_dim)
+    probe = Probe(
+        model,
+        points=[point],
+        unit="sample",
+        second_moment="auto",
+        cross=spec if kind == "block" else None,
+        backend=backend,
+        feature_dim=feature_dim,
+    )
     probe.run(train_batches, loss_fn, stream="train", mask="none", progress=False)
     probe.run(test_batches, loss_fn, stream="test", mask="none", progress=False)
     train, test = probe.stats.get(point), probe.test_stats.get(point)
     if train is None or train.n == 0 or test is None or test.n == 0:
-        raise FusedStatsError(f"intervene at {point!r}: need samples in both the train and the test "
-                              "batches")
+        raise FusedStatsError(f"intervene at {point!r}: need samples in both the train and the test batches")
     M, K = train.n, test.n
     if kind == "bias":
         step_dir = train.raw_sum() / M
@@ -185,13 +211,16 @@ def intervene(model: nn.Module, point: str, train_batches, test_batches, eta, ki
             loss, _ = _mean_loss(model, test_batches, loss_fn)
             predicted = -e * inner
             measured = loss - base
-            rows.append(InterventionRow(e, predicted, measured,
-                                        measured / predicted if predicted != 0 else math.nan))
+            rows.append(
+                InterventionRow(e, predicted, measured, measured / predicted if predicted != 0 else math.nan)
+            )
     finally:
         remove_inserted_block(model, point)
         for m, training in modes:
             m.training = training
     if count != K:
-        raise FusedStatsError(f"intervene: the probe counted K={K} test samples but the loss "
-                              f"averaged {count}; every test sample needs at least one position")
+        raise FusedStatsError(
+            f"intervene: the probe counted K={K} test samples but the loss "
+            f"averaged {count}; every test sample needs at least one position"
+        )
     return Intervention(point=point, kind=kind, M=M, K=K, base_loss=base, inner=inner, rows=rows)

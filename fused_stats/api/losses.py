@@ -44,7 +44,8 @@ def _logits(output) -> torch.Tensor:
         return output[0]
     raise FusedStatsError(
         f"cannot find logits in the model output of type {type(output).__name__}; expected a "
-        "tensor, an object with .logits or a tuple starting with the logits")
+        "tensor, an object with .logits or a tuple starting with the logits"
+    )
 
 
 def _forward_parameters(model):
@@ -69,7 +70,8 @@ def call_lm(model, inputs: Mapping):
         if unknown:
             raise FusedStatsError(
                 f"{type(model).__name__}.forward({', '.join(names)}) takes the tokens positionally "
-                f"and does not accept {unknown} from the batch; drop those keys")
+                f"and does not accept {unknown} from the batch; drop those keys"
+            )
         args, kwargs = (ids,), extra
     else:
         args, kwargs = (), dict(inputs)
@@ -82,7 +84,8 @@ def call_lm(model, inputs: Mapping):
         style = "positionally" if positional else "as keywords"
         raise FusedStatsError(
             f"calling {type(model).__name__} with the batch {style} ({sorted(inputs)}) failed: "
-            f"{text}; its forward takes ({', '.join(names or ['?'])})") from exc
+            f"{text}; its forward takes ({', '.join(names or ['?'])})"
+        ) from exc
 
 
 def causal_lm_loss(model, batch) -> torch.Tensor:
@@ -99,21 +102,27 @@ def causal_lm_loss(model, batch) -> torch.Tensor:
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         raise FusedStatsError(
             f"causal_lm_loss needs a mapping with 'input_ids' (B, T) or a token tensor, got "
-            f"{type(batch).__name__}" + (f" with keys {list(batch.keys())}" if isinstance(batch, Mapping) else ""))
+            f"{type(batch).__name__}"
+            + (f" with keys {list(batch.keys())}" if isinstance(batch, Mapping) else "")
+        )
     ids = batch["input_ids"]
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise FusedStatsError(
-            f"input_ids must be a (B, T) tensor, got {getattr(ids, 'shape', type(ids).__name__)}")
+            f"input_ids must be a (B, T) tensor, got {getattr(ids, 'shape', type(ids).__name__)}"
+        )
     B, T = ids.shape
     if T < 2:
-        raise FusedStatsError(f"causal_lm_loss needs sequences of length >= 2, got input_ids {tuple(ids.shape)}")
+        raise FusedStatsError(
+            f"causal_lm_loss needs sequences of length >= 2, got input_ids {tuple(ids.shape)}"
+        )
     mask = batch.get("attention_mask")
     labels = batch.get("labels")
     for name, value in (("attention_mask", mask), ("labels", labels)):
         if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != (B, T)):
             raise FusedStatsError(
                 f"{name} must be a tensor of shape {(B, T)} like input_ids, got "
-                f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
+                f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
+            )
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = _logits(call_lm(model, inputs))
     if logits.dim() != 3 or tuple(logits.shape[:2]) != (B, T):
@@ -128,16 +137,19 @@ def causal_lm_loss(model, batch) -> torch.Tensor:
     if empty:
         raise FusedStatsError(
             f"sequences {empty[:10]} of the batch (input_ids {tuple(ids.shape)}) have no valid "
-            "target token (all labels -100 or masked); drop them from the batch")
+            "target token (all labels -100 or masked); drop them from the batch"
+        )
     pred = logits[:, :-1]
     if pred.dtype in (torch.float16, torch.bfloat16):
         pred = pred.float()  # a softmax over a large vocabulary in half precision loses digits
     target = labels[:, 1:].masked_fill(~valid, 0)
-    token_loss = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1),
-                                 reduction="none").view(B, T - 1)
+    token_loss = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="none").view(
+        B, T - 1
+    )
     # where(), not multiply: an inf at an ignored position must not turn the sum into nan
-    token_loss = torch.where(valid, token_loss, torch.zeros((), dtype=token_loss.dtype,
-                                                            device=token_loss.device))
+    token_loss = torch.where(
+        valid, token_loss, torch.zeros((), dtype=token_loss.dtype, device=token_loss.device)
+    )
     return token_loss.sum(dim=1) / counts.to(token_loss.dtype)
 
 
@@ -155,14 +167,16 @@ def classification_loss(model, batch) -> torch.Tensor:
     else:
         raise FusedStatsError(
             f"classification_loss needs (inputs, targets) or a mapping with inputs/targets, got "
-            f"{type(batch).__name__}")
+            f"{type(batch).__name__}"
+        )
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise FusedStatsError("classification_loss: inputs and targets must be tensors")
     logits = _logits(model(x))
     if logits.dim() != 2 or tuple(y.shape) != (logits.shape[0],):
         raise FusedStatsError(
             f"classification_loss: logits {tuple(logits.shape)} and targets {tuple(y.shape)}; "
-            "expected (B, classes) and (B,)")
+            "expected (B, classes) and (B,)"
+        )
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return F.cross_entropy(logits, y, reduction="none")

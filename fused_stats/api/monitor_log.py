@@ -59,15 +59,27 @@ from .report import _decode, _encode
 
 FORMAT = "fused_stats.monitor"
 VERSION = 1
-FIELDS = ("n", "d_align", "d_par", "d_2", "mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2",
-          "ag_max", "ag_mean")
+FIELDS = (
+    "n",
+    "d_align",
+    "d_par",
+    "d_2",
+    "mu_norm2",
+    "mu_norm4",
+    "mu_sigma_mu",
+    "trace_sigma2",
+    "ag_max",
+    "ag_mean",
+)
 WRITE_MODES = (None, "append", "overwrite")
 CROSS_FIELDS = ("cross_frob2", "cross_frob2_se", "cross_frob", "p_value", "saturated")
 # panels of the trajectory plot: (key, title, log scale)
 AXIS_LABELS = {"d_align": "d_align", "ag_max": "AG_max", "cross_frob": "|C|_F"}
-PANELS = (("d_align", "d_align = min(d_par, d_2)", True),
-          ("ag_max", "AG_max = max_i |q_i|", True),
-          ("cross_frob", "|C|_F (cross-gradient)", True))
+PANELS = (
+    ("d_align", "d_align = min(d_par, d_2)", True),
+    ("ag_max", "AG_max = max_i |q_i|", True),
+    ("cross_frob", "|C|_F (cross-gradient)", True),
+)
 
 
 class MonitorLog:
@@ -102,16 +114,25 @@ class MonitorLog:
     ...     model(**batch).loss.backward()
     """
 
-    def __init__(self, path, every: int = 1, window: bool = False, all_reduce: bool = False,
-                 meta: dict | None = None, group=None, mode: str | None = None,
-                 run_id: str | None = None):
+    def __init__(
+        self,
+        path,
+        every: int = 1,
+        window: bool = False,
+        all_reduce: bool = False,
+        meta: dict | None = None,
+        group=None,
+        mode: str | None = None,
+        run_id: str | None = None,
+    ):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise FusedStatsError(f"every must be a positive int, got {every!r}")
         if meta is not None and not isinstance(meta, dict):
             raise FusedStatsError(f"meta must be a dict, got {type(meta).__name__}")
         if path is None and not all_reduce:
-            raise FusedStatsError("MonitorLog needs a path (None is allowed only for ranks > 0 "
-                                  "with all_reduce=True)")
+            raise FusedStatsError(
+                "MonitorLog needs a path (None is allowed only for ranks > 0 with all_reduce=True)"
+            )
         if mode not in WRITE_MODES:
             raise FusedStatsError(f"mode must be one of {WRITE_MODES}, got {mode!r}")
         if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
@@ -120,7 +141,8 @@ class MonitorLog:
         if self.path is not None and mode is None and _holds_lines(self.path):
             raise FusedStatsError(
                 f"monitor log {str(self.path)!r} already exists; pass mode='append' to add this "
-                "run's lines to it or mode='overwrite' to replace it")
+                "run's lines to it or mode='overwrite' to replace it"
+            )
         if self.path is not None and self.path.is_dir():
             raise FusedStatsError(f"monitor log {str(self.path)!r} is a folder, not a file")
         self.mode = mode
@@ -131,15 +153,17 @@ class MonitorLog:
         self.all_reduce = bool(all_reduce)
         self.group = group
         self.meta = dict(meta or {})
-        self.count = 0          # observed steps seen
-        self.lines = 0          # lines written (by this process)
+        self.count = 0  # observed steps seen
+        self.lines = 0  # lines written (by this process)
         self.last: dict | None = None
         self._start = time.time()
 
     def __repr__(self) -> str:
         mode = "window" if self.window else "cumulative"
-        return (f"MonitorLog({str(self.path)!r}, every={self.every}, {mode}, run={self.run_id!r}, "
-                f"lines={self.lines})")
+        return (
+            f"MonitorLog({str(self.path)!r}, every={self.every}, {mode}, run={self.run_id!r}, "
+            f"lines={self.lines})"
+        )
 
     def observed(self, probe, stream: str = "train", step: int | None = None) -> dict | None:
         """Count one observed step; on every ``every``-th, write a line (returned as a dict)."""
@@ -153,10 +177,14 @@ class MonitorLog:
         probe.check_stream(stream)
         source = self._reduced(probe) if self.all_reduce else probe
         record = {
-            "format": FORMAT, "version": VERSION, "run": self.run_id,
+            "format": FORMAT,
+            "version": VERSION,
+            "run": self.run_id,
             "step": int(self.count if step is None else step),
-            "time": time.time(), "elapsed_s": time.time() - self._start,
-            "stream": stream, "mode": "window" if self.window else "cumulative",
+            "time": time.time(),
+            "elapsed_s": time.time() - self._start,
+            "stream": stream,
+            "mode": "window" if self.window else "cumulative",
             "meta": dict(self.meta),
             "points": {name: point_record(source, name, stream) for name in probe.points},
         }
@@ -237,12 +265,17 @@ def read_monitor_log(path) -> list[dict]:
                 raise FusedStatsError(
                     f"{path}:{number}: not a fused_stats monitor record (format "
                     f"{record.get('format') if isinstance(record, dict) else type(record).__name__!r}, "
-                    f"expected {FORMAT!r})")
-            if record.get("version") != VERSION or not isinstance(record.get("points"), dict) \
-                    or not isinstance(record.get("step"), int):
+                    f"expected {FORMAT!r})"
+                )
+            if (
+                record.get("version") != VERSION
+                or not isinstance(record.get("points"), dict)
+                or not isinstance(record.get("step"), int)
+            ):
                 raise FusedStatsError(
                     f"{path}:{number}: monitor record version {record.get('version')!r} with "
-                    f"keys {sorted(record)}; expected version {VERSION} with an int step and points")
+                    f"keys {sorted(record)}; expected version {VERSION} with an int step and points"
+                )
             records.append(record)
     if not records:
         raise FusedStatsError(f"monitor log {str(path)!r} holds no records")
@@ -301,7 +334,8 @@ def _one_run(records: list[dict], what: str) -> None:
     if len(runs) > 1:
         raise FusedStatsError(
             f"{what}: the records belong to {len(runs)} runs ({', '.join(map(repr, runs))}); "
-            "give one run's records (split_runs)")
+            "give one run's records (split_runs)"
+        )
 
 
 def summary_markdown(records: list[dict]) -> str:
@@ -309,18 +343,23 @@ def summary_markdown(records: list[dict]) -> str:
     _one_run(records, "summary_markdown")
     first, last = records[0], records[-1]
     run = f"run {last['run']}, " if last.get("run") else ""
-    lines = [f"monitor log: {run}{len(records)} records, steps {first['step']} .. {last['step']} "
-             f"({last.get('mode', '?')}, stream {last.get('stream', '?')})", "",
-             "| point | n | d_align (first -> last) | AG_max (first -> last) | ‖C‖_F (last) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"monitor log: {run}{len(records)} records, steps {first['step']} .. {last['step']} "
+        f"({last.get('mode', '?')}, stream {last.get('stream', '?')})",
+        "",
+        "| point | n | d_align (first -> last) | AG_max (first -> last) | ‖C‖_F (last) |",
+        "|---|---|---|---|---|",
+    ]
 
     def f(value):
         return "-" if not isinstance(value, (int, float)) or isinstance(value, bool) else f"{value:.4g}"
 
     for name, point in last["points"].items():
         start = first["points"].get(name, {})
-        lines.append(f"| {name} | {point.get('n')} | {f(start.get('d_align'))} -> {f(point.get('d_align'))} "
-                     f"| {f(start.get('ag_max'))} -> {f(point.get('ag_max'))} | {f(point.get('cross_frob'))} |")
+        lines.append(
+            f"| {name} | {point.get('n')} | {f(start.get('d_align'))} -> {f(point.get('d_align'))} "
+            f"| {f(start.get('ag_max'))} -> {f(point.get('ag_max'))} | {f(point.get('cross_frob'))} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -342,14 +381,22 @@ def plot_monitor_log(source, path, stream: str | None = None) -> Path:
     records = read_monitor_log(source) if isinstance(source, (str, os.PathLike)) else list(source)
     if not records:
         raise FusedStatsError("plot_monitor_log: no records")
-    _one_run(records, f"plot_monitor_log({str(source)!r})" if isinstance(source, (str, os.PathLike))
-             else "plot_monitor_log")
-    panels = [(key, title, logy) for key, title, logy in PANELS
-              if any(v for _, v in trajectories(records, key, stream).values())]
+    _one_run(
+        records,
+        f"plot_monitor_log({str(source)!r})"
+        if isinstance(source, (str, os.PathLike))
+        else "plot_monitor_log",
+    )
+    panels = [
+        (key, title, logy)
+        for key, title, logy in PANELS
+        if any(v for _, v in trajectories(records, key, stream).values())
+    ]
     if not panels:
         raise FusedStatsError(
             "monitor log: no finite d_align / AG_max / |C| values to plot (every point "
-            "had fewer than 4 samples at every logged step?)")
+            "had fewer than 4 samples at every logged step?)"
+        )
     fig = Figure(figsize=(4.6 * len(panels) + 2.2, 3.8), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
@@ -375,8 +422,7 @@ def plot_monitor_log(source, path, stream: str | None = None) -> Path:
             low = [s for s, v in zip(steps, values) if v <= 0]
             if low:
                 marked = True
-                ax.plot(low, [floor] * len(low), linestyle="none", marker="v", color=colour,
-                        markersize=4)
+                ax.plot(low, [floor] * len(low), linestyle="none", marker="v", color=colour, markersize=4)
         if floor is not None:
             ax.set_yscale("log")
         ax.set_title(title + ("\n(v on the floor: value <= 0)" if marked else ""), fontsize=10)
@@ -386,10 +432,8 @@ def plot_monitor_log(source, path, stream: str | None = None) -> Path:
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:  # beside the panels, never over the curves
-        fig.legend(handles, labels, loc="outside right upper", fontsize=7, title="point",
-                   title_fontsize=8)
+        fig.legend(handles, labels, loc="outside right upper", fontsize=7, title="point", title_fontsize=8)
     mode = records[-1].get("mode", "cumulative")
     run = f", run {records[-1]['run']}" if records[-1].get("run") else ""
-    fig.suptitle(f"training-time monitoring ({mode} estimates, {len(records)} records{run})",
-                 fontsize=11)
+    fig.suptitle(f"training-time monitoring ({mode} estimates, {len(records)} records{run})", fontsize=11)
     return save_figure(fig, path, dpi=110)

@@ -88,7 +88,7 @@ UNEQUAL_COUNTS = 2.0
 SCALE_RTOL = 1e-4
 
 _UNSET = object()
-_active: weakref.WeakSet = weakref.WeakSet()   # probes inside an observe block
+_active: weakref.WeakSet = weakref.WeakSet()  # probes inside an observe block
 _bn_warned: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -148,11 +148,16 @@ def _scale_value(loss_scale) -> float:
         value = loss_scale
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) \
-            or value <= 0:
+    if (
+        not isinstance(value, numbers.Real)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise FusedStatsError(
             f"loss_scale must be a positive finite number or an object with get_scale() "
-            f"(e.g. torch.amp.GradScaler), got {value!r}")
+            f"(e.g. torch.amp.GradScaler), got {value!r}"
+        )
     return float(value)
 
 
@@ -161,11 +166,12 @@ def _check_scale(scale) -> torch.Tensor:
         t = torch.as_tensor(scale).detach()
     except (TypeError, ValueError, RuntimeError):
         raise FusedStatsError(
-            f"scale must be a (B,) tensor of per-sample factors, got {type(scale).__name__}") from None
+            f"scale must be a (B,) tensor of per-sample factors, got {type(scale).__name__}"
+        ) from None
     if t.dim() != 1 or t.numel() == 0:
         raise FusedStatsError(
-            f"scale must be a 1-d tensor of shape (B,) (one factor per sample), got shape "
-            f"{tuple(t.shape)}")
+            f"scale must be a 1-d tensor of shape (B,) (one factor per sample), got shape {tuple(t.shape)}"
+        )
     if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
         raise FusedStatsError(f"scale must be real numbers, got dtype {t.dtype}")
     t = t.to(device="cpu", dtype=torch.float64)
@@ -173,7 +179,8 @@ def _check_scale(scale) -> torch.Tensor:
     if bad:
         raise FusedStatsError(
             f"scale must be positive and finite for every sample (a zero would fold a fake zero "
-            f"sample); entries {bad[:10]} are {t[bad[:5]].tolist()}")
+            f"sample); entries {bad[:10]} are {t[bad[:5]].tolist()}"
+        )
     return t
 
 
@@ -209,19 +216,29 @@ class Observation:
     model's own ``loss`` (None when the backward did not go through one).
     """
 
-    def __init__(self, probe, loss_reduction: str | None = None, scale=None, mask=None,
-                 stream: str = "train", batch=None, loss_scale=1.0, log=None,
-                 step: int | None = None, nonfinite: Nonfinite | None = None):
+    def __init__(
+        self,
+        probe,
+        loss_reduction: str | None = None,
+        scale=None,
+        mask=None,
+        stream: str = "train",
+        batch=None,
+        loss_scale=1.0,
+        log=None,
+        step: int | None = None,
+        nonfinite: Nonfinite | None = None,
+    ):
         probe.check_stream(stream)
         if loss_reduction is None and scale is None:
             raise FusedStatsError(
                 "observe needs loss_reduction='mean' | 'sum' | 'token_mean' (how the training loss "
                 "combines the per-sample losses: a batch mean, a sum, or HF's mean over all valid "
                 "tokens of the batch) or per-sample factors scale=(B,) tensor; the captured "
-                "gradients must be rescaled to per-sample-loss gradients")
+                "gradients must be rescaled to per-sample-loss gradients"
+            )
         if loss_reduction is not None and loss_reduction not in LOSS_REDUCTIONS:
-            raise FusedStatsError(
-                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+            raise FusedStatsError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         if nonfinite is not None and nonfinite not in NONFINITE_POLICIES:
             raise FusedStatsError(f"nonfinite must be one of {NONFINITE_POLICIES} or None, got {nonfinite!r}")
         if step is not None and (not isinstance(step, numbers.Integral) or isinstance(step, bool)):
@@ -229,12 +246,18 @@ class Observation:
         if log is not None and not callable(getattr(log, "observed", None)):
             raise FusedStatsError(f"log must be a fused_stats.MonitorLog, got {type(log).__name__}")
         if batch is not None and not isinstance(batch, (Mapping, torch.Tensor)):
-            raise FusedStatsError(f"batch must be a mapping (e.g. the dict given to the model) or a "
-                                  f"tensor, got {type(batch).__name__}")
-        if not (isinstance(loss_scale, numbers.Real) or hasattr(loss_scale, "get_scale")
-                or isinstance(loss_scale, torch.Tensor)):
             raise FusedStatsError(
-                f"loss_scale must be a number or a GradScaler, got {type(loss_scale).__name__}")
+                f"batch must be a mapping (e.g. the dict given to the model) or a "
+                f"tensor, got {type(batch).__name__}"
+            )
+        if not (
+            isinstance(loss_scale, numbers.Real)
+            or hasattr(loss_scale, "get_scale")
+            or isinstance(loss_scale, torch.Tensor)
+        ):
+            raise FusedStatsError(
+                f"loss_scale must be a number or a GradScaler, got {type(loss_scale).__name__}"
+            )
         if not hasattr(loss_scale, "get_scale"):
             _scale_value(loss_scale)  # a constant can be checked now, before the training step
         self.probe = probe
@@ -308,7 +331,8 @@ class Observation:
                 self._problems.append(
                     f"point {name!r} ({type(module).__name__}) returned "
                     f"{type(output).__name__ if tensor is None else tensor.dtype}; expected a "
-                    "floating-point tensor or a tuple/list starting with one")
+                    "floating-point tensor or a tuple/list starting with one"
+                )
                 return None
             # a forward without grad (eval, or the first pass of a reentrant checkpoint) gets no
             # gradient; only outputs that take part in a backward are recorded
@@ -339,14 +363,19 @@ class Observation:
         probe = self.probe
         if probe in _bn_warned:
             return
-        bns = [n for n, m in probe.model.named_modules()
-               if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+        bns = [
+            n
+            for n, m in probe.model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+        ]
         if bns:
             _bn_warned.add(probe)
             warnings.warn(
                 f"probe.observe: {len(bns)} BatchNorm modules (e.g. {bns[0]!r}) are in training "
                 "mode; their batch statistics couple the samples, so the observed gradients are not "
-                "exactly per-sample gradients (Probe.step runs in eval mode)", stacklevel=3)
+                "exactly per-sample gradients (Probe.step runs in eval mode)",
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ exit
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -398,8 +427,9 @@ class Observation:
         if g.device.type != "cpu":
             # no host sync inside the user's backward: where() keeps a NaN at an uncounted
             # position out of the sum, as Probe's masking does
-            return torch.where(keep.unsqueeze(-1), g3, torch.zeros((), dtype=g.dtype,
-                                                                    device=g.device)).sum(dim=1, dtype=acc)
+            return torch.where(keep.unsqueeze(-1), g3, torch.zeros((), dtype=g.dtype, device=g.device)).sum(
+                dim=1, dtype=acc
+            )
         # CPU: the masked sum in one read of G as a batched product; 0 x NaN at an uncounted
         # position would poison it, so a non-finite result falls back to the whole gradient
         r = torch.bmm(keep.to(acc).unsqueeze(1), g3.to(acc)).squeeze(1)
@@ -414,8 +444,13 @@ class Observation:
             return None
         args, kwargs = self._calls[0]
         batch = dict(kwargs)
-        if (args and isinstance(args[0], torch.Tensor) and "input_ids" not in batch
-                and args[0].dim() == 2 and not args[0].is_floating_point()):
+        if (
+            args
+            and isinstance(args[0], torch.Tensor)
+            and "input_ids" not in batch
+            and args[0].dim() == 2
+            and not args[0].is_floating_point()
+        ):
             batch["input_ids"] = args[0]
         return batch
 
@@ -430,19 +465,25 @@ class Observation:
             raise FusedStatsError(
                 "probe.observe: no gradient reached any point during the block "
                 f"(points that ran forward with grad: {ran or 'none'}); call loss.backward() inside "
-                "the with-block, with gradients enabled")
+                "the with-block, with gradients enabled"
+            )
         never = [n for n, recs in self._records.items() if not recs]
         if never:
             raise FusedStatsError(
                 f"probe.observe: points {never} did not run forward with gradients enabled during "
-                "the block; nothing was accumulated")
-        twice = {n: sum(r.arrivals for r in recs) for n, recs in arrived.items()
-                 if sum(r.arrivals for r in recs) > 1}
+                "the block; nothing was accumulated"
+            )
+        twice = {
+            n: sum(r.arrivals for r in recs)
+            for n, recs in arrived.items()
+            if sum(r.arrivals for r in recs) > 1
+        }
         if twice:
             raise FusedStatsError(
                 f"probe.observe: points received more than one gradient in one block {twice} (a "
                 "module reused in one forward, or several backward passes); use one observe block "
-                "per forward/backward pair (e.g. per micro-batch); nothing was accumulated")
+                "per forward/backward pair (e.g. per micro-batch); nothing was accumulated"
+            )
         chosen: dict[str, _Record] = {}
         for name in probe.points:
             if arrived[name]:
@@ -456,19 +497,21 @@ class Observation:
                 raise FusedStatsError(
                     f"probe.observe: the output of point {name!r} was modified in place after the "
                     "forward hook saw it (e.g. an in-place activation downstream); its gradient "
-                    "would be wrong. Probe another module or make that operation out of place")
+                    "would be wrong. Probe another module or make that operation out of place"
+                )
             if record.grad is not None and tuple(record.grad.shape) != tuple(record.tensor.shape):
                 raise FusedStatsError(
                     f"probe.observe: gradient of shape {tuple(record.grad.shape)} at point {name!r} "
-                    f"whose output has shape {tuple(record.tensor.shape)}")
+                    f"whose output has shape {tuple(record.tensor.shape)}"
+                )
             chosen[name] = record
         shapes = {n: tuple(r.tensor.shape) for n, r in chosen.items()}
         B = shapes[probe.points[0]][0] if shapes[probe.points[0]] else None
         other = {n: shape for n, shape in shapes.items() if not shape or shape[0] != B}
         if other:
             raise FusedStatsError(
-                f"probe.observe: points have different batch sizes: {probe.points[0]!r} has {B}, "
-                f"{other}")
+                f"probe.observe: points have different batch sizes: {probe.points[0]!r} has {B}, {other}"
+            )
         return chosen, B
 
     def _token_counts(self, batch, B):
@@ -479,19 +522,22 @@ class Observation:
             if labels.dim() != 2 or labels.shape[0] != B:
                 raise FusedStatsError(
                     f"token_mean: labels of shape {tuple(labels.shape)}; expected ({B}, T) for the "
-                    f"batch of {B} samples the points saw")
+                    f"batch of {B} samples the points saw"
+                )
             counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
         elif isinstance(attn, torch.Tensor):
             if attn.dim() != 2 or attn.shape[0] != B:
                 raise FusedStatsError(
-                    f"token_mean: attention_mask of shape {tuple(attn.shape)}; expected ({B}, T)")
+                    f"token_mean: attention_mask of shape {tuple(attn.shape)}; expected ({B}, T)"
+                )
             counts = (attn[:, 1:] != 0).sum(dim=1)
         else:
             keys = list(batch.keys()) if isinstance(batch, Mapping) else type(batch).__name__
             raise FusedStatsError(
                 "loss_reduction='token_mean' needs the valid-token counts: call the probe's model "
                 "with labels= (or attention_mask=) inside the block, or pass batch= to observe; "
-                f"saw {keys}")
+                f"saw {keys}"
+            )
         counts = counts.to(device="cpu", dtype=torch.float64)
         total = float(counts.sum())
         items = batch.get("num_items_in_batch") if isinstance(batch, Mapping) else None
@@ -518,7 +564,8 @@ class Observation:
             if tuple(s.shape) != (B,):
                 raise FusedStatsError(
                     f"scale has shape {tuple(s.shape)}; expected ({B},), one factor per sample of "
-                    f"the batch the points saw (point {self.probe.points[0]!r})")
+                    f"the batch the points saw (point {self.probe.points[0]!r})"
+                )
             s = s.clone()
         elif reduction == "sum":
             s = torch.ones(B, dtype=torch.float64)
@@ -541,21 +588,29 @@ class Observation:
             used = s / loss_scale
             off = ((used[has] - implied[has]).abs() > SCALE_RTOL * implied[has]).nonzero().flatten()
             if off.numel():
-                declared = ("scale=" if self.explicit_scale is not None
-                            else f"loss_reduction={self.loss_reduction!r}")
+                declared = (
+                    "scale=" if self.explicit_scale is not None else f"loss_reduction={self.loss_reduction!r}"
+                )
                 message = (
                     f"probe.observe: the backward went through the model's own loss (a mean over "
                     f"all {total:g} valid target tokens, reached with weight {w:.6g}), which implies "
                     f"per-sample factors N/(w n_b) = {implied[:6].tolist()}, but {declared} with "
                     f"loss_scale={loss_scale:g} gives {used[:6].tolist()}. Declare "
-                    f"loss_reduction='token_mean'" + (f" and loss_scale={w:.6g}" if abs(w - 1) > 1e-12 else "")
-                    + "; nothing was accumulated")
+                    f"loss_reduction='token_mean'"
+                    + (f" and loss_scale={w:.6g}" if abs(w - 1) > 1e-12 else "")
+                    + "; nothing was accumulated"
+                )
                 if self.explicit_scale is not None:
                     warnings.warn(message.replace("; nothing was accumulated", ""), stacklevel=4)
                 else:
                     raise FusedStatsError(message)
-        elif not weights and self.loss_reduction == "mean" and self.explicit_scale is None \
-                and counts is not None and bool(keep.any()):
+        elif (
+            not weights
+            and self.loss_reduction == "mean"
+            and self.explicit_scale is None
+            and counts is not None
+            and bool(keep.any())
+        ):
             valid = counts[counts > 0]
             if valid.numel() and float(valid.max()) >= UNEQUAL_COUNTS * float(valid.min()):
                 warnings.warn(
@@ -563,7 +618,8 @@ class Observation:
                     f"valid-token counts per sample ({int(valid.min())} .. {int(valid.max())}); if "
                     "the loss is a mean over all tokens of the batch (HF's), declare "
                     "loss_reduction='token_mean' (a mean of per-sample means is right as 'mean')",
-                    stacklevel=4)
+                    stacklevel=4,
+                )
 
     def _finish(self) -> None:
         probe = self.probe
@@ -622,7 +678,8 @@ class Observation:
                 if tuple(pm.shape) != tuple(sz for i, sz in enumerate(g.shape) if i != fd % g.dim()):
                     raise FusedStatsError(
                         f"mask of shape {tuple(pm.shape)} does not fit point {name!r} with output "
-                        f"shape {tuple(g.shape)} (feature_dim={fd})")
+                        f"shape {tuple(g.shape)} (feature_dim={fd})"
+                    )
                 keep_pos = pm.to(g.device).unsqueeze(fd % g.dim())
                 g = torch.where(keep_pos, g, torch.zeros((), dtype=g.dtype, device=g.device))
             grads[name] = _scaled(g, factor, B)

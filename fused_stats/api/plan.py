@@ -97,8 +97,7 @@ def model_shape(model) -> tuple[int, int]:
     elif isinstance(model, dict):
         config = model
     else:
-        config = {key: getattr(model, key) for key in _HIDDEN_KEYS + _LAYER_KEYS
-                  if hasattr(model, key)}
+        config = {key: getattr(model, key) for key in _HIDDEN_KEYS + _LAYER_KEYS if hasattr(model, key)}
     if isinstance(config.get("text_config"), dict) and not any(k in config for k in _HIDDEN_KEYS):
         config = config["text_config"]  # multimodal configs nest the language model's
     hidden = next((config[k] for k in _HIDDEN_KEYS if isinstance(config.get(k), int)), None)
@@ -106,7 +105,8 @@ def model_shape(model) -> tuple[int, int]:
     if hidden is None or layers is None:
         raise FusedStatsError(
             f"model config needs a hidden size (one of {_HIDDEN_KEYS}) and a block count (one of "
-            f"{_LAYER_KEYS}); got keys {sorted(config)[:20]}")
+            f"{_LAYER_KEYS}); got keys {sorted(config)[:20]}"
+        )
     return int(hidden), int(layers)
 
 
@@ -117,8 +117,14 @@ def _positive(name: str, value, allow_zero: bool = False) -> int:
     return value
 
 
-def plan_memory(dim: int | None = None, points: int | None = None, pool_size: int | None = None,
-                model=None, streams: int = 2, label: str | None = None) -> MemoryPlan:
+def plan_memory(
+    dim: int | None = None,
+    points: int | None = None,
+    pool_size: int | None = None,
+    model=None,
+    streams: int = 2,
+    label: str | None = None,
+) -> MemoryPlan:
     """Bytes per accumulator, per point and in total for the dense, pool and auto modes.
 
     Give ``dim`` and ``points``, or ``model`` (a config dict / JSON path / config object, see
@@ -150,9 +156,18 @@ def plan_memory(dim: int | None = None, points: int | None = None, pool_size: in
         auto, auto_mode = pool, "pool"
     else:
         auto, auto_mode = dense, "dense"
-    return MemoryPlan(label=label or f"d={dim}", dim=dim, points=points, streams=streams,
-                      pool_size=pool_size, auto_switch=switch, dense=dense, pool=pool, auto=auto,
-                      auto_mode=auto_mode)
+    return MemoryPlan(
+        label=label or f"d={dim}",
+        dim=dim,
+        points=points,
+        streams=streams,
+        pool_size=pool_size,
+        auto_switch=switch,
+        dense=dense,
+        pool=pool,
+        auto=auto,
+        auto_mode=auto_mode,
+    )
 
 
 def human_bytes(n: int | None) -> str:
@@ -168,9 +183,11 @@ def human_bytes(n: int | None) -> str:
 
 def format_table(plans) -> str:
     """A plain-text table: bytes per accumulator and for the whole probe, per mode."""
-    header = (f"{'shape':<12}{'d':>6}{'points':>7}{'streams':>8}{'pool N':>8}{'auto N*':>8}"
-              f"{'dense/acc':>12}{'pool/acc':>12}{'auto/acc':>12}"
-              f"{'dense total':>13}{'pool total':>13}{'auto total':>13}")
+    header = (
+        f"{'shape':<12}{'d':>6}{'points':>7}{'streams':>8}{'pool N':>8}{'auto N*':>8}"
+        f"{'dense/acc':>12}{'pool/acc':>12}{'auto/acc':>12}"
+        f"{'dense total':>13}{'pool total':>13}{'auto total':>13}"
+    )
     lines = [header, "-" * len(header)]
     for p in plans:
         lines.append(
@@ -178,7 +195,8 @@ def format_table(plans) -> str:
             f"{'-' if p.pool_size is None else p.pool_size:>8}{p.auto_switch:>8}"
             f"{human_bytes(p.dense):>12}{human_bytes(p.pool):>12}{human_bytes(p.auto):>12}"
             f"{human_bytes(p.total('dense')):>13}{human_bytes(p.total('pool')):>13}"
-            f"{human_bytes(p.total('auto')):>13}")
+            f"{human_bytes(p.total('auto')):>13}"
+        )
     return "\n".join(lines)
 
 
@@ -223,8 +241,13 @@ class StreamPlan:
 
     @property
     def device_bytes(self) -> int:
-        return (self.resident_bytes + self.streamed_blocks_bytes + self.block_activation_bytes
-                + self.point_bytes + self.accumulator_bytes)
+        return (
+            self.resident_bytes
+            + self.streamed_blocks_bytes
+            + self.block_activation_bytes
+            + self.point_bytes
+            + self.accumulator_bytes
+        )
 
     @property
     def model_bytes(self) -> int:
@@ -251,14 +274,26 @@ def _stream_shape(model) -> tuple:
         return next((config[k] for k in keys if isinstance(config.get(k), int)), default)
 
     heads = get("num_attention_heads", "n_head", default=1)
-    return (d, layers, get("intermediate_size", "n_inner", default=4 * d) or 4 * d, heads,
-            get("num_key_value_heads", default=heads), get("vocab_size", default=0),
-            bool(config.get("tie_word_embeddings", False)))
+    return (
+        d,
+        layers,
+        get("intermediate_size", "n_inner", default=4 * d) or 4 * d,
+        heads,
+        get("num_key_value_heads", default=heads),
+        get("vocab_size", default=0),
+        bool(config.get("tie_word_embeddings", False)),
+    )
 
 
-def plan_streaming(model, tokens: int = 8192, dtype_bytes: int = 2, prefetch: int = 1,
-                   streams: int = 2, pool_size: int | None = None,
-                   from_folder: bool = True) -> StreamPlan:
+def plan_streaming(
+    model,
+    tokens: int = 8192,
+    dtype_bytes: int = 2,
+    prefetch: int = 1,
+    streams: int = 2,
+    pool_size: int | None = None,
+    from_folder: bool = True,
+) -> StreamPlan:
     """:class:`StreamPlan` of a LLaMA-shaped model (a preset of :data:`STREAM_PRESETS`, or a
     config JSON / model folder) probed with weights streamed block by block.
 
@@ -278,27 +313,41 @@ def plan_streaming(model, tokens: int = 8192, dtype_bytes: int = 2, prefetch: in
     acc = plan_memory(dim=d, points=layers, pool_size=pool_size, streams=streams).total("auto")
     label = model if isinstance(model, str) and model in STREAM_PRESETS else Path(model).stem
     return StreamPlan(
-        label=label, tokens=tokens, dtype_bytes=b, prefetch=prefetch, block_params=block,
-        resident_params=resident, blocks=layers, block_bytes=block * b, resident_bytes=resident * b,
+        label=label,
+        tokens=tokens,
+        dtype_bytes=b,
+        prefetch=prefetch,
+        block_params=block,
+        resident_params=resident,
+        blocks=layers,
+        block_bytes=block * b,
+        resident_bytes=resident * b,
         streamed_blocks_bytes=(1 + prefetch) * block * b,
         block_activation_bytes=tokens * (8 * d + 3 * ff) * b,
-        point_bytes=2 * layers * tokens * d * b, accumulator_bytes=acc,
+        point_bytes=2 * layers * tokens * d * b,
+        accumulator_bytes=acc,
         saved_input_bytes=layers * tokens * d * b,
-        host_weight_bytes=0 if from_folder else layers * block * b)
+        host_weight_bytes=0 if from_folder else layers * block * b,
+    )
 
 
 def format_stream_plan(p: StreamPlan) -> str:
     """Lines of a weight-streaming plan, device and host memory itemised."""
     h = human_bytes
-    return "\n".join([
-        f"{p.label}: {p.blocks} blocks of {p.block_params / 1e9:.3g} G parameters "
-        f"({h(p.block_bytes)} each at {p.dtype_bytes} bytes), model {h(p.model_bytes)}; "
-        f"{p.tokens} tokens a batch, prefetch {p.prefetch}",
-        f"  device: resident parts {h(p.resident_bytes)} + {1 + p.prefetch} blocks "
-        f"{h(p.streamed_blocks_bytes)} + one block's activations {h(p.block_activation_bytes)} "
-        f"+ point outputs and gradients {h(p.point_bytes)} + accumulators {h(p.accumulator_bytes)} "
-        f"= {h(p.device_bytes)}",
-        f"  host: saved block inputs {h(p.saved_input_bytes)}"
-        + (f" + block weights {h(p.host_weight_bytes)}" if p.host_weight_bytes else
-           " (weights read from the checkpoint's shards)"),
-    ])
+    return "\n".join(
+        [
+            f"{p.label}: {p.blocks} blocks of {p.block_params / 1e9:.3g} G parameters "
+            f"({h(p.block_bytes)} each at {p.dtype_bytes} bytes), model {h(p.model_bytes)}; "
+            f"{p.tokens} tokens a batch, prefetch {p.prefetch}",
+            f"  device: resident parts {h(p.resident_bytes)} + {1 + p.prefetch} blocks "
+            f"{h(p.streamed_blocks_bytes)} + one block's activations {h(p.block_activation_bytes)} "
+            f"+ point outputs and gradients {h(p.point_bytes)} + accumulators {h(p.accumulator_bytes)} "
+            f"= {h(p.device_bytes)}",
+            f"  host: saved block inputs {h(p.saved_input_bytes)}"
+            + (
+                f" + block weights {h(p.host_weight_bytes)}"
+                if p.host_weight_bytes
+                else " (weights read from the checkpoint's shards)"
+            ),
+        ]
+    )

@@ -108,9 +108,14 @@ def _residual_block_points(model: nn.Module) -> list[str] | None:
 
 
 def _generic_stack_points(model: nn.Module) -> list[str] | None:
-    stacks = [name for name, mod in model.named_modules()
-              if name and isinstance(mod, nn.ModuleList) and _homogeneous_stack(mod)
-              and any(True for _ in mod[0].parameters())]
+    stacks = [
+        name
+        for name, mod in model.named_modules()
+        if name
+        and isinstance(mod, nn.ModuleList)
+        and _homogeneous_stack(mod)
+        and any(True for _ in mod[0].parameters())
+    ]
     stacks = _outermost(stacks)
     if len(stacks) != 1:
         return None
@@ -138,13 +143,17 @@ def residual_points(model: nn.Module) -> list[str]:
         found = finder(model)
         if found:
             return found
-    stacks = [name for name, mod in model.named_modules()
-              if isinstance(mod, (nn.ModuleList, nn.Sequential)) and name]
+    stacks = [
+        name
+        for name, mod in model.named_modules()
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and name
+    ]
     raise FusedStatsError(
         f"no residual stream found in {type(model).__name__}: no block stack under "
         f"{', '.join(KNOWN_STACKS)}, no block with a {'/'.join(SKIP_ATTRIBUTES)} skip attribute "
         f"and no single homogeneous ModuleList. Pass module names as points explicitly; "
-        f"containers seen: {stacks[:20]}")
+        f"containers seen: {stacks[:20]}"
+    )
 
 
 def _suggestions(model: nn.Module, name: str) -> str:
@@ -180,8 +189,8 @@ def resolve_points(model: nn.Module, points) -> list[str]:
         names = list(points)
     except TypeError:
         raise FusedStatsError(
-            f"points must be 'residual', a module name or a list of module names, "
-            f"got {type(points).__name__}") from None
+            f"points must be 'residual', a module name or a list of module names, got {type(points).__name__}"
+        ) from None
     if not names:
         raise FusedStatsError("points is empty: give 'residual' or at least one module name")
     modules = dict(model.named_modules())
@@ -191,10 +200,9 @@ def resolve_points(model: nn.Module, points) -> list[str]:
             raise FusedStatsError(f"point names must be str, got {name!r} ({type(name).__name__})")
         if name not in modules or name == "":
             raise FusedStatsError(
-                f"point {name!r} is not a module of {type(model).__name__}; "
-                f"{_suggestions(model, name)}")
+                f"point {name!r} is not a module of {type(model).__name__}; {_suggestions(model, name)}"
+            )
         if name in seen:
             raise FusedStatsError(f"point {name!r} is listed twice")
         seen.add(name)
     return names
-

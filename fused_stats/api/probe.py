@@ -116,8 +116,15 @@ def model_summary(model: nn.Module, points: list[str] | None = None) -> dict:
     config: dict = {}
     cfg = getattr(model, "config", None)
     if cfg is not None:
-        for key in ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size",
-                    "num_attention_heads", "vocab_size", "max_position_embeddings"):
+        for key in (
+            "model_type",
+            "hidden_size",
+            "num_hidden_layers",
+            "intermediate_size",
+            "num_attention_heads",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             try:
                 value = getattr(cfg, key)
             except AttributeError:
@@ -181,10 +188,19 @@ class Probe:
     8
     """
 
-    def __init__(self, model: nn.Module, points="residual", unit: Unit = "sample",
-                 second_moment: SecondMoment = "auto", cross=None,
-                 pool_capacity: int | None = None, backend: Backend = "auto", feature_dim=None,
-                 nonfinite: Nonfinite = "raise", norm_histogram: bool | Mapping = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        points="residual",
+        unit: Unit = "sample",
+        second_moment: SecondMoment = "auto",
+        cross=None,
+        pool_capacity: int | None = None,
+        backend: Backend = "auto",
+        feature_dim=None,
+        nonfinite: Nonfinite = "raise",
+        norm_histogram: bool | Mapping = False,
+    ):
         if not isinstance(model, nn.Module):
             raise FusedStatsError(f"Probe needs a torch.nn.Module, got {type(model).__name__}")
         if unit not in UNITS:
@@ -199,16 +215,21 @@ class Probe:
             from .growth import CrossSpec
 
             if not isinstance(cross, CrossSpec):
-                raise FusedStatsError(f"cross must be None or a fused_stats.CrossSpec, got {type(cross).__name__}")
+                raise FusedStatsError(
+                    f"cross must be None or a fused_stats.CrossSpec, got {type(cross).__name__}"
+                )
             if unit == "flat":
-                raise FusedStatsError("cross= needs unit='sample' or 'position' (a cross-gradient sums "
-                                      "q_t φ_tᵀ over positions); got unit='flat'")
+                raise FusedStatsError(
+                    "cross= needs unit='sample' or 'position' (a cross-gradient sums "
+                    "q_t φ_tᵀ over positions); got unit='flat'"
+                )
         if norm_histogram and unit == "flat":
             raise FusedStatsError("norm_histogram= needs unit='sample' or 'position'; got unit='flat'")
         if not isinstance(norm_histogram, (bool, Mapping)):
             raise FusedStatsError(f"norm_histogram must be a bool or a dict, got {norm_histogram!r}")
-        self.norm_histogram = dict(norm_histogram) if isinstance(norm_histogram, Mapping) else (
-            {} if norm_histogram else None)
+        self.norm_histogram = (
+            dict(norm_histogram) if isinstance(norm_histogram, Mapping) else ({} if norm_histogram else None)
+        )
         if self.norm_histogram is not None:
             unknown = sorted(set(self.norm_histogram) - {"low", "high", "bins"})
             if unknown:
@@ -236,8 +257,11 @@ class Probe:
     def kinds(self) -> tuple[str, ...]:
         """The accumulator kinds this probe keeps at every point ("grad" and, as configured,
         "cross", "norm_hist")."""
-        return ("grad",) + (("cross",) if self.cross is not None else ()) + (
-            ("norm_hist",) if self.norm_histogram is not None else ())
+        return (
+            ("grad",)
+            + (("cross",) if self.cross is not None else ())
+            + (("norm_hist",) if self.norm_histogram is not None else ())
+        )
 
     def accumulators(self, kind: str = "grad", stream: str = "train") -> TableView:
         """The live view ``point -> accumulator`` of ``kind`` in ``stream``."""
@@ -287,23 +311,35 @@ class Probe:
         out._callbacks = list(self._callbacks)
         return out
 
-    def new_accumulator(self, kind: str, stream: str, point: str, dim: int, dtype=None,
-                        device=None) -> Accumulator:
+    def new_accumulator(
+        self, kind: str, stream: str, point: str, dim: int, dtype=None, device=None
+    ) -> Accumulator:
         """An empty accumulator of ``kind`` with this probe's settings for ``point`` (the one
         place a probe creates accumulators). Named like the point (test stream:
         ``"<point> [test]"``); ``dtype``: of a cross block's ``W_in`` (default fp32);
         ``device``: where the state lives (None: the first batch's device)."""
         name = point if stream == "train" else f"{point} [test]"
         if kind == "grad":
-            return GradStats(int(dim), self.second_moment, self.pool_capacity, device=device,
-                             backend=self.backend, nonfinite="raise", name=name)
+            return GradStats(
+                int(dim),
+                self.second_moment,
+                self.pool_capacity,
+                device=device,
+                backend=self.backend,
+                nonfinite="raise",
+                name=name,
+            )
         if kind == "cross":
             w_in = self.cross.projection(int(dim), dtype=dtype or torch.float32, device=device)
-            return CrossStats(int(dim), w_in, self.cross.activation, backend=self.backend,
-                              name=name)
+            return CrossStats(int(dim), w_in, self.cross.activation, backend=self.backend, name=name)
         if kind == "norm_hist":
-            return NormHistogram(int(dim), device=device or "cpu", backend=self.backend,
-                                 name=name, **(self.norm_histogram or {}))
+            return NormHistogram(
+                int(dim),
+                device=device or "cpu",
+                backend=self.backend,
+                name=name,
+                **(self.norm_histogram or {}),
+            )
         raise FusedStatsError(f"kind must be one of {KINDS}, got {kind!r}")
 
     @property
@@ -318,7 +354,9 @@ class Probe:
         if isinstance(feature_dim, Mapping):
             unknown = [k for k in feature_dim if k not in self.points]
             if unknown:
-                raise FusedStatsError(f"feature_dim names {unknown} that are not points; points: {self.points}")
+                raise FusedStatsError(
+                    f"feature_dim names {unknown} that are not points; points: {self.points}"
+                )
             bad = {k: v for k, v in feature_dim.items() if not isinstance(v, int) or isinstance(v, bool)}
             if bad:
                 raise FusedStatsError(f"feature_dim values must be ints, got {bad}")
@@ -328,8 +366,13 @@ class Probe:
     def _resolve_feature_dim(self, name: str, activation: torch.Tensor) -> int:
         arg = self._feature_dim_arg
         fd = arg.get(name) if isinstance(arg, dict) else arg
-        return resolve_feature_dim(self.model.get_submodule(name), activation, name, fd,
-                                   where=f" to fs.Probe (for every point, or {{{name!r}: axis}})")
+        return resolve_feature_dim(
+            self.model.get_submodule(name),
+            activation,
+            name,
+            fd,
+            where=f" to fs.Probe (for every point, or {{{name!r}: axis}})",
+        )
 
     def add_callback(self, fn) -> None:
         """Call ``fn(PointCapture)`` for every point after each successful step (e.g. extra
@@ -390,7 +433,8 @@ class Probe:
             mask = "attention"
         if mask not in MASK_MODES:
             raise FusedStatsError(
-                f"mask must be None, one of {MASK_MODES}, a tensor or a callable, got {mask!r}")
+                f"mask must be None, one of {MASK_MODES}, a tensor or a callable, got {mask!r}"
+            )
         if mask == "none":
             return None
         attn = batch.get("attention_mask") if isinstance(batch, Mapping) else None
@@ -405,7 +449,8 @@ class Probe:
         if attn is not None:
             if tuple(attn.shape) != tuple(labels.shape):
                 raise FusedStatsError(
-                    f"attention_mask {tuple(attn.shape)} and labels {tuple(labels.shape)} differ in shape")
+                    f"attention_mask {tuple(attn.shape)} and labels {tuple(labels.shape)} differ in shape"
+                )
             real = attn != 0
             keep[..., :-1] &= real[..., :-1] & real[..., 1:]
         return keep
@@ -444,8 +489,9 @@ class Probe:
                 m.training = True
         self.fold(stream, capture.captured, grads, positions_mask)
 
-    def observe(self, loss_reduction: str | None = None, scale=None, mask=None,
-                stream: str = "train", **options):
+    def observe(
+        self, loss_reduction: str | None = None, scale=None, mask=None, stream: str = "train", **options
+    ):
         """Collect the statistics during the user's own training step.
 
         ``with probe.observe(loss_reduction="token_mean"): model(**batch).loss.backward()``:
@@ -458,47 +504,55 @@ class Probe:
         """
         from .observe import Observation
 
-        return Observation(self, loss_reduction=loss_reduction, scale=scale, mask=mask,
-                           stream=stream, **options)
+        return Observation(
+            self, loss_reduction=loss_reduction, scale=scale, mask=mask, stream=stream, **options
+        )
 
     def _activation_grads(self, losses, capture: ActivationCapture) -> dict[str, torch.Tensor]:
         missing = [p for p in self.points if p not in capture.captured]
         if missing:
             raise FusedStatsError(
-                f"points {missing} did not run during loss_fn (modules never called); "
-                f"ran: {capture.order}")
+                f"points {missing} did not run during loss_fn (modules never called); ran: {capture.order}"
+            )
         acts = capture.captured
         B = acts[self.points[0]].shape[0]
         if not isinstance(losses, torch.Tensor):
-            raise FusedStatsError(f"loss_fn must return a tensor of per-sample losses, got {type(losses).__name__}")
+            raise FusedStatsError(
+                f"loss_fn must return a tensor of per-sample losses, got {type(losses).__name__}"
+            )
         if tuple(losses.shape) != (B,):
             hint = " (a scalar: return per-sample losses, not their mean or sum)" if losses.dim() == 0 else ""
             raise FusedStatsError(
                 f"loss_fn returned shape {tuple(losses.shape)}{hint}; expected ({B},), one loss per "
                 f"sample of the batch (point {self.points[0]!r} has output shape "
-                f"{tuple(acts[self.points[0]].shape)})")
+                f"{tuple(acts[self.points[0]].shape)})"
+            )
         if not losses.is_floating_point():
             raise FusedStatsError(f"loss_fn returned dtype {losses.dtype}; expected a floating-point tensor")
         bad = (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
         if bad:
             raise FusedStatsError(
                 f"loss_fn returned non-finite losses for samples {bad[:10]} of {B}: "
-                f"{losses.detach()[bad[:5]].tolist()}")
+                f"{losses.detach()[bad[:5]].tolist()}"
+            )
         for name in self.points:
             if acts[name].shape[0] != B:
                 raise FusedStatsError(
                     f"point {name!r} has output shape {tuple(acts[name].shape)}; every point needs "
-                    f"the batch size {B} on dim 0")
+                    f"the batch size {B} on dim 0"
+                )
         changed = capture.modified_in_place()
         if changed:
             raise FusedStatsError(
                 f"the outputs of points {changed} were modified in place after capture (e.g. an "
                 "in-place activation downstream); their gradients would be wrong. Probe another "
-                "module or make that operation out of place")
+                "module or make that operation out of place"
+            )
         if not losses.requires_grad:
             raise FusedStatsError(
                 "the losses do not depend on any probed point (no graph); was the loss computed "
-                "under torch.no_grad() or from detached outputs?")
+                "under torch.no_grad() or from detached outputs?"
+            )
         tensors = [acts[name] for name in self.points]
         # sum, never mean: each sample's gradient must be that of its own loss (docs/design.md, section 5)
         grads = torch.autograd.grad(losses.sum(), tensors, allow_unused=True, materialize_grads=True)
@@ -510,9 +564,14 @@ class Probe:
         fd = self.feature_dims.get(point)
         return self._resolve_feature_dim(point, activation) if fd is None else fd
 
-    def fold(self, stream: str, activations: Mapping[str, torch.Tensor],
-             grads: Mapping[str, torch.Tensor], positions_mask=None,
-             nonfinite: Nonfinite | None = None) -> bool:
+    def fold(
+        self,
+        stream: str,
+        activations: Mapping[str, torch.Tensor],
+        grads: Mapping[str, torch.Tensor],
+        positions_mask=None,
+        nonfinite: Nonfinite | None = None,
+    ) -> bool:
         """Fold one batch's per-sample activation gradients into every accumulator of ``stream``
         (all or nothing); returns whether it was folded (False: skipped as non-finite).
 
@@ -535,11 +594,11 @@ class Probe:
             if unit == "flat" and m is not None:
                 g, m = self._flat_masked(g, m, fd), None
             dim = math.prod(act.shape[1:]) if unit == "flat" else act.shape[fd]
-            if ("grad", stream, name) not in self.table and name in self.dims \
-                    and self.dims[name] != dim:
+            if ("grad", stream, name) not in self.table and name in self.dims and self.dims[name] != dim:
                 raise FusedStatsError(
                     f"point {name!r}: output shape {tuple(act.shape)} gives dim {dim}, but the "
-                    f"other stream has dim {self.dims[name]}")
+                    f"other stream has dim {self.dims[name]}"
+                )
             for kind in self.kinds:
                 key = (kind, stream, name)
                 acc = self.table.get(key)
@@ -547,17 +606,22 @@ class Probe:
                     cg, z, cm = self._cross_inputs(act.detach(), g, m, fd)
                     if acc is None:  # kept only if the step commits
                         acc = self.new_accumulator(
-                            kind, stream, name, cg.shape[-1],
-                            torch.float64 if z.dtype == torch.float64 else torch.float32, z.device)
+                            kind,
+                            stream,
+                            name,
+                            cg.shape[-1],
+                            torch.float64 if z.dtype == torch.float64 else torch.float32,
+                            z.device,
+                        )
                     prepared = acc.prepare(cg, z, cm, unit=unit)
                 else:
                     if acc is None:
-                        acc = self.new_accumulator(kind, stream, name, dim,
-                                                   device=g.device)
+                        acc = self.new_accumulator(kind, stream, name, dim, device=g.device)
                     prepared = acc.prepare(g, m, unit, fd if unit != "flat" else -1)
                 if not prepared.finite:
-                    return self._skip_or_raise(stream, self._nonfinite_message(
-                        kind, name, stream, grad, act), policy)
+                    return self._skip_or_raise(
+                        stream, self._nonfinite_message(kind, name, stream, grad, act), policy
+                    )
                 plan.append((key, acc, prepared))
         # ---- commit
         for key, acc, prepared in plan:
@@ -582,20 +646,25 @@ class Probe:
     @staticmethod
     def _nonfinite_message(kind, name, stream, grad, act) -> str:
         if kind == "cross":
-            return (f"non-finite cross-gradient sums at point {name!r} ({stream} stream): NaN/Inf "
-                    f"in the activation (shape {tuple(act.shape)}, dtype {act.dtype}) or the "
-                    "gradient at a counted position, or values so large that they overflow")
-        return (f"non-finite activation gradient at point {name!r} ({stream} stream, grad shape "
-                f"{tuple(grad.shape)}, dtype {grad.dtype}): NaN/Inf at a counted position, or "
-                "values so large that |q|^4 overflows")
+            return (
+                f"non-finite cross-gradient sums at point {name!r} ({stream} stream): NaN/Inf "
+                f"in the activation (shape {tuple(act.shape)}, dtype {act.dtype}) or the "
+                "gradient at a counted position, or values so large that they overflow"
+            )
+        return (
+            f"non-finite activation gradient at point {name!r} ({stream} stream, grad shape "
+            f"{tuple(grad.shape)}, dtype {grad.dtype}): NaN/Inf at a counted position, or "
+            "values so large that |q|^4 overflows"
+        )
 
     def _skip_or_raise(self, stream: str, what: str, policy: str) -> bool:
         """A step some point rejects: counted and skipped (``nonfinite="skip"``) or an error."""
         if policy == "skip":
             self.skipped_steps[stream] += 1
             return False
-        raise FusedStatsError(f"{what}; nothing was accumulated. Pass nonfinite='skip' to skip such "
-                              "steps and count them")
+        raise FusedStatsError(
+            f"{what}; nothing was accumulated. Pass nonfinite='skip' to skip such steps and count them"
+        )
 
     def _point_mask(self, name, act, fd, positions_mask):
         if positions_mask is None:
@@ -609,7 +678,8 @@ class Probe:
             raise FusedStatsError(
                 f"mask of shape {tuple(m.shape)} does not fit point {name!r} with output shape "
                 f"{tuple(act.shape)} (feature_dim={fd}); expected {(B, *positions)} or {(B,)}. Pass "
-                "mask='none' or a mask per point shape")
+                "mask='none' or a mask per point shape"
+            )
         if m.dtype != torch.bool:
             if m.is_floating_point() and not bool(torch.isfinite(m).all()):
                 raise FusedStatsError(f"mask for point {name!r} contains NaN/Inf")
@@ -626,8 +696,15 @@ class Probe:
         zeroed = torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
         return zeroed[m.reshape(m.shape[0], -1).any(dim=1)]
 
-    def run(self, batches, loss_fn, stream: str = "train", max_batches: int | None = None,
-            mask=None, progress: bool = True) -> int:
+    def run(
+        self,
+        batches,
+        loss_fn,
+        stream: str = "train",
+        max_batches: int | None = None,
+        mask=None,
+        progress: bool = True,
+    ) -> int:
         """:meth:`step` over an iterable of batches (at most ``max_batches``).
 
         ``progress``: shown by :class:`fused_stats.progress.Progress` (a bar when stderr is a
@@ -715,12 +792,19 @@ class Probe:
             if test is None or test.n == 0:
                 raise FusedStatsError(
                     f"point {point!r}: K defaults to the test stream's n, which is empty; "
-                    "run test batches (stream='test') or pass K")
+                    "run test batches (stream='test') or pass K"
+                )
             K = test.n
         return M, K
 
-    def certificate(self, point: str, M: int | None = None, K: int | None = None,
-                    pooled: bool = True, stream: str | None = None) -> Certificate:
+    def certificate(
+        self,
+        point: str,
+        M: int | None = None,
+        K: int | None = None,
+        pooled: bool = True,
+        stream: str | None = None,
+    ) -> Certificate:
         """Theorem 1 at ``(M, K)`` (default: train n, test n). The moments come from the pooled
         train + test estimate, or from ``stream`` alone when it is given (``pooled=False`` is
         ``stream="train"``)."""
@@ -730,8 +814,9 @@ class Probe:
         acc = self.pooled(point) if stream is None else self._acc(point, stream)
         return acc.estimate().certificate(M, K)
 
-    def misalignment(self, point: str, M: int | None = None, K: int | None = None,
-                     trials: int = 10_000, seed: int = 0) -> Misalignment:
+    def misalignment(
+        self, point: str, M: int | None = None, K: int | None = None, trials: int = 10_000, seed: int = 0
+    ) -> Misalignment:
         """Fraction of random disjoint (M, K) splits of the pooled pool with ``μ_Mᵀg_K ≤ 0``.
 
         Defaults ``M`` = train n, ``K`` = test n: each split then partitions the whole pooled
@@ -763,21 +848,30 @@ class Probe:
                 mis = attempt(self.misalignment, name, trials=misalignment_trials)
             hist = self.table.get(("norm_hist", "train", name))
             realized = attempt(self.realized_alignment, name)
-            points.append({
-                "name": name, "index": index, "dim": self.dims[name],
-                "train": attempt(self.estimate, name, "train"),
-                "test": attempt(self.estimate, name, "test"),
-                "certificate": attempt(self.certificate, name), "misalignment": mis,
-                "realized_alignment": None if realized is None else realized["value"],
-                "saturation": attempt(self.saturation, name) if self.cross is not None else None,
-                **({} if hist is None else {"norm_histogram": hist.to_dict()}),
-            })
+            points.append(
+                {
+                    "name": name,
+                    "index": index,
+                    "dim": self.dims[name],
+                    "train": attempt(self.estimate, name, "train"),
+                    "test": attempt(self.estimate, name, "test"),
+                    "certificate": attempt(self.certificate, name),
+                    "misalignment": mis,
+                    "realized_alignment": None if realized is None else realized["value"],
+                    "saturation": attempt(self.saturation, name) if self.cross is not None else None,
+                    **({} if hist is None else {"norm_histogram": hist.to_dict()}),
+                }
+            )
         return {
-            "format": "fused_stats.report", "version": 1, "fused_stats_version": __version__,
+            "format": "fused_stats.report",
+            "version": 1,
+            "fused_stats_version": __version__,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "model": model_summary(self.model, self.points),
-            "unit": self.unit, "second_moment": self.second_moment,
-            "points": points, "meta": dict(meta or {}),
+            "unit": self.unit,
+            "second_moment": self.second_moment,
+            "points": points,
+            "meta": dict(meta or {}),
         }
 
     def report(self, meta: dict | None = None, misalignment_trials: int = 2000):
@@ -788,7 +882,11 @@ class Probe:
         return Report(self._report_data(meta, misalignment_trials))
 
     def __repr__(self) -> str:
-        n = {s: next((a.n for (k, st, _), a in self.table.items() if k == "grad" and st == s), 0)
-             for s in STREAMS}
-        return (f"Probe({type(self.model).__name__}, points={len(self.points)}, unit={self.unit!r}, "
-                f"second_moment={self.second_moment!r}, n_train={n['train']}, n_test={n['test']})")
+        n = {
+            s: next((a.n for (k, st, _), a in self.table.items() if k == "grad" and st == s), 0)
+            for s in STREAMS
+        }
+        return (
+            f"Probe({type(self.model).__name__}, points={len(self.points)}, unit={self.unit!r}, "
+            f"second_moment={self.second_moment!r}, n_train={n['train']}, n_test={n['test']})"
+        )

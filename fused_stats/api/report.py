@@ -55,7 +55,6 @@ FORMAT = "fused_stats.report"
 VERSION = 1
 
 
-
 def _number_fields(cls) -> tuple[str, ...]:
     """The int and float fields of a result dataclass (the numbers its ``to_dict`` writes)."""
     return tuple(f.name for f in dataclasses.fields(cls) if f.type in ("int", "float", int, float))
@@ -66,10 +65,28 @@ def _number_fields(cls) -> tuple[str, ...]:
 ESTIMATE_KEYS = _number_fields(Estimate)
 CERTIFICATE_KEYS = _number_fields(Certificate)
 MISALIGNMENT_KEYS = _number_fields(Misalignment)
-TOP_KEYS = ("format", "version", "fused_stats_version", "created", "model", "unit",
-            "second_moment", "points", "meta")
-POINT_KEYS = ("name", "index", "dim", "train", "test", "certificate", "misalignment",
-              "realized_alignment", "saturation")
+TOP_KEYS = (
+    "format",
+    "version",
+    "fused_stats_version",
+    "created",
+    "model",
+    "unit",
+    "second_moment",
+    "points",
+    "meta",
+)
+POINT_KEYS = (
+    "name",
+    "index",
+    "dim",
+    "train",
+    "test",
+    "certificate",
+    "misalignment",
+    "realized_alignment",
+    "saturation",
+)
 
 _NONFINITE_OUT = {math.inf: "Infinity", -math.inf: "-Infinity"}
 _NONFINITE_IN = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
@@ -131,8 +148,7 @@ def _check_sub(where: str, value, keys: tuple[str, ...]) -> None:
         raise FusedStatsError(f"report: {where} lacks keys {missing} (has {sorted(value)})")
     for k in keys:
         if not _is_number(value[k]):
-            raise FusedStatsError(
-                f"report: {where}[{k!r}] must be a number, got {value[k]!r}")
+            raise FusedStatsError(f"report: {where}[{k!r}] must be a number, got {value[k]!r}")
 
 
 def validate(data) -> None:
@@ -141,11 +157,13 @@ def validate(data) -> None:
         raise FusedStatsError(f"report: expected a JSON object (dict), got {type(data).__name__}")
     if data.get("format") != FORMAT:
         raise FusedStatsError(
-            f"report: format is {data.get('format')!r}, expected {FORMAT!r} (not a fused_stats report)")
+            f"report: format is {data.get('format')!r}, expected {FORMAT!r} (not a fused_stats report)"
+        )
     if data.get("version") != VERSION:
         raise FusedStatsError(
             f"report: unsupported version {data.get('version')!r}; this fused_stats reads version "
-            f"{VERSION} (written by a newer or older release?)")
+            f"{VERSION} (written by a newer or older release?)"
+        )
     missing = [k for k in TOP_KEYS if k not in data]
     if missing:
         raise FusedStatsError(f"report: missing top-level keys {missing}")
@@ -159,7 +177,8 @@ def validate(data) -> None:
         raise FusedStatsError(f"report: model['class'] must be a string, got {model.get('class')!r}")
     if not _is_int(model.get("num_parameters")):
         raise FusedStatsError(
-            f"report: model['num_parameters'] must be an int, got {model.get('num_parameters')!r}")
+            f"report: model['num_parameters'] must be an int, got {model.get('num_parameters')!r}"
+        )
     if not isinstance(model.get("config"), dict):
         raise FusedStatsError(f"report: model['config'] must be a dict, got {model.get('config')!r}")
     if not isinstance(data["meta"], dict):
@@ -190,11 +209,13 @@ def validate(data) -> None:
         ra = point["realized_alignment"]
         if ra is not None and not _is_number(ra):
             raise FusedStatsError(
-                f"report: point {name!r}: realized_alignment must be a number or null, got {ra!r}")
+                f"report: point {name!r}: realized_alignment must be a number or null, got {ra!r}"
+            )
         if point["saturation"] is not None and not isinstance(point["saturation"], dict):
             raise FusedStatsError(
                 f"report: point {name!r}: saturation must be a dict or null, "
-                f"got {type(point['saturation']).__name__}")
+                f"got {type(point['saturation']).__name__}"
+            )
         if "norm_histogram" in point:
             _check_histogram(name, point["norm_histogram"])
 
@@ -208,20 +229,27 @@ def _check_histogram(name: str, hist) -> None:
     if missing:
         raise FusedStatsError(f"{where} lacks keys {missing}")
     edges, counts = hist["edges"], hist["counts"]
-    if not (isinstance(edges, list) and isinstance(counts, list) and len(counts) >= 1
-            and len(edges) == len(counts) + 1 and all(_is_number(e) and e > 0 for e in edges)
-            and all(_is_int(c) and c >= 0 for c in counts)):
+    if not (
+        isinstance(edges, list)
+        and isinstance(counts, list)
+        and len(counts) >= 1
+        and len(edges) == len(counts) + 1
+        and all(_is_number(e) and e > 0 for e in edges)
+        and all(_is_int(c) and c >= 0 for c in counts)
+    ):
         raise FusedStatsError(
             f"{where}: needs counts (non-negative ints, one per bin) and one more positive edge "
             f"than counts; got {len(edges) if isinstance(edges, list) else edges!r} edges and "
-            f"{len(counts) if isinstance(counts, list) else counts!r} counts")
+            f"{len(counts) if isinstance(counts, list) else counts!r} counts"
+        )
     for key in ("n", "underflow", "overflow"):
         if not _is_int(hist[key]) or hist[key] < 0:
             raise FusedStatsError(f"{where}: {key} must be a non-negative int, got {hist[key]!r}")
     if sum(counts) + hist["underflow"] + hist["overflow"] != hist["n"]:
         raise FusedStatsError(
             f"{where}: the counts add up to {sum(counts) + hist['underflow'] + hist['overflow']}, "
-            f"n={hist['n']}")
+            f"n={hist['n']}"
+        )
 
 
 # ---------------------------------------------------------------------------- formatting
@@ -289,12 +317,13 @@ class Report:
         for p in self.data["points"]:
             if p["name"] == name:
                 return p
-        raise FusedStatsError(
-            f"report has no point {name!r}; points: {[p['name'] for p in self.points]}")
+        raise FusedStatsError(f"report has no point {name!r}; points: {[p['name'] for p in self.points]}")
 
     def __repr__(self) -> str:
-        return (f"Report(model={self.model['class']!r}, points={len(self.data['points'])}, "
-                f"unit={self.data['unit']!r}, meta={self.meta!r})")
+        return (
+            f"Report(model={self.model['class']!r}, points={len(self.data['points'])}, "
+            f"unit={self.data['unit']!r}, meta={self.meta!r})"
+        )
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, Report):
@@ -324,7 +353,8 @@ class Report:
         except json.JSONDecodeError as exc:
             raise FusedStatsError(
                 f"report file {str(path)!r} is not valid JSON ({exc.msg} at line {exc.lineno}, "
-                f"column {exc.colno})") from None
+                f"column {exc.colno})"
+            ) from None
         try:
             return cls(_decode(raw))
         except FusedStatsError as exc:
@@ -336,57 +366,89 @@ class Report:
         where the point carries one, its norm histogram."""
         d, model, meta = self.data, self.model, self.meta
         lines = [f"# fused_stats report: {model['class']}", ""]
-        lines.append(f"- parameters: {model['num_parameters']:,}; unit: `{d['unit']}`; "
-                     f"second moment: `{d['second_moment']}`")
+        lines.append(
+            f"- parameters: {model['num_parameters']:,}; unit: `{d['unit']}`; "
+            f"second moment: `{d['second_moment']}`"
+        )
         if model["config"]:
             lines.append("- config: " + ", ".join(f"{k}={v}" for k, v in model["config"].items()))
         if meta:
-            lines.append("- meta: " + ", ".join(f"{k}={fmt(v)}" for k, v in meta.items()
-                                                if not isinstance(v, (dict, list))))
+            lines.append(
+                "- meta: "
+                + ", ".join(f"{k}={fmt(v)}" for k, v in meta.items() if not isinstance(v, (dict, list)))
+            )
         lines.append(f"- created {d['created']} by fused_stats {d['fused_stats_version']}")
-        lines += ["", "## Summary (train stream; certificate and misalignment at the sizes shown)", "",
-                  "| point | index | dim | n | d_align | B_align | B_exact | misalignment | "
-                  "realized alignment | AG_max |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Summary (train stream; certificate and misalignment at the sizes shown)",
+            "",
+            "| point | index | dim | n | d_align | B_align | B_exact | misalignment | "
+            "realized alignment | AG_max |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for p in self.points:
             tr, cert, mis = p["train"], p["certificate"], p["misalignment"]
             lines.append(
                 f"| `{p['name']}` | {p['index']} | {p['dim']} | {fmt(_cell(tr, 'n'))} | "
                 f"{fmt(_cell(tr, 'd_align'))} | {fmt(_cell(cert, 'b_align'))} | "
                 f"{fmt(_cell(cert, 'b_exact'))} | {fmt(_cell(mis, 'probability'))} | "
-                f"{fmt(p['realized_alignment'])} | {fmt(_cell(tr, 'ag_max'))} |")
+                f"{fmt(p['realized_alignment'])} | {fmt(_cell(tr, 'ag_max'))} |"
+            )
         for p in self.points:
-            lines += ["", f"## Point `{p['name']}` (index {p['index']}, dim {p['dim']})", "",
-                      "| quantity | train | test |", "|---|---|---|"]
-            rows = (("n", "n"), ("‖μ‖²", "mu_norm2"), ("‖μ‖⁴", "mu_norm4"),
-                    ("μᵀΣμ", "mu_sigma_mu"), ("tr(Σ²)", "trace_sigma2"),
-                    ("d_par", "d_par"), ("d_2", "d_2"), ("d_align", "d_align"),
-                    ("AG_max", "ag_max"), ("AG_mean", "ag_mean"))
+            lines += [
+                "",
+                f"## Point `{p['name']}` (index {p['index']}, dim {p['dim']})",
+                "",
+                "| quantity | train | test |",
+                "|---|---|---|",
+            ]
+            rows = (
+                ("n", "n"),
+                ("‖μ‖²", "mu_norm2"),
+                ("‖μ‖⁴", "mu_norm4"),
+                ("μᵀΣμ", "mu_sigma_mu"),
+                ("tr(Σ²)", "trace_sigma2"),
+                ("d_par", "d_par"),
+                ("d_2", "d_2"),
+                ("d_align", "d_align"),
+                ("AG_max", "ag_max"),
+                ("AG_mean", "ag_mean"),
+            )
             for label, key in rows:
-                lines.append(f"| {label} | {fmt(_cell(p['train'], key))} | "
-                             f"{fmt(_cell(p['test'], key))} |")
+                lines.append(f"| {label} | {fmt(_cell(p['train'], key))} | {fmt(_cell(p['test'], key))} |")
             plug = {s: (p[s] or {}).get("plugin") for s in ("train", "test")}
-            for label, key in (("S = ‖q̄‖²", "S"), ("V", "V"), ("T", "T"), ("d_par", "d_par"),
-                               ("d_2", "d_2"), ("d_align", "d_align")):
+            for label, key in (
+                ("S = ‖q̄‖²", "S"),
+                ("V", "V"),
+                ("T", "T"),
+                ("d_par", "d_par"),
+                ("d_2", "d_2"),
+                ("d_align", "d_align"),
+            ):
                 if plug["train"] or plug["test"]:  # what per-sequence scripts report from rows
-                    lines.append(f"| {label} (plug-in, biased) | {fmt(_cell(plug['train'], key))} | "
-                                 f"{fmt(_cell(plug['test'], key))} |")
+                    lines.append(
+                        f"| {label} (plug-in, biased) | {fmt(_cell(plug['train'], key))} | "
+                        f"{fmt(_cell(plug['test'], key))} |"
+                    )
             cert = p["certificate"]
             if cert is None:
                 lines.append("\n- certificate: not computed")
             else:
                 status = "" if cert.get("certified", True) else f" ({cert.get('reason') or 'no signal'})"
-                lines.append(f"\n- certificate (M={cert['M']}, K={cert['K']}, n_eff={fmt(cert['n_eff'])}): "
-                             f"b_align={fmt(cert['b_align'])}, b_exact={fmt(cert['b_exact'])}{status}")
+                lines.append(
+                    f"\n- certificate (M={cert['M']}, K={cert['K']}, n_eff={fmt(cert['n_eff'])}): "
+                    f"b_align={fmt(cert['b_align'])}, b_exact={fmt(cert['b_exact'])}{status}"
+                )
             mis = p["misalignment"]
             if mis is None:
                 lines.append("- empirical misalignment: not computed (needs a sample pool)")
             else:
-                lines.append(f"- empirical misalignment (M={mis['M']}, K={mis['K']}, "
-                             f"{mis['trials']} splits): {fmt(mis['probability'])} "
-                             f"± {fmt(mis['stderr'])}")
-            lines.append(f"- realized alignment (train mean · test mean): "
-                         f"{fmt(p['realized_alignment'])}")
+                lines.append(
+                    f"- empirical misalignment (M={mis['M']}, K={mis['K']}, "
+                    f"{mis['trials']} splits): {fmt(mis['probability'])} "
+                    f"± {fmt(mis['stderr'])}"
+                )
+            lines.append(f"- realized alignment (train mean · test mean): {fmt(p['realized_alignment'])}")
             sat = p["saturation"]
             if sat is not None:
                 parts = [f"{k}={fmt(v)}" for k, v in sat.items() if not isinstance(v, (dict, list))]
@@ -454,17 +516,25 @@ class Report:
                     ax.set_ylabel("AG_max = max_i |q_i|")
             else:
                 if has_cert:
-                    _line(ax, xs, series("certificate", "b_align"), marker="^",
-                          label="B_align (certificate)")
-                    _line(ax, xs, series("certificate", "b_exact"), marker="v",
-                          label="B_exact (Cantelli)")
+                    _line(ax, xs, series("certificate", "b_align"), marker="^", label="B_align (certificate)")
+                    _line(ax, xs, series("certificate", "b_exact"), marker="v", label="B_exact (Cantelli)")
                 if has_mis:
-                    _errorbar(ax, xs, series("misalignment", "probability"),
-                              series("misalignment", "stderr"), marker="o",
-                              label="empirical Pr(misaligned)")
+                    _errorbar(
+                        ax,
+                        xs,
+                        series("misalignment", "probability"),
+                        series("misalignment", "stderr"),
+                        marker="o",
+                        label="empirical Pr(misaligned)",
+                    )
                 ax.set_ylim(-0.02, 1.02)
-                ax.set_title(" vs ".join(t for t, on in (("certificate bound", has_cert),
-                                                         ("empirical misalignment", has_mis)) if on))
+                ax.set_title(
+                    " vs ".join(
+                        t
+                        for t, on in (("certificate bound", has_cert), ("empirical misalignment", has_mis))
+                        if on
+                    )
+                )
                 ax.set_ylabel("probability of misalignment")
             ax.set_xticks(xs)
             ax.set_xticklabels([_short(n) for n in labels], rotation=45, ha="right", fontsize=7)
@@ -472,8 +542,10 @@ class Report:
             ax.grid(alpha=0.3)
             _scientific(ax)
             _legend_below(ax)
-        fig.suptitle(f"{self.model['class']} ({self.model['num_parameters']:,} params)"
-                     + _meta_title(self.meta), fontsize=9)
+        fig.suptitle(
+            f"{self.model['class']} ({self.model['num_parameters']:,} params)" + _meta_title(self.meta),
+            fontsize=9,
+        )
         _place_legends(fig, axes)
         return save_figure(fig, path)
 
@@ -503,28 +575,56 @@ def plot_sweep(reports: Iterable[Report], x: str, path, point: str | int = "last
 
     # (title, y label, [(key, legend label)]) per panel, only for data that exists
     if x == "width":
-        panels = [("d_align vs width (spread over seeds)", "d_align (train)",
-                   [("d_align", "d_align (train)")])]
-        parts = [(k, t) for k, t in (("misalignment", "empirical Pr(misaligned)"),
-                                     ("b_align", "B_align (certificate)"),
-                                     ("b_exact", "B_exact (Cantelli)")) if has(k)]
+        panels = [
+            ("d_align vs width (spread over seeds)", "d_align (train)", [("d_align", "d_align (train)")])
+        ]
+        parts = [
+            (k, t)
+            for k, t in (
+                ("misalignment", "empirical Pr(misaligned)"),
+                ("b_align", "B_align (certificate)"),
+                ("b_exact", "B_exact (Cantelli)"),
+            )
+            if has(k)
+        ]
         if parts:
-            title = " vs ".join(t for t, on in (("certificate bound", has("b_align", "b_exact")),
-                                               ("empirical misalignment", has("misalignment")))
-                                if on)
+            title = " vs ".join(
+                t
+                for t, on in (
+                    ("certificate bound", has("b_align", "b_exact")),
+                    ("empirical misalignment", has("misalignment")),
+                )
+                if on
+            )
             panels.append((f"transfer: {title}", "probability of misalignment", parts))
     else:
-        panels = [("AG_max vs depth (spread over seeds)", "gradient norm |q_i| (train)",
-                   [("ag_max", "AG_max (train)"), ("ag_mean", "AG_mean (train)")])]
+        panels = [
+            (
+                "AG_max vs depth (spread over seeds)",
+                "gradient norm |q_i| (train)",
+                [("ag_max", "AG_max (train)"), ("ag_mean", "AG_mean (train)")],
+            )
+        ]
         if has("ag_max_scaled"):
-            panels.append(("AG_max without the stream scale", "AG_max * |z| / sqrt(d)",
-                           [("ag_max_scaled", "AG_max*|z|/sqrt(d)")]))
+            panels.append(
+                (
+                    "AG_max without the stream scale",
+                    "AG_max * |z| / sqrt(d)",
+                    [("ag_max_scaled", "AG_max*|z|/sqrt(d)")],
+                )
+            )
         if has("cross_frob2"):
-            panels.append(("cross-gradient vs depth", "|C|_F^2 (unbiased)",
-                           [("cross_frob2", "|C|_F^2 (saturation signal)")]))
+            panels.append(
+                (
+                    "cross-gradient vs depth",
+                    "|C|_F^2 (unbiased)",
+                    [("cross_frob2", "|C|_F^2 (saturation signal)")],
+                )
+            )
         if has("test_loss"):
-            panels.append(("held-out loss vs depth", "held-out loss (nats)",
-                           [("test_loss", "held-out loss")]))
+            panels.append(
+                ("held-out loss vs depth", "held-out loss (nats)", [("test_loss", "held-out loss")])
+            )
     fig = Figure(figsize=(4.6 * len(panels) + 1.0, 4.8), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
@@ -565,27 +665,38 @@ def sweep_rows(reports: list[Report], x: str, point: str | int = "last") -> list
         if x not in r.meta:
             raise FusedStatsError(
                 f"report of {r.model['class']} has no meta[{x!r}] (meta keys: {sorted(r.meta)}); "
-                f"a {x} sweep needs it in every report")
+                f"a {x} sweep needs it in every report"
+            )
         p = _pick(r, point)
         tr, cert, mis, sat = p["train"], p["certificate"], p["misalignment"], p["saturation"]
         # optional: mean token norm of the stream at each point, recorded by the demo
         norms = r.meta.get("stream_norm")
         norm = norms.get(p["name"]) if isinstance(norms, dict) else None
-        rows.append({
-            "x": r.meta[x], "seed": r.meta.get("seed"), "point": p["name"],
-            "d_align": _finite(_cell(tr, "d_align")), "ag_max": _finite(_cell(tr, "ag_max")),
-            "ag_mean": _finite(_cell(tr, "ag_mean")),
-            "b_align": _finite(_cell(cert, "b_align")), "b_exact": _finite(_cell(cert, "b_exact")),
-            "misalignment": _finite(_cell(mis, "probability")),
-            "realized_alignment": _finite(p["realized_alignment"]),
-            "cosine": _finite(cosine(p)),
-            "d_par": _finite(_cell(tr, "d_par")), "d_2": _finite(_cell(tr, "d_2")),
-            "cross_frob2": _finite(_cell(sat, "cross_frob2")),
-            "test_loss": _finite(r.meta.get("test_loss")),
-            "stream_norm": _finite(norm),
-            "ag_max_scaled": (None if norm is None or _finite(_cell(tr, "ag_max")) is None
-                              else _cell(tr, "ag_max") * norm / math.sqrt(p["dim"])),
-        })
+        rows.append(
+            {
+                "x": r.meta[x],
+                "seed": r.meta.get("seed"),
+                "point": p["name"],
+                "d_align": _finite(_cell(tr, "d_align")),
+                "ag_max": _finite(_cell(tr, "ag_max")),
+                "ag_mean": _finite(_cell(tr, "ag_mean")),
+                "b_align": _finite(_cell(cert, "b_align")),
+                "b_exact": _finite(_cell(cert, "b_exact")),
+                "misalignment": _finite(_cell(mis, "probability")),
+                "realized_alignment": _finite(p["realized_alignment"]),
+                "cosine": _finite(cosine(p)),
+                "d_par": _finite(_cell(tr, "d_par")),
+                "d_2": _finite(_cell(tr, "d_2")),
+                "cross_frob2": _finite(_cell(sat, "cross_frob2")),
+                "test_loss": _finite(r.meta.get("test_loss")),
+                "stream_norm": _finite(norm),
+                "ag_max_scaled": (
+                    None
+                    if norm is None or _finite(_cell(tr, "ag_max")) is None
+                    else _cell(tr, "ag_max") * norm / math.sqrt(p["dim"])
+                ),
+            }
+        )
     return rows
 
 
@@ -600,19 +711,33 @@ def cosine(point: dict) -> float | None:
 
 # what a sweep table shows per x value: (column title, row key), and the trend checked
 SWEEP_COLUMNS = {
-    "width": (("d_align", "d_align"), ("d_par", "d_par"), ("d_2", "d_2"),
-              ("cos(train,test)", "cosine"), ("B_exact", "b_exact"),
-              ("misalignment", "misalignment"), ("test loss", "test_loss")),
-    "depth": (("AG_max", "ag_max"), ("AG_mean", "ag_mean"), ("|z|", "stream_norm"),
-              ("AG_max*|z|/sqrt(d)", "ag_max_scaled"), ("|C|_F^2", "cross_frob2"),
-              ("test loss", "test_loss")),
+    "width": (
+        ("d_align", "d_align"),
+        ("d_par", "d_par"),
+        ("d_2", "d_2"),
+        ("cos(train,test)", "cosine"),
+        ("B_exact", "b_exact"),
+        ("misalignment", "misalignment"),
+        ("test loss", "test_loss"),
+    ),
+    "depth": (
+        ("AG_max", "ag_max"),
+        ("AG_mean", "ag_mean"),
+        ("|z|", "stream_norm"),
+        ("AG_max*|z|/sqrt(d)", "ag_max_scaled"),
+        ("|C|_F^2", "cross_frob2"),
+        ("test loss", "test_loss"),
+    ),
 }
-SWEEP_TRENDS = {"width": ("d_align", "misalignment"),
-                "depth": ("ag_max", "ag_max_scaled", "cross_frob2", "test_loss")}
+SWEEP_TRENDS = {
+    "width": ("d_align", "misalignment"),
+    "depth": ("ag_max", "ag_max_scaled", "cross_frob2", "test_loss"),
+}
 
 
-def sweep_summary(reports: Iterable[Report], x: str, point: str | int = "last",
-                  permutations: int = 10_000) -> str:
+def sweep_summary(
+    reports: Iterable[Report], x: str, point: str | int = "last", permutations: int = 10_000
+) -> str:
     """A text table of a sweep (median [min, max] over the reports at each x value) and, for the
     sweep's key quantities, Spearman's ρ against x over all reports with a permutation p-value
     and a plain-words reading that says when no trend is visible."""
@@ -634,13 +759,11 @@ def sweep_summary(reports: Iterable[Report], x: str, point: str | int = "last",
             elif len(vals) == 1:
                 line.append(fmt(vals[0], ".3g"))
             else:
-                line.append(f"{fmt(median(vals), '.3g')} [{fmt(min(vals), '.3g')}, "
-                            f"{fmt(max(vals), '.3g')}]")
+                line.append(f"{fmt(median(vals), '.3g')} [{fmt(min(vals), '.3g')}, {fmt(max(vals), '.3g')}]")
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     out = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
-    where = (f"the {point} residual point of each model" if point in ("last", "first")
-             else f"point {point!r}")
+    where = f"the {point} residual point of each model" if point in ("last", "first") else f"point {point!r}"
     out.append(f"(median [min, max] over the runs at each {x}, at {where}; {len(rows)} runs)")
     for key in SWEEP_TRENDS[x]:
         if any(r.get(key) is not None for r in rows):
@@ -667,8 +790,7 @@ def _pick(report: Report, point) -> dict:
         for p in pts:
             if p["index"] == point:
                 return p
-        raise FusedStatsError(f"report has no point with index {point}; indices: "
-                              f"{[p['index'] for p in pts]}")
+        raise FusedStatsError(f"report has no point with index {point}; indices: {[p['index'] for p in pts]}")
     return report.point(point)
 
 
@@ -680,7 +802,8 @@ def _matplotlib():
     except ImportError:
         raise FusedStatsError(
             "plots need matplotlib, which is not installed: pip install 'fused-stats[plot]' "
-            "(or pip install matplotlib)") from None
+            "(or pip install matplotlib)"
+        ) from None
     return Figure, FigureCanvasAgg
 
 
@@ -719,12 +842,13 @@ def _symlog(ax, positive) -> None:
 
     low = math.floor(math.log10(min(positive)))
     high = math.ceil(math.log10(max(positive)))
-    ax.set_yscale("symlog", linthresh=10.0 ** low, linscale=0.5)
-    ax.set_yticks([0.0] + [10.0 ** k for k in range(low, high + 1)])
-    ax.yaxis.set_major_formatter(FuncFormatter(
-        lambda v, _: "0" if v == 0 else f"$10^{{{round(math.log10(v))}}}$"))
+    ax.set_yscale("symlog", linthresh=10.0**low, linscale=0.5)
+    ax.set_yticks([0.0] + [10.0**k for k in range(low, high + 1)])
+    ax.yaxis.set_major_formatter(
+        FuncFormatter(lambda v, _: "0" if v == 0 else f"$10^{{{round(math.log10(v))}}}$")
+    )
     ax.yaxis.set_minor_locator(_null_locator())
-    ax.set_ylim(-0.1 * 10.0 ** low, 10.0 ** high)
+    ax.set_ylim(-0.1 * 10.0**low, 10.0**high)
 
 
 def _legend_below(ax) -> None:
@@ -732,8 +856,15 @@ def _legend_below(ax) -> None:
     once the layout is known), never over the data."""
     handles, labels = ax.get_legend_handles_labels()
     if handles:
-        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=7,
-                  ncol=min(2, len(handles)), frameon=False)
+        ax.legend(
+            handles,
+            labels,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.2),
+            fontsize=7,
+            ncol=min(2, len(handles)),
+            frameon=False,
+        )
 
 
 def _place_legends(fig, axes) -> None:
@@ -768,8 +899,7 @@ def _line(ax, xs, ys, **kw):
 def _errorbar(ax, xs, ys, es, **kw):
     trip = [(x, y, e or 0.0) for x, y, e in zip(xs, ys, es) if y is not None]
     if trip:
-        ax.errorbar([t[0] for t in trip], [t[1] for t in trip], yerr=[t[2] for t in trip],
-                    capsize=3, **kw)
+        ax.errorbar([t[0] for t in trip], [t[1] for t in trip], yerr=[t[2] for t in trip], capsize=3, **kw)
 
 
 def _spread(ax, rows, key, label):
@@ -794,9 +924,14 @@ def _histogram_lines(hist: dict) -> list[str]:
     """The markdown section of one point's norm histogram: a row per bin that holds samples,
     plus the underflow and overflow rows."""
     edges, counts = hist["edges"], hist["counts"]
-    lines = ["", f"### Per-sample norm histogram (train stream, n={hist['n']}; "
-                 "bins without samples omitted)", "", "| \\|q_i\\| in | count |", "|---|---|",
-             f"| [0, {fmt(edges[0], '.3g')}) | {hist['underflow']} |"]
+    lines = [
+        "",
+        f"### Per-sample norm histogram (train stream, n={hist['n']}; bins without samples omitted)",
+        "",
+        "| \\|q_i\\| in | count |",
+        "|---|---|",
+        f"| [0, {fmt(edges[0], '.3g')}) | {hist['underflow']} |",
+    ]
     for low, high, count in zip(edges, edges[1:], counts):
         if count:
             lines.append(f"| [{fmt(low, '.3g')}, {fmt(high, '.3g')}) | {count} |")
@@ -812,11 +947,21 @@ def _histogram_panel(ax, points: list[dict]) -> None:
         hist = p["norm_histogram"]
         edges = hist["edges"]
         widths = [b - a for a, b in itertools.pairwise(edges)]
-        outside = f", {hist['underflow']} below, {hist['overflow']} above" if (
-            hist["underflow"] or hist["overflow"]) else ""
-        ax.bar(edges[:-1], hist["counts"], width=widths, align="edge",
-               alpha=0.5 if several else 0.8, edgecolor="black", linewidth=0.3,
-               label=f"{_short(p['name'])}{outside}")
+        outside = (
+            f", {hist['underflow']} below, {hist['overflow']} above"
+            if (hist["underflow"] or hist["overflow"])
+            else ""
+        )
+        ax.bar(
+            edges[:-1],
+            hist["counts"],
+            width=widths,
+            align="edge",
+            alpha=0.5 if several else 0.8,
+            edgecolor="black",
+            linewidth=0.3,
+            label=f"{_short(p['name'])}{outside}",
+        )
     ax.set_xscale("log")
     ax.set_title("per-sample norm histogram (train)")
     ax.set_xlabel("|q_i| (log scale)")

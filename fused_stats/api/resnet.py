@@ -88,8 +88,9 @@ def _stage(block, in_ch: int, ch: int, blocks: int, stride: int) -> tuple[nn.Seq
 class CifarResNet(nn.Module):
     """ResNet-(6n+2) for 32x32 inputs: stem, three stages of ``n`` basic blocks, pool, linear."""
 
-    def __init__(self, width: int = 16, blocks_per_stage: int = 3, num_classes: int = 10,
-                 in_channels: int = 3):
+    def __init__(
+        self, width: int = 16, blocks_per_stage: int = 3, num_classes: int = 10, in_channels: int = 3
+    ):
         super().__init__()
         self.width = width
         self.conv1 = nn.Conv2d(in_channels, width, 3, 1, 1, bias=False)
@@ -110,8 +111,14 @@ class CifarResNet(nn.Module):
 class ResNet(nn.Module):
     """torchvision-layout ResNet at a small base ``width`` (64 in torchvision)."""
 
-    def __init__(self, block=BasicBlock, layers=(2, 2, 2, 2), width: int = 8, num_classes: int = 10,
-                 in_channels: int = 3):
+    def __init__(
+        self,
+        block=BasicBlock,
+        layers=(2, 2, 2, 2),
+        width: int = 8,
+        num_classes: int = 10,
+        in_channels: int = 3,
+    ):
         super().__init__()
         self.width = width
         self.conv1 = nn.Conv2d(in_channels, width, 7, 2, 3, bias=False)
@@ -145,8 +152,9 @@ def _randomise_bn(model: nn.Module, seed: int) -> None:
                 mod.bias.copy_(0.1 * torch.randn(c, generator=gen))
 
 
-def cifar_resnet20(width: int = 16, num_classes: int = 10, seed: int | None = None,
-                   random_batchnorm: bool = False) -> CifarResNet:
+def cifar_resnet20(
+    width: int = 16, num_classes: int = 10, seed: int | None = None, random_batchnorm: bool = False
+) -> CifarResNet:
     """CIFAR ResNet-20 (3 stages x 3 basic blocks, ``width/2w/4w`` channels; paper: 16/32/64).
 
     ``seed`` seeds the initialisation; ``random_batchnorm`` gives BatchNorm random running
@@ -160,8 +168,14 @@ def cifar_resnet20(width: int = 16, num_classes: int = 10, seed: int | None = No
     return model
 
 
-def tiny_resnet(block: str = "basic", layers=(1, 1, 1, 1), width: int = 8, num_classes: int = 10,
-                seed: int | None = None, random_batchnorm: bool = False) -> ResNet:
+def tiny_resnet(
+    block: str = "basic",
+    layers=(1, 1, 1, 1),
+    width: int = 8,
+    num_classes: int = 10,
+    seed: int | None = None,
+    random_batchnorm: bool = False,
+) -> ResNet:
     """torchvision-style ResNet (``block`` "basic" or "bottleneck") at base width ``width``."""
     kinds = {"basic": BasicBlock, "bottleneck": Bottleneck}
     if block not in kinds:

@@ -49,9 +49,18 @@ from .points import residual_points
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # safetensors dtype codes (the format's header spelling)
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-              "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 # ----------------------------------------------------------------------------- devices
@@ -69,8 +78,8 @@ def _resolve_device(device) -> torch.device | None:
         index = dev.index if dev.index is not None else (torch.cuda.current_device() if count else 0)
         if index >= count:
             raise FusedStatsError(
-                f"stream_blocks: device {device!r} does not exist (this machine has {count} CUDA "
-                "device(s))")
+                f"stream_blocks: device {device!r} does not exist (this machine has {count} CUDA device(s))"
+            )
         return torch.device("cuda", index)
     raise FusedStatsError(f"stream_blocks: device {device!r} is not supported; use 'cpu' or 'cuda[:i]'")
 
@@ -91,8 +100,9 @@ def _read_header(path: Path) -> dict:
                 raise FusedStatsError(f"checkpoint shard {path} is truncated ({size} bytes, no header)")
             (length,) = struct.unpack("<Q", head)
             if length > size - 8:
-                raise FusedStatsError(f"checkpoint shard {path} is truncated: header of {length} "
-                                      f"bytes in a file of {size}")
+                raise FusedStatsError(
+                    f"checkpoint shard {path} is truncated: header of {length} bytes in a file of {size}"
+                )
             header = json.loads(handle.read(length))
     except FileNotFoundError:
         raise FusedStatsError(f"checkpoint shard {path} is missing") from None
@@ -102,8 +112,10 @@ def _read_header(path: Path) -> dict:
     header["\0base"] = 8 + length
     end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "\0base"), default=0)
     if 8 + length + end > size:
-        raise FusedStatsError(f"checkpoint shard {path} is truncated: its tensors need "
-                              f"{8 + length + end} bytes, the file has {size}")
+        raise FusedStatsError(
+            f"checkpoint shard {path} is truncated: its tensors need "
+            f"{8 + length + end} bytes, the file has {size}"
+        )
     return header
 
 
@@ -127,29 +139,36 @@ class _Checkpoint:
         self.headers = {path: _read_header(path) for path in shards}
         self.aliases: dict[str, str] = {}
         if self.files is None:
-            self.files = {name: folder / SINGLE_FILE for name in self.headers[folder / SINGLE_FILE]
-                          if name != "\0base"}
+            self.files = {
+                name: folder / SINGLE_FILE for name in self.headers[folder / SINGLE_FILE] if name != "\0base"
+            }
         for name, path in self.files.items():
             if name not in self.headers[path]:
-                raise FusedStatsError(f"checkpoint index {index} puts tensor {name!r} in {path.name}, "
-                                      "whose header does not hold it")
+                raise FusedStatsError(
+                    f"checkpoint index {index} puts tensor {name!r} in {path.name}, "
+                    "whose header does not hold it"
+                )
 
     def entry(self, name: str, shape, dtype, expected_dtype) -> tuple[Path, str]:
         """``(shard, name)`` of tensor ``name``, its header checked against ``shape`` and the
         config's dtype."""
         path = self.files.get(name)
         if path is None:
-            raise FusedStatsError(f"tensor {name!r} is missing from the checkpoint in {self.folder} "
-                                  f"(the model built from its config needs it, shape {tuple(shape)})")
+            raise FusedStatsError(
+                f"tensor {name!r} is missing from the checkpoint in {self.folder} "
+                f"(the model built from its config needs it, shape {tuple(shape)})"
+            )
         info = self.headers[path][name]
         got_dtype = _ST_DTYPES.get(info["dtype"])
         if tuple(info["shape"]) != tuple(shape):
-            raise FusedStatsError(f"tensor {name!r} in {path} has shape {tuple(info['shape'])}; the "
-                                  f"config gives {tuple(shape)}")
+            raise FusedStatsError(
+                f"tensor {name!r} in {path} has shape {tuple(info['shape'])}; the config gives {tuple(shape)}"
+            )
         want = expected_dtype if dtype.is_floating_point else dtype
         if want is not None and got_dtype != want:
-            raise FusedStatsError(f"tensor {name!r} in {path} has dtype {info['dtype']}; the config "
-                                  f"gives {want}")
+            raise FusedStatsError(
+                f"tensor {name!r} in {path} has dtype {info['dtype']}; the config gives {want}"
+            )
         return path, name
 
     def load(self, entries: dict[str, tuple[Path, str]], pin: bool = False) -> dict[str, torch.Tensor]:
@@ -172,10 +191,21 @@ class _Checkpoint:
                     raise FusedStatsError(
                         f"tensor {name!r} in {path} has shape {tuple(now['shape'])} and dtype "
                         f"{now['dtype']}; the config gives shape {tuple(was['shape'])}, dtype "
-                        f"{was['dtype']}")
+                        f"{was['dtype']}"
+                    )
                 begin, stop = (int(x) for x in now["data_offsets"])
-                layout.append((local, name, path, fresh["\0base"] + begin, stop - begin, total,
-                               _ST_DTYPES[now["dtype"]], tuple(now["shape"])))
+                layout.append(
+                    (
+                        local,
+                        name,
+                        path,
+                        fresh["\0base"] + begin,
+                        stop - begin,
+                        total,
+                        _ST_DTYPES[now["dtype"]],
+                        tuple(now["shape"]),
+                    )
+                )
                 total += (stop - begin + 63) // 64 * 64  # 64-byte aligned views
         if pin:
             buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
@@ -190,11 +220,13 @@ class _Checkpoint:
             for local, name, path, offset, size, at, dtype, shape in layout:
                 handle = handles.get(path) or handles.setdefault(path, open(path, "rb"))  # noqa: SIM115  (closed in the finally below)
                 handle.seek(offset)
-                got = handle.readinto(memoryview(raw[at:at + size]))
+                got = handle.readinto(memoryview(raw[at : at + size]))
                 if got != size:
-                    raise FusedStatsError(f"checkpoint shard {path} is truncated: tensor {name!r} "
-                                          f"needs {size} bytes at offset {offset}, read {got}")
-                out[local] = buffer[at:at + size].view(dtype).view(shape)
+                    raise FusedStatsError(
+                        f"checkpoint shard {path} is truncated: tensor {name!r} "
+                        f"needs {size} bytes at offset {offset}, read {got}"
+                    )
+                out[local] = buffer[at : at + size].view(dtype).view(shape)
         except OSError as exc:
             raise FusedStatsError(f"cannot read checkpoint shard {path}: {exc}") from None
         finally:
@@ -231,8 +263,10 @@ def _first_tensor(output):
             return output[0], lambda t: type(output)(t, *rest)
         kind = type(output) if type(output) in (tuple, list) else tuple
         return output[0], lambda t: kind([t, *rest])
-    raise FusedStatsError(f"a streamed block returned {type(output).__name__}; expected a tensor or "
-                          "a tuple whose first element is a tensor")
+    raise FusedStatsError(
+        f"a streamed block returned {type(output).__name__}; expected a tensor or "
+        "a tuple whose first element is a tensor"
+    )
 
 
 def _tensors_in(value):
@@ -309,20 +343,25 @@ class StreamedBlock(nn.Module):
     def forward(self, x, *args, **kwargs):
         streamer = self.streamer
         if not isinstance(x, torch.Tensor):
-            raise FusedStatsError(f"streamed block {streamer.names[self.index]!r} needs a tensor as its "
-                                  f"first argument, got {type(x).__name__}")
+            raise FusedStatsError(
+                f"streamed block {streamer.names[self.index]!r} needs a tensor as its "
+                f"first argument, got {type(x).__name__}"
+            )
         for value in (*args, *kwargs.values()):
             if type(value).__name__.endswith("Cache") or (
-                    isinstance(value, (tuple, list)) and any(type(v).__name__.endswith("Cache") for v in value)):
+                isinstance(value, (tuple, list)) and any(type(v).__name__.endswith("Cache") for v in value)
+            ):
                 raise FusedStatsError(
                     f"streamed block {streamer.names[self.index]!r} got a KV cache "
-                    f"({type(value).__name__}); streamed blocks run without one: pass use_cache=False")
+                    f"({type(value).__name__}); streamed blocks run without one: pass use_cache=False"
+                )
         grad_in = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
         if grad_in and torch.is_grad_enabled():
             raise FusedStatsError(
                 f"streamed block {streamer.names[self.index]!r}: an argument other than the hidden "
                 f"state requires grad (shape {tuple(grad_in[0].shape)}); only the first argument is "
-                "differentiated through a streamed block")
+                "differentiated through a streamed block"
+            )
         needs_grad = torch.is_grad_enabled() and x.requires_grad
         run = _Run(self, x, args, kwargs) if needs_grad else None
         if run is not None and self.block.training:
@@ -374,18 +413,25 @@ class _FolderWeights:
         self.entries, self.extra = [], []
         for block, prefix in zip(blocks, prefixes):
             entries, extra = {}, {}
-            persistent = {f"{m}.{b}".lstrip(".") for m, mod in block.named_modules()
-                          for b in mod._buffers if b not in mod._non_persistent_buffers_set}
+            persistent = {
+                f"{m}.{b}".lstrip(".")
+                for m, mod in block.named_modules()
+                for b in mod._buffers
+                if b not in mod._non_persistent_buffers_set
+            }
             for local, t in [*block.named_parameters(), *block.named_buffers()]:
                 if local in persistent or isinstance(t, nn.Parameter):
-                    entries[local] = checkpoint.entry(_lookup(checkpoint, f"{prefix}.{local}", strip),
-                                                      t.shape, t.dtype, expected_dtype)
+                    entries[local] = checkpoint.entry(
+                        _lookup(checkpoint, f"{prefix}.{local}", strip), t.shape, t.dtype, expected_dtype
+                    )
                 else:
                     extra[local] = t  # a non-persistent buffer the constructor computed
             self.entries.append(entries)
             self.extra.append(extra)
-        self.sizes = [sum(math.prod(t.shape) * t.element_size()
-                          for t in [*b.parameters(), *b.buffers()]) for b in blocks]
+        self.sizes = [
+            sum(math.prod(t.shape) * t.element_size() for t in [*b.parameters(), *b.buffers()])
+            for b in blocks
+        ]
 
     def nbytes(self, i) -> int:
         return self.sizes[i]
@@ -404,8 +450,7 @@ def _checkpoint_aliases(model, names) -> dict[str, str]:
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
 
-        renames = [t for t in get_model_conversion_mapping(model)
-                   if type(t).__name__ == "WeightRenaming"]
+        renames = [t for t in get_model_conversion_mapping(model) if type(t).__name__ == "WeightRenaming"]
     except Exception:  # an older or newer transformers without these rules: names as stored
         return {}
     out = {}
@@ -427,7 +472,7 @@ def _lookup(checkpoint: _Checkpoint, name: str, strip: str | None) -> str:
         return checkpoint.aliases[name]
     if not strip or not name.startswith(strip + "."):
         return name
-    short = name[len(strip) + 1:]
+    short = name[len(strip) + 1 :]
     return short if short in checkpoint.files else name
 
 
@@ -454,8 +499,11 @@ class BlockStreamer:
         self.peak_resident_bytes = 0
         self._pending = None  # (index, future or dict, nbytes)
         self._needs_backward: set[int] = set()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fused_stats_prefetch") \
-            if prefetch and not weights.in_place else None
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="fused_stats_prefetch")
+            if prefetch and not weights.in_place
+            else None
+        )
         self._side = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
         self.block_bytes = max((self._block_nbytes(i) for i in range(len(names))), default=0)
         self.resident_bytes = 0
@@ -467,9 +515,14 @@ class BlockStreamer:
         if self.dtype is None:
             return raw
         scale = torch.empty((), dtype=self.dtype).element_size()
-        return sum(math.prod(t.shape) * (scale if t.is_floating_point() else t.element_size())
-                   for t in [*self._weights.blocks[i].parameters(), *self._weights.blocks[i].buffers()]) \
-            if raw else 0
+        return (
+            sum(
+                math.prod(t.shape) * (scale if t.is_floating_point() else t.element_size())
+                for t in [*self._weights.blocks[i].parameters(), *self._weights.blocks[i].buffers()]
+            )
+            if raw
+            else 0
+        )
 
     def _count(self, delta: int) -> None:
         with self._lock:
@@ -620,9 +673,11 @@ class BlockStreamer:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"BlockStreamer({type(self.model).__name__}, blocks={len(self.names)}, "
-                f"block_bytes={self.block_bytes}, resident_bytes={self.resident_bytes}, "
-                f"prefetch={self.prefetch})")
+        return (
+            f"BlockStreamer({type(self.model).__name__}, blocks={len(self.names)}, "
+            f"block_bytes={self.block_bytes}, resident_bytes={self.resident_bytes}, "
+            f"prefetch={self.prefetch})"
+        )
 
 
 def _block_names(model: nn.Module, where: str) -> list[str]:
@@ -687,7 +742,9 @@ def stream_blocks(source, device=None, dtype=None, prefetch: int = 1) -> BlockSt
         return _from_module(source, dev, dtype, prefetch)
     if isinstance(source, (str, os.PathLike)):
         return _from_folder(Path(source), dev, dtype, prefetch)
-    raise FusedStatsError(f"stream_blocks needs an nn.Module or a checkpoint folder, got {type(source).__name__}")
+    raise FusedStatsError(
+        f"stream_blocks needs an nn.Module or a checkpoint folder, got {type(source).__name__}"
+    )
 
 
 def _set_use_cache(model, value):
@@ -702,8 +759,9 @@ def _set_use_cache(model, value):
 def _from_module(model: nn.Module, dev, dtype, prefetch) -> BlockStreamer:
     names = _block_names(model, type(model).__name__)
     if any(isinstance(model.get_submodule(n), StreamedBlock) for n in names):
-        raise FusedStatsError("stream_blocks: this model's blocks are already streamed; close() the "
-                              "other streamer first")
+        raise FusedStatsError(
+            "stream_blocks: this model's blocks are already streamed; close() the other streamer first"
+        )
     blocks = [model.get_submodule(n) for n in names]
     resident = _resident_tensors(model, names)
     first = next((t for b in blocks for t in b.parameters()), None)
@@ -752,7 +810,9 @@ def _from_folder(folder: Path, dev, dtype, prefetch) -> BlockStreamer:
     try:
         import transformers
     except ImportError:
-        raise FusedStatsError("stream_blocks from a folder needs transformers: pip install 'fused-stats[hf]'") from None
+        raise FusedStatsError(
+            "stream_blocks from a folder needs transformers: pip install 'fused-stats[hf]'"
+        ) from None
     try:
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
@@ -768,7 +828,9 @@ def _from_folder(folder: Path, dev, dtype, prefetch) -> BlockStreamer:
         with _parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=build_dtype)
     except (ValueError, KeyError) as exc:
-        raise FusedStatsError(f"stream_blocks: {folder / 'config.json'} does not describe a causal LM: {exc}") from None
+        raise FusedStatsError(
+            f"stream_blocks: {folder / 'config.json'} does not describe a causal LM: {exc}"
+        ) from None
     names = _block_names(model, f"the model built from {folder / 'config.json'}")
     blocks = [model.get_submodule(n) for n in names]
     strip = getattr(model, "base_model_prefix", None)
@@ -787,8 +849,9 @@ def _from_folder(folder: Path, dev, dtype, prefetch) -> BlockStreamer:
         if found:
             entries[key] = checkpoint.entry(found[0], t.shape, t.dtype, declared)
         elif is_param or (persistent and t.device.type == "meta"):
-            raise FusedStatsError(f"tensor {full!r} is missing from the checkpoint in {folder} "
-                                  f"(shape {tuple(t.shape)})")
+            raise FusedStatsError(
+                f"tensor {full!r} is missing from the checkpoint in {folder} (shape {tuple(t.shape)})"
+            )
         else:
             keep[key] = t
     weights = _FolderWeights(checkpoint, blocks, names, dtype, declared, strip)

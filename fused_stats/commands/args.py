@@ -56,5 +56,6 @@ def refuse_existing(paths, force: bool, what: str = "output") -> None:
 
     existing = [str(p) for p in paths if Path(p).exists()]
     if existing and not force:
-        raise FusedStatsError(f"{what} {', '.join(repr(e) for e in existing)} already exists; "
-                              "pass --force to replace it")
+        raise FusedStatsError(
+            f"{what} {', '.join(repr(e) for e in existing)} already exists; pass --force to replace it"
+        )

@@ -8,40 +8,77 @@ from .args import int_at_least, int_list, positive_float, positive_int
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "demo", help="train small LLaMA-style models on the stdlib's source, probe d_align and AG_max",
+        "demo",
+        help="train small LLaMA-style models on the stdlib's source, probe d_align and AG_max",
         description="Width and depth sweeps of small byte-level LLaMA-style decoders trained in one "
-                    "pass over this Python's standard-library source; prints tables and writes JSON "
-                    "reports and PNG plots. Measured on a shared 2-core Intel Xeon VM: the default "
-                    "280 s wall (187 s CPU), --quick 30 s wall (13 s CPU).")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny sweep for a smoke test (30 s wall on a shared 2-core Intel Xeon VM)")
+        "pass over this Python's standard-library source; prints tables and writes JSON "
+        "reports and PNG plots. Measured on a shared 2-core Intel Xeon VM: the default "
+        "280 s wall (187 s CPU), --quick 30 s wall (13 s CPU).",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sweep for a smoke test (30 s wall on a shared 2-core Intel Xeon VM)",
+    )
     p.add_argument("--out", default="fused_stats_out", help="output folder (default: %(default)s)")
-    p.add_argument("--seeds", type=int_list(0), nargs="+",
-                   help="seeds, e.g. --seeds 0 1 2 (default: 0 1 2; --quick: 0 1)")
-    p.add_argument("--widths", type=int_list(16), nargs="+",
-                   help="widths of the width sweep, multiples of 16 (default: 32 64 128; "
-                        "--quick: 32 64)")
-    p.add_argument("--depths", type=int_list(1), nargs="+",
-                   help="depths of the depth sweep (default: 1 2 4 8; --quick: 1 2)")
-    p.add_argument("--width-sweep-depth", type=positive_int,
-                   help="depth of every width-sweep model (default: 4; --quick: 2)")
-    p.add_argument("--depth-sweep-width", type=int_at_least(16),
-                   help="width of every depth-sweep model (default: 64; --quick: 32)")
-    p.add_argument("--steps", type=positive_int,
-                   help="training steps per model, batches of 16 x 64 bytes (default: 128; "
-                        "--quick: 24)")
-    p.add_argument("--probe-batches", type=positive_int,
-                   help="probe batches per stream, 16 sequences each (default: 16; --quick: 4)")
-    p.add_argument("--lr", type=positive_float,
-                   help="base learning rate, scaled by 32/width (default: 0.003)")
-    p.add_argument("--split", type=positive_int,
-                   help="M = K of the certificate and misalignment (default: 32; --quick: 16)")
-    p.add_argument("--threads", type=positive_int, default=1,
-                   help="torch CPU threads (default 1: these small models gain little from more, "
-                        "and a second OpenMP thread on a busy machine ran 4-10x slower)")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress output (default: a bar on a terminal, a line every 30 s "
-                        "otherwise)")
+    p.add_argument(
+        "--seeds",
+        type=int_list(0),
+        nargs="+",
+        help="seeds, e.g. --seeds 0 1 2 (default: 0 1 2; --quick: 0 1)",
+    )
+    p.add_argument(
+        "--widths",
+        type=int_list(16),
+        nargs="+",
+        help="widths of the width sweep, multiples of 16 (default: 32 64 128; --quick: 32 64)",
+    )
+    p.add_argument(
+        "--depths",
+        type=int_list(1),
+        nargs="+",
+        help="depths of the depth sweep (default: 1 2 4 8; --quick: 1 2)",
+    )
+    p.add_argument(
+        "--width-sweep-depth",
+        type=positive_int,
+        help="depth of every width-sweep model (default: 4; --quick: 2)",
+    )
+    p.add_argument(
+        "--depth-sweep-width",
+        type=int_at_least(16),
+        help="width of every depth-sweep model (default: 64; --quick: 32)",
+    )
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        help="training steps per model, batches of 16 x 64 bytes (default: 128; --quick: 24)",
+    )
+    p.add_argument(
+        "--probe-batches",
+        type=positive_int,
+        help="probe batches per stream, 16 sequences each (default: 16; --quick: 4)",
+    )
+    p.add_argument(
+        "--lr", type=positive_float, help="base learning rate, scaled by 32/width (default: 0.003)"
+    )
+    p.add_argument(
+        "--split",
+        type=positive_int,
+        help="M = K of the certificate and misalignment (default: 32; --quick: 16)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch CPU threads (default 1: these small models gain little from more, "
+        "and a second OpenMP thread on a busy machine ran 4-10x slower)",
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress output (default: a bar on a terminal, a line every 30 s otherwise)",
+    )
     p.set_defaults(func=cmd_demo)
 
 
@@ -53,9 +90,14 @@ def cmd_demo(args) -> int:
         value = getattr(args, arg)
         if value:
             overrides[key] = tuple(v for group in value for v in group)
-    for arg, key in (("width_sweep_depth", "width_sweep_depth"),
-                     ("depth_sweep_width", "depth_sweep_width"), ("steps", "train_steps"),
-                     ("probe_batches", "probe_batches"), ("lr", "base_lr"), ("split", "split")):
+    for arg, key in (
+        ("width_sweep_depth", "width_sweep_depth"),
+        ("depth_sweep_width", "depth_sweep_width"),
+        ("steps", "train_steps"),
+        ("probe_batches", "probe_batches"),
+        ("lr", "base_lr"),
+        ("split", "split"),
+    ):
         value = getattr(args, arg)
         if value is not None:
             overrides[key] = value

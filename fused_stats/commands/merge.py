@@ -21,15 +21,17 @@ from pathlib import Path
 
 def register(sub) -> None:
     cmd = sub.add_parser(
-        "merge", help="merge saved accumulator states (GradStats, CrossStats, norm histogram files "
-                      "or probe checkpoint directories) from separate jobs",
+        "merge",
+        help="merge saved accumulator states (GradStats, CrossStats, norm histogram files "
+        "or probe checkpoint directories) from separate jobs",
         description="Merge saved accumulator states exactly: OUT = IN1 + IN2 + ... (state files "
-                    "of one kind, or probe checkpoint directories).")
-    cmd.add_argument("out", help="output .safetensors file (or checkpoint directory); the folder "
-                                 "it goes in must exist")
+        "of one kind, or probe checkpoint directories).",
+    )
+    cmd.add_argument(
+        "out", help="output .safetensors file (or checkpoint directory); the folder it goes in must exist"
+    )
     cmd.add_argument("inputs", nargs="+", help="input state files (or checkpoint directories)")
-    cmd.add_argument("--force", action="store_true",
-                     help="replace an existing output (default: refuse)")
+    cmd.add_argument("--force", action="store_true", help="replace an existing output (default: refuse)")
     cmd.set_defaults(func=cmd_merge)
 
 
@@ -45,12 +47,13 @@ def _state_class(inputs):
     unknown = [f"{str(p)!r} ({f!r})" for p, f in zip(inputs, formats) if f not in classes]
     if unknown:
         raise FusedStatsError(
-            f"merge: not fused_stats state files: {unknown}; expected one of the formats "
-            f"{sorted(classes)}")
+            f"merge: not fused_stats state files: {unknown}; expected one of the formats {sorted(classes)}"
+        )
     if len(set(formats)) > 1:
         raise FusedStatsError(
             "merge: inputs hold different kinds of state: "
-            f"{[f'{str(p)!r}: {f}' for p, f in zip(inputs, formats)]}")
+            f"{[f'{str(p)!r}: {f}' for p, f in zip(inputs, formats)]}"
+        )
     return classes[formats[0]]
 
 
@@ -88,12 +91,14 @@ def cmd_merge(args) -> int:
     if len(kinds) > 1:
         raise FusedStatsError(
             "merge: mix of files and directories; give either state files or probe "
-            f"checkpoint directories, got {[str(p) for p in inputs]}")
+            f"checkpoint directories, got {[str(p) for p in inputs]}"
+        )
     parent = out.resolve().parent
     if not parent.is_dir():
         raise FusedStatsError(
             f"merge: the folder {str(out.parent)!r} for the output {str(out)!r} does not exist "
-            "(create it first)")
+            "(create it first)"
+        )
     same = any(out.resolve() == p.resolve() for p in inputs)
     if out.exists() and not same and not args.force:
         raise FusedStatsError(f"merge: {str(out)!r} exists; pass --force to replace it")
@@ -107,12 +112,12 @@ def cmd_merge(args) -> int:
         print(f"merged {len(inputs)} probe checkpoints into {snap}")
         print(f"{'stream':<8}{'point':<32}{'n':>10}  state")
         for (_, stream, name), acc in sorted(
-                accs.items(), key=lambda item: (item[0][1], item[0][2], item[0][0] != "grad")):
+            accs.items(), key=lambda item: (item[0][1], item[0][2], item[0][0] != "grad")
+        ):
             print(f"{stream:<8}{name:<32}{acc.n:>10}  {_describe(acc)}")
         return 0
     if out.exists() and out.is_dir():
         raise FusedStatsError(f"merge: inputs are state files but {str(out)!r} is a directory")
     merged = merge_files(out, inputs)
-    print(f"merged {len(inputs)} states into {out}: n={merged.n}, dim={merged.dim}, "
-          f"{_describe(merged)}")
+    print(f"merged {len(inputs)} states into {out}: n={merged.n}, dim={merged.dim}, {_describe(merged)}")
     return 0

@@ -15,26 +15,48 @@ def register(sub) -> None:
     from ..api.plan import PRESETS
 
     cmd = sub.add_parser(
-        "plan", help="accumulator memory per point (dense / pool / auto) for a model shape",
+        "plan",
+        help="accumulator memory per point (dense / pool / auto) for a model shape",
         description="Bytes of accumulator state per point and for the whole probe, per second-moment "
-                    "mode, before a run starts.")
-    cmd.add_argument("--dim", type=positive_int,
-                     help="feature dimension d (hidden size); with --points (default: from --model)")
-    cmd.add_argument("--points", type=positive_int,
-                     help="number of insertion points; with --dim (default: from --model)")
-    cmd.add_argument("--pool", type=nonnegative_int, default=None,
-                     help="samples per accumulator (pool size N) for the pool and auto modes "
-                          "(default: unknown; auto is shown at its dense bound)")
-    cmd.add_argument("--model", help="model config JSON, or a model directory holding config.json "
-                                     "(default: none)")
-    cmd.add_argument("--preset", action="append", choices=sorted(PRESETS),
-                     help="a named shape, repeatable (default: llama-7b and llama-70b when no "
-                          "shape is given)")
-    cmd.add_argument("--streams", type=int_at_least(1), default=2, choices=[1, 2],
-                     help="accumulators per point: 2 = train + test streams, 1 = one")
+        "mode, before a run starts.",
+    )
+    cmd.add_argument(
+        "--dim",
+        type=positive_int,
+        help="feature dimension d (hidden size); with --points (default: from --model)",
+    )
+    cmd.add_argument(
+        "--points", type=positive_int, help="number of insertion points; with --dim (default: from --model)"
+    )
+    cmd.add_argument(
+        "--pool",
+        type=nonnegative_int,
+        default=None,
+        help="samples per accumulator (pool size N) for the pool and auto modes "
+        "(default: unknown; auto is shown at its dense bound)",
+    )
+    cmd.add_argument(
+        "--model", help="model config JSON, or a model directory holding config.json (default: none)"
+    )
+    cmd.add_argument(
+        "--preset",
+        action="append",
+        choices=sorted(PRESETS),
+        help="a named shape, repeatable (default: llama-7b and llama-70b when no shape is given)",
+    )
+    cmd.add_argument(
+        "--streams",
+        type=int_at_least(1),
+        default=2,
+        choices=[1, 2],
+        help="accumulators per point: 2 = train + test streams, 1 = one",
+    )
     cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    cmd.add_argument("--stream-blocks", action="store_true",
-                     help="also plan device and host memory of a weight-streamed probe step")
+    cmd.add_argument(
+        "--stream-blocks",
+        action="store_true",
+        help="also plan device and host memory of a weight-streamed probe step",
+    )
     cmd.add_argument("--tokens", type=int, default=8192, help="tokens a batch (--stream-blocks)")
     cmd.set_defaults(func=cmd_plan)
 
@@ -50,11 +72,13 @@ def cmd_plan(args) -> int:
         raise FusedStatsError(f"{given} needs {missing} too (or --model CONFIG for the shape)")
     plans = []
     if args.model is not None:
-        plans.append(plan_memory(dim=args.dim, points=args.points, pool_size=args.pool,
-                                 model=args.model, streams=args.streams))
+        plans.append(
+            plan_memory(
+                dim=args.dim, points=args.points, pool_size=args.pool, model=args.model, streams=args.streams
+            )
+        )
     elif args.dim is not None or args.points is not None:
-        plans.append(plan_memory(dim=args.dim, points=args.points, pool_size=args.pool,
-                                 streams=args.streams))
+        plans.append(plan_memory(dim=args.dim, points=args.points, pool_size=args.pool, streams=args.streams))
     for preset in args.preset or ([] if plans else ["llama-7b", "llama-70b"]):
         plans.append(plan_memory(model=preset, pool_size=args.pool, streams=args.streams))
     if args.json:
@@ -65,8 +89,13 @@ def cmd_plan(args) -> int:
         from ..api.plan import format_stream_plan, plan_streaming
 
         for spec in ([args.model] if args.model else []) + (args.preset or ["llama-7b", "llama-70b"]):
-            print(format_stream_plan(plan_streaming(spec, args.tokens, pool_size=args.pool,
-                                                    streams=args.streams)))
-    print("bytes of fp64 accumulator state (acc = one point, one stream; total = points x streams). "
-          "auto is a pool up to N* samples, dense after; without --pool it is shown at its dense bound.")
+            print(
+                format_stream_plan(
+                    plan_streaming(spec, args.tokens, pool_size=args.pool, streams=args.streams)
+                )
+            )
+    print(
+        "bytes of fp64 accumulator state (acc = one point, one stream; total = points x streams). "
+        "auto is a pool up to N* samples, dense after; without --pool it is shown at its dense bound."
+    )
     return 0

@@ -33,57 +33,113 @@ OUTPUTS = ("report.json", "report.md", "report.png")
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "probe", help="probe a local HF model (folder or config JSON) on a text/token file",
-        description=__doc__.split("\n\n")[0].replace("``", "'"))
-    p.add_argument("--model", required=True, help="local HF causal-LM folder, or a config .json "
-                                                  "with a 'model_type' (required)")
+        "probe",
+        help="probe a local HF model (folder or config JSON) on a text/token file",
+        description=__doc__.split("\n\n")[0].replace("``", "'"),
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="local HF causal-LM folder, or a config .json with a 'model_type' (required)",
+    )
     data = p.add_mutually_exclusive_group()
-    data.add_argument("--text", help="text file, tokenised with the model folder's tokenizer if it "
-                                     "has one, else read as bytes (default: the stdlib source)")
-    data.add_argument("--tokens", help=".npy or .pt file of integer token ids, 1-D or (N, T) "
-                                       "(default: the stdlib source)")
-    p.add_argument("--points", nargs="+", default=None,
-                   help="module names to probe (default: the residual stream after every block)")
+    data.add_argument(
+        "--text",
+        help="text file, tokenised with the model folder's tokenizer if it "
+        "has one, else read as bytes (default: the stdlib source)",
+    )
+    data.add_argument(
+        "--tokens", help=".npy or .pt file of integer token ids, 1-D or (N, T) (default: the stdlib source)"
+    )
+    p.add_argument(
+        "--points",
+        nargs="+",
+        default=None,
+        help="module names to probe (default: the residual stream after every block)",
+    )
     p.add_argument("--batches", type=positive_int, default=8, help="train-stream batches")
-    p.add_argument("--test-batches", type=positive_int, default=None,
-                   help="test-stream batches (default: as --batches)")
+    p.add_argument(
+        "--test-batches", type=positive_int, default=None, help="test-stream batches (default: as --batches)"
+    )
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per batch")
-    p.add_argument("--seq-len", type=int_at_least(2), default=128,
-                   help="tokens per sequence (windows cut from 1-D data)")
-    p.add_argument("--unit", default="sample", choices=["sample", "position", "flat"],
-                   help="one sample per sequence (summed over its positions), per position, or "
-                        "the flattened (T*d) gradient")
-    p.add_argument("--mask", default=None, choices=list(MASKS),
-                   help="counted positions: 'labels' = positions that predict a next token (the "
-                        "last one has an exactly zero gradient), 'attention' = every position of "
-                        "the sequence, 'none' = every position (default: labels for --unit "
-                        "position, attention otherwise)")
-    p.add_argument("--cross", type=cross_spec, default=None, metavar="RANK[,ACTIVATION]",
-                   help="also measure the depth probe's cross-gradient |C| and its saturation test "
-                        "for a zero-output block of RANK features (activation one of "
-                        f"{', '.join(ACTIVATIONS)}; default: off, gelu when only RANK is given)")
-    p.add_argument("--second-moment", default="auto", choices=["auto", "dense", "pool"],
-                   help="second-moment mode of the accumulators")
-    p.add_argument("--trials", type=nonnegative_int, default=2000,
-                   help="misalignment Monte Carlo splits (0: skip the empirical misalignment)")
-    p.add_argument("--split", type=positive_int, nargs=2, metavar=("M", "K"), default=None,
-                   help="certificate/misalignment sizes (default: train n, test n)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
-                   help="model dtype")
-    p.add_argument("--device", default="cpu",
-                   help="torch device of the model and batches, e.g. cpu, cuda, cuda:1")
-    p.add_argument("--seed", type=nonnegative_int, default=0,
-                   help="init seed for a config-built model (and the misalignment splits)")
-    p.add_argument("--out", default="fused_stats_out/probe",
-                   help="output folder for report.json, report.md, report.png")
-    p.add_argument("--force", action="store_true",
-                   help="replace report files already in --out (default: refuse)")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress output, and no Hugging Face loading bar (default: a bar on a "
-                        "terminal, a line every 30 s otherwise)")
-    p.add_argument("--stream-blocks", action="store_true",
-                   help="stream the --model folder's block weights from its safetensors shards, one "
-                        "block at a time (models larger than the device; default: load it whole)")
+    p.add_argument(
+        "--seq-len", type=int_at_least(2), default=128, help="tokens per sequence (windows cut from 1-D data)"
+    )
+    p.add_argument(
+        "--unit",
+        default="sample",
+        choices=["sample", "position", "flat"],
+        help="one sample per sequence (summed over its positions), per position, or "
+        "the flattened (T*d) gradient",
+    )
+    p.add_argument(
+        "--mask",
+        default=None,
+        choices=list(MASKS),
+        help="counted positions: 'labels' = positions that predict a next token (the "
+        "last one has an exactly zero gradient), 'attention' = every position of "
+        "the sequence, 'none' = every position (default: labels for --unit "
+        "position, attention otherwise)",
+    )
+    p.add_argument(
+        "--cross",
+        type=cross_spec,
+        default=None,
+        metavar="RANK[,ACTIVATION]",
+        help="also measure the depth probe's cross-gradient |C| and its saturation test "
+        "for a zero-output block of RANK features (activation one of "
+        f"{', '.join(ACTIVATIONS)}; default: off, gelu when only RANK is given)",
+    )
+    p.add_argument(
+        "--second-moment",
+        default="auto",
+        choices=["auto", "dense", "pool"],
+        help="second-moment mode of the accumulators",
+    )
+    p.add_argument(
+        "--trials",
+        type=nonnegative_int,
+        default=2000,
+        help="misalignment Monte Carlo splits (0: skip the empirical misalignment)",
+    )
+    p.add_argument(
+        "--split",
+        type=positive_int,
+        nargs=2,
+        metavar=("M", "K"),
+        default=None,
+        help="certificate/misalignment sizes (default: train n, test n)",
+    )
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "float64", "bfloat16"], help="model dtype"
+    )
+    p.add_argument(
+        "--device", default="cpu", help="torch device of the model and batches, e.g. cpu, cuda, cuda:1"
+    )
+    p.add_argument(
+        "--seed",
+        type=nonnegative_int,
+        default=0,
+        help="init seed for a config-built model (and the misalignment splits)",
+    )
+    p.add_argument(
+        "--out", default="fused_stats_out/probe", help="output folder for report.json, report.md, report.png"
+    )
+    p.add_argument(
+        "--force", action="store_true", help="replace report files already in --out (default: refuse)"
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress output, and no Hugging Face loading bar (default: a bar on a "
+        "terminal, a line every 30 s otherwise)",
+    )
+    p.add_argument(
+        "--stream-blocks",
+        action="store_true",
+        help="stream the --model folder's block weights from its safetensors shards, one "
+        "block at a time (models larger than the device; default: load it whole)",
+    )
     p.set_defaults(func=cmd_probe)
 
 
@@ -101,7 +157,8 @@ def cross_spec(text: str):
     activation = activation.strip() or "gelu"
     if activation not in ACTIVATIONS:
         raise argparse.ArgumentTypeError(
-            f"ACTIVATION must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+            f"ACTIVATION must be one of {', '.join(ACTIVATIONS)}, got {activation!r}"
+        )
     return value, activation
 
 
@@ -115,16 +172,19 @@ def check_causal_config(config, spec: str) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise FusedStatsError(
             f"--model {spec!r} is an encoder-decoder ({kind!r}) config; the probe needs a "
-            "decoder-only causal LM (e.g. llama, gpt_neox, gpt2)")
+            "decoder-only causal LM (e.g. llama, gpt_neox, gpt2)"
+        )
     if kind not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise FusedStatsError(
             f"--model {spec!r}: model_type {kind!r} has no causal-LM head in transformers; the probe "
-            "needs a decoder-only causal LM (e.g. llama, gpt_neox, gpt2)")
+            "needs a decoder-only causal LM (e.g. llama, gpt_neox, gpt2)"
+        )
     if kind in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
         raise FusedStatsError(
             f"--model {spec!r}: model_type {kind!r} is a bidirectional encoder (masked LM); its "
             "positions see later tokens, so a next-token loss is not causal. Use a decoder-only "
-            "causal LM (e.g. llama, gpt_neox, gpt2), or set \"is_decoder\": true in the config")
+            'causal LM (e.g. llama, gpt_neox, gpt2), or set "is_decoder": true in the config'
+        )
 
 
 def _known_model_type(config_file: Path, spec: str, transformers) -> None:
@@ -139,14 +199,16 @@ def _known_model_type(config_file: Path, spec: str, transformers) -> None:
     if isinstance(kind, str) and kind not in CONFIG_MAPPING:
         raise FusedStatsError(
             f"--model {spec!r}: unknown model_type {kind!r} in {config_file.name} for transformers "
-            f"{transformers.__version__} (e.g. \"llama\", \"gpt_neox\", \"gpt2\")")
+            f'{transformers.__version__} (e.g. "llama", "gpt_neox", "gpt2")'
+        )
 
 
 def _config_from_json(spec: str, raw, transformers):
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise FusedStatsError(
-            f"config {spec!r} needs a 'model_type' (e.g. \"llama\", \"gpt_neox\", \"gpt2\"); "
-            f"got keys {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
+            f'config {spec!r} needs a \'model_type\' (e.g. "llama", "gpt_neox", "gpt2"); '
+            f"got keys {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}"
+        )
     raw = dict(raw)
     kind = raw.pop("model_type")
     from transformers import CONFIG_MAPPING
@@ -154,7 +216,8 @@ def _config_from_json(spec: str, raw, transformers):
     if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
         raise FusedStatsError(
             f"config {spec!r}: unknown model_type {kind!r} for transformers "
-            f"{transformers.__version__} (e.g. \"llama\", \"gpt_neox\", \"gpt2\")")
+            f'{transformers.__version__} (e.g. "llama", "gpt_neox", "gpt2")'
+        )
     try:
         return transformers.AutoConfig.for_model(kind, **raw)
     except (ValueError, KeyError, TypeError) as exc:
@@ -180,12 +243,15 @@ def load_model(spec: str, seed: int, dtype: str):
         check_causal_config(config, spec)
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, dtype=torch_dtype)
+                path, local_files_only=True, dtype=torch_dtype
+            )
         except (OSError, ValueError) as exc:
             raise FusedStatsError(f"cannot load a causal LM from folder {spec!r}: {exc}") from None
         tokenizer = None
-        if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
-                                             "vocab.json", "tokenizer.model")):
+        if any(
+            (path / f).exists()
+            for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+        ):
             try:
                 tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
             except (OSError, ValueError):
@@ -227,8 +293,11 @@ def load_streamed(spec: str, device, dtype: str):
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError):
             tokenizer = None
-    return streamer.model, tokenizer, (f"weights streamed block by block from {path} "
-                                       f"({streamer.block_bytes:,} bytes a block)")
+    return (
+        streamer.model,
+        tokenizer,
+        (f"weights streamed block by block from {path} ({streamer.block_bytes:,} bytes a block)"),
+    )
 
 
 # ---------------------------------------------------------------------------- data
@@ -263,7 +332,9 @@ def load_tokens(args, tokenizer):
             split = _split_rows(arr, f"{args.tokens} ({tuple(arr.shape)} sequences)")
             return split
         if arr.dim() != 1:
-            raise FusedStatsError(f"token file {args.tokens!r} has shape {tuple(arr.shape)}; expected 1-D or 2-D")
+            raise FusedStatsError(
+                f"token file {args.tokens!r} has shape {tuple(arr.shape)}; expected 1-D or 2-D"
+            )
         return _split_stream(arr, T, f"{args.tokens} ({arr.numel():,} tokens)")
     if args.text:
         path = Path(args.text)
@@ -271,8 +342,9 @@ def load_tokens(args, tokenizer):
             raise FusedStatsError(f"text file {args.text!r} does not exist")
         raw = path.read_bytes()
         if tokenizer is not None:
-            ids = tokenizer(raw.decode("utf-8", errors="replace"), return_tensors="pt",
-                            add_special_tokens=False)["input_ids"][0]
+            ids = tokenizer(
+                raw.decode("utf-8", errors="replace"), return_tensors="pt", add_special_tokens=False
+            )["input_ids"][0]
             how = f"{type(tokenizer).__name__} tokens"
         else:
             ids = torch.tensor(list(raw), dtype=torch.int64)
@@ -291,7 +363,7 @@ def _split_stream(ids, T: int, what: str):
     n = ids.numel() // T
     if n < 2:
         raise FusedStatsError(f"{what}: fewer than 2 windows of --seq-len {T}")
-    windows = ids[:n * T].view(n, T)
+    windows = ids[: n * T].view(n, T)
     return _split_rows(windows, what)
 
 
@@ -300,12 +372,16 @@ def _split_rows(rows, what: str):
     n_test = max(1, round(n * HELD_OUT))
     if n - n_test < 1:
         raise FusedStatsError(f"{what}: {n} sequences are too few for a train and a test part")
-    return rows[:n - n_test], rows[n - n_test:], f"{what}; first {n - n_test} sequences -> train, last {n_test} -> test"
+    return (
+        rows[: n - n_test],
+        rows[n - n_test :],
+        f"{what}; first {n - n_test} sequences -> train, last {n_test} -> test",
+    )
 
 
 def _batches(rows, batch_size: int, count: int, device):
     """Batches of ``input_ids`` with ``labels`` (the same ids: ``causal_lm_loss`` shifts them)."""
-    out = [rows[i:i + batch_size].to(device) for i in range(0, rows.shape[0], batch_size)][:count]
+    out = [rows[i : i + batch_size].to(device) for i in range(0, rows.shape[0], batch_size)][:count]
     return [{"input_ids": b, "labels": b} for b in out]
 
 
@@ -315,8 +391,10 @@ def check_arguments(args):
     import torch
 
     if args.cross is not None and args.unit == "flat":
-        raise FusedStatsError("--cross needs --unit sample or position (the cross-gradient sums "
-                              "q_t phi_t^T over positions); got --unit flat")
+        raise FusedStatsError(
+            "--cross needs --unit sample or position (the cross-gradient sums "
+            "q_t phi_t^T over positions); got --unit flat"
+        )
     try:
         device = torch.device(args.device)
     except (RuntimeError, TypeError) as exc:
@@ -324,8 +402,9 @@ def check_arguments(args):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FusedStatsError(f"--device {args.device!r}: CUDA is not available on this machine")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise FusedStatsError(f"--device {args.device!r}: this machine has "
-                              f"{torch.cuda.device_count()} CUDA device(s)")
+        raise FusedStatsError(
+            f"--device {args.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
     if device.type not in ("cpu", "cuda"):
         raise FusedStatsError(f"--device {args.device!r}: only cpu and cuda devices are supported")
     out = Path(args.out)
@@ -342,11 +421,15 @@ def check_data(args, model, train, test):
     if top >= vocab or low < 0:
         raise FusedStatsError(
             f"token ids span [{low}, {top}] but the model's vocabulary has {vocab} entries "
-            "(byte-level data needs vocab_size >= 256)")
-    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+            "(byte-level data needs vocab_size >= 256)"
+        )
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(
+        model.config, "n_positions", None
+    )
     if limit is not None and train.shape[1] > limit:
         raise FusedStatsError(
-            f"sequences of length {train.shape[1]} exceed the model's {limit} positions; lower --seq-len")
+            f"sequences of length {train.shape[1]} exceed the model's {limit} positions; lower --seq-len"
+        )
     if args.split and args.unit == "sample":
         M, K = args.split
         n_train = min(train.shape[0], args.batches * args.batch_size)
@@ -354,7 +437,8 @@ def check_data(args, model, train, test):
         if n_train + n_test < M + K:
             raise FusedStatsError(
                 f"--split {M} {K}: the misalignment draws disjoint M + K = {M + K} samples from the "
-                f"pooled {n_train} train + {n_test} test sequences; lower M, K or add batches")
+                f"pooled {n_train} train + {n_test} test sequences; lower M, K or add batches"
+            )
 
 
 def cmd_probe(args) -> int:
@@ -376,10 +460,14 @@ def cmd_probe(args) -> int:
     if not args.stream_blocks:
         model = model.to(device)
     mask = args.mask or ("labels" if args.unit == "position" else "attention")
-    cross = None if args.cross is None else fs.CrossSpec(rank=args.cross[0], activation=args.cross[1],
-                                                         seed=args.seed)
-    probe = fs.Probe(model, points=args.points or "residual", unit=args.unit,
-                     second_moment=args.second_moment, cross=cross)
+    cross = (
+        None
+        if args.cross is None
+        else fs.CrossSpec(rank=args.cross[0], activation=args.cross[1], seed=args.seed)
+    )
+    probe = fs.Probe(
+        model, points=args.points or "residual", unit=args.unit, second_moment=args.second_moment, cross=cross
+    )
     test_count = args.test_batches or args.batches
     counts = {}
     for stream, rows, count in (("train", train, args.batches), ("test", test, test_count)):
@@ -389,9 +477,16 @@ def cmd_probe(args) -> int:
                 probe.step(batch, fs.causal_lm_loss, stream=stream, mask=mask)
                 bar.update()
         counts[stream] = len(batches)
-    meta = {"model_source": model_what, "data": data_what, "train_batches": counts["train"],
-            "test_batches": counts["test"], "batch_size": args.batch_size,
-            "seq_len": int(train.shape[1]), "mask": mask, "device": str(device)}
+    meta = {
+        "model_source": model_what,
+        "data": data_what,
+        "train_batches": counts["train"],
+        "test_batches": counts["test"],
+        "batch_size": args.batch_size,
+        "seq_len": int(train.shape[1]),
+        "mask": mask,
+        "device": str(device),
+    }
     if cross is not None:
         meta["cross"] = {"rank": cross.rank, "activation": cross.activation, "seed": cross.seed}
     report = probe.report(meta=meta, misalignment_trials=args.trials)
@@ -400,12 +495,17 @@ def cmd_probe(args) -> int:
         data = certificates_at(probe, report.data, M, K, args.trials, seed=args.seed)
         data["meta"]["certificate_sizes"] = [M, K]
         report = fs.Report(data)
-        missing = [p["name"] for p in report.points if p["certificate"] is None
-                   or (args.trials and p["misalignment"] is None)]
+        missing = [
+            p["name"]
+            for p in report.points
+            if p["certificate"] is None or (args.trials and p["misalignment"] is None)
+        ]
         if missing:
-            print(f"(note: the certificate or misalignment at M = {M}, K = {K} could not be "
-                  f"computed at {', '.join(missing)}: too few samples for these sizes, or no pool "
-                  "for the misalignment with --second-moment dense)")
+            print(
+                f"(note: the certificate or misalignment at M = {M}, K = {K} could not be "
+                f"computed at {', '.join(missing)}: too few samples for these sizes, or no pool "
+                "for the misalignment with --second-moment dense)"
+            )
     report.to_json(out / "report.json")
     report.to_markdown_file(out / "report.md")
     files = [out / "report.json", out / "report.md"]

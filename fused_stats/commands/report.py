@@ -14,16 +14,25 @@ from ..errors import FusedStatsError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("report", help="render JSON reports to tables and plots (and sweeps)",
-                       description=__doc__.replace("``", "'"))
-    p.add_argument("reports", nargs="+", help="report .json files (e.g. fused_stats_out/runs/*.json), "
-                   "or monitor logs (.jsonl) written during training")
+    p = sub.add_parser(
+        "report",
+        help="render JSON reports to tables and plots (and sweeps)",
+        description=__doc__.replace("``", "'"),
+    )
+    p.add_argument(
+        "reports",
+        nargs="+",
+        help="report .json files (e.g. fused_stats_out/runs/*.json), "
+        "or monitor logs (.jsonl) written during training",
+    )
     p.add_argument("--out", default="fused_stats_out/report", help="output folder")
-    p.add_argument("--sweep", choices=["width", "depth"], default=None,
-                   help="also summarise the reports as a sweep over meta['width'] or meta['depth'] "
-                        "(default: no sweep)")
-    p.add_argument("--point", default="last",
-                   help="point used by --sweep: last, first, an index or a name")
+    p.add_argument(
+        "--sweep",
+        choices=["width", "depth"],
+        default=None,
+        help="also summarise the reports as a sweep over meta['width'] or meta['depth'] (default: no sweep)",
+    )
+    p.add_argument("--point", default="last", help="point used by --sweep: last, first, an index or a name")
     p.add_argument("--no-plots", action="store_true", help="write markdown only, no PNG plots")
     p.set_defaults(func=cmd_report)
 
@@ -58,7 +67,8 @@ def cmd_report(args) -> int:
         if missing:
             raise FusedStatsError(
                 f"--sweep {args.sweep} needs meta[{args.sweep!r}] in every report; missing in "
-                f"{', '.join(missing)}")
+                f"{', '.join(missing)}"
+            )
         sweep_rows(reports, args.sweep, point)  # a bad --point raises here, before any output
     out = Path(args.out)
     written = []
@@ -69,14 +79,18 @@ def cmd_report(args) -> int:
     if len(reports) == 1:
         print(reports[0].to_markdown())
     else:
-        print(f"{'report':<28} {'model':<22} {'width':>5} {'depth':>5} {'seed':>4} "
-              f"{'points':>6} {'d_align(last)':>14} {'AG_max(last)':>13}")
+        print(
+            f"{'report':<28} {'model':<22} {'width':>5} {'depth':>5} {'seed':>4} "
+            f"{'points':>6} {'d_align(last)':>14} {'AG_max(last)':>13}"
+        )
         for path, report in zip(paths, reports):
             last = report.points[-1]["train"] if report.points else None
             m = report.meta
-            print(f"{path.name:<28} {report.model['class']:<22} {fmt(m.get('width')):>5} "
-                  f"{fmt(m.get('depth')):>5} {fmt(m.get('seed')):>4} {len(report.points):>6} "
-                  f"{fmt(last and last['d_align']):>14} {fmt(last and last['ag_max']):>13}")
+            print(
+                f"{path.name:<28} {report.model['class']:<22} {fmt(m.get('width')):>5} "
+                f"{fmt(m.get('depth')):>5} {fmt(m.get('seed')):>4} {len(report.points):>6} "
+                f"{fmt(last and last['d_align']):>14} {fmt(last and last['ag_max']):>13}"
+            )
     if args.sweep:
         print()
         print(f"== sweep over {args.sweep} ==")
@@ -101,7 +115,8 @@ def _report_monitor_logs(paths: list[Path], logs: list[Path], args) -> int:
     if len(logs) != len(paths):
         raise FusedStatsError(
             f"give either report .json files or monitor logs (.jsonl), not both: logs "
-            f"{[str(p) for p in logs]}, reports {[str(p) for p in paths if p not in logs]}")
+            f"{[str(p) for p in logs]}, reports {[str(p) for p in paths if p not in logs]}"
+        )
     records = [read_monitor_log(p) for p in logs]  # a bad file raises before anything is written
     out = Path(args.out)
     written = []

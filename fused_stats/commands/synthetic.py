@@ -6,17 +6,24 @@ from .args import int_at_least, nonnegative_int, positive_int
 
 
 def register(sub) -> None:
-    syn = sub.add_parser("synthetic", help="estimates on a synthetic population with known values",
-                         description="Feed a spiked Gaussian population (mean mu = MEAN * e_1, "
-                                     "covariance I + 4 v v^T with a random unit v) through GradStats "
-                                     "and print each unbiased estimate next to its population value.")
+    syn = sub.add_parser(
+        "synthetic",
+        help="estimates on a synthetic population with known values",
+        description="Feed a spiked Gaussian population (mean mu = MEAN * e_1, "
+        "covariance I + 4 v v^T with a random unit v) through GradStats "
+        "and print each unbiased estimate next to its population value.",
+    )
     syn.add_argument("--dim", type=positive_int, default=64, help="feature dimension d")
     syn.add_argument("--mean", type=float, default=1.0, help="length of the population mean mu")
     syn.add_argument("--batches", type=positive_int, default=50, help="batches fed in")
     # the degree-4 estimates need n >= 4 samples
     syn.add_argument("--batch-size", type=int_at_least(4), default=200, help="samples per batch")
-    syn.add_argument("--second-moment", default="auto", choices=["auto", "dense", "pool"],
-                     help="second-moment mode of the accumulator")
+    syn.add_argument(
+        "--second-moment",
+        default="auto",
+        choices=["auto", "dense", "pool"],
+        help="second-moment mode of the accumulator",
+    )
     syn.add_argument("--seed", type=nonnegative_int, default=0, help="random seed")
     syn.set_defaults(func=cmd_synthetic)
 
@@ -42,8 +49,10 @@ def cmd_synthetic(args) -> int:
         acc.update(mu + z + 2 * w * spike)
     est = acc.estimate()
     truth = {
-        "mu_norm2": float(mu @ mu), "mu_norm4": float(mu @ mu) ** 2,
-        "mu_sigma_mu": float(mu @ sigma @ mu), "trace_sigma2": float((sigma @ sigma).trace()),
+        "mu_norm2": float(mu @ mu),
+        "mu_norm4": float(mu @ mu) ** 2,
+        "mu_sigma_mu": float(mu @ sigma @ mu),
+        "trace_sigma2": float((sigma @ sigma).trace()),
     }
     print(f"n={est.n} d={est.dim} second_moment={acc.mode}")
     print(f"{'target':<14}{'estimate':>14}{'population':>14}")

@@ -112,14 +112,17 @@ class StdlibCorpus:
             if len(split.windows) <= probe_windows:
                 raise FusedStatsError(
                     f"the {name} split has {len(split.windows)} windows of {seq_len} bytes; "
-                    f"{probe_windows} probe windows and some training text are needed")
+                    f"{probe_windows} probe windows and some training text are needed"
+                )
             perm = np.random.default_rng(self.PROBE_SEED).permutation(len(split.windows))
             self.reserved[name] = np.sort(perm[:probe_windows])
 
     def describe(self) -> str:
         tr, te = self.splits["train"], self.splits["test"]
-        return (f"{len(tr.files)} train files ({len(tr.windows) * self.seq_len / 1e6:.1f} MB in windows), "
-                f"{len(te.files)} held-out files ({len(te.windows) * self.seq_len / 1e6:.1f} MB)")
+        return (
+            f"{len(tr.files)} train files ({len(tr.windows) * self.seq_len / 1e6:.1f} MB in windows), "
+            f"{len(te.files)} held-out files ({len(te.windows) * self.seq_len / 1e6:.1f} MB)"
+        )
 
     def order(self, split: str, seed: int) -> np.ndarray:
         """A seeded permutation of the split's window indices except the probe set (the
@@ -133,8 +136,9 @@ class StdlibCorpus:
         ids = self.reserved[split]
         if batch_size * count > len(ids):
             raise FusedStatsError(
-                f"{batch_size * count} probe windows asked for, {len(ids)} reserved in {split}")
-        return [self.read(split, ids[i * batch_size:(i + 1) * batch_size]) for i in range(count)]
+                f"{batch_size * count} probe windows asked for, {len(ids)} reserved in {split}"
+            )
+        return [self.read(split, ids[i * batch_size : (i + 1) * batch_size]) for i in range(count)]
 
     def read(self, split: str, window_ids: np.ndarray) -> torch.Tensor:
         """The windows as a (len(window_ids), seq_len) int64 tensor of byte values."""
@@ -150,8 +154,7 @@ class StdlibCorpus:
                     handle.seek(off)
                     data = handle.read(self.seq_len)
                     if len(data) != self.seq_len:
-                        raise FusedStatsError(
-                            f"{s.files[f]} changed while reading (window at byte {off})")
+                        raise FusedStatsError(f"{s.files[f]} changed while reading (window at byte {off})")
                     out[row] = np.frombuffer(data, dtype=np.uint8)
         return torch.from_numpy(out)
 
@@ -162,8 +165,8 @@ class StdlibCorpus:
         need = start + batch_size * count
         if need > len(order):
             raise FusedStatsError(
-                f"the {split} split has {len(order)} windows of {self.seq_len} bytes; "
-                f"{need} were asked for")
+                f"the {split} split has {len(order)} windows of {self.seq_len} bytes; {need} were asked for"
+            )
         for i in range(count):
             lo = start + i * batch_size
-            yield self.read(split, order[lo:lo + batch_size])
+            yield self.read(split, order[lo : lo + batch_size])

@@ -70,8 +70,17 @@ class DemoConfig:
 
     @classmethod
     def quick(cls, **overrides) -> DemoConfig:
-        base = dict(widths=(32, 64), depths=(1, 2), seeds=(0, 1), width_sweep_depth=2,
-                    depth_sweep_width=32, train_steps=24, probe_batches=4, split=16, trials=500)
+        base = dict(
+            widths=(32, 64),
+            depths=(1, 2),
+            seeds=(0, 1),
+            width_sweep_depth=2,
+            depth_sweep_width=32,
+            train_steps=24,
+            probe_batches=4,
+            split=16,
+            trials=500,
+        )
         base.update(overrides)
         return cls(**base)
 
@@ -96,7 +105,8 @@ class DemoConfig:
         if self.split < 1 or self.split > n:
             raise FusedStatsError(
                 f"split M = K = {self.split} needs 2*{self.split} <= the pooled probe samples "
-                f"({2 * n}); raise probe batches or lower split")
+                f"({2 * n}); raise probe batches or lower split"
+            )
         if n < 4:
             raise FusedStatsError(f"the probe needs >= 4 samples per stream, got {n}")
 
@@ -125,8 +135,13 @@ def _make_probe(model, cfg: DemoConfig):
     spec_cls = getattr(fs, "CrossSpec", None)
     if spec_cls is not None:
         try:
-            return fs.Probe(model, points="residual", unit="sample", second_moment="pool",
-                            cross=spec_cls(rank=cfg.cross_rank, seed=0))
+            return fs.Probe(
+                model,
+                points="residual",
+                unit="sample",
+                second_moment="pool",
+                cross=spec_cls(rank=cfg.cross_rank, seed=0),
+            )
         except (FusedStatsError, TypeError):
             pass  # this Probe does not take cross= yet: AG_max only
     return fs.Probe(model, points="residual", unit="sample", second_moment="pool")
@@ -138,8 +153,13 @@ def train_model(corpus, cfg: DemoConfig, width: int, depth: int, seed: int, bar=
     from .models import build_llama, lr_for, train
 
     model = build_llama(width, depth, cfg.seq_len, seed)
-    info = train(model, corpus.batches("train", seed, cfg.batch_size, cfg.train_steps),
-                 cfg.train_steps, lr_for(width, cfg.base_lr), progress=bar)
+    info = train(
+        model,
+        corpus.batches("train", seed, cfg.batch_size, cfg.train_steps),
+        cfg.train_steps,
+        lr_for(width, cfg.base_lr),
+        progress=bar,
+    )
     return model, info
 
 
@@ -190,12 +210,16 @@ def probe_model(model, corpus, cfg: DemoConfig, meta: dict):
     for stream, batches in (("train", train_batches), ("test", test_batches)):
         for ids in batches:
             probe.step({"input_ids": ids}, fs.causal_lm_loss, stream=stream)
-    meta = dict(meta, probe_seconds=time.perf_counter() - t0,
-                stream_norm={k: v[0] / v[1] for k, v in norms.items() if v[1]},
-                test_loss=eval_loss(model, test_batches),
-                probe_samples_per_stream=B * cfg.probe_batches, seq_len=cfg.seq_len,
-                corpus="python stdlib .py bytes, split by file",
-                certificate_sizes=[cfg.split, cfg.split])
+    meta = dict(
+        meta,
+        probe_seconds=time.perf_counter() - t0,
+        stream_norm={k: v[0] / v[1] for k, v in norms.items() if v[1]},
+        test_loss=eval_loss(model, test_batches),
+        probe_samples_per_stream=B * cfg.probe_batches,
+        seq_len=cfg.seq_len,
+        corpus="python stdlib .py bytes, split by file",
+        certificate_sizes=[cfg.split, cfg.split],
+    )
     data = probe.report(meta=meta, misalignment_trials=0).data
     certificates_at(probe, data, cfg.split, cfg.split, cfg.trials, seed=meta.get("seed", 0))
     for point in data["points"]:
@@ -204,15 +228,21 @@ def probe_model(model, corpus, cfg: DemoConfig, meta: dict):
     return Report(data), probe
 
 
-def run_one(corpus, cfg: DemoConfig, width: int, depth: int, seed: int, bar=None,
-            keep_model: bool = False):
+def run_one(corpus, cfg: DemoConfig, width: int, depth: int, seed: int, bar=None, keep_model: bool = False):
     """Train, probe and report one model; returns a :class:`fused_stats.Report` (and the trained
     model when ``keep_model``)."""
     cpu0, wall0 = time.process_time(), time.perf_counter()
     model, info = train_model(corpus, cfg, width, depth, seed, bar)
-    meta = {"width": width, "depth": depth, "seed": seed, "tokens": info["tokens"],
-            "lr": info["lr"], "train_loss": info["final_loss"], "first_loss": info["first_loss"],
-            "train_seconds": info["train_seconds"]}
+    meta = {
+        "width": width,
+        "depth": depth,
+        "seed": seed,
+        "tokens": info["tokens"],
+        "lr": info["lr"],
+        "train_loss": info["final_loss"],
+        "first_loss": info["first_loss"],
+        "train_seconds": info["train_seconds"],
+    }
     report, _ = probe_model(model, corpus, cfg, meta)
     report.meta["cpu_seconds"] = time.process_time() - cpu0
     report.meta["wall_seconds"] = time.perf_counter() - wall0
@@ -235,9 +265,11 @@ def saturation_lines(reports, point: str | int = "last") -> list[str]:
             lines.append(f"{head}  |C|_F^2 not available  {tail}")
             continue
         verdict = "saturated (C = 0 not rejected)" if sat["saturated"] else "not saturated"
-        lines.append(f"{head}  |C|_F^2 = {sat['cross_frob2']:.3g} ± {sat['cross_frob2_se']:.2g} "
-                     f"(z = {sat['z']:.2f}, p = {sat['p_value']:.3g}: {verdict} at "
-                     f"alpha = {sat['alpha']:g})  {tail}")
+        lines.append(
+            f"{head}  |C|_F^2 = {sat['cross_frob2']:.3g} ± {sat['cross_frob2_se']:.2g} "
+            f"(z = {sat['z']:.2f}, p = {sat['p_value']:.3g}: {verdict} at "
+            f"alpha = {sat['alpha']:g})  {tail}"
+        )
     return lines
 
 
@@ -259,9 +291,16 @@ def intervention_lines(model, corpus, cfg: DemoConfig, etas=INTERVENTION_ETAS) -
     test = corpus.probe_batches("test", B, cfg.probe_batches)
     lines, dicts = [], []
     for kind in ("bias", "block"):
-        result = fs.intervene(model64, point, train, test, list(etas), kind=kind,
-                              loss_fn=fs.causal_lm_loss,
-                              spec=fs.CrossSpec(rank=cfg.cross_rank, seed=0))
+        result = fs.intervene(
+            model64,
+            point,
+            train,
+            test,
+            list(etas),
+            kind=kind,
+            loss_fn=fs.causal_lm_loss,
+            spec=fs.CrossSpec(rank=cfg.cross_rank, seed=0),
+        )
         lines += ["", result.to_markdown()]
         dicts.append(result.to_dict())
     return lines, dicts
@@ -318,20 +357,20 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
     # the model that gets the interventions: the deepest of the depth sweep, first seed
     keep = (cfg.depth_sweep_width, max(cfg.depths), cfg.seeds[0])
     kept = None
-    bar = Progress(len(runs) * cfg.train_steps, "demo", enabled=progress is not False,
-                   unit="training steps")
+    bar = Progress(len(runs) * cfg.train_steps, "demo", enabled=progress is not False, unit="training steps")
     try:
         for width, depth, seed in runs:
             bar.set_description(f"width {width} depth {depth} seed {seed}")
-            report = run_one(corpus, cfg, width, depth, seed, bar,
-                             keep_model=(width, depth, seed) == keep)
+            report = run_one(corpus, cfg, width, depth, seed, bar, keep_model=(width, depth, seed) == keep)
             if isinstance(report, tuple):
                 report, kept = report
             report.to_json(out / "runs" / f"w{width}-d{depth}-s{seed}.json")
             m = report.meta
-            msg = (f"run width={width:<4} depth={depth:<2} seed={seed}: loss {m['first_loss']:.2f} "
-                   f"-> {m['train_loss']:.3f} (held-out {m['test_loss']:.3f}), "
-                   f"train {m['train_seconds']:.1f} s, probe {m['probe_seconds']:.1f} s")
+            msg = (
+                f"run width={width:<4} depth={depth:<2} seed={seed}: loss {m['first_loss']:.2f} "
+                f"-> {m['train_loss']:.3f} (held-out {m['test_loss']:.3f}), "
+                f"train {m['train_seconds']:.1f} s, probe {m['probe_seconds']:.1f} s"
+            )
             bar.write(msg, echo)  # keeps a terminal bar intact
             lines.append(msg)
             reports.append(report)
@@ -339,39 +378,58 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
         bar.set_description("demo")
         bar.close()
 
-    width_runs = [r for r in reports if r.meta["depth"] == cfg.width_sweep_depth
-                  and r.meta["width"] in cfg.widths]
-    depth_runs = [r for r in reports if r.meta["width"] == cfg.depth_sweep_width
-                  and r.meta["depth"] in cfg.depths]
+    width_runs = [
+        r for r in reports if r.meta["depth"] == cfg.width_sweep_depth and r.meta["width"] in cfg.widths
+    ]
+    depth_runs = [
+        r for r in reports if r.meta["width"] == cfg.depth_sweep_width and r.meta["depth"] in cfg.depths
+    ]
     sections = []
-    title = (f"Width sweep (depth {cfg.width_sweep_depth}): effective alignment dimension and "
-             f"transfer at the last residual point")
-    sections += ["", f"== {title} ==", sweep_summary(width_runs, "width", cfg.point),
-                 "(cos(train,test) = realized alignment / sqrt(|mu_train|^2 |mu_test|^2), a ratio "
-                 "of unbiased estimates: noisy when the mean is weak, and it can exceed 1)"]
-    title = (f"Depth sweep (width {cfg.depth_sweep_width}): activation-gradient norm at the "
-             f"last residual point")
+    title = (
+        f"Width sweep (depth {cfg.width_sweep_depth}): effective alignment dimension and "
+        f"transfer at the last residual point"
+    )
+    sections += [
+        "",
+        f"== {title} ==",
+        sweep_summary(width_runs, "width", cfg.point),
+        "(cos(train,test) = realized alignment / sqrt(|mu_train|^2 |mu_test|^2), a ratio "
+        "of unbiased estimates: noisy when the mean is weak, and it can exceed 1)",
+    ]
+    title = (
+        f"Depth sweep (width {cfg.depth_sweep_width}): activation-gradient norm at the last residual point"
+    )
     sections += ["", f"== {title} ==", sweep_summary(depth_runs, "depth", cfg.point)]
     sections.append(
         "(|z| = mean token norm of the residual stream at that point; the final RMSNorm divides "
         "gradients there by |z|/sqrt(d), so AG_max*|z|/sqrt(d) removes that scale: compare both "
-        "before reading a fall of AG_max with depth as saturation)")
+        "before reading a fall of AG_max with depth as saturation)"
+    )
     if not any(p["saturation"] for r in depth_runs for p in r.points):
-        sections.append("(the cross-gradient saturation signal |C|_F^2 is not available in this "
-                        "version of the Probe; AG_max is the depth paper's practical indicator)")
+        sections.append(
+            "(the cross-gradient saturation signal |C|_F^2 is not available in this "
+            "version of the Probe; AG_max is the depth paper's practical indicator)"
+        )
     else:
-        sections += ["", f"Saturation test per run (zero-output block of rank {cfg.cross_rank}, "
-                     "gelu features; |C|_F^2 is unbiased, ± one standard error; a value within "
-                     "noise of 0 means no first-order gain from a block inserted there):"]
+        sections += [
+            "",
+            f"Saturation test per run (zero-output block of rank {cfg.cross_rank}, "
+            "gelu features; |C|_F^2 is unbiased, ± one standard error; a value within "
+            "noise of 0 means no first-order gain from a block inserted there):",
+        ]
         sections += saturation_lines(depth_runs, cfg.point)
     if kept is not None:
-        title = (f"Direct interventions on the width {keep[0]}, depth {keep[1]}, seed {keep[2]} "
-                 "model (fp64 copy): one gradient step of size eta on an inserted zero "
-                 "parameter, using the probe's train windows; change of the mean held-out loss")
+        title = (
+            f"Direct interventions on the width {keep[0]}, depth {keep[1]}, seed {keep[2]} "
+            "model (fp64 copy): one gradient step of size eta on an inserted zero "
+            "parameter, using the probe's train windows; change of the mean held-out loss"
+        )
         lines_iv, dicts = intervention_lines(kept, corpus, cfg)
         sections += ["", f"== {title} ==", *lines_iv]
-        sections.append("(predicted = -eta mu_M.g_K for the bias, -eta <C_M, C_K>_F for the block; "
-                        "the ratio tends to 1 as eta shrinks when the first-order picture holds)")
+        sections.append(
+            "(predicted = -eta mu_M.g_K for the bias, -eta <C_M, C_K>_F for the block; "
+            "the ratio tends to 1 as eta shrinks when the first-order picture holds)"
+        )
         from ..api.report import _write_atomic as _write
 
         _write(out / "interventions.json", json.dumps(dicts, indent=1) + "\n")
@@ -380,8 +438,11 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
         files.append(plot_sweep(width_runs, "width", out / "width_sweep.png", cfg.point))
         files.append(plot_sweep(depth_runs, "depth", out / "depth_sweep.png", cfg.point))
         deepest = max(depth_runs, key=lambda r: (r.meta["depth"], -r.meta["seed"]))
-        files.append(deepest.plot(out / f"points_w{deepest.meta['width']}-d{deepest.meta['depth']}"
-                                        f"-s{deepest.meta['seed']}.png"))
+        files.append(
+            deepest.plot(
+                out / f"points_w{deepest.meta['width']}-d{deepest.meta['depth']}-s{deepest.meta['seed']}.png"
+            )
+        )
     except FusedStatsError as exc:  # matplotlib missing: tables and JSON still written
         sections.append(f"(plots skipped: {exc})")
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
@@ -393,7 +454,8 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
         "correlations over all runs, a description of these runs, not a test of the papers' "
         "claims.",
         f"wrote {len(reports)} JSON reports to {out / 'runs'}, "
-        + ", ".join(str(f) for f in files) + f", {out / 'summary.md'}",
+        + ", ".join(str(f) for f in files)
+        + f", {out / 'summary.md'}",
         f"total: {wall:.0f} s wall, {cpu:.0f} s CPU (process time) for {len(runs)} runs",
     ]
     for line in sections:
@@ -402,5 +464,12 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
     from ..api.report import _write_atomic
 
     _write_atomic(out / "summary.md", "# fused-stats demo\n\n```\n" + text + "```\n")
-    return {"reports": reports, "width_runs": width_runs, "depth_runs": depth_runs,
-            "wall_seconds": wall, "cpu_seconds": cpu, "files": files, "text": text}
+    return {
+        "reports": reports,
+        "width_runs": width_runs,
+        "depth_runs": depth_runs,
+        "wall_seconds": wall,
+        "cpu_seconds": cpu,
+        "files": files,
+        "text": text,
+    }

@@ -30,18 +30,25 @@ def llama_config(width: int, depth: int, seq_len: int):
     try:
         from transformers import LlamaConfig
     except ImportError:
-        raise FusedStatsError(
-            "the demo needs transformers: pip install 'fused-stats[demo]'") from None
+        raise FusedStatsError("the demo needs transformers: pip install 'fused-stats[demo]'") from None
     if width % HEAD_DIM:
         raise FusedStatsError(f"width must be a multiple of {HEAD_DIM}, got {width}")
     if depth < 1:
         raise FusedStatsError(f"depth must be >= 1, got {depth}")
     heads = max(1, width // HEAD_DIM)
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=4 * width,
-                       num_hidden_layers=depth, num_attention_heads=heads,
-                       num_key_value_heads=heads, max_position_embeddings=seq_len,
-                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                       pad_token_id=None)
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=width,
+        intermediate_size=4 * width,
+        num_hidden_layers=depth,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
 
 
 def build_llama(width: int, depth: int, seq_len: int, seed: int):
@@ -89,9 +96,15 @@ def train(model, batches, steps: int, lr: float, progress=None) -> dict:
     for p in model.parameters():  # Adam state and grads are not needed any more
         p.grad = None
     model.eval()
-    tail = losses[-max(1, steps // 10):]
-    return {"steps": steps, "tokens": tokens, "lr": lr, "first_loss": losses[0],
-            "final_loss": sum(tail) / len(tail), "train_seconds": time.perf_counter() - start}
+    tail = losses[-max(1, steps // 10) :]
+    return {
+        "steps": steps,
+        "tokens": tokens,
+        "lr": lr,
+        "first_loss": losses[0],
+        "final_loss": sum(tail) / len(tail),
+        "train_seconds": time.perf_counter() - start,
+    }
 
 
 @torch.no_grad()

@@ -35,11 +35,9 @@ class FusedStatsLightningCallback(Callback):
     record, :attr:`micro_batches` the micro-batches folded.
     """
 
-    def __init__(self, probe, loss_reduction: str = "mean", log=None, every: int = 1,
-                 stream: str = "train"):
+    def __init__(self, probe, loss_reduction: str = "mean", log=None, every: int = 1, stream: str = "train"):
         if loss_reduction not in LOSS_REDUCTIONS:
-            raise FusedStatsError(
-                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+            raise FusedStatsError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise FusedStatsError(f"every must be a positive int, got {every!r}")
         if log is not None and not isinstance(log, MonitorLog):
@@ -65,10 +63,13 @@ class FusedStatsLightningCallback(Callback):
         if not pl_module.automatic_optimization:
             raise FusedStatsError(
                 "FusedStatsLightningCallback needs automatic optimisation (Lightning's own "
-                "backward); with manual optimisation use probe.observe around your backward")
+                "backward); with manual optimisation use probe.observe around your backward"
+            )
         self._observation = self.probe.observe(
-            loss_reduction=self.loss_reduction, stream=self.stream,
-            loss_scale=1.0 / trainer.accumulate_grad_batches)
+            loss_reduction=self.loss_reduction,
+            stream=self.stream,
+            loss_scale=1.0 / trainer.accumulate_grad_batches,
+        )
         self._observation.__enter__()
 
     def on_after_backward(self, trainer, pl_module):
@@ -87,12 +88,15 @@ class FusedStatsLightningCallback(Callback):
         if trainer.world_size > 1:
             source = _merged_probe(self.probe)
         if self.monitor_log is not None:
-            record = self.monitor_log.write(self.probe if self.monitor_log.all_reduce else source,
-                                    stream=self.stream, step=step)
+            record = self.monitor_log.write(
+                self.probe if self.monitor_log.all_reduce else source, stream=self.stream, step=step
+            )
         else:
-            record = {"step": step, "stream": self.stream,
-                      "points": {name: point_record(source, name, self.stream)
-                                 for name in self.probe.points}}
+            record = {
+                "step": step,
+                "stream": self.stream,
+                "points": {name: point_record(source, name, self.stream) for name in self.probe.points},
+            }
         self.records.append(record)
         metrics = metrics_of(record["points"])
         if metrics:

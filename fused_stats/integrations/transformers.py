@@ -89,17 +89,24 @@ class FusedStatsCallback(TrainerCallback):
     view of the merged statistics), :attr:`micro_batches` (micro-batches folded).
     """
 
-    def __init__(self, probe, loss_reduction: str = "token_mean", log=None, every: int = 1,
-                 stream: str = "train", loss_scale=None):
+    def __init__(
+        self,
+        probe,
+        loss_reduction: str = "token_mean",
+        log=None,
+        every: int = 1,
+        stream: str = "train",
+        loss_scale=None,
+    ):
         if loss_reduction not in LOSS_REDUCTIONS:
-            raise FusedStatsError(
-                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+            raise FusedStatsError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise FusedStatsError(f"every must be a positive int, got {every!r}")
         if log is not None and not isinstance(log, MonitorLog):
             raise FusedStatsError(f"log must be a fused_stats.MonitorLog, got {type(log).__name__}")
-        if loss_scale is not None and (not isinstance(loss_scale, numbers.Real)
-                                       or not math.isfinite(loss_scale) or loss_scale <= 0):
+        if loss_scale is not None and (
+            not isinstance(loss_scale, numbers.Real) or not math.isfinite(loss_scale) or loss_scale <= 0
+        ):
             raise FusedStatsError(f"loss_scale must be a positive number or None, got {loss_scale!r}")
         probe.check_stream(stream)
         self.probe = probe
@@ -178,7 +185,8 @@ class FusedStatsCallback(TrainerCallback):
     def _open(self):
         self._kwargs_seen = None
         self._observation = self.probe.observe(
-            loss_reduction=self.loss_reduction, stream=self.stream, loss_scale=self._Scale(self))
+            loss_reduction=self.loss_reduction, stream=self.stream, loss_scale=self._Scale(self)
+        )
         self._observation.__enter__()
 
     def _close(self, fold: bool = True):
@@ -219,12 +227,15 @@ class FusedStatsCallback(TrainerCallback):
                 source = _merged_probe(self.probe)
         if self.log is not None:
             # the log merges itself when all_reduce=True; otherwise it is given the merged view
-            record = self.log.write(self.probe if self.log.all_reduce else source,
-                                    stream=self.stream, step=step)
+            record = self.log.write(
+                self.probe if self.log.all_reduce else source, stream=self.stream, step=step
+            )
         else:
-            record = {"step": step, "stream": self.stream,
-                      "points": {name: point_record(source, name, self.stream)
-                                 for name in self.probe.points}}
+            record = {
+                "step": step,
+                "stream": self.stream,
+                "points": {name: point_record(source, name, self.stream) for name in self.probe.points},
+            }
         self.records.append(record)
         self._pending = metrics_of(record["points"])
         control.should_log = True

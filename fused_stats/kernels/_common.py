@@ -91,11 +91,15 @@ def check_kernel_device(x: torch.Tensor, name: str) -> None:
     from ..backend import interpreter_enabled
 
     if x.device.type != "cpu":
-        raise FusedStatsError(f"{name} is on {x.device}; the Triton kernels take CUDA tensors "
-                              "(or CPU tensors under TRITON_INTERPRET=1)")
+        raise FusedStatsError(
+            f"{name} is on {x.device}; the Triton kernels take CUDA tensors "
+            "(or CPU tensors under TRITON_INTERPRET=1)"
+        )
     if not interpreter_enabled():
-        raise FusedStatsError(f"{name} is a CPU tensor: the Triton kernels need a CUDA device "
-                              "or Triton's interpreter (set TRITON_INTERPRET=1)")
+        raise FusedStatsError(
+            f"{name} is a CPU tensor: the Triton kernels need a CUDA device "
+            "or Triton's interpreter (set TRITON_INTERPRET=1)"
+        )
 
 
 def kernel_dtype(x: torch.Tensor) -> torch.Tensor:

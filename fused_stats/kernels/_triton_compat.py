@@ -43,17 +43,28 @@ from ..errors import FusedStatsError
 # name -> (module, attribute, what the package uses it for)
 INTERNALS = {
     "JITFunction": ("triton.runtime.jit", "JITFunction", "as the base class of every kernel"),
-    "InterpretedFunction": ("triton.runtime.interpreter", "InterpretedFunction",
-                            "to run the kernels on CPU tensors (TRITON_INTERPRET=1)"),
-    "sum_combine": ("triton.language.standard", "_sum_combine",
-                    "as the tl.reduce combine function the interpreter runs as a numpy sum"),
-    "max_combine": ("triton.language.standard", "_elementwise_max",
-                    "as the tl.reduce combine function the interpreter runs as a numpy max"),
+    "InterpretedFunction": (
+        "triton.runtime.interpreter",
+        "InterpretedFunction",
+        "to run the kernels on CPU tensors (TRITON_INTERPRET=1)",
+    ),
+    "sum_combine": (
+        "triton.language.standard",
+        "_sum_combine",
+        "as the tl.reduce combine function the interpreter runs as a numpy sum",
+    ),
+    "max_combine": (
+        "triton.language.standard",
+        "_elementwise_max",
+        "as the tl.reduce combine function the interpreter runs as a numpy max",
+    ),
     "ASTSource": ("triton.compiler", "ASTSource", "to compile kernels ahead of time (sm_90a gate)"),
-    "GPUTarget": ("triton.backends.compiler", "GPUTarget",
-                  "to name the ahead-of-time target without a GPU"),
-    "get_ptxas": ("triton.backends.nvidia.compiler", "get_ptxas",
-                  "to find the wheel's ptxas for the register/spill report"),
+    "GPUTarget": ("triton.backends.compiler", "GPUTarget", "to name the ahead-of-time target without a GPU"),
+    "get_ptxas": (
+        "triton.backends.nvidia.compiler",
+        "get_ptxas",
+        "to find the wheel's ptxas for the register/spill report",
+    ),
 }
 
 
@@ -74,7 +85,8 @@ def require(key: str):
             f"the installed Triton {triton.__version__} has no {module}.{attr}, which fused_stats' "
             f"Triton kernels use {why}; run with backend='torch', or install a Triton release that "
             "provides it (the Triton internals the kernels use are listed in "
-            "fused_stats/kernels/_triton_compat.py)")
+            "fused_stats/kernels/_triton_compat.py)"
+        )
     return value
 
 
@@ -158,14 +170,17 @@ def missing_internals(aot: bool = True) -> list[str]:
     """Every internal of this module the installed Triton lacks or changed, one line each (empty:
     all present). ``aot=False`` leaves out the ahead-of-time pieces."""
     keys = [k for k in INTERNALS if aot or k not in ("ASTSource", "GPUTarget", "get_ptxas")]
-    out = [f"{INTERNALS[k][0]}.{INTERNALS[k][1]} (used {INTERNALS[k][2]})" for k in keys
-           if _lookup(k) is None]
+    out = [
+        f"{INTERNALS[k][0]}.{INTERNALS[k][1]} (used {INTERNALS[k][2]})" for k in keys if _lookup(k) is None
+    ]
     k = kernel(_probe_kernel)
     for attr, want in (("fn", _probe_kernel), ("arg_names", ["X", "N"])):
         got = getattr(k, attr, None)
         if got != want:
-            out.append(f"triton.runtime.jit.JITFunction.{attr} (expected {want!r}, got {got!r}): "
-                       "read by DualKernel and the AOT signature")
+            out.append(
+                f"triton.runtime.jit.JITFunction.{attr} (expected {want!r}, got {got!r}): "
+                "read by DualKernel and the AOT signature"
+            )
     if not callable(getattr(k, "__getitem__", None)):
         out.append("triton.runtime.jit.JITFunction.__getitem__ (kernel[grid] launches)")
     # the interpreter's numpy fast path for reductions is chosen by identity with these objects
@@ -173,8 +188,10 @@ def missing_internals(aot: bool = True) -> list[str]:
     source = inspect.getsource(interp)
     for attr in ("_sum_combine", "_elementwise_max"):
         if f"tl.standard.{attr}" not in source:
-            out.append(f"triton.runtime.interpreter: no longer special-cases tl.standard.{attr} "
-                       "(interpreted reductions would run element by element)")
+            out.append(
+                f"triton.runtime.interpreter: no longer special-cases tl.standard.{attr} "
+                "(interpreted reductions would run element by element)"
+            )
     if aot:
         for tool in ("ptxas", "cuobjdump"):
             if not os.path.exists(nvidia_tool(tool)):

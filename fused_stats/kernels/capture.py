@@ -68,8 +68,23 @@ SUM_POSITIONS_MIN_T = 16  # unit="sample": from this many positions on, stage 1 
 
 
 @kernel
-def _load_q(X, MASK, x_row, m_row, r_in, dd, d_in, L, sx_l, sx_d, sm_l,
-            HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+def _load_q(
+    X,
+    MASK,
+    x_row,
+    m_row,
+    r_in,
+    dd,
+    d_in,
+    L,
+    sx_l,
+    sx_d,
+    sm_l,
+    HAS_MASK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+):
     """The (BLOCK_R, BLOCK_D) tile summed over the L inner positions, in ``ACC`` (fp32, or fp64 for
     fp64 gradients); masked positions are not loaded at all (whatever is stored there, NaN
     included, never enters)."""
@@ -80,22 +95,41 @@ def _load_q(X, MASK, x_row, m_row, r_in, dd, d_in, L, sx_l, sx_d, sm_l,
             take = r_in & (mv != 0)
         else:
             take = r_in
-        x = tl.load(X + (x_row + pos * sx_l)[:, None] + dd[None, :] * sx_d,
-                    mask=take[:, None] & d_in[None, :], other=0.0)
+        x = tl.load(
+            X + (x_row + pos * sx_l)[:, None] + dd[None, :] * sx_d,
+            mask=take[:, None] & d_in[None, :],
+            other=0.0,
+        )
         q += x.to(ACC)
     return q
 
 
 @kernel
 def _capture_rows_kernel(
-    X, MASK, CENTRE,  # input (strided), mask (strided, any integer dtype) or dummy, centre (D,)
-    ROWS, VALID,  # out: rows (R, D) contiguous in the compute dtype, valid (R,) int8
-    S_PART, T_PART, A_PART,  # out: per-program partials (P, D), (P, D), (P, 4) fp64
-    R, R2, L, D, n_iters,  # rows; row r -> (i, j) = (r // R2, r % R2); L inner positions summed
-    sx_i, sx_j, sx_l, sx_d,  # element strides of X for i, j, the inner position l, the feature
-    sm_i, sm_j, sm_l,  # element strides of MASK for i, j, l
+    X,
+    MASK,
+    CENTRE,  # input (strided), mask (strided, any integer dtype) or dummy, centre (D,)
+    ROWS,
+    VALID,  # out: rows (R, D) contiguous in the compute dtype, valid (R,) int8
+    S_PART,
+    T_PART,
+    A_PART,  # out: per-program partials (P, D), (P, D), (P, 4) fp64
+    R,
+    R2,
+    L,
+    D,
+    n_iters,  # rows; row r -> (i, j) = (r // R2, r % R2); L inner positions summed
+    sx_i,
+    sx_j,
+    sx_l,
+    sx_d,  # element strides of X for i, j, the inner position l, the feature
+    sm_i,
+    sm_j,
+    sm_l,  # element strides of MASK for i, j, l
     HAS_MASK: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SINGLE_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     nprog = tl.num_programs(0).to(tl.int64)
@@ -126,8 +160,23 @@ def _capture_rows_kernel(
             valid = r_in
         if SINGLE_CHUNK:
             d_in = offs_d < D
-            q = _load_q(X, MASK, x_row, m_row, r_in, offs_d, d_in, L, sx_l, sx_d, sm_l,
-                        HAS_MASK, BLOCK_R, BLOCK_D, ROWS.dtype.element_ty)
+            q = _load_q(
+                X,
+                MASK,
+                x_row,
+                m_row,
+                r_in,
+                offs_d,
+                d_in,
+                L,
+                sx_l,
+                sx_d,
+                sm_l,
+                HAS_MASK,
+                BLOCK_R,
+                BLOCK_D,
+                ROWS.dtype.element_ty,
+            )
             y = tl.where(valid[:, None] & d_in[None, :], q - c_row[None, :], 0.0)
             tl.store(ROWS + r[:, None] * D + offs_d[None, :], y, mask=r_in[:, None] & d_in[None, :])
             qsq = tl.reduce(q * q, 1, SUM)
@@ -140,8 +189,23 @@ def _capture_rows_kernel(
             for d0 in range(0, D, BLOCK_D):
                 dd = d0 + offs_d
                 d_in = dd < D
-                q = _load_q(X, MASK, x_row, m_row, r_in, dd, d_in, L, sx_l, sx_d, sm_l,
-                            HAS_MASK, BLOCK_R, BLOCK_D, ROWS.dtype.element_ty)
+                q = _load_q(
+                    X,
+                    MASK,
+                    x_row,
+                    m_row,
+                    r_in,
+                    dd,
+                    d_in,
+                    L,
+                    sx_l,
+                    sx_d,
+                    sm_l,
+                    HAS_MASK,
+                    BLOCK_R,
+                    BLOCK_D,
+                    ROWS.dtype.element_ty,
+                )
                 c = tl.load(CENTRE + dd, mask=d_in, other=0.0)
                 y = tl.where(valid[:, None] & d_in[None, :], q - c[None, :], 0.0)
                 tl.store(ROWS + r[:, None] * D + dd[None, :], y, mask=r_in[:, None] & d_in[None, :])
@@ -158,12 +222,14 @@ def _capture_rows_kernel(
             for d0 in range(0, D, BLOCK_D):
                 dd = d0 + offs_d
                 d_in = dd < D
-                y = tl.load(ROWS + r[:, None] * D + dd[None, :], mask=r_in[:, None] & d_in[None, :],
-                            other=0.0)
+                y = tl.load(
+                    ROWS + r[:, None] * D + dd[None, :], mask=r_in[:, None] & d_in[None, :], other=0.0
+                )
                 tl.debug_barrier()
                 tp = T_PART + pid * D + dd
-                tl.store(tp, tl.load(tp, mask=d_in, other=0.0) + tl.reduce(y * ysq[:, None], 0, SUM),
-                         mask=d_in)
+                tl.store(
+                    tp, tl.load(tp, mask=d_in, other=0.0) + tl.reduce(y * ysq[:, None], 0, SUM), mask=d_in
+                )
         qn = tl.where(valid, tl.sqrt(qsq.to(tl.float64)), 0.0)
         y2 = ysq.to(tl.float64)
         a1_acc += y2
@@ -183,10 +249,22 @@ def _capture_rows_kernel(
 
 @kernel
 def _sum_positions_kernel(
-    X, MASK, QPART, CNT,  # input (strided), mask or dummy; out: (n_split, B, D), (n_split, B) int32
-    B, T, D, t_per_split,
-    sx_b, sx_t, sx_d, sm_b, sm_t,
-    HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    X,
+    MASK,
+    QPART,
+    CNT,  # input (strided), mask or dummy; out: (n_split, B, D), (n_split, B) int32
+    B,
+    T,
+    D,
+    t_per_split,
+    sx_b,
+    sx_t,
+    sx_d,
+    sm_b,
+    sm_t,
+    HAS_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     b = pid % B
@@ -206,8 +284,11 @@ def _sum_positions_kernel(
                 take = t_in & (mv != 0)
             else:
                 take = t_in
-            x = tl.load(X + b * sx_b + t[:, None] * sx_t + dd[None, :] * sx_d,
-                        mask=take[:, None] & d_in[None, :], other=0.0)
+            x = tl.load(
+                X + b * sx_b + t[:, None] * sx_t + dd[None, :] * sx_d,
+                mask=take[:, None] & d_in[None, :],
+                other=0.0,
+            )
             acc += x.to(QPART.dtype.element_ty)
         tl.store(QPART + (split * B + b) * D + dd, tl.reduce(acc, 0, SUM), mask=d_in)
     cnt = tl.full((BLOCK_T,), 0, tl.int32)
@@ -294,15 +375,17 @@ def finish(p: Partials) -> BatchSums:
     )
 
 
-def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor,
-                   unit: str) -> BatchSums:
+def capture_reduce(
+    grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor, unit: str
+) -> BatchSums:
     """Triton twin of :func:`fused_stats.ops.torch_twin.capture_reduce` (same signature and result;
     rows in fp32, or fp64 for fp64 gradients; sums in fp64)."""
     return finish(capture_partials(grad, mask, centre, unit))
 
 
-def capture_partials(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor,
-                     unit: str) -> Partials:
+def capture_partials(
+    grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor, unit: str
+) -> Partials:
     """Validate and launch the kernels (stages 1 and 2); :func:`finish` does stage 3."""
     check_capture_args(grad, mask, centre, unit)
     check_kernel_device(grad, "grad")
@@ -318,11 +401,13 @@ def capture_partials(grad: torch.Tensor, mask: torch.Tensor | None, centre: torc
     R = B * T if unit == "position" else B
 
     if R == 0 or T == 0 or d == 0:
-        return Partials(rows=torch.zeros(R, d, dtype=ct, device=device),
-                        valid=torch.zeros(R, dtype=torch.int8, device=device),
-                        s_part=torch.zeros(0, d, dtype=ct, device=device),
-                        t_part=torch.zeros(0, d, dtype=ct, device=device),
-                        a_part=torch.zeros(0, 4, dtype=F64, device=device))
+        return Partials(
+            rows=torch.zeros(R, d, dtype=ct, device=device),
+            valid=torch.zeros(R, dtype=torch.int8, device=device),
+            s_part=torch.zeros(0, d, dtype=ct, device=device),
+            t_part=torch.zeros(0, d, dtype=ct, device=device),
+            a_part=torch.zeros(0, 4, dtype=F64, device=device),
+        )
 
     has_mask = m is not None
     dummy = g  # any valid pointer for an unused argument
@@ -352,12 +437,29 @@ def capture_partials(grad: torch.Tensor, mask: torch.Tensor | None, centre: torc
             qpart = torch.empty(n_split, B, d, dtype=ct, device=device)
             cnt = torch.empty(n_split, B, dtype=torch.int32, device=device)
             block_t, block_d, warps = _positions_config(d, device)
-            launch(_sum_positions_kernel, (B * n_split,), device,
-                   g, m if has_mask else dummy, qpart, cnt, B, T, d, t_per_split,
-                   g.stride(0), g.stride(1), g.stride(2),
-                   m.stride(0) if has_mask else 0, m.stride(1) if has_mask else 0,
-                   HAS_MASK=has_mask, BLOCK_T=block_t, BLOCK_D=block_d,
-                   num_warps=warps, num_stages=2)
+            launch(
+                _sum_positions_kernel,
+                (B * n_split,),
+                device,
+                g,
+                m if has_mask else dummy,
+                qpart,
+                cnt,
+                B,
+                T,
+                d,
+                t_per_split,
+                g.stride(0),
+                g.stride(1),
+                g.stride(2),
+                m.stride(0) if has_mask else 0,
+                m.stride(1) if has_mask else 0,
+                HAS_MASK=has_mask,
+                BLOCK_T=block_t,
+                BLOCK_D=block_d,
+                num_warps=warps,
+                num_stages=2,
+            )
             X, R2, L = qpart, 1, n_split
             sx = (d, 0, B * d, 1)
             M, has_mask = cnt, True
@@ -372,9 +474,30 @@ def capture_partials(grad: torch.Tensor, mask: torch.Tensor | None, centre: torc
     s_part = torch.zeros(P, d, dtype=ct, device=device)
     t_part = torch.zeros(P, d, dtype=ct, device=device)
     a_part = torch.empty(P, 4, dtype=F64, device=device)
-    launch(_capture_rows_kernel, (P,), device,
-           X, M, c, rows, valid, s_part, t_part, a_part,
-           R, R2, L, d, n_iters, *sx, *sm,
-           HAS_MASK=has_mask, BLOCK_R=block_r, BLOCK_D=block_d, SINGLE_CHUNK=single,
-           num_warps=warps, num_stages=2)
+    launch(
+        _capture_rows_kernel,
+        (P,),
+        device,
+        X,
+        M,
+        c,
+        rows,
+        valid,
+        s_part,
+        t_part,
+        a_part,
+        R,
+        R2,
+        L,
+        d,
+        n_iters,
+        *sx,
+        *sm,
+        HAS_MASK=has_mask,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        SINGLE_CHUNK=single,
+        num_warps=warps,
+        num_stages=2,
+    )
     return Partials(rows=rows, valid=valid, s_part=s_part, t_part=t_part, a_part=a_part)

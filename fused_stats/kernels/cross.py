@@ -93,11 +93,25 @@ CHUNK_BYTES = 256 << 20  # bound on Φ plus the per-sample c of one chunk
 
 @kernel
 def _phi_kernel(
-    Z, W, ROWS, PHI,  # act (B, T, DIN) strided; w_in (R, DIN) strided; int32 row list; out (n_rows, R)
-    n_rows, T, DIN, R,
-    sz_b, sz_t, sz_d, sw_r, sw_d,
-    ACT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    Z,
+    W,
+    ROWS,
+    PHI,  # act (B, T, DIN) strided; w_in (R, DIN) strided; int32 row list; out (n_rows, R)
+    n_rows,
+    T,
+    DIN,
+    R,
+    sz_b,
+    sz_t,
+    sz_d,
+    sw_r,
+    sw_d,
+    ACT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
@@ -115,10 +129,10 @@ def _phi_kernel(
         for k0 in range(0, DIN, BK):
             k = k0 + tl.arange(0, BK)
             k_in = k < DIN
-            a = tl.load(Z + base[:, None] + k[None, :] * sz_d, mask=m_in[:, None] & k_in[None, :],
-                        other=0.0)
-            w = tl.load(W + rn[None, :] * sw_r + k[:, None] * sw_d, mask=k_in[:, None] & n_in[None, :],
-                        other=0.0)
+            a = tl.load(Z + base[:, None] + k[None, :] * sz_d, mask=m_in[:, None] & k_in[None, :], other=0.0)
+            w = tl.load(
+                W + rn[None, :] * sw_r + k[:, None] * sw_d, mask=k_in[:, None] & n_in[None, :], other=0.0
+            )
             x = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), x, input_precision=PRECISION)
         # the activation in the GEMM's epilogue: the pre-activations never leave registers
         if ACT == "gelu":
@@ -138,12 +152,28 @@ def _phi_kernel(
 
 @kernel
 def _cross_kernel(
-    Q, PHI, ROWS, SEG, C_OUT, SQ_PART, CSUM_PART,  # grad (B, T, D) strided; Φ (rows, R); row list;
+    Q,
+    PHI,
+    ROWS,
+    SEG,
+    C_OUT,
+    SQ_PART,
+    CSUM_PART,  # grad (B, T, D) strided; Φ (rows, R); row list;
     # item offsets (n_items + 1); per-item c (n_items, D, R); (n_tiles, n_items) fp64; (splits, D, R) fp64
-    n_items, items_per_split, T, D, R,
-    sq_b, sq_t, sq_d,
-    STORE_C: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    BD: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
+    n_items,
+    items_per_split,
+    T,
+    D,
+    R,
+    sq_b,
+    sq_t,
+    sq_d,
+    STORE_C: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BD: tl.constexpr,
+    BR: tl.constexpr,
+    BT: tl.constexpr,
 ):
     tile = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -171,10 +201,8 @@ def _cross_kernel(
             idx = tl.load(ROWS + j, mask=j_in, other=0).to(tl.int64)
             b = idx // T
             base = b * sq_b + (idx - b * T) * sq_t
-            q = tl.load(Q + base[:, None] + rd[None, :] * sq_d, mask=j_in[:, None] & d_in[None, :],
-                        other=0.0)
-            p = tl.load(PHI + j[:, None] * R + rr[None, :], mask=j_in[:, None] & r_in[None, :],
-                        other=0.0)
+            q = tl.load(Q + base[:, None] + rd[None, :] * sq_d, mask=j_in[:, None] & d_in[None, :], other=0.0)
+            p = tl.load(PHI + j[:, None] * R + rr[None, :], mask=j_in[:, None] & r_in[None, :], other=0.0)
             acc = tl.dot(tl.trans(q.to(DOT_DTYPE)), p.to(DOT_DTYPE), acc, input_precision=PRECISION)
         acc64 = acc.to(tl.float64)
         csum += acc64
@@ -200,11 +228,32 @@ def _phi(z, w, rows, activation, dot, cfg) -> torch.Tensor:
     r = w.shape[0]
     out = torch.empty(n_rows, r, dtype=dot, device=z.device)
     BM, BN, BK, warps, stages = cfg
-    launch(_phi_kernel, (cdiv(n_rows, BM), cdiv(r, BN)), z.device,
-           z, w, rows, out, n_rows, T, din, r, z.stride(0), z.stride(1), z.stride(2),
-           w.stride(0), w.stride(1),
-           ACT=activation, DOT_DTYPE=_TL[dot], PRECISION=dot_precision(dot), BM=BM, BN=BN, BK=BK,
-           num_warps=warps, num_stages=stages)
+    launch(
+        _phi_kernel,
+        (cdiv(n_rows, BM), cdiv(r, BN)),
+        z.device,
+        z,
+        w,
+        rows,
+        out,
+        n_rows,
+        T,
+        din,
+        r,
+        z.stride(0),
+        z.stride(1),
+        z.stride(2),
+        w.stride(0),
+        w.stride(1),
+        ACT=activation,
+        DOT_DTYPE=_TL[dot],
+        PRECISION=dot_precision(dot),
+        BM=BM,
+        BN=BN,
+        BK=BK,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out
 
 
@@ -225,11 +274,34 @@ def _cross(q, phi, rows, seg, store_c, dot, cfg):
     c = torch.empty((n_items if store_c else 0), d, r, dtype=dot, device=device)
     sq = torch.empty((n_tiles if store_c else 0), n_items, dtype=F64, device=device)
     part = torch.empty(n_split, d, r, dtype=F64, device=device)
-    launch(_cross_kernel, (n_tiles, n_split), device,
-           q, phi, rows, seg, c, sq, part, n_items, per, T, d, r,
-           q.stride(0), q.stride(1), q.stride(2),
-           STORE_C=store_c, DOT_DTYPE=_TL[dot], PRECISION=dot_precision(dot), BD=BD, BR=BR, BT=BT,
-           num_warps=warps, num_stages=stages)
+    launch(
+        _cross_kernel,
+        (n_tiles, n_split),
+        device,
+        q,
+        phi,
+        rows,
+        seg,
+        c,
+        sq,
+        part,
+        n_items,
+        per,
+        T,
+        d,
+        r,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        STORE_C=store_c,
+        DOT_DTYPE=_TL[dot],
+        PRECISION=dot_precision(dot),
+        BD=BD,
+        BR=BR,
+        BT=BT,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return (c if store_c else None), (sq.sum() if store_c else None), part.sum(dim=0)
 
 
@@ -244,9 +316,15 @@ def _chunk_groups(group_size: int, per_group_bytes: int) -> int:
     return max(1, CHUNK_BYTES // max(1, group_size * per_group_bytes))
 
 
-def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None,
-                 w_in: torch.Tensor, activation: str, unit: str,
-                 group_size: int = DEFAULT_GROUP_SIZE) -> CrossBatch:
+def cross_reduce(
+    grad: torch.Tensor,
+    act: torch.Tensor,
+    mask: torch.Tensor | None,
+    w_in: torch.Tensor,
+    activation: str,
+    unit: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> CrossBatch:
     """Triton twin of :func:`fused_stats.ops.cross_twin.cross_reduce`: ``grad`` (B, T, d), ``act``
     (B, T, d_in), ``mask`` (B, T) or None, ``w_in`` (r, d_in). See the module docstring."""
     check_cross_args(grad, act, mask, w_in, activation, unit, group_size)
@@ -256,8 +334,11 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
     device = grad.device
     q, z, w = kernel_dtype(grad), kernel_dtype(act), kernel_dtype(w_in)
     dot = F64 if F64 in (q.dtype, z.dtype, w.dtype) else F32
-    keep = (torch.ones(B, T, dtype=torch.bool, device=device) if mask is None
-            else mask.to(device=device, dtype=torch.bool))
+    keep = (
+        torch.ones(B, T, dtype=torch.bool, device=device)
+        if mask is None
+        else mask.to(device=device, dtype=torch.bool)
+    )
     # counted positions as flat indices b*T + t, b-major: a sample's rows are contiguous
     # (int32: B*T < 2^31 always holds for one batch; the kernels widen to int64 before any offset)
     if B * T >= 2**31:
@@ -289,12 +370,12 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
             lo, hi = int(seg_all[s0]), int(seg_all[s1])
             rows = rows_all[lo:hi]
             phi = _phi(z, w, rows, activation, dot, phi_cfg)
-            c, sq, part = _cross(q, phi, rows, seg_all[s0:s1 + 1] - lo, True, dot, cross_cfg)
+            c, sq, part = _cross(q, phi, rows, seg_all[s0 : s1 + 1] - lo, True, dot, cross_cfg)
             c_sum += part
             sq_sum += sq
             flat = c.reshape(s1 - s0, d * r)
             for g0 in range(0, s1 - s0, group_size):
-                block = flat[g0:g0 + group_size]
+                block = flat[g0 : g0 + group_size]
                 add_block(gram_rows(block, block))
     else:
         n = int(rows_all.shape[0])
@@ -310,16 +391,17 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
             _, _, part = _cross(q, phi, rows, seg, False, dot, cross_cfg)
             c_sum += part
             for g0 in range(0, s1 - s0, group_size):
-                g_rows = rows[g0:g0 + group_size]
+                g_rows = rows[g0 : g0 + group_size]
                 qg = q[g_rows // T, g_rows % T]  # a copy of one group's rows only
                 if dot == F64:  # an fp64 act or W_in makes the whole computation fp64, |q|² too
                     qg = qg.to(F64)
-                pg = phi[g0:g0 + group_size]
+                pg = phi[g0 : g0 + group_size]
                 gq, gp = gram_rows(qg, qg), gram_rows(pg, pg)
                 sq_sum += (torch.diagonal(gq) * torch.diagonal(gp)).sum()
                 add_block(gq * gp)
-    return CrossBatch(n=n, c_sum=c_sum, sq_norm_sum=sq_sum, u2=u[0], u3=u[1], u4=u[2],
-                      p2=p[0], p3=p[1], p4=p[2])
+    return CrossBatch(
+        n=n, c_sum=c_sum, sq_norm_sum=sq_sum, u2=u[0], u3=u[1], u4=u[2], p2=p[0], p3=p[1], p4=p[2]
+    )
 
 
 __all__ = ["IS_FUSED_KERNEL", "cross_reduce"]

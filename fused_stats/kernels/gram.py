@@ -49,11 +49,24 @@ def compute_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 
 @kernel
 def _gram_kernel(
-    X, P, G,  # new rows (B, D), pool rows (N, D), output (B, N) fp64; any strides
-    B, N, D,
-    sx_0, sx_1, sp_0, sp_1, sg_0, sg_1,
-    DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    X,
+    P,
+    G,  # new rows (B, D), pool rows (N, D), output (B, N) fp64; any strides
+    B,
+    N,
+    D,
+    sx_0,
+    sx_1,
+    sp_0,
+    sp_1,
+    sg_0,
+    sg_1,
+    DOT_DTYPE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
@@ -66,13 +79,12 @@ def _gram_kernel(
     for k0 in range(0, D, BK):
         k = k0 + rk
         k_in = k < D
-        a = tl.load(X + rm[:, None] * sx_0 + k[None, :] * sx_1, mask=m_in[:, None] & k_in[None, :],
-                    other=0.0)
-        b = tl.load(P + rn[None, :] * sp_0 + k[:, None] * sp_1, mask=k_in[:, None] & n_in[None, :],
-                    other=0.0)
+        a = tl.load(X + rm[:, None] * sx_0 + k[None, :] * sx_1, mask=m_in[:, None] & k_in[None, :], other=0.0)
+        b = tl.load(P + rn[None, :] * sp_0 + k[:, None] * sp_1, mask=k_in[:, None] & n_in[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=PRECISION)
-    tl.store(G + rm[:, None] * sg_0 + rn[None, :] * sg_1, acc.to(tl.float64),
-             mask=m_in[:, None] & n_in[None, :])
+    tl.store(
+        G + rm[:, None] * sg_0 + rn[None, :] * sg_1, acc.to(tl.float64), mask=m_in[:, None] & n_in[None, :]
+    )
 
 
 def gram_rows(new_rows: torch.Tensor, pool_rows: torch.Tensor) -> torch.Tensor:
@@ -95,10 +107,29 @@ def gram_rows(new_rows: torch.Tensor, pool_rows: torch.Tensor) -> torch.Tensor:
     cfg = GPU_CONFIGS[dot] if device.type == "cuda" else INTERPRETER_CONFIG
     BM, BN, BK, warps, stages = config_value("gram_config", cfg)
     grid = (cdiv(B, BM), cdiv(N, BN))
-    launch(_gram_kernel, grid, device,
-           x, p, out, B, N, d, x.stride(0), x.stride(1), p.stride(0), p.stride(1),
-           out.stride(0), out.stride(1),
-           DOT_DTYPE=TORCH_TO_TL[dot], ACC_DTYPE=tl.float64 if dot == F64 else tl.float32,
-           PRECISION="tf32x3" if dot == torch.float32 else "ieee", BM=BM, BN=BN, BK=BK,
-           num_warps=warps, num_stages=stages)
+    launch(
+        _gram_kernel,
+        grid,
+        device,
+        x,
+        p,
+        out,
+        B,
+        N,
+        d,
+        x.stride(0),
+        x.stride(1),
+        p.stride(0),
+        p.stride(1),
+        out.stride(0),
+        out.stride(1),
+        DOT_DTYPE=TORCH_TO_TL[dot],
+        ACC_DTYPE=tl.float64 if dot == F64 else tl.float32,
+        PRECISION="tf32x3" if dot == torch.float32 else "ieee",
+        BM=BM,
+        BN=BN,
+        BK=BK,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out

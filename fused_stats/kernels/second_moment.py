@@ -86,11 +86,22 @@ def _add_half(S, part, rm, rn, m_in, D, ss_0, ss_1, mirror):
 
 @kernel
 def _syrk_upper_kernel(
-    Y, S, W, TILES,  # rows (R, D) strided; S (D, D) fp64; workspace (n_split, D, D); tile table
-    R, D, k_per_split,  # rows, features, rows per K slice (a multiple of BK)
-    sy_r, sy_d, ss_0, ss_1,
+    Y,
+    S,
+    W,
+    TILES,  # rows (R, D) strided; S (D, D) fp64; workspace (n_split, D, D); tile table
+    R,
+    D,
+    k_per_split,  # rows, features, rows per K slice (a multiple of BK)
+    sy_r,
+    sy_d,
+    ss_0,
+    ss_1,
     ACCUMULATE: tl.constexpr,  # True: S += tile (fp64); False: W[split] = tile
-    DOT_DTYPE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -107,10 +118,8 @@ def _syrk_upper_kernel(
     for kk in range(0, k_per_split, BK):
         k = k0 + kk + rk
         k_in = (k < R) & (k < k_end)
-        a = tl.load(Y + k[:, None] * sy_r + rm[None, :] * sy_d, mask=k_in[:, None] & m_in[None, :],
-                    other=0.0)
-        b = tl.load(Y + k[:, None] * sy_r + rn[None, :] * sy_d, mask=k_in[:, None] & n_in[None, :],
-                    other=0.0)
+        a = tl.load(Y + k[:, None] * sy_r + rm[None, :] * sy_d, mask=k_in[:, None] & m_in[None, :], other=0.0)
+        b = tl.load(Y + k[:, None] * sy_r + rn[None, :] * sy_d, mask=k_in[:, None] & n_in[None, :], other=0.0)
         acc = tl.dot(tl.trans(a.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc, input_precision=PRECISION)
     if ti == tj:
         # exact symmetry on the diagonal (the MMA may round a_i.b_j and b_j.a_i differently)
@@ -120,8 +129,7 @@ def _syrk_upper_kernel(
         # fp32 accumulator does not fit in registers (spills at 128 x 128)
         left, right = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BM // 2)), (0, 2, 1)))
         _add_half(S, left, rm, tj * BM + tl.arange(0, BM // 2), m_in, D, ss_0, ss_1, ti != tj)
-        _add_half(S, right, rm, tj * BM + BM // 2 + tl.arange(0, BM // 2), m_in, D, ss_0, ss_1,
-                  ti != tj)
+        _add_half(S, right, rm, tj * BM + BM // 2 + tl.arange(0, BM // 2), m_in, D, ss_0, ss_1, ti != tj)
     else:
         out_mask = m_in[:, None] & n_in[None, :]
         w = W + split * D * D
@@ -168,13 +176,34 @@ def second_moment_update(S: torch.Tensor, rows: torch.Tensor) -> None:
     k_per_split = cdiv(cdiv(R, n_split), BK) * BK
     n_split = cdiv(R, k_per_split)
     accumulate = n_split == 1
-    work = (torch.empty(n_split, d, d, dtype=acc_dtype, device=device) if not accumulate
-            else torch.empty(0, dtype=acc_dtype, device=device))
-    launch(_syrk_upper_kernel, (n_tiles, n_split), device,
-           y, S, work, tiles, R, d, k_per_split, y.stride(0), y.stride(1), S.stride(0), S.stride(1),
-           ACCUMULATE=accumulate, DOT_DTYPE=TORCH_TO_TL[mma_dtype(y.dtype, device)], BM=BM, BK=BK,
-           PRECISION=dot_precision(y.dtype),
-           num_warps=warps, num_stages=stages)
+    work = (
+        torch.empty(n_split, d, d, dtype=acc_dtype, device=device)
+        if not accumulate
+        else torch.empty(0, dtype=acc_dtype, device=device)
+    )
+    launch(
+        _syrk_upper_kernel,
+        (n_tiles, n_split),
+        device,
+        y,
+        S,
+        work,
+        tiles,
+        R,
+        d,
+        k_per_split,
+        y.stride(0),
+        y.stride(1),
+        S.stride(0),
+        S.stride(1),
+        ACCUMULATE=accumulate,
+        DOT_DTYPE=TORCH_TO_TL[mma_dtype(y.dtype, device)],
+        BM=BM,
+        BK=BK,
+        PRECISION=dot_precision(y.dtype),
+        num_warps=warps,
+        num_stages=stages,
+    )
     if not accumulate:
         S += work.sum(dim=0, dtype=F64)
 

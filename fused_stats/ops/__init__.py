@@ -32,8 +32,12 @@ __all__ = [
 class _TorchTwins:
     """The torch twins under the launchers' names (looked up at each call)."""
 
-    _modules: ClassVar[dict] = {"capture_reduce": torch_twin, "second_moment_update": torch_twin,
-                "gram_rows": torch_twin, "cross_reduce": cross_twin}
+    _modules: ClassVar[dict] = {
+        "capture_reduce": torch_twin,
+        "second_moment_update": torch_twin,
+        "gram_rows": torch_twin,
+        "cross_reduce": cross_twin,
+    }
 
     def __getattr__(self, name: str):
         if name not in self._modules:
@@ -78,10 +82,12 @@ def gram_rows(new_rows, pool_rows, backend="auto") -> torch.Tensor:
     return implementation(backend, _device(new_rows)).gram_rows(new_rows, pool_rows)
 
 
-def cross_reduce(grad, act, mask, w_in, activation, unit, group_size=DEFAULT_GROUP_SIZE,
-                 backend="auto") -> CrossBatch:
-    return implementation(backend, _device(grad)).cross_reduce(grad, act, mask, w_in, activation,
-                                                                unit, group_size)
+def cross_reduce(
+    grad, act, mask, w_in, activation, unit, group_size=DEFAULT_GROUP_SIZE, backend="auto"
+) -> CrossBatch:
+    return implementation(backend, _device(grad)).cross_reduce(
+        grad, act, mask, w_in, activation, unit, group_size
+    )
 
 
 def _device(x) -> torch.device:

@@ -38,7 +38,7 @@ MAX_TORCH_THREADS = 1
 MIRROR_BLOCK = 64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _blas():
     """``(scipy.linalg.blas, [threadpoolctl controllers of the BLAS libraries])`` or ``None``."""
     try:
@@ -79,12 +79,21 @@ def blas_thread_counts() -> list[int]:
 
 def takes_second_moment(S: torch.Tensor, rows: torch.Tensor) -> bool:
     """Whether :func:`syrk_update` handles this ``S`` and ``rows`` (else: torch's addmm)."""
-    return (available() and torch.get_num_threads() <= MAX_TORCH_THREADS
-            and S.device.type == "cpu" and rows.device.type == "cpu"
-            and S.dtype == torch.float64 and S.dim() == 2 and S.shape[0] == S.shape[1]
-            and S.shape[0] >= MIN_DIM and S.is_contiguous() and not S.requires_grad
-            and rows.dim() == 2 and rows.shape[1] == S.shape[0]
-            and rows.shape[0] * rows.shape[1] >= MIN_ROWS_TIMES_DIM)
+    return (
+        available()
+        and torch.get_num_threads() <= MAX_TORCH_THREADS
+        and S.device.type == "cpu"
+        and rows.device.type == "cpu"
+        and S.dtype == torch.float64
+        and S.dim() == 2
+        and S.shape[0] == S.shape[1]
+        and S.shape[0] >= MIN_DIM
+        and S.is_contiguous()
+        and not S.requires_grad
+        and rows.dim() == 2
+        and rows.shape[1] == S.shape[0]
+        and rows.shape[0] * rows.shape[1] >= MIN_ROWS_TIMES_DIM
+    )
 
 
 def syrk_update(S: torch.Tensor, rows: torch.Tensor, mirror: bool = True) -> None:
@@ -140,14 +149,14 @@ class RowBlock:
         R = rows.shape[0]
         if self.count + R > self.capacity:
             self.flush(S)
-        if R >= self.capacity:
+        if self.capacity <= R:
             self.update(S, rows)
             return
-        self.buffer[self.count:self.count + R].copy_(rows)
+        self.buffer[self.count : self.count + R].copy_(rows)
         self.count += R
 
     def flush(self, S: torch.Tensor) -> None:
         """Add the staged rows to ``S`` (nothing is lost if the update raises)."""
         if self.count:
-            self.update(S, self.buffer[:self.count])
+            self.update(S, self.buffer[: self.count])
             self.count = 0

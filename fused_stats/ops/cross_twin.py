@@ -70,9 +70,15 @@ def ghost_is_cheaper(T: int, d: int, r: int, group: int) -> bool:
     return group * T * T * (d + r) < (T + group) * d * r
 
 
-def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | None,
-                 w_in: torch.Tensor, activation: str, unit: str,
-                 group_size: int = DEFAULT_GROUP_SIZE) -> CrossBatch:
+def cross_reduce(
+    grad: torch.Tensor,
+    act: torch.Tensor,
+    mask: torch.Tensor | None,
+    w_in: torch.Tensor,
+    activation: str,
+    unit: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> CrossBatch:
     """One batch: ``grad`` (B, T, d) and ``act`` (B, T, d_in) (the point's output z), ``mask``
     (B, T) or None, ``w_in`` (r, d_in). Returns a :class:`CrossBatch` (module docstring)."""
     check_cross_args(grad, act, mask, w_in, activation, unit, group_size)
@@ -82,8 +88,11 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
     ghost = unit == "sample" and ghost_is_cheaper(T, d, r, min(group_size, B))
     keep = None  # the ghost path with nothing masked needs no mask tensor
     if not (all_kept and ghost):
-        keep = (torch.ones(B, T, dtype=torch.bool, device=grad.device) if mask is None
-                else mask.to(device=grad.device, dtype=torch.bool))
+        keep = (
+            torch.ones(B, T, dtype=torch.bool, device=grad.device)
+            if mask is None
+            else mask.to(device=grad.device, dtype=torch.bool)
+        )
     if all_kept:  # nothing to zero out: skip the masking passes (the common case)
         q = grad.to(F64)
         phi = apply_activation(act.to(F64) @ w_in.to(F64).T, activation)
@@ -103,7 +112,7 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
         n = qv.shape[0]
         blocks = []
         for i in range(0, n, group_size):
-            qg, pg = qv[i:i + group_size].reshape(-1, d), pv[i:i + group_size].reshape(-1, r)
+            qg, pg = qv[i : i + group_size].reshape(-1, d), pv[i : i + group_size].reshape(-1, r)
             gram = (qg @ qg.T) * (pg @ pg.T)
             if T > 1:
                 m = qg.shape[0] // T
@@ -115,16 +124,17 @@ def cross_reduce(grad: torch.Tensor, act: torch.Tensor, mask: torch.Tensor | Non
         c = torch.einsum("btd,btr->bdr", q, phi)[valid]  # (n, d, r)
         n = c.shape[0]
         flat = c.reshape(n, d * r)
-        blocks = [flat[i:i + group_size] @ flat[i:i + group_size].T
-                  for i in range(0, n, group_size)]
+        blocks = [flat[i : i + group_size] @ flat[i : i + group_size].T for i in range(0, n, group_size)]
         c_sum = c.sum(dim=0) if n else torch.zeros(d, r, dtype=F64, device=grad.device)
     else:  # "position"
         sel = keep.reshape(B * T)
         qs, ps = q.reshape(B * T, d)[sel], phi.reshape(B * T, r)[sel]
         n = qs.shape[0]
-        blocks = [(qs[i:i + group_size] @ qs[i:i + group_size].T)
-                  * (ps[i:i + group_size] @ ps[i:i + group_size].T)
-                  for i in range(0, n, group_size)]
+        blocks = [
+            (qs[i : i + group_size] @ qs[i : i + group_size].T)
+            * (ps[i : i + group_size] @ ps[i : i + group_size].T)
+            for i in range(0, n, group_size)
+        ]
         c_sum = qs.T @ ps
     return fold_groups(blocks, d, r, n, c_sum)
 

@@ -21,13 +21,19 @@ from __future__ import annotations
 
 import torch
 
-from ..contracts import UNITS_CAPTURED, BatchSums  # noqa: F401  (re-exported)
-from ..contracts import check_capture_args, check_gram_args, check_second_moment_args
+from ..contracts import (  # noqa: F401  (re-exported)
+    UNITS_CAPTURED,
+    BatchSums,
+    check_capture_args,
+    check_gram_args,
+    check_second_moment_args,
+)
 from . import cpu_blas
 
 
-def capture_reduce(grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor,
-                   unit: str) -> BatchSums:
+def capture_reduce(
+    grad: torch.Tensor, mask: torch.Tensor | None, centre: torch.Tensor, unit: str
+) -> BatchSums:
     """One pass over ``grad`` (B, T, d), any float dtype and strides; ``mask`` (B, T) bool or None;
     ``centre`` (d,) float64. Returns :class:`BatchSums` (see module docstring). The caller's
     ``grad`` is never written."""
