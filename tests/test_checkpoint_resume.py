@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 from misaligned_loading import MisalignedLoading, assert_aligned
-from torch import nn
 
 import fused_stats as fs
 from fused_stats import Probe
@@ -38,54 +37,20 @@ from fused_stats.api.checkpoint import (
     save_probe_state,
 )
 
-from tiny_models import TanhBlock
+from tiny_models import MaskedPoolNet, masked_seq_batches
+from tiny_models import masked_pool_loss as loss_fn
 
 POINTS = ["blocks.0", "blocks.1"]
 EST_FIELDS = ("mu_norm2", "mu_norm4", "mu_sigma_mu", "trace_sigma2", "ag_max", "ag_mean")
 
 
 # ----------------------------------------------------------------------------- model and data
-class TinySeqNet(nn.Module):
-    """(B, T, 4) inputs -> masked mean pool -> 3 classes; two residual blocks (the points)."""
-
-    def __init__(self, d=6, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.inp = nn.Linear(4, d)
-        self.blocks = nn.ModuleList([TanhBlock(d) for _ in range(2)])
-        self.out = nn.Linear(d, 3)
-
-    def forward(self, x, mask):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        m = mask.unsqueeze(-1).to(h.dtype)
-        return self.out((h * m).sum(1) / m.sum(1).clamp_min(1.0))
-
-
-def loss_fn(model, batch):
-    logits = model(batch["x"], batch["attention_mask"])
-    return nn.functional.cross_entropy(logits, batch["y"], reduction="none")
-
-
-def make_batches(seed: int, count: int, size: int = 5, T: int = 4):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(count):
-        mask = torch.rand(size, T, generator=gen) < 0.8
-        mask[:, 0] = True
-        out.append(
-            {
-                "x": torch.randn(size, T, 4, generator=gen) + 0.5,
-                "attention_mask": mask,
-                "y": torch.randint(0, 3, (size,), generator=gen),
-            }
-        )
-    return out
+def make_batches(seed: int, count: int):
+    return masked_seq_batches(seed, count, size=5, T=4)
 
 
 def new_probe(second_moment="auto"):
-    return Probe(TinySeqNet(), points=POINTS, second_moment=second_moment)
+    return Probe(MaskedPoolNet(6), points=POINTS, second_moment=second_moment)
 
 
 def state_of(probe) -> dict:
@@ -300,7 +265,7 @@ def test_manifest_entries_without_kind_are_gradstats(tmp_path, uninterrupted):
 
 def test_checkpoint_of_other_points_is_rejected(tmp_path, uninterrupted):
     save_probe_state(uninterrupted, tmp_path)
-    other = Probe(TinySeqNet(), points=["blocks.1"])
+    other = Probe(MaskedPoolNet(6), points=["blocks.1"])
     with pytest.raises(fs.FusedStatsError, match=r"'blocks.0'.*not a point of this probe"):
         load_probe_state(other, tmp_path)
     assert other.stats == {} and other.test_stats == {}

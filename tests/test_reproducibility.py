@@ -17,14 +17,14 @@ from __future__ import annotations
 import pytest
 import torch
 from misaligned_loading import MisalignedLoading, assert_aligned, assert_bit_identical, state_tensors
-from torch import nn
 
 import fused_stats as fs
 from fused_stats.accumulators.cross_stats import CrossStats
 from fused_stats.api.checkpoint import load_probe_state, merge_checkpoints, save_probe_state
 from fused_stats.cli import main as cli_main
 
-from tiny_models import TanhBlock
+from tiny_models import MaskedPoolNet, masked_seq_batches
+from tiny_models import masked_pool_loss as loss_fn
 
 DIM = 32  # 'auto' keeps a pool while N*32 + N^2 <= 32^2, i.e. up to 19 samples
 
@@ -182,48 +182,13 @@ def test_merged_cross_stats_files_are_bit_identical(tmp_path, misaligned):
 
 
 # ----------------------------------------------------------------------------- probe checkpoints
-class TwoBlockNet(nn.Module):
-    """(B, T, 4) inputs -> two residual blocks (the points) -> masked mean pool -> 3 classes."""
-
-    def __init__(self, d=DIM):
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(4, d)
-        self.blocks = nn.ModuleList([TanhBlock(d) for _ in range(2)])
-        self.out = nn.Linear(d, 3)
-
-    def forward(self, x, mask):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        m = mask.unsqueeze(-1).to(h.dtype)
-        return self.out((h * m).sum(1) / m.sum(1).clamp_min(1.0))
-
-
-def loss_fn(model, batch):
-    logits = model(batch["x"], batch["attention_mask"])
-    return nn.functional.cross_entropy(logits, batch["y"], reduction="none")
-
-
-def probe_batches(seed: int, count: int, size: int = 4, T: int = 3):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(count):
-        mask = torch.rand(size, T, generator=gen) < 0.8
-        mask[:, 0] = True
-        out.append(
-            {
-                "x": torch.randn(size, T, 4, generator=gen) + 0.5,
-                "attention_mask": mask,
-                "y": torch.randint(0, 3, (size,), generator=gen),
-            }
-        )
-    return out
+def probe_batches(seed: int, count: int):
+    return masked_seq_batches(seed, count, size=4, T=3)
 
 
 def new_probe():
     return fs.Probe(
-        TwoBlockNet(),
+        MaskedPoolNet(DIM),
         points=["blocks.0", "blocks.1"],
         second_moment="auto",
         cross=fs.CrossSpec(rank=4, activation="gelu", seed=5),

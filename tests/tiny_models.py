@@ -1,5 +1,6 @@
-"""Small shared pieces of the probe tests: a tanh residual block and padded causal-LM batches
-(HF conventions: labels aligned with input_ids)."""
+"""Small shared pieces of the probe tests: a tanh residual block, padded causal-LM batches
+(HF conventions: labels aligned with input_ids), and a two-block masked-mean-pool classifier with
+its loss and random masked batches."""
 
 from __future__ import annotations
 
@@ -40,4 +41,47 @@ def split(batch, sizes):
     for size in sizes:
         out.append({k: v[start : start + size] for k, v in batch.items()})
         start += size
+    return out
+
+
+class MaskedPoolNet(nn.Module):
+    """(B, T, 4) inputs -> two tanh residual blocks (the points ``blocks.0``, ``blocks.1``) ->
+    masked mean pool over positions -> 3 classes."""
+
+    def __init__(self, d, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(4, d)
+        self.blocks = nn.ModuleList([TanhBlock(d) for _ in range(2)])
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x, mask):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        m = mask.unsqueeze(-1).to(h.dtype)
+        return self.out((h * m).sum(1) / m.sum(1).clamp_min(1.0))
+
+
+def masked_pool_loss(model, batch):
+    """Per-sample cross entropy of a :class:`MaskedPoolNet` on a :func:`masked_seq_batches` batch."""
+    logits = model(batch["x"], batch["attention_mask"])
+    return nn.functional.cross_entropy(logits, batch["y"], reduction="none")
+
+
+def masked_seq_batches(seed: int, count: int, size: int, T: int):
+    """``count`` batches of ``size`` sequences of ``T`` positions for :class:`MaskedPoolNet`:
+    inputs ``x``, a random ``attention_mask`` (the first position always kept) and labels ``y``."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        mask = torch.rand(size, T, generator=gen) < 0.8
+        mask[:, 0] = True
+        out.append(
+            {
+                "x": torch.randn(size, T, 4, generator=gen) + 0.5,
+                "attention_mask": mask,
+                "y": torch.randint(0, 3, (size,), generator=gen),
+            }
+        )
     return out
