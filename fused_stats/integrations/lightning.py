@@ -20,10 +20,8 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import Callback
 
-from ..api.monitor_log import MonitorLog, point_record
-from ..api.observe import LOSS_REDUCTIONS
 from ..errors import FusedStatsError
-from .transformers import _merged_probe, metrics_of
+from .step_logging import check_callback_args, merged_probe, metrics_of, step_record
 
 
 class FusedStatsLightningCallback(Callback):
@@ -36,12 +34,7 @@ class FusedStatsLightningCallback(Callback):
     """
 
     def __init__(self, probe, loss_reduction: str = "mean", log=None, every: int = 1, stream: str = "train"):
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise FusedStatsError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise FusedStatsError(f"every must be a positive int, got {every!r}")
-        if log is not None and not isinstance(log, MonitorLog):
-            raise FusedStatsError(f"log must be a fused_stats.MonitorLog, got {type(log).__name__}")
+        check_callback_args(loss_reduction, every, log)
         probe.check_stream(stream)
         self.probe = probe
         self.loss_reduction = loss_reduction
@@ -86,17 +79,8 @@ class FusedStatsLightningCallback(Callback):
         self._logged_step = step
         source = self.probe
         if trainer.world_size > 1:
-            source = _merged_probe(self.probe)
-        if self.monitor_log is not None:
-            record = self.monitor_log.write(
-                self.probe if self.monitor_log.all_reduce else source, stream=self.stream, step=step
-            )
-        else:
-            record = {
-                "step": step,
-                "stream": self.stream,
-                "points": {name: point_record(source, name, self.stream) for name in self.probe.points},
-            }
+            source = merged_probe(self.probe)
+        record = step_record(self.probe, source, self.monitor_log, self.stream, step)
         self.records.append(record)
         metrics = metrics_of(record["points"])
         if metrics:

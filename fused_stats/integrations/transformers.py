@@ -38,32 +38,8 @@ import numbers
 
 from transformers import TrainerCallback
 
-from ..api.monitor_log import MonitorLog, point_record
-from ..api.observe import LOSS_REDUCTIONS
 from ..errors import FusedStatsError
-
-PREFIX = "fused_stats"
-METRIC_KEYS = ("n", "d_align", "ag_max", "cross_frob", "saturated")
-
-
-def _merged_probe(probe, group=None):
-    """A shallow copy of ``probe`` whose accumulators are copies merged over the process group."""
-    from ..api.distributed_probe import all_reduce_probe
-
-    return all_reduce_probe(probe.state_copy(), group)
-
-
-def metrics_of(record_points: dict) -> dict[str, float]:
-    """Trainer log metrics ``{"fused_stats/<point>/<key>": float}`` from a MonitorLog line's
-    ``points`` (None values are left out; booleans become 0.0 / 1.0)."""
-    out = {}
-    for name, point in record_points.items():
-        for key in METRIC_KEYS:
-            value = point.get(key)
-            if value is None or isinstance(value, str):
-                continue
-            out[f"{PREFIX}/{name}/{key}"] = float(value)
-    return out
+from .step_logging import check_callback_args, merged_probe, metrics_of, step_record
 
 
 class FusedStatsCallback(TrainerCallback):
@@ -98,12 +74,7 @@ class FusedStatsCallback(TrainerCallback):
         stream: str = "train",
         loss_scale=None,
     ):
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise FusedStatsError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise FusedStatsError(f"every must be a positive int, got {every!r}")
-        if log is not None and not isinstance(log, MonitorLog):
-            raise FusedStatsError(f"log must be a fused_stats.MonitorLog, got {type(log).__name__}")
+        check_callback_args(loss_reduction, every, log)
         if loss_scale is not None and (
             not isinstance(loss_scale, numbers.Real) or not math.isfinite(loss_scale) or loss_scale <= 0
         ):
@@ -224,18 +195,8 @@ class FusedStatsCallback(TrainerCallback):
             import torch.distributed as dist
 
             if dist.is_available() and dist.is_initialized():
-                source = _merged_probe(self.probe)
-        if self.log is not None:
-            # the log merges itself when all_reduce=True; otherwise it is given the merged view
-            record = self.log.write(
-                self.probe if self.log.all_reduce else source, stream=self.stream, step=step
-            )
-        else:
-            record = {
-                "step": step,
-                "stream": self.stream,
-                "points": {name: point_record(source, name, self.stream) for name in self.probe.points},
-            }
+                source = merged_probe(self.probe)
+        record = step_record(self.probe, source, self.log, self.stream, step)
         self.records.append(record)
         self._pending = metrics_of(record["points"])
         control.should_log = True
