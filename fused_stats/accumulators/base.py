@@ -181,6 +181,26 @@ class Accumulator:
     def _where(self) -> str:
         return f" at point {self.name!r}" if getattr(self, "name", None) else ""
 
+    def _admits(self, prepared: Prepared, nonfinite_message: str) -> bool:
+        """Whether ``commit`` folds ``prepared``: FusedStatsError for a stale batch (prepared at
+        another ``n``); False for an empty batch, and for a non-finite one under
+        ``nonfinite="skip"`` (counted in ``skipped_batches``); FusedStatsError for a non-finite one
+        otherwise, with ``nonfinite_message`` (``{where}``, ``{n}``: this accumulator, the
+        batch's samples)."""
+        if prepared.base_n != self.n:
+            raise FusedStatsError(
+                f"stale prepared batch{self._where()}: prepared at n={prepared.base_n}, the state "
+                f"now has n={self.n}; prepare it again"
+            )
+        if prepared.n == 0:
+            return False
+        if not prepared.finite:
+            if self.nonfinite == "skip":
+                self.skipped_batches += 1
+                return False
+            raise FusedStatsError(nonfinite_message.format(where=self._where(), n=prepared.n))
+        return True
+
     def counters(self) -> dict:
         """The plain (non-tensor) part of the state."""
         return {

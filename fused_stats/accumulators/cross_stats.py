@@ -270,22 +270,13 @@ class CrossStats(Accumulator):
         taken as a finite ``unit="sample"`` batch (for callers that form the sums themselves)."""
         if not isinstance(prepared, Prepared):
             prepared = Prepared(unit="sample", base_n=self.n, batch=prepared)
-        if prepared.base_n != self.n:
-            raise FusedStatsError(
-                f"stale prepared batch{self._where()}: prepared at n={prepared.base_n}, the state "
-                f"now has n={self.n}; prepare it again"
-            )
-        batch, unit = prepared.batch, prepared.unit
-        if batch is None or batch.n == 0:
+        if not self._admits(
+            prepared,
+            "non-finite gradient or activation{where} (cross-gradient sums of a batch of {n} "
+            "samples); nothing was accumulated",
+        ):
             return
-        if not prepared.finite:
-            if self.nonfinite == "skip":
-                self.skipped_batches += 1
-                return
-            raise FusedStatsError(
-                f"non-finite gradient or activation{self._where()} (cross-gradient sums of a batch "
-                f"of {batch.n} samples); nothing was accumulated"
-            )
+        batch, unit = prepared.batch, prepared.unit
         self.n += batch.n
         self.batches += 1
         self.unit = unit

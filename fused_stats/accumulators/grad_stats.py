@@ -422,23 +422,14 @@ class GradStats(Accumulator):
 
     def commit(self, prepared: Prepared) -> None:
         """Fold a batch returned by :meth:`prepare` (on this accumulator, with no update between)."""
-        if prepared.base_n != self.n:
-            raise FusedStatsError(
-                f"stale prepared batch{self._where()}: prepared at n={prepared.base_n}, the state "
-                f"now has n={self.n}; prepare it again"
-            )
-        batch = prepared.batch
-        if batch is None or batch.n == 0:
+        if not self._admits(
+            prepared,
+            "non-finite gradient (NaN or Inf, or so large that |y|^4 overflows){where} in a batch "
+            "of {n} samples; nothing was accumulated. Pass nonfinite='skip' to skip such batches "
+            "and count them",
+        ):
             return
-        if not prepared.finite:
-            if self.nonfinite == "skip":
-                self.skipped_batches += 1
-                return
-            raise FusedStatsError(
-                f"non-finite gradient (NaN or Inf, or so large that |y|^4 overflows){self._where()} "
-                f"in a batch of {batch.n} samples; "
-                "nothing was accumulated. Pass nonfinite='skip' to skip such batches and count them"
-            )
+        batch = prepared.batch
         # ---- nothing below rejects the batch. The second moment goes first: it is the part that
         # allocates and runs kernels, so if it fails (e.g. out of memory) the sums still agree
         if self.centre is None:

@@ -134,18 +134,10 @@ class NormHistogram(Accumulator):
 
     def commit(self, prepared: Prepared) -> None:
         """Add a batch from :meth:`prepare`."""
-        if prepared.base_n != self.n:
-            raise FusedStatsError(f"stale prepared batch{self._where()}; prepare it again")
-        if prepared.n == 0:
+        if not self._admits(
+            prepared, "non-finite gradient{where} in a batch of {n} samples; nothing was accumulated"
+        ):
             return
-        if not prepared.finite:
-            if self.nonfinite == "skip":
-                self.skipped_batches += 1
-                return
-            raise FusedStatsError(
-                f"non-finite gradient{self._where()} in a batch of {prepared.n} samples; nothing "
-                "was accumulated"
-            )
         self.counts += prepared.batch.counts
         self.n += prepared.n
         self.unit = prepared.unit
