@@ -27,6 +27,7 @@ from fused_stats.demo.corpus import StdlibCorpus
 from fused_stats.demo.experiment import DemoConfig, probe_model, train_model
 
 from reference import brute_force_targets
+from tiny_models import TINY_LLAMA_CONFIG as LLAMA
 
 
 def read_png(path):
@@ -286,24 +287,20 @@ def test_report_command_rejects_bad_file(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- probe command
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32,
-}
-
-
-def test_probe_command_on_config_json_and_text(tmp_path, capsys):
+def probe_inputs(tmp_path, seed: int, windows: int):
+    """A tiny llama ``config.json`` and a random printable-ASCII corpus of ``windows`` 16-byte
+    windows, written under ``tmp_path``."""
     cfg = tmp_path / "llama.json"
     cfg.write_text(json.dumps(LLAMA))
     text = tmp_path / "corpus.txt"
-    gen = np.random.default_rng(1)
-    text.write_bytes(gen.integers(32, 127, size=16 * 50).astype(np.uint8).tobytes())
+    text.write_bytes(
+        np.random.default_rng(seed).integers(32, 127, size=16 * windows).astype(np.uint8).tobytes()
+    )
+    return cfg, text
+
+
+def test_probe_command_on_config_json_and_text(tmp_path, capsys):
+    cfg, text = probe_inputs(tmp_path, seed=1, windows=50)
     rc = main(
         [
             "probe",
@@ -410,10 +407,7 @@ def test_probe_command_rejects_bad_input(tmp_path, capsys):
 
 
 def test_probe_command_cross_and_position_mask(tmp_path, capsys):
-    cfg = tmp_path / "llama.json"
-    cfg.write_text(json.dumps(LLAMA))
-    text = tmp_path / "corpus.txt"
-    text.write_bytes(np.random.default_rng(3).integers(32, 127, size=16 * 40).astype(np.uint8).tobytes())
+    cfg, text = probe_inputs(tmp_path, seed=3, windows=40)
     common = [
         "probe",
         "--model",

@@ -23,16 +23,7 @@ import torch
 import fused_stats as fs
 from fused_stats.cli import build_parser, main
 
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32,
-}
+from tiny_models import TINY_LLAMA_CONFIG as LLAMA
 
 
 def listing(root) -> list[str]:

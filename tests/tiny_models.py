@@ -1,11 +1,23 @@
-"""Small shared pieces of the probe tests: a tanh residual block, padded causal-LM batches
-(HF conventions: labels aligned with input_ids), and a two-block masked-mean-pool classifier with
-its loss and random masked batches."""
+"""Small shared pieces of the probe tests: a tiny llama config, a tanh residual block, padded
+causal-LM batches (HF conventions: labels aligned with input_ids), and a two-block
+masked-mean-pool classifier with its loss and random masked batches."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+# A two-layer llama of hidden size 16 as a HF ``config.json`` dict (the CLI's ``--model`` input).
+TINY_LLAMA_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+}
 
 
 class TanhBlock(nn.Module):
