@@ -22,7 +22,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from probe_transformer_lens import unbiased_from_rows
+from probe_transformer_lens import relative_difference
 
 import fused_stats as fs
 
@@ -98,14 +98,8 @@ def main(argv=None) -> int:
     worst = 0.0
     print(f"{'point':>16} {'d_align':>11} {'|mu|^2':>11}  max rel. diff (nnsight, Probe vs per-sample)")
     for i in range(layers):
-        q = np.stack(rows[i])
-        want = unbiased_from_rows(q)
-        scale = float(np.mean(np.sum(q**2, axis=1)))
-        floors = {"mu_norm2": scale, "mu_norm4": scale**2, "mu_sigma_mu": scale**2, "trace_sigma2": scale**2}
-        diff = 0.0
-        for est in (stats[i].estimate(), probe.stats[f"model.layers.{i}"].estimate()):
-            for key, value in want.items():
-                diff = max(diff, abs(getattr(est, key) - value) / max(abs(value), 1e-6 * floors[key]))
+        estimates = (stats[i].estimate(), probe.stats[f"model.layers.{i}"].estimate())
+        diff = relative_difference(np.stack(rows[i]), estimates)
         worst = max(worst, diff)
         est = stats[i].estimate()
         print(f"{'model.layers.' + str(i):>16} {est.d_align:11.4g} {est.mu_norm2:11.4g}  {diff:.2e}")

@@ -71,6 +71,19 @@ def unbiased_from_rows(q: np.ndarray) -> dict:
     return {"mu_norm2": u1, "mu_norm4": u4, "mu_sigma_mu": u3 - u4, "trace_sigma2": u2 - 2 * u3 + u4}
 
 
+def relative_difference(q: np.ndarray, estimates) -> float:
+    """The largest relative difference of any of ``estimates`` from :func:`unbiased_from_rows`,
+    each over max(|reference|, 1e-6 x the estimate's scale in powers of the mean |q|²)."""
+    want = unbiased_from_rows(q)
+    scale = float(np.mean(np.sum(q**2, axis=1)))
+    floors = {"mu_norm2": scale, "mu_norm4": scale**2, "mu_sigma_mu": scale**2, "trace_sigma2": scale**2}
+    diff = 0.0
+    for est in estimates:
+        for key, value in want.items():
+            diff = max(diff, abs(getattr(est, key) - value) / max(abs(value), 1e-6 * floors[key]))
+    return diff
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (the tests)")
@@ -118,14 +131,7 @@ def main(argv=None) -> int:
     worst = 0.0
     print(f"{'point':>22} {'d_align':>11} {'|mu|^2':>11} {'tr(S^2)':>11}  max rel. diff")
     for p in points:
-        want = unbiased_from_rows(np.stack(rows[p]))
-        scale = float(np.mean(np.sum(np.stack(rows[p]) ** 2, axis=1)))
-        floors = {"mu_norm2": scale, "mu_norm4": scale**2, "mu_sigma_mu": scale**2, "trace_sigma2": scale**2}
-        diff = 0.0
-        for est in (probe.stats[p].estimate(), own[p].estimate()):
-            for key, value in want.items():
-                got = getattr(est, key)
-                diff = max(diff, abs(got - value) / max(abs(value), 1e-6 * floors[key]))
+        diff = relative_difference(np.stack(rows[p]), (probe.stats[p].estimate(), own[p].estimate()))
         worst = max(worst, diff)
         est = probe.stats[p].estimate()
         print(f"{p:>22} {est.d_align:11.4g} {est.mu_norm2:11.4g} {est.trace_sigma2:11.4g}  {diff:.2e}")
