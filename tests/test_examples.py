@@ -7,24 +7,15 @@ what it promises (the examples' numbers are checked against references in the ot
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from example_scripts import run_script
 
 
 def run_example(name: str, *args: str, tmp_path: Path) -> str:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = run_script(name, *args, cwd=tmp_path, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

@@ -3,23 +3,14 @@ with fs.Probe and a per-sample loop (the script checks and exits non-zero otherw
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("nnsight")
 
-ROOT = Path(__file__).resolve().parents[1]
+from example_scripts import run_script
 
 
 def test_example_nnsight_runs():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "probe_nnsight.py"), "--tiny"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_script("probe_nnsight.py", "--tiny")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "agree" in out.stdout

@@ -4,10 +4,6 @@ on a positional-input model; the example script."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,9 +11,8 @@ pytest.importorskip("transformer_lens")
 
 import fused_stats as fs
 
+from example_scripts import run_script
 from per_sample_reference import assert_estimate_matches
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def hooked(seed=0, layers=3):
@@ -112,11 +107,6 @@ def test_loss_helper_styles(gen):
 
 
 def test_example_transformer_lens_runs():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "probe_transformer_lens.py"), "--tiny"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_script("probe_transformer_lens.py", "--tiny")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "agree" in out.stdout
