@@ -217,6 +217,15 @@ class CrossStats(Accumulator):
 
         Raises :class:`FusedStatsError` for bad shapes, devices, masks or units; a batch with
         non-finite sums comes back with ``finite=False`` (``commit`` applies ``nonfinite``)."""
+        grad, act = self._checked(grad, act, mask, unit)
+        batch = ops.cross_reduce(
+            grad, act, mask, self.w_in, self.activation, unit, self.group_size, self.backend
+        )
+        finite = not batch.n or self._finite(batch)
+        return Prepared(unit=unit, base_n=self.n, batch=batch, finite=finite)
+
+    def _checked(self, grad, act, mask, unit):
+        """The checks of :meth:`prepare`; returns ``grad`` and ``act`` viewed as (B, T, ·)."""
         w = self._where()
         if unit not in UNITS:
             raise FusedStatsError(f"cross gradient{w}: unit must be one of {UNITS}, got {unit!r}")
@@ -250,11 +259,61 @@ class CrossStats(Accumulator):
             raise FusedStatsError(
                 f"cross gradient{w}: mask has shape {tuple(mask.shape)}, expected {tuple(grad.shape[:2])}"
             )
-        batch = ops.cross_reduce(
-            grad, act, mask, self.w_in, self.activation, unit, self.group_size, self.backend
-        )
-        finite = not batch.n or self._finite(batch)
-        return Prepared(unit=unit, base_n=self.n, batch=batch, finite=finite)
+        return grad, act
+
+    @classmethod
+    def prepare_many(cls, accumulators, grads, acts, masks, unit: CrossUnit = "sample") -> list[Prepared]:
+        """:meth:`prepare` for several accumulators at once (the points of a probe), each with its
+        own batch; nothing changes. Batches of one shape, unmasked, ``unit="sample"`` in the ghost
+        form go through one set of batched calls on the torch path, with one finiteness check for
+        all; any other mix is prepared one accumulator at a time."""
+        accs = list(accumulators)
+        checked = [acc._checked(g, a, m, unit) for acc, g, a, m in zip(accs, grads, acts, masks)]
+        first = accs[0]
+        if len(accs) > 1 and all(m is None for m in masks):
+            g0, a0 = checked[0]
+            B, T, d = g0.shape
+            same = all(
+                g.shape == g0.shape
+                and a.shape == a0.shape
+                and g.dtype == g0.dtype
+                and a.dtype == a0.dtype
+                and g.is_floating_point()
+                and a.is_floating_point()
+                and acc.w_in.dtype == first.w_in.dtype
+                and acc.activation == first.activation
+                and acc.group_size == first.group_size
+                and acc.rank == first.rank
+                and acc.backend == first.backend
+                for acc, (g, a) in zip(accs, checked)
+            )
+            if same and B and T and ops.cross_stacks(B, T, d, first.rank, unit, first.group_size):
+                out = ops.cross_reduce_stacked(
+                    torch.stack([g for g, _ in checked]),
+                    torch.stack([a for _, a in checked]),
+                    torch.stack([acc.w_in for acc in accs]),
+                    first.activation,
+                    first.backend,
+                )
+                if out is not None:
+                    return cls._split_stacked(accs, unit, *out)
+        return [acc.prepare(g, a, m, unit=unit) for acc, (g, a), m in zip(accs, checked, masks)]
+
+    @staticmethod
+    def _split_stacked(accs, unit, c_sum, sums, n) -> list[Prepared]:
+        """Per-accumulator :class:`Prepared` from the stacked sums of ``ops.cross_reduce_stacked``."""
+        if bool(torch.isfinite(sums).all() & torch.isfinite(c_sum).all()):  # one host sync
+            finite = [True] * len(accs)
+        else:
+            finite = (torch.isfinite(sums).all(dim=1) & torch.isfinite(c_sum).flatten(1).all(dim=1)).tolist()
+        p2, p3, p4 = n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3)
+        scalars = sums.reshape(-1).unbind(0)  # (sq_norm_sum, u2, u3, u4) of each point in turn
+        prepared = []
+        for i, (acc, c) in enumerate(zip(accs, c_sum.unbind(0))):
+            sq, u2, u3, u4 = scalars[4 * i : 4 * i + 4]
+            batch = ops.CrossBatch(n=n, c_sum=c, sq_norm_sum=sq, u2=u2, u3=u3, u4=u4, p2=p2, p3=p3, p4=p4)
+            prepared.append(Prepared(unit=unit, base_n=acc.n, batch=batch, finite=finite[i]))
+        return prepared
 
     @staticmethod
     def _finite(batch) -> bool:

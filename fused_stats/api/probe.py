@@ -585,7 +585,8 @@ class Probe:
         self.check_stream(stream)
         policy = self.nonfinite if nonfinite is None else nonfinite
         unit = self.unit
-        plan = []
+        prepared_at = {}  # (kind, name) -> (key, acc, prepared)
+        cross_args = []  # (key, acc, grad, act, mask): prepared together below
         for name in self.points:
             act, grad = activations[name], grads[name]
             fd = self.feature_dim(name, act)
@@ -613,14 +614,29 @@ class Probe:
                             torch.float64 if z.dtype == torch.float64 else torch.float32,
                             z.device,
                         )
-                    prepared = acc.prepare(cg, z, cm, unit=unit)
+                    cross_args.append((key, acc, cg, z, cm))
                 else:
                     if acc is None:
                         acc = self.new_accumulator(kind, stream, name, dim, device=g.device)
-                    prepared = acc.prepare(g, m, unit, fd if unit != "flat" else -1)
+                    prepared_at[kind, name] = (
+                        key,
+                        acc,
+                        acc.prepare(g, m, unit, fd if unit != "flat" else -1),
+                    )
+        if cross_args:
+            # the points share batched calls where their batches allow (CrossStats.prepare_many)
+            keys, accs, cgs, zs, cms = zip(*cross_args)
+            for key, acc, prepared in zip(keys, accs, CrossStats.prepare_many(accs, cgs, zs, cms, unit)):
+                prepared_at["cross", key[2]] = (key, acc, prepared)
+        plan = []
+        for name in self.points:
+            for kind in self.kinds:
+                key, acc, prepared = prepared_at[kind, name]
                 if not prepared.finite:
                     return self._skip_or_raise(
-                        stream, self._nonfinite_message(kind, name, stream, grad, act), policy
+                        stream,
+                        self._nonfinite_message(kind, name, stream, grads[name], activations[name]),
+                        policy,
                     )
                 plan.append((key, acc, prepared))
         # ---- commit

@@ -22,6 +22,8 @@ __all__ = [
     "CrossBatch",
     "capture_reduce",
     "cross_reduce",
+    "cross_reduce_stacked",
+    "cross_stacks",
     "gram_rows",
     "implementation",
     "mirror_upper",
@@ -88,6 +90,17 @@ def cross_reduce(
     return implementation(backend, _device(grad)).cross_reduce(
         grad, act, mask, w_in, activation, unit, group_size
     )
+
+
+def cross_reduce_stacked(grads, acts, w_ins, activation, backend="auto"):
+    """Several points' batches in one call (:func:`fused_stats.ops.cross_twin.cross_reduce_stacked`),
+    or None where that path does not apply (a Triton backend: one launch per point there)."""
+    if resolve_backend(backend, _device(grads)) != "torch":
+        return None
+    return cross_twin.cross_reduce_stacked(grads, acts, w_ins, activation)
+
+
+cross_stacks = cross_twin.stacks
 
 
 def _device(x) -> torch.device:
