@@ -41,7 +41,6 @@ def capture_reduce(
     grad = grad.detach()  # statistics only: nothing here is differentiated
     B, T, d = grad.shape
     R = B if unit == "sample" else B * T
-    zero = torch.zeros((), dtype=torch.float64, device=grad.device)
     keep = None if mask is None else mask.to(device=grad.device, dtype=torch.bool)
     if keep is not None and bool(keep.all()):
         keep = None  # nothing masked: skip the masking passes (the common case on CPU)
@@ -59,6 +58,7 @@ def capture_reduce(
         valid = torch.ones(R, dtype=torch.bool, device=grad.device)
         n = R
     else:
+        zero = torch.zeros((), dtype=torch.float64, device=grad.device)
         # where(), not multiply: a NaN at a masked (padding) position must not leak into the sums
         g = torch.where(keep.unsqueeze(-1), grad.to(torch.float64), zero)
         if unit == "sample":
@@ -83,7 +83,7 @@ def capture_reduce(
         t=t,
         a1=y_sq.sum(),
         a2=y_sq @ y_sq,
-        norm_max=q_norm.max() if q_norm.numel() else zero.clone(),
+        norm_max=q_norm.max() if q_norm.numel() else torch.zeros((), dtype=torch.float64, device=grad.device),
         norm_sum=q_norm.sum(),
     )
 
