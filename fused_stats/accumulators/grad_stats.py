@@ -423,6 +423,63 @@ class GradStats(Accumulator):
             )
         return Prepared(unit, self.n, batch, finite=True, centre=centre)
 
+    @classmethod
+    def prepare_many(cls, accumulators, grads, masks, unit: Unit, feature_dims) -> list[Prepared]:
+        """:meth:`prepare` for several accumulators at once (the points of a probe), each with its
+        own batch; nothing changes. Unmasked ``unit="sample"`` batches of one shape with one row
+        per sample, on accumulators past their first batch, go through one set of batched calls
+        on the torch path with one finiteness read for all; anything else one at a time."""
+        accs = list(accumulators)
+        if len(accs) > 1 and unit == "sample" and all(m is None for m in masks):
+            views = [acc._as_batch(g, None, unit, fd) for acc, g, fd in zip(accs, grads, feature_dims)]
+            g0, first = views[0][0], accs[0]
+            if (
+                g0.shape[0]
+                and g0.shape[1] == 1
+                and all(
+                    g.shape == g0.shape
+                    and g.dtype == g0.dtype
+                    and acc.centre is not None
+                    and acc.backend == first.backend
+                    for acc, (g, _) in zip(accs, views)
+                )
+            ):
+                out = ops.capture_reduce_stacked(
+                    torch.stack([g[:, 0] for g, _ in views]),
+                    torch.stack([acc.centre for acc in accs]),
+                    first.backend,
+                )
+                if out is not None:
+                    return cls._split_stacked(accs, unit, *out)
+        return [acc.prepare(g, m, unit, fd) for acc, g, m, fd in zip(accs, grads, masks, feature_dims)]
+
+    @staticmethod
+    def _split_stacked(accs, unit, rows, st, sums) -> list[Prepared]:
+        """Per-accumulator :class:`Prepared` from the stacked sums of ``ops.capture_reduce_stacked``."""
+        P, B, _ = rows.shape
+        checked = sums[:, [0, 1, 3]]  # a1, a2, norm_sum: as sums_finite
+        if bool(torch.isfinite(checked).all()):  # one host sync
+            finite = [True] * P
+        else:
+            finite = torch.isfinite(checked).all(dim=1).tolist()
+        valid = torch.ones(B, dtype=torch.bool, device=rows.device)
+        scalars = sums.reshape(-1).unbind(0)  # (a1, a2, norm_max, norm_sum) of each batch in turn
+        prepared = []
+        for i, (acc, y, (s, t)) in enumerate(zip(accs, rows.unbind(0), st.unbind(0))):
+            a1, a2, norm_max, norm_sum = scalars[4 * i : 4 * i + 4]
+            batch = ops.BatchSums(
+                rows=y, valid=valid, n=B, s=s, t=t, a1=a1, a2=a2, norm_max=norm_max, norm_sum=norm_sum
+            )
+            if finite[i]:
+                limit = acc.pool_limit
+                if acc.second_moment == "pool" and limit is not None and acc.n + B > limit:
+                    raise FusedStatsError(
+                        f"pool{acc._where()} holds {acc.n} samples; {B} more exceed "
+                        f"pool_capacity={limit}. Use second_moment='auto' or 'dense', or a larger capacity"
+                    )
+            prepared.append(Prepared(unit, acc.n, batch, finite=finite[i], centre=acc.centre))
+        return prepared
+
     def commit(self, prepared: Prepared) -> None:
         """Fold a batch returned by :meth:`prepare` (on this accumulator, with no update between)."""
         if not self._admits(

@@ -586,7 +586,8 @@ class Probe:
         policy = self.nonfinite if nonfinite is None else nonfinite
         unit = self.unit
         prepared_at = {}  # (kind, name) -> (key, acc, prepared)
-        cross_args = []  # (key, acc, grad, act, mask): prepared together below
+        grad_args = []  # (key, acc, grad, mask, feature_dim): GradStats prepared together below
+        cross_args = []  # (key, acc, grad, act, mask): CrossStats likewise
         for name in self.points:
             act, grad = activations[name], grads[name]
             fd = self.feature_dim(name, act)
@@ -618,11 +619,18 @@ class Probe:
                 else:
                     if acc is None:
                         acc = self.new_accumulator(kind, stream, name, dim, device=g.device)
-                    prepared_at[kind, name] = (
-                        key,
-                        acc,
-                        acc.prepare(g, m, unit, fd if unit != "flat" else -1),
-                    )
+                    if kind == "grad":
+                        grad_args.append((key, acc, g, m, fd if unit != "flat" else -1))
+                    else:
+                        prepared_at[kind, name] = (
+                            key,
+                            acc,
+                            acc.prepare(g, m, unit, fd if unit != "flat" else -1),
+                        )
+        if grad_args:
+            keys, accs, gs, ms, fds = zip(*grad_args)
+            for key, acc, prepared in zip(keys, accs, GradStats.prepare_many(accs, gs, ms, unit, fds)):
+                prepared_at["grad", key[2]] = (key, acc, prepared)
         if cross_args:
             # the points share batched calls where their batches allow (CrossStats.prepare_many)
             keys, accs, cgs, zs, cms = zip(*cross_args)

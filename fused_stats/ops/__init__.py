@@ -21,6 +21,7 @@ __all__ = [
     "BatchSums",
     "CrossBatch",
     "capture_reduce",
+    "capture_reduce_stacked",
     "cross_reduce",
     "cross_reduce_stacked",
     "cross_stacks",
@@ -90,6 +91,15 @@ def cross_reduce(
     return implementation(backend, _device(grad)).cross_reduce(
         grad, act, mask, w_in, activation, unit, group_size
     )
+
+
+def capture_reduce_stacked(grads, centres, backend="auto"):
+    """Several points' unmasked one-row-per-sample batches in one call
+    (:func:`fused_stats.ops.torch_twin.capture_reduce_stacked`), or None where that path does not
+    apply (a Triton backend: one launch per point there)."""
+    if resolve_backend(backend, _device(grads)) != "torch":
+        return None
+    return torch_twin.capture_reduce_stacked(grads, centres)
 
 
 def cross_reduce_stacked(grads, acts, w_ins, activation, backend="auto"):

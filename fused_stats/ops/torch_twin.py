@@ -88,6 +88,22 @@ def capture_reduce(
     )
 
 
+def capture_reduce_stacked(grads: torch.Tensor, centres: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`capture_reduce` of P unmasked ``unit="sample"`` batches of one row per sample at once:
+    ``grads`` (P, B, d), ``centres`` (P, d) float64. Returns ``rows`` (P, B, d) centred, ``st``
+    (P, 2, d) = (s, t) per batch, and ``sums`` (P, 4) = (a1, a2, norm_max, norm_sum) per batch;
+    the same sums as :func:`capture_reduce` per batch (up to the order of fp64 additions)."""
+    y = grads.detach().to(torch.float64, copy=True)  # exact upcast into a fresh buffer
+    q_norm = torch.linalg.vector_norm(y, dim=2)
+    y.sub_(centres.unsqueeze(1))
+    y_sq = torch.linalg.vector_norm(y, dim=2).square_()
+    st = torch.bmm(torch.stack([torch.ones_like(y_sq), y_sq], dim=1), y)
+    sums = torch.stack(
+        [y_sq.sum(dim=1), (y_sq * y_sq).sum(dim=1), q_norm.amax(dim=1), q_norm.sum(dim=1)], dim=1
+    )
+    return y, st, sums
+
+
 def second_moment_update(S: torch.Tensor, rows: torch.Tensor, mirror: bool = True) -> bool:
     """In place ``S += rows^T rows``; ``S`` (d, d) float64, ``rows`` (R, d) any float dtype.
 

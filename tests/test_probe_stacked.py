@@ -1,11 +1,13 @@
-"""The points of a probe prepared together (``CrossStats.prepare_many``: unmasked ``unit="sample"``
-batches of one shape share batched calls) against explicit references.
+"""The points of a probe prepared together (``GradStats.prepare_many``, ``CrossStats.prepare_many``:
+unmasked ``unit="sample"`` batches of one shape share batched calls) against explicit references.
 
-* every point's sums (n, ``Σ c_i``, ``Σ |c_i|²`` and the within-group tuple sums of
+* every point's GradStats sums (centred at its own centre) against a loop over the samples;
+* every point's cross sums (n, ``Σ c_i``, ``Σ |c_i|²`` and the within-group tuple sums of
   ``k_ij = <c_i, c_j>_F``) against ``c_i`` built per sample and loops over ordered distinct tuples;
 * ``Probe.fold`` through that path stays all or nothing: a non-finite activation at one point
-  (which only the cross statistics see) raises, or is skipped and counted, with every
-  accumulator of every point left bit-identical.
+  (which only the cross statistics see), or a non-finite gradient at one point, raises, or is
+  skipped and counted, with every accumulator of every point left bit-identical; a pool that one
+  point's batch would overfill raises before anything changes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 import fused_stats as fs
 from fused_stats import FusedStatsError
 from fused_stats.accumulators.cross_stats import CrossStats
+from fused_stats.accumulators.grad_stats import GradStats
 from fused_stats.ops import cross_twin
 
 F64 = torch.float64
@@ -78,6 +81,42 @@ def test_prepare_many_matches_explicit_sums(T, dtype):
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_grad_prepare_many_matches_explicit_sums(dtype):
+    gen = torch.Generator().manual_seed(3)
+    B, d = 7, 5
+    accs = [GradStats(d, second_moment="dense", name=f"p{i}") for i in range(3)]
+    for acc in accs:  # past the first batch: each has its own centre
+        acc.update((torch.randn(4, d, generator=gen, dtype=F64) + 1).to(dtype))
+    grads = [(torch.randn(B, d, generator=gen, dtype=F64) * 2 - 0.5).to(dtype) for _ in accs]
+    prepared = GradStats.prepare_many(accs, grads, [None] * 3, "sample", [-1] * 3)
+    for acc, p, g in zip(accs, prepared, grads):
+        q = g.to(F64)
+        y = [q[b] - acc.centre for b in range(B)]
+        sq = [float(v @ v) for v in y]
+        batch = p.batch
+        assert p.finite and batch.n == B and p.base_n == 4 and torch.equal(p.centre, acc.centre)
+        torch.testing.assert_close(batch.s, sum(y), rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(batch.t, sum(w * v for w, v in zip(sq, y)), rtol=1e-13, atol=1e-12)
+        assert float(batch.a1) == pytest.approx(sum(sq), rel=1e-13)
+        assert float(batch.a2) == pytest.approx(sum(w * w for w in sq), rel=1e-13)
+        norms = [float(q[b].norm()) for b in range(B)]
+        assert float(batch.norm_max) == pytest.approx(max(norms), rel=1e-14)
+        assert float(batch.norm_sum) == pytest.approx(sum(norms), rel=1e-13)
+        torch.testing.assert_close(batch.rows[batch.valid], torch.stack(y), rtol=0, atol=0)
+
+
+def test_grad_prepare_many_pool_overflow_raises():
+    gen = torch.Generator().manual_seed(4)
+    accs = [GradStats(3, second_moment="pool", pool_capacity=cap) for cap in (100, 9)]
+    for acc in accs:
+        acc.update(torch.randn(5, 3, generator=gen, dtype=F64))
+    with pytest.raises(FusedStatsError, match="pool_capacity=9"):
+        GradStats.prepare_many(
+            accs, [torch.randn(5, 3, generator=gen, dtype=F64)] * 2, [None] * 2, "sample", [-1] * 2
+        )
+
+
 def state(probe, points):
     out = {}
     for p in points:
@@ -86,8 +125,9 @@ def state(probe, points):
     return out
 
 
+@pytest.mark.parametrize("where", ["act", "grad"])
 @pytest.mark.parametrize("policy", ["raise", "skip"])
-def test_fold_all_or_nothing_through_the_batched_path(policy):
+def test_fold_all_or_nothing_through_the_batched_path(policy, where):
     gen = torch.Generator().manual_seed(5)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
     points = ["0", "1", "2"]
@@ -101,9 +141,14 @@ def test_fold_all_or_nothing_through_the_batched_path(policy):
     assert probe.fold("train", *batch())
     before = state(probe, points)
     acts, grads = batch()
-    acts["1"][3, 2] = float("nan")  # only the cross statistics of point 1 read it
+    if where == "act":
+        acts["1"][3, 2] = float("nan")  # only the cross statistics of point 1 read it
+        message = "cross-gradient sums at point '1'"
+    else:
+        grads["2"][5, 0] = float("inf")
+        message = "activation gradient at point '2'"
     if policy == "raise":
-        with pytest.raises(FusedStatsError, match="cross-gradient sums at point '1'"):
+        with pytest.raises(FusedStatsError, match=message):
             probe.fold("train", acts, grads)
     else:
         assert not probe.fold("train", acts, grads)
