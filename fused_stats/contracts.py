@@ -57,19 +57,20 @@ class CrossBatch:
 
 
 def tuple_sums(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
-    """Sums of ``k_ij²``, ``k_ij k_jk``, ``k_ij k_kl`` over ordered distinct tuples of one group.
+    """Sums of ``k_ij²``, ``k_ij k_jk``, ``k_ij k_kl`` over ordered distinct tuples of one group
+    ``k`` (m, m), or of each group of a stack ``k`` (..., m, m) (the sums then have shape (...)).
 
     With ``H`` = ``k`` with its diagonal zeroed: ``Σ_{i≠j} h² = |H|_F²``;
     ``Σ_{distinct i,j,k} h_ij h_jk = |H1|² − |H|_F²``; and, expanding ``(1ᵀH1)²`` by how two
     ordered pairs overlap, ``Σ_{distinct i,j,k,l} h_ij h_kl = (1ᵀH1)² − 4·u3 − 2·u2``.
     """
-    m = k.shape[0]
+    m = k.shape[-1]
     h = k.to(F64, copy=True)
-    h.diagonal().zero_()
-    u2 = (h * h).sum()
-    row = h.sum(dim=1)
-    u3 = (row * row).sum() - u2
-    total = row.sum()
+    h.diagonal(dim1=-2, dim2=-1).zero_()
+    u2 = (h * h).sum(dim=(-2, -1))
+    row = h.sum(dim=-1)
+    u3 = (row * row).sum(dim=-1) - u2
+    total = row.sum(dim=-1)
     u4 = total * total - 4 * u3 - 2 * u2
     return u2, u3, u4, m * (m - 1), m * (m - 1) * (m - 2), m * (m - 1) * (m - 2) * (m - 3)
 

@@ -165,15 +165,8 @@ def cross_reduce_stacked(
     if T > 1:
         k = k.reshape(P, B, T, B, T).sum(dim=(2, 4))
     c_sum = torch.bmm(q.transpose(1, 2), phi)
-    # the tuple sums of contracts.tuple_sums, for every point at once
-    diag = k.diagonal(dim1=1, dim2=2)
-    sq = diag.sum(dim=1)
-    diag.zero_()
-    u2 = (k * k).sum(dim=(1, 2))
-    row = k.sum(dim=2)
-    u3 = (row * row).sum(dim=1) - u2
-    total = row.sum(dim=1)
-    u4 = total * total - 4 * u3 - 2 * u2
+    sq = k.diagonal(dim1=1, dim2=2).sum(dim=1)
+    u2, u3, u4, *_ = tuple_sums(k)  # every point's group at once
     sums = torch.stack([sq, u2, u3, u4], dim=1)
     return c_sum, sums, B
 
