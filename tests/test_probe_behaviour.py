@@ -135,6 +135,57 @@ def test_resnet_batchnorm_statistics_untouched(gen):
     assert_model_as_before(model, before)  # running means/vars: eval() during the step
 
 
+class CountingTrain(nn.Module):
+    """A module that overrides ``train`` (as some libraries do): the step must call it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(5, 5)
+        self.calls = []
+
+    def train(self, mode=True):
+        self.calls.append(mode)
+        return super().train(mode)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("override", [False, True])
+def test_step_sees_eval_and_frozen_model_and_restores_mixed_flags(override, gen):
+    tied = nn.Linear(5, 5)
+    body = CountingTrain() if override else nn.Linear(5, 5)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), body, tied, nn.Dropout(0.5), tied, nn.Linear(5, 3))
+    model.train()
+    model[1].eval()
+    model[6].bias.requires_grad_(False)
+    before = snapshot(model)
+    if override:
+        body.calls.clear()
+    seen = []
+
+    def loss_fn(m, batch):
+        seen.append(([mod.training for mod in m.modules()], [p.requires_grad for p in m.parameters()]))
+        x, y = batch
+        return nn.functional.cross_entropy(m(x), y, reduction="none")
+
+    probe = fs.Probe(model, points=["0", "2"])
+    x = torch.randn(7, 5, generator=gen)
+    y = torch.randint(0, 3, (7,), generator=gen)
+    probe.step((x, y), loss_fn)
+    modes, flags = seen[0]
+    assert not any(modes) and not any(flags)
+    assert_model_as_before(model, before)
+    if override:
+        assert body.calls == [False]  # switched through model.eval(), so the override ran
+    # the tied parameter, listed once by parameters(), is trainable again (not frozen twice)
+    assert tied.weight.requires_grad and tied.bias.requires_grad
+    # the dropout was off: the statistics are those of the deterministic model (a second run equal)
+    again = fs.Probe(model, points=["0", "2"])
+    again.step((x, y), loss_fn)
+    assert torch.equal(probe.stats["2"].raw_sum(), again.stats["2"].raw_sum())
+
+
 class Boom(RuntimeError):
     pass
 

@@ -44,6 +44,55 @@ def _split(output):
     return None, None
 
 
+_set_flag = object.__setattr__  # Module.__setattr__ checks parameter/module types first: slow per call
+
+
+class FrozenEval:
+    """Context manager: the model in eval mode with every parameter's ``requires_grad`` off, the
+    flags that were changed set back on exit (also on an error), nothing else touched.
+
+    One traversal of the module tree finds the trainable parameters (each once) and the modules in
+    training mode. Modules that keep ``nn.Module.train`` get their flag set directly; a tree where
+    any module overrides ``train`` is switched through ``model.eval()``, so that override runs.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        modules = list(model.modules())
+        self.training = [m for m in modules if m.training]
+        self.custom_train = any(type(m).train is not nn.Module.train for m in modules)
+        seen: set[int] = set()
+        self.trainable = []
+        for m in modules:
+            for p in m._parameters.values():
+                if p is not None and p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    self.trainable.append(p)
+
+    def __enter__(self) -> FrozenEval:
+        try:
+            for p in self.trainable:
+                p.requires_grad_(False)
+            if self.custom_train:
+                self.model.eval()
+            else:
+                for m in self.training:
+                    _set_flag(m, "training", False)
+        except BaseException:
+            self.restore()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        for p in self.trainable:
+            p.requires_grad_(True)
+        for m in self.training:
+            _set_flag(m, "training", True)
+
+
 class ActivationCapture:
     """Context manager: forward hooks on ``names`` that capture and substitute the outputs.
 

@@ -83,7 +83,7 @@ from ..accumulators.grad_stats import NONFINITE_POLICIES, SECOND_MOMENTS, UNITS,
 from ..backend import Backend, validate_backend
 from ..errors import FusedStatsError
 from .feature_axis import resolve_feature_dim
-from .hooks import ActivationCapture
+from .hooks import ActivationCapture, FrozenEval
 from .points import residual_points, resolve_points
 from .table import KINDS, STREAMS, TableView
 
@@ -469,24 +469,15 @@ class Probe:
             raise FusedStatsError("Probe.step cannot run inside torch.inference_mode(): it needs autograd")
         positions_mask = self.mask_for(batch, mask)
         model = self.model
-        # only what changes is recorded and restored (Module.__setattr__ is slow on small models)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        training = [m for m in model.modules() if m.training]
         capture = ActivationCapture(model, self.points)
-        try:
-            for p in trainable:
-                p.requires_grad_(False)
-            model.eval()
-            with torch.enable_grad():  # also under a caller's no_grad(): losses.sum() needs a graph
+        # only what changes is recorded and restored
+        with FrozenEval(model), torch.enable_grad():  # enable_grad: losses.sum() needs a graph
+            try:
                 with capture:
                     losses = loss_fn(model, batch)
                 grads = self._activation_grads(losses, capture)
-        finally:
-            capture.remove()
-            for p in trainable:
-                p.requires_grad_(True)
-            for m in training:
-                m.training = True
+            finally:
+                capture.remove()
         self.fold(stream, capture.captured, grads, positions_mask)
 
     def observe(
