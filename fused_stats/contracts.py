@@ -54,6 +54,7 @@ class CrossBatch:
     p2: int
     p3: int
     p4: int
+    u: torch.Tensor | None = None  # (3,) = (u2, u3, u4), where the producer has them stacked
 
 
 def tuple_sums(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:

@@ -201,6 +201,29 @@ class Accumulator:
             raise FusedStatsError(nonfinite_message.format(where=self._where(), n=prepared.n))
         return True
 
+    @classmethod
+    def commit_many(cls, accumulators, prepared) -> None:
+        """``commit`` each accumulator's prepared batch, in order (the points of a probe): the
+        same states as committing them one by one. A subclass may fold the batches of several
+        accumulators with fewer calls where every batch is one ``commit`` would fold
+        (:meth:`_all_fold`)."""
+        for acc, p in zip(accumulators, prepared):
+            acc.commit(p)
+
+    @staticmethod
+    def _all_fold(accs, prepared, devices) -> bool:
+        """Whether every batch would be folded by ``commit`` as it stands (none stale, empty or
+        non-finite) into distinct accumulators, all on one of ``devices``: then the order of the
+        commits does not matter and nothing is refused."""
+        return (
+            len({id(a) for a in accs}) == len(accs)
+            and len(set(devices)) == 1
+            and all(
+                isinstance(p, Prepared) and p.finite and p.batch is not None and p.base_n == a.n and p.n
+                for a, p in zip(accs, prepared)
+            )
+        )
+
     def counters(self) -> dict:
         """The plain (non-tensor) part of the state."""
         return {

@@ -311,7 +311,9 @@ class CrossStats(Accumulator):
         prepared = []
         for i, (acc, c) in enumerate(zip(accs, c_sum.unbind(0))):
             sq, u2, u3, u4 = scalars[4 * i : 4 * i + 4]
-            batch = ops.CrossBatch(n=n, c_sum=c, sq_norm_sum=sq, u2=u2, u3=u3, u4=u4, p2=p2, p3=p3, p4=p4)
+            batch = ops.CrossBatch(
+                n=n, c_sum=c, sq_norm_sum=sq, u2=u2, u3=u3, u4=u4, p2=p2, p3=p3, p4=p4, u=sums[i, 1:]
+            )
             prepared.append(Prepared(unit=unit, base_n=acc.n, batch=batch, finite=finite[i]))
         return prepared
 
@@ -341,7 +343,7 @@ class CrossStats(Accumulator):
         self.unit = unit
         self.c_sum += batch.c_sum
         self.sq_norm_sum += batch.sq_norm_sum
-        self.u += torch.stack([batch.u2, batch.u3, batch.u4])
+        self.u += batch.u if batch.u is not None else torch.stack([batch.u2, batch.u3, batch.u4])
         self.p = [self.p[0] + batch.p2, self.p[1] + batch.p3, self.p[2] + batch.p4]
         if batch.n == 1:  # pair consecutive single-sample batches (module docstring)
             if self.carry is not None:
@@ -351,6 +353,32 @@ class CrossStats(Accumulator):
             self.carry = batch.c_sum.clone()
         else:
             self.carry = None
+
+    @classmethod
+    def commit_many(cls, accumulators, prepared) -> None:
+        """:meth:`commit` of several accumulators' batches (the points of a probe), the sums of
+        all of them added by one foreach call where every batch holds more than one sample (no
+        single-sample pairing); the same bits as one by one."""
+        accs, prepared = list(accumulators), list(prepared)
+        if (
+            len(accs) < 2
+            or not cls._all_fold(accs, prepared, [a.device for a in accs])
+            or not all(p.batch.n > 1 for p in prepared)
+        ):
+            super().commit_many(accs, prepared)
+            return
+        states, parts = [], []
+        for acc, p in zip(accs, prepared):
+            b = p.batch
+            u = b.u if b.u is not None else torch.stack([b.u2, b.u3, b.u4])
+            states += (acc.c_sum, acc.sq_norm_sum, acc.u)
+            parts += (b.c_sum, b.sq_norm_sum, u)
+            acc.n += b.n
+            acc.batches += 1
+            acc.unit = p.unit
+            acc.p = [acc.p[0] + b.p2, acc.p[1] + b.p3, acc.p[2] + b.p4]
+            acc.carry = None
+        torch._foreach_add_(states, parts)
 
     def update(
         self,

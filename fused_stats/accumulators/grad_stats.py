@@ -498,6 +498,41 @@ class GradStats(Accumulator):
         self.unit = prepared.unit
         self._add_sums(batch)
 
+    @classmethod
+    def commit_many(cls, accumulators, prepared) -> None:
+        """:meth:`commit` of several accumulators' batches (the points of a probe), with the
+        plain sums of all of them added by two foreach calls; the same bits as one by one. If a
+        second-moment update raises, the accumulators before it are fully committed and the rest
+        untouched, as with sequential commits."""
+        accs, prepared = list(accumulators), list(prepared)
+        devices = [getattr(getattr(p, "centre", None), "device", None) for p in prepared]
+        if len(accs) < 2 or not cls._all_fold(accs, prepared, devices):
+            super().commit_many(accs, prepared)
+            return
+        done = 0
+        try:
+            for acc, p in zip(accs, prepared):
+                if acc.centre is None:
+                    acc._init_state(p.centre)
+                acc._add_second_moment(
+                    p.batch.n, rows=p.batch.valid_rows() if acc.mode == "pool" else p.batch.rows
+                )
+                done += 1
+        except BaseException:
+            for acc, p in zip(accs[:done], prepared[:done]):
+                acc.unit = p.unit
+                acc._add_sums(p.batch)
+            raise
+        states, parts = [], []
+        for acc, p in zip(accs, prepared):
+            b = p.batch
+            states += (acc.s, acc.t, acc.a1, acc.a2, acc.norm_sum)
+            parts += (b.s, b.t, b.a1, b.a2, b.norm_sum)
+            acc.n += b.n
+            acc.unit = p.unit
+        torch._foreach_add_(states, parts)
+        torch._foreach_maximum_([a.norm_max for a in accs], [p.batch.norm_max for p in prepared])
+
     def _add_sums(self, part) -> None:
         """Add the centred sums of ``part`` (a batch, or a state at this centre): all of them are
         plain sums, and ``max |q|`` a maximum."""

@@ -638,12 +638,17 @@ class Probe:
                         policy,
                     )
                 plan.append((key, acc, prepared))
-        # ---- commit
-        for key, acc, prepared in plan:
-            acc.commit(prepared)
-            self.table.setdefault(key, acc)
-            if key[0] == "grad":
-                self.dims[key[2]] = acc.dim
+        # ---- commit: each kind's accumulators together (commit_many folds their sums in fewer calls)
+        by_kind: dict[str, list] = {}
+        for entry in plan:
+            by_kind.setdefault(entry[0][0], []).append(entry)
+        for entries in by_kind.values():
+            keys, accs, prepared = zip(*entries)
+            type(accs[0]).commit_many(accs, prepared)
+            for key, acc in zip(keys, accs):
+                self.table.setdefault(key, acc)
+                if key[0] == "grad":
+                    self.dims[key[2]] = acc.dim
         for name in self.points:
             self.feature_dims[name] = self.feature_dim(name, activations[name])
         self.steps[stream] += 1

@@ -1,0 +1,146 @@
+"""``commit_many`` (the points of a probe committed together) against committing one by one.
+
+Reference: the same prepared batches committed by ``commit`` into copies of the accumulators, in
+order; every state tensor must be bit-identical (``state_differences`` empty). Covered: first
+batches (no centre yet), batches past the first, pool and dense second moments, cross batches of
+several samples and of one sample (the pairing of single-sample batches), mixes that ``commit``
+would refuse or skip (stale, empty, non-finite), an accumulator listed twice, and a second-moment
+update that fails in the middle (the accumulators before it complete, the rest untouched).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fused_stats import FusedStatsError
+from fused_stats.accumulators.base import state_differences
+from fused_stats.accumulators.cross_stats import CrossStats
+from fused_stats.accumulators.grad_stats import GradStats
+
+F64 = torch.float64
+
+
+def grad_accs(gen, modes, d=6, warm=True):
+    accs = [GradStats(d, second_moment=m, name=f"p{i}") for i, m in enumerate(modes)]
+    if warm:
+        for acc in accs:
+            acc.update(torch.randn(5, d, generator=gen) + 0.7)
+    return accs
+
+
+def assert_same(accs, refs):
+    for acc, ref in zip(accs, refs):
+        assert not state_differences(acc.state_dict(), ref.state_dict()), acc.name
+
+
+def commit_both(cls, accs, prepared):
+    refs = [a.copy() for a in accs]
+    for ref, p in zip(refs, prepared):
+        ref.commit(p)
+    cls.commit_many(accs, prepared)
+    assert_same(accs, refs)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+@pytest.mark.parametrize("modes", [("dense",) * 3, ("pool", "dense", "auto")])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_grad_commit_many_equals_sequential(modes, warm, stacked, gen):
+    accs = grad_accs(gen, modes, warm=warm)
+    for _ in range(3):
+        grads = [torch.randn(8, 6, generator=gen) * 1.5 - 0.3 for _ in accs]
+        if stacked:
+            prepared = GradStats.prepare_many(accs, grads, [None] * 3, "sample", [-1] * 3)
+        else:
+            prepared = [a.prepare(g) for a, g in zip(accs, grads)]
+        commit_both(GradStats, accs, prepared)
+    assert all(a.n == (5 if warm else 0) + 24 for a in accs)
+
+
+def test_grad_commit_many_refused_mixes_behave_as_sequential(gen):
+    accs = grad_accs(gen, ("dense",) * 3)
+    for a in accs:
+        a.nonfinite = "skip"
+    bad = torch.randn(8, 6, generator=gen)
+    bad[2, 1] = float("nan")
+    prepared = [
+        accs[0].prepare(torch.randn(8, 6, generator=gen)),
+        accs[1].prepare(bad),
+        accs[2].prepare(bad[:0]),
+    ]
+    assert not prepared[1].finite and prepared[2].n == 0
+    commit_both(GradStats, accs, prepared)
+    assert accs[1].skipped_batches == 1 and accs[0].n == 13 and accs[2].n == 5
+    # a stale batch is refused, as by commit
+    stale = [a.prepare(torch.randn(8, 6, generator=gen)) for a in accs]
+    accs[1].update(torch.randn(3, 6, generator=gen))
+    refs = [a.copy() for a in accs]
+    with pytest.raises(FusedStatsError, match="stale prepared batch at point 'p1'"):
+        refs[0].commit(stale[0])
+        refs[1].commit(stale[1])
+    with pytest.raises(FusedStatsError, match="stale prepared batch at point 'p1'"):
+        GradStats.commit_many(accs, stale)
+    assert_same(accs, refs)
+
+
+def test_grad_commit_many_same_accumulator_twice_is_refused_as_stale(gen):
+    (acc,) = grad_accs(gen, ("dense",))
+    p = acc.prepare(torch.randn(4, 6, generator=gen))
+    with pytest.raises(FusedStatsError, match="stale"):
+        GradStats.commit_many([acc, acc], [p, p])
+    assert acc.n == 9  # the first commit went in, the second was refused
+
+
+def test_grad_commit_many_failing_second_moment_leaves_consistent_states(gen, monkeypatch):
+    accs = grad_accs(gen, ("dense",) * 3)
+    prepared = [a.prepare(torch.randn(8, 6, generator=gen)) for a in accs]
+    refs = [a.copy() for a in accs]
+    refs[0].commit(prepared[0])
+    refs[1].commit(prepared[1])
+    original = GradStats._add_second_moment
+
+    def failing(self, count, rows):
+        if self is accs[2]:
+            raise RuntimeError("out of memory (simulated)")
+        return original(self, count, rows)
+
+    monkeypatch.setattr(GradStats, "_add_second_moment", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        GradStats.commit_many(accs, prepared)
+    assert_same(accs, refs)
+    assert [a.n for a in accs] == [13, 13, 5]
+
+
+def cross_accs(gen, count=3, d=5, din=4, r=6):
+    return [
+        CrossStats(d, torch.randn(r, din, generator=gen, dtype=F64) / 2, name=f"c{i}") for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize("B", [1, 2, 7])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_cross_commit_many_equals_sequential(B, stacked, gen):
+    accs = cross_accs(gen)
+    for _ in range(3):
+        grads = [torch.randn(B, 3, 5, generator=gen) + 0.2 for _ in accs]
+        acts = [torch.randn(B, 3, 4, generator=gen) for _ in accs]
+        if stacked:
+            prepared = CrossStats.prepare_many(accs, grads, acts, [None] * 3)
+        else:
+            prepared = [a.prepare(g, z) for a, g, z in zip(accs, grads, acts)]
+        commit_both(CrossStats, accs, prepared)
+    assert all(a.n == 3 * B and a.batches == 3 for a in accs)
+    if B == 1:
+        assert all(a.p[0] == 4 and a.carry is not None for a in accs)  # two pairings of single samples
+
+
+def test_cross_commit_many_after_a_single_sample_batch_drops_the_carry(gen):
+    accs = cross_accs(gen, 2)
+    for a in accs:
+        a.update(torch.randn(1, 2, 5, generator=gen), torch.randn(1, 2, 4, generator=gen))
+    assert all(a.carry is not None for a in accs)
+    prepared = [
+        a.prepare(torch.randn(4, 2, 5, generator=gen), torch.randn(4, 2, 4, generator=gen)) for a in accs
+    ]
+    commit_both(CrossStats, accs, prepared)
+    assert all(a.carry is None for a in accs)
