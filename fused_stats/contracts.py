@@ -12,6 +12,7 @@ layer above them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,18 @@ class CrossBatch:
     p3: int
     p4: int
     u: torch.Tensor | None = None  # (3,) = (u2, u3, u4), where the producer has them stacked
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every entry of ``tensors`` is finite, with one reduction per tensor and one host
+    read: a NaN or Inf entry makes the total non-finite, so a finite total proves them all finite;
+    a non-finite total (also finite entries whose sum overflows) is settled by the exact check."""
+    total = tensors[0].sum()
+    for t in tensors[1:]:
+        total = total + t.sum()
+    if math.isfinite(total.item()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def tuple_sums(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:

@@ -321,3 +321,26 @@ def test_checkpoint_of_other_settings_is_refused_by_the_declared_settings(tmp_pa
     same = make(second_moment="dense", norm_histogram={"bins": 6})
     same.load_state(tmp_path / "ckpt")
     assert all(same.table[key].same_state(acc) for key, acc in probe.table.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_all_finite_matches_isfinite(dtype, gen):
+    from fused_stats.contracts import all_finite
+
+    a = torch.randn(5, 7, generator=gen, dtype=torch.float64).to(dtype)
+    b = torch.randn(3, generator=gen, dtype=torch.float64).to(dtype)
+    assert all_finite(a, b) and all_finite(a)
+    big = torch.finfo(dtype).max
+    # finite entries whose sum overflows: the exact check decides
+    assert all_finite(torch.tensor([big, big], dtype=dtype), b)
+    assert all_finite(torch.tensor([big], dtype=dtype), torch.tensor([-big, -big], dtype=dtype))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for target in (a, b):
+            x = target.clone()
+            x.view(-1)[int(torch.randint(x.numel(), (1,), generator=gen))] = bad
+            args = (x, b) if target is a else (a, x)
+            assert not all_finite(*args), (bad, tuple(target.shape))
+    # +inf in one tensor and -inf in another sum to NaN: still caught
+    assert not all_finite(
+        torch.tensor([float("inf")], dtype=dtype), torch.tensor([-float("inf")], dtype=dtype)
+    )

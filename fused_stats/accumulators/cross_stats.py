@@ -50,7 +50,7 @@ import torch
 
 from .. import ops
 from ..backend import Backend
-from ..contracts import ACTIVATIONS
+from ..contracts import ACTIVATIONS, all_finite
 from ..errors import FusedStatsError
 from .base import NONFINITE_POLICIES, Accumulator, Field, IncompatibleStates, Nonfinite, Prepared
 
@@ -302,17 +302,18 @@ class CrossStats(Accumulator):
     @staticmethod
     def _split_stacked(accs, unit, c_sum, sums, n) -> list[Prepared]:
         """Per-accumulator :class:`Prepared` from the stacked sums of ``ops.cross_reduce_stacked``."""
-        if bool(torch.isfinite(sums).all() & torch.isfinite(c_sum).all()):  # one host sync
+        if all_finite(sums, c_sum):
             finite = [True] * len(accs)
         else:
             finite = (torch.isfinite(sums).all(dim=1) & torch.isfinite(c_sum).flatten(1).all(dim=1)).tolist()
         p2, p3, p4 = n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3)
         scalars = sums.reshape(-1).unbind(0)  # (sq_norm_sum, u2, u3, u4) of each point in turn
+        tuples = sums[:, 1:].unbind(0)  # (u2, u3, u4) of each point
         prepared = []
         for i, (acc, c) in enumerate(zip(accs, c_sum.unbind(0))):
             sq, u2, u3, u4 = scalars[4 * i : 4 * i + 4]
             batch = ops.CrossBatch(
-                n=n, c_sum=c, sq_norm_sum=sq, u2=u2, u3=u3, u4=u4, p2=p2, p3=p3, p4=p4, u=sums[i, 1:]
+                n=n, c_sum=c, sq_norm_sum=sq, u2=u2, u3=u3, u4=u4, p2=p2, p3=p3, p4=p4, u=tuples[i]
             )
             prepared.append(Prepared(unit=unit, base_n=acc.n, batch=batch, finite=finite[i]))
         return prepared

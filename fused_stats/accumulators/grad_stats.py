@@ -35,6 +35,7 @@ import torch
 
 from .. import ops
 from ..backend import Backend, validate_backend
+from ..contracts import all_finite
 from ..errors import FusedStatsError
 from .base import NONFINITE_POLICIES, Accumulator, Field, IncompatibleStates, Nonfinite, Prepared, extend_gram
 from .estimators import Estimate, finalize
@@ -456,17 +457,19 @@ class GradStats(Accumulator):
     @staticmethod
     def _split_stacked(accs, unit, rows, st, sums) -> list[Prepared]:
         """Per-accumulator :class:`Prepared` from the stacked sums of ``ops.capture_reduce_stacked``."""
-        P, B, _ = rows.shape
-        checked = sums[:, [0, 1, 3]]  # a1, a2, norm_sum: as sums_finite
-        if bool(torch.isfinite(checked).all()):  # one host sync
+        P, B, d = rows.shape
+        # as sums_finite (a1, a2, norm_sum); norm_max <= norm_sum is finite with them
+        if all_finite(sums):
             finite = [True] * P
         else:
-            finite = torch.isfinite(checked).all(dim=1).tolist()
+            finite = torch.isfinite(sums).all(dim=1).tolist()
         valid = torch.ones(B, dtype=torch.bool, device=rows.device)
         scalars = sums.reshape(-1).unbind(0)  # (a1, a2, norm_max, norm_sum) of each batch in turn
+        vectors = st.reshape(2 * P, d).unbind(0)  # (s, t) of each batch in turn
         prepared = []
-        for i, (acc, y, (s, t)) in enumerate(zip(accs, rows.unbind(0), st.unbind(0))):
+        for i, (acc, y) in enumerate(zip(accs, rows.unbind(0))):
             a1, a2, norm_max, norm_sum = scalars[4 * i : 4 * i + 4]
+            s, t = vectors[2 * i : 2 * i + 2]
             batch = ops.BatchSums(
                 rows=y, valid=valid, n=B, s=s, t=t, a1=a1, a2=a2, norm_max=norm_max, norm_sum=norm_sum
             )

@@ -81,6 +81,7 @@ from ..accumulators import (
 from ..accumulators.base import Nonfinite
 from ..accumulators.grad_stats import NONFINITE_POLICIES, SECOND_MOMENTS, UNITS, SecondMoment, Unit
 from ..backend import Backend, validate_backend
+from ..contracts import all_finite
 from ..errors import FusedStatsError
 from .feature_axis import resolve_feature_dim
 from .hooks import ActivationCapture, FrozenEval
@@ -520,7 +521,11 @@ class Probe:
             )
         if not losses.is_floating_point():
             raise FusedStatsError(f"loss_fn returned dtype {losses.dtype}; expected a floating-point tensor")
-        bad = (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
+        bad = (
+            []
+            if all_finite(losses.detach())
+            else (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
+        )
         if bad:
             raise FusedStatsError(
                 f"loss_fn returned non-finite losses for samples {bad[:10]} of {B}: "
