@@ -503,20 +503,32 @@ class GradStats(Accumulator):
 
     @classmethod
     def commit_many(cls, accumulators, prepared) -> None:
-        """:meth:`commit` of several accumulators' batches (the points of a probe), with the
-        plain sums of all of them added by two foreach calls; the same bits as one by one. If a
-        second-moment update raises, the accumulators before it are fully committed and the rest
-        untouched, as with sequential commits."""
+        """:meth:`commit` of several accumulators' batches (the points of a probe): the plain
+        sums of all of them added by two foreach calls (the same bits as one by one) and, for
+        dense states fed blocks of one shape, the second moments by one batched product
+        (``ops.second_moment_update_stacked``: the same products, summed in the order of that
+        product, so S may differ from sequential commits in the last bits). If a second-moment
+        update raises, the accumulators before it are fully committed and the rest untouched, as
+        with sequential commits."""
         accs, prepared = list(accumulators), list(prepared)
         devices = [getattr(getattr(p, "centre", None), "device", None) for p in prepared]
         if len(accs) < 2 or not cls._all_fold(accs, prepared, devices):
             super().commit_many(accs, prepared)
             return
-        done = 0
+        for acc, p in zip(accs, prepared):
+            if acc.centre is None:
+                acc._init_state(p.centre)
+        rows = [p.batch.rows for p in prepared]
+        if (
+            all(a.mode == "dense" and a.backend == accs[0].backend for a in accs)
+            and all(r.shape == rows[0].shape for r in rows)
+            and ops.second_moment_update_stacked([a._S for a in accs], torch.stack(rows), accs[0].backend)
+        ):
+            done = len(accs)  # every S updated by one batched product (both triangles)
+        else:
+            done = 0
         try:
-            for acc, p in zip(accs, prepared):
-                if acc.centre is None:
-                    acc._init_state(p.centre)
+            for acc, p in zip(accs[done:], prepared[done:]):
                 acc._add_second_moment(
                     p.batch.n, rows=p.batch.valid_rows() if acc.mode == "pool" else p.batch.rows
                 )

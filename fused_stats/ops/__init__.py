@@ -29,6 +29,7 @@ __all__ = [
     "implementation",
     "mirror_upper",
     "second_moment_update",
+    "second_moment_update_stacked",
 ]
 
 
@@ -74,6 +75,16 @@ def second_moment_update(S, rows, backend="auto", mirror=True) -> bool:
         return impl.second_moment_update(S, rows, mirror=False)
     impl.second_moment_update(S, rows)
     return False
+
+
+def second_moment_update_stacked(Ss, rows, backend="auto") -> bool:
+    """``Ss[i] += rows[i]ᵀ rows[i]`` for P matrices ``Ss`` (d, d) and ``rows`` (P, R, d) in one
+    batched product (:func:`fused_stats.ops.torch_twin.second_moment_update_stacked`); False,
+    with nothing changed, where that path does not apply (a Triton backend, or blocks large
+    enough for the CPU ``dsyrk`` path): the caller then updates one matrix at a time."""
+    if resolve_backend(backend, _device(rows)) != "torch":
+        return False
+    return torch_twin.second_moment_update_stacked(Ss, rows)
 
 
 def mirror_upper(S) -> None:

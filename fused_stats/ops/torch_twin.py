@@ -28,6 +28,7 @@ from ..contracts import (  # noqa: F401  (re-exported)
     check_gram_args,
     check_second_moment_args,
 )
+from ..errors import FusedStatsError
 from . import cpu_blas
 
 
@@ -117,6 +118,25 @@ def second_moment_update(S: torch.Tensor, rows: torch.Tensor, mirror: bool = Tru
     r = rows.to(torch.float64)
     S.addmm_(r.T, r)
     return False
+
+
+def second_moment_update_stacked(Ss, rows: torch.Tensor) -> bool:
+    """:func:`second_moment_update` of several ``S`` at once: ``Ss`` P tensors (d, d) float64,
+    ``rows`` (P, R, d); one batched product ``rowsᵀ rows`` and one foreach addition (the full
+    matrices, both triangles). Returns False, with nothing changed, where any block is one the
+    ``dsyrk`` path takes (large blocks: one call each is faster there)."""
+    if rows.dim() != 3 or rows.shape[0] != len(Ss):
+        raise FusedStatsError(
+            f"rows must have shape ({len(Ss)}, R, d) for {len(Ss)} matrices, got {tuple(rows.shape)}"
+        )
+    first = rows[0]
+    for S in Ss:
+        check_second_moment_args(S, first)
+        if cpu_blas.takes_second_moment(S, first):
+            return False
+    r = rows.to(torch.float64)
+    torch._foreach_add_(list(Ss), torch.bmm(r.transpose(1, 2), r).unbind(0))
+    return True
 
 
 mirror_upper = cpu_blas.mirror_upper
