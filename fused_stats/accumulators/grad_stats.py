@@ -335,7 +335,7 @@ class GradStats(Accumulator):
                 f"grad{w} has {grad.shape[fd]} features on dim {feature_dim} (shape "
                 f"{tuple(grad.shape)}, dtype {grad.dtype}); expected dim={self.dim}"
             )
-        g = grad.movedim(fd, -1)
+        g = grad if fd == grad.dim() - 1 else grad.movedim(fd, -1)
         positions = tuple(g.shape[1:-1])
         B = g.shape[0]
         g = g.reshape(B, math.prod(positions), self.dim)  # not -1: B or a position may be 0

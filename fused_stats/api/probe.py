@@ -385,8 +385,9 @@ class Probe:
     def _cross_inputs(self, act: torch.Tensor, grad: torch.Tensor, mask, fd: int):
         """Gradient, activation and mask of one point as the cross statistics take them:
         features last, positions flattened to (B, P, d)."""
-        g = grad.movedim(fd, -1)
-        z = act.movedim(fd, -1)
+        last = fd % grad.dim() == grad.dim() - 1  # features already last: no view to make
+        g = grad if last else grad.movedim(fd, -1)
+        z = act if last else act.movedim(fd, -1)
         B, d = g.shape[0], g.shape[-1]
         P = math.prod(g.shape[1:-1])
         g, z = g.reshape(B, P, d), z.reshape(B, P, d)
