@@ -130,10 +130,22 @@ def second_moment_update_stacked(Ss, rows: torch.Tensor) -> bool:
             f"rows must have shape ({len(Ss)}, R, d) for {len(Ss)} matrices, got {tuple(rows.shape)}"
         )
     first = rows[0]
-    for S in Ss:
-        check_second_moment_args(S, first)
-        if cpu_blas.takes_second_moment(S, first):
-            return False
+    S0 = Ss[0]
+    check_second_moment_args(S0, first)
+    if cpu_blas.takes_second_moment(S0, first):
+        return False
+    for S in Ss[1:]:  # the checks of S0 hold for each S of its kind; the others get them in full
+        if not (
+            isinstance(S, torch.Tensor)
+            and S.shape == S0.shape
+            and S.dtype == S0.dtype
+            and S.device == S0.device
+            and S.is_contiguous() == S0.is_contiguous()
+            and S.requires_grad == S0.requires_grad
+        ):
+            check_second_moment_args(S, first)
+            if cpu_blas.takes_second_moment(S, first):
+                return False
     r = rows.to(torch.float64)
     torch._foreach_add_(list(Ss), torch.bmm(r.transpose(1, 2), r).unbind(0))
     return True
