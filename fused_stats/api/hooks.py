@@ -44,6 +44,18 @@ def _split(output):
     return None, None
 
 
+def submodule(model: nn.Module, name: str) -> nn.Module:
+    """``model.get_submodule(name)``, walking the registered-children dicts first (a plain dict
+    lookup per level instead of ``Module.__getattr__``); anything else goes to ``get_submodule``."""
+    module = model
+    for part in name.split(".") if name else ():
+        child = module._modules.get(part)
+        if child is None:
+            return model.get_submodule(name)
+        module = child
+    return module
+
+
 _set_flag = object.__setattr__  # Module.__setattr__ checks parameter/module types first: slow per call
 
 
@@ -113,7 +125,7 @@ class ActivationCapture:
     def __enter__(self) -> ActivationCapture:
         try:
             for name in self.names:
-                module = self.model.get_submodule(name)
+                module = submodule(self.model, name)
                 self._handles.append(module.register_forward_hook(self._make_hook(name)))
         except BaseException:
             self.remove()
