@@ -1,5 +1,9 @@
 """``commit_many`` (the points of a probe committed together) against committing one by one.
 
+Also ``prepare_stacked`` / ``commit_stacked`` (one stacked batch for several accumulators) against
+one ``update`` each, what they decline, refuse and skip, and the probe's stacked fold against its
+general path (the same bits).
+
 Reference: the same prepared batches committed by ``commit`` into copies of the accumulators, in
 order; every state tensor must be bit-identical (``state_differences`` empty) but a dense second
 moment, which one batched product may round differently (checked to 1e-13). Covered: first
@@ -14,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fused_stats as fs
 from fused_stats import FusedStatsError, ops
 from fused_stats.accumulators.base import state_differences
 from fused_stats.accumulators.cross_stats import CrossStats
@@ -62,6 +67,26 @@ def test_grad_commit_many_equals_sequential(modes, warm, stacked, gen):
             prepared = [a.prepare(g) for a, g in zip(accs, grads)]
         commit_both(GradStats, accs, prepared)
     assert all(a.n == (5 if warm else 0) + 24 for a in accs)
+
+
+@pytest.mark.parametrize("unit", ["sample", "position"])
+@pytest.mark.parametrize("mode", ["dense", "pool"])
+def test_grad_commit_many_masked_batches_equal_sequential(unit, mode, gen):
+    """Masked batches carry rows that are not samples: n counts samples, not rows."""
+    accs = grad_accs(gen, (mode,) * 3)
+    for a in accs:
+        a.unit = None  # the warm-up batch was unit="sample"; let both units through
+    expected = [a.n for a in accs]
+    for _ in range(2):
+        grads = [torch.randn(5, 4, 6, generator=gen) + 0.3 for _ in accs]
+        masks = [torch.rand(5, 4, generator=gen) > 0.4 for _ in accs]
+        for i, m in enumerate(masks):
+            m[0] = False  # a sample with no counted position
+            m[1] = True
+            expected[i] += int((m.any(dim=1) if unit == "sample" else m).sum())
+        prepared = [a.prepare(g, m, unit) for a, g, m in zip(accs, grads, masks)]
+        commit_both(GradStats, accs, prepared)
+    assert [a.n for a in accs] == expected
 
 
 def test_grad_commit_many_refused_mixes_behave_as_sequential(gen):
@@ -177,3 +202,138 @@ def test_cross_commit_many_after_a_single_sample_batch_drops_the_carry(gen):
     ]
     commit_both(CrossStats, accs, prepared)
     assert all(a.carry is None for a in accs)
+
+
+# ---------------------------------------------------------------------------- prepare_stacked / commit_stacked
+def test_grad_prepare_stacked_declines_what_it_does_not_take(gen):
+    accs = grad_accs(gen, ("dense",) * 2)
+    g = torch.randn(2, 8, 6, generator=gen)
+    assert GradStats.prepare_stacked(accs, g) is not None
+    assert GradStats.prepare_stacked(accs, g, unit="position") is None
+    assert GradStats.prepare_stacked(accs, g[:, :, :5]) is None  # dim 5 vs 6: prepare says why
+    assert GradStats.prepare_stacked(accs, g[:1]) is None  # one stack row for two accumulators
+    assert GradStats.prepare_stacked(accs, g[:, :0]) is None  # no sample
+    fresh = grad_accs(gen, ("dense",), warm=False)
+    assert GradStats.prepare_stacked([accs[0], fresh[0]], g) is None  # no centre yet
+    assert GradStats.prepare_stacked(accs, g.double()) is not None
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_grad_commit_stacked_refuses_or_skips_as_commit(policy, gen):
+    accs = grad_accs(gen, ("dense",) * 3)
+    for a in accs:
+        a.nonfinite = policy
+    g = torch.randn(3, 8, 6, generator=gen)
+    g[1, 2, 3] = float("inf")
+    stacked = GradStats.prepare_stacked(accs, g)
+    assert stacked.finite == [True, False, True]
+    refs = [a.copy() for a in accs]
+    if policy == "raise":
+        with pytest.raises(FusedStatsError, match=r"non-finite gradient .*'p1'"):
+            GradStats.commit_stacked(accs, stacked)
+        assert_same(accs[1:], refs[1:])  # the one refused and those after it are untouched
+    else:
+        GradStats.commit_stacked(accs, stacked)
+        assert accs[1].skipped_batches == 1 and accs[1].n == 5
+        assert accs[0].n == accs[2].n == 13
+    # stale: prepared before another update
+    stacked = GradStats.prepare_stacked(accs, torch.randn(3, 4, 6, generator=gen))
+    accs[0].update(torch.randn(2, 6, generator=gen))
+    with pytest.raises(FusedStatsError, match="stale prepared batch at point 'p0'"):
+        GradStats.commit_stacked(accs, stacked)
+
+
+def test_grad_commit_stacked_equals_commit_of_each(gen):
+    accs = grad_accs(gen, ("dense", "pool", "auto"))
+    g = torch.randn(3, 8, 6, generator=gen) * 2 + 0.1
+    refs = [a.copy() for a in accs]
+    for ref, x in zip(refs, g):
+        ref.update(x)
+    GradStats.commit_stacked(accs, GradStats.prepare_stacked(accs, g))
+    for acc, ref in zip(accs, refs):  # one prepare each vs one batched reduction: fp64 rounding
+        a, b = acc.state_dict(), ref.state_dict()
+        for key, value in a.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(value, b[key], rtol=1e-13, atol=1e-13, msg=key)
+            else:
+                assert value == b[key], key
+
+
+@pytest.mark.parametrize("B", [1, 6])
+def test_cross_commit_stacked_equals_commit_of_each(B, gen):
+    accs = cross_accs(gen)
+    refs = [a.copy() for a in accs]
+    for _ in range(2):
+        g = torch.randn(3, B, 1, 5, generator=gen) + 0.2
+        z = torch.randn(3, B, 1, 4, generator=gen)
+        for ref, x, y in zip(refs, g, z):
+            ref.update(x, y)
+        stacked = CrossStats.prepare_stacked(accs, g, z)
+        assert stacked is not None
+        CrossStats.commit_stacked(accs, stacked)
+    for acc, ref in zip(accs, refs):
+        a, b = acc.state_dict(), ref.state_dict()
+        for key, value in a.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(value, b[key], rtol=1e-12, atol=1e-12, msg=key)
+            else:
+                assert value == b[key], key
+
+
+def test_cross_prepare_stacked_declines_what_it_does_not_take(gen):
+    accs = cross_accs(gen, 2)
+    g, z = torch.randn(2, 6, 1, 5, generator=gen), torch.randn(2, 6, 1, 4, generator=gen)
+    assert CrossStats.prepare_stacked(accs, g, z) is not None
+    assert CrossStats.prepare_stacked(accs, g, z, unit="position") is None
+    assert CrossStats.prepare_stacked(accs, g, z[..., :3]) is None  # in_dim 3 vs 4
+    assert CrossStats.prepare_stacked(accs, g, z[:, :4]) is None  # batch sizes differ
+    # many positions per sample: the ghost form does not pay, one call each (prepare) instead
+    long_g, long_z = torch.randn(2, 6, 40, 5, generator=gen), torch.randn(2, 6, 40, 4, generator=gen)
+    assert CrossStats.prepare_stacked(accs, long_g, long_z) is None
+    other = CrossStats(5, torch.randn(6, 4, generator=gen, dtype=F64), activation="relu")
+    assert CrossStats.prepare_stacked([accs[0], other], g, z) is None  # another block
+
+
+# ---------------------------------------------------------------------------- the probe's stacked fold
+def residual_probe(seed, **options):
+    from torch import nn
+
+    torch.manual_seed(seed)
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.up, self.down = nn.Linear(d, 3 * d), nn.Linear(3 * d, d)
+
+        def forward(self, z):
+            return z + self.down(torch.tanh(self.up(z)))
+
+    model = nn.Sequential(nn.Linear(4, 6), Block(6), Block(6), Block(6), nn.Linear(6, 3))
+    return fs.Probe(model, points=["1", "2", "3"], unit="sample", **options)
+
+
+@pytest.mark.parametrize("second_moment", ["dense", "auto"])
+@pytest.mark.parametrize("cross", [False, True])
+def test_probe_stacked_fold_equals_the_general_path_bit_for_bit(second_moment, cross, gen, monkeypatch):
+    options = {"second_moment": second_moment, "cross": fs.CrossSpec(rank=5) if cross else None}
+    fast, general = residual_probe(3, **options), residual_probe(3, **options)
+    taken = []
+    original = GradStats.commit_stacked
+    monkeypatch.setattr(
+        GradStats, "commit_stacked", classmethod(lambda cls, *a: taken.append(1) or original(*a))
+    )
+    general_fold = fs.Probe._fold_stacked
+    for step in range(4):
+        x = torch.randn(9, 4, generator=gen)
+        y = torch.randint(0, 3, (9,), generator=gen)
+        fast.step((x, y), fs.classification_loss, stream="train" if step % 3 else "test")
+        monkeypatch.setattr(fs.Probe, "_fold_stacked", lambda self, *a: False)
+        general.step((x, y), fs.classification_loss, stream="train" if step % 3 else "test")
+        monkeypatch.setattr(fs.Probe, "_fold_stacked", general_fold)
+    assert (
+        len(taken) == 2
+    )  # steps 2 and 3 (train, accumulators made at step 1); the first of each stream is general
+    assert set(fast.table) == set(general.table)
+    for key, acc in fast.table.items():
+        assert not state_differences(acc.state_dict(), general.table[key].state_dict()), key
+    assert fast.steps == general.steps

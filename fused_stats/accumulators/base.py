@@ -95,6 +95,29 @@ class Prepared:
         return 0 if self.batch is None else int(self.batch.n)
 
 
+@dataclass
+class StackedPrepared:
+    """One batch for each of several accumulators (the points of a probe), reduced by one set of
+    batched calls and held stacked (``tensors``, leading dimension = accumulator), waiting for the
+    class's ``commit_stacked``. ``base_n``: each accumulator's ``n`` when prepared; ``finite``:
+    whether each one's sums are finite."""
+
+    unit: str
+    base_n: tuple[int, ...]
+    finite: list[bool]
+    tensors: tuple
+
+    def folds_into(self, accs) -> bool:
+        """Whether ``commit`` would fold every batch into ``accs`` as they stand: all finite, none
+        stale, distinct accumulators."""
+        return (
+            all(self.finite)
+            and len(accs) == len(self.base_n)
+            and all(a.n == n for a, n in zip(accs, self.base_n))
+            and len({id(a) for a in accs}) == len(accs)
+        )
+
+
 def state_differences(a: Mapping, b: Mapping) -> list[str]:
     """The entries in which two ``state_dict()`` results differ (empty: bit-identical)."""
     out = []

@@ -52,7 +52,15 @@ from .. import ops
 from ..backend import Backend
 from ..contracts import ACTIVATIONS, all_finite
 from ..errors import FusedStatsError
-from .base import NONFINITE_POLICIES, Accumulator, Field, IncompatibleStates, Nonfinite, Prepared
+from .base import (
+    NONFINITE_POLICIES,
+    Accumulator,
+    Field,
+    IncompatibleStates,
+    Nonfinite,
+    Prepared,
+    StackedPrepared,
+)
 
 F64 = torch.float64
 CrossUnit = Literal["sample", "position"]
@@ -264,59 +272,94 @@ class CrossStats(Accumulator):
     @classmethod
     def prepare_many(cls, accumulators, grads, acts, masks, unit: CrossUnit = "sample") -> list[Prepared]:
         """:meth:`prepare` for several accumulators at once (the points of a probe), each with its
-        own batch; nothing changes. Batches of one shape, unmasked, ``unit="sample"`` in the ghost
-        form go through one set of batched calls on the torch path, with one finiteness check for
-        all; any other mix is prepared one accumulator at a time."""
+        own batch; nothing changes. Batches of one shape, unmasked, go through
+        :meth:`prepare_stacked` where it applies; any other mix is prepared one accumulator at a
+        time."""
         accs = list(accumulators)
         checked = [acc._checked(g, a, m, unit) for acc, g, a, m in zip(accs, grads, acts, masks)]
-        first = accs[0]
         if len(accs) > 1 and all(m is None for m in masks):
             g0, a0 = checked[0]
-            B, T, d = g0.shape
-            same = all(
-                g.shape == g0.shape
-                and a.shape == a0.shape
-                and g.dtype == g0.dtype
-                and a.dtype == a0.dtype
-                and g.is_floating_point()
-                and a.is_floating_point()
-                and acc.w_in.dtype == first.w_in.dtype
-                and acc.activation == first.activation
-                and acc.group_size == first.group_size
-                and acc.rank == first.rank
-                and acc.backend == first.backend
-                for acc, (g, a) in zip(accs, checked)
-            )
-            if same and B and T and ops.cross_stacks(B, T, d, first.rank, unit, first.group_size):
-                out = ops.cross_reduce_stacked(
-                    torch.stack([g for g, _ in checked]),
-                    torch.stack([a for _, a in checked]),
-                    torch.stack([acc.w_in for acc in accs]),
-                    first.activation,
-                    first.backend,
+            if all(
+                g.shape == g0.shape and a.shape == a0.shape and g.dtype == g0.dtype and a.dtype == a0.dtype
+                for g, a in checked
+            ):
+                stacked = cls.prepare_stacked(
+                    accs, torch.stack([g for g, _ in checked]), torch.stack([a for _, a in checked]), unit
                 )
-                if out is not None:
-                    return cls._split_stacked(accs, unit, *out)
+                if stacked is not None:
+                    return cls._split_stacked(accs, stacked)
         return [acc.prepare(g, a, m, unit=unit) for acc, (g, a), m in zip(accs, checked, masks)]
 
-    @staticmethod
-    def _split_stacked(accs, unit, c_sum, sums, n) -> list[Prepared]:
-        """Per-accumulator :class:`Prepared` from the stacked sums of ``ops.cross_reduce_stacked``."""
+    def _stack_key(self) -> tuple:
+        """What must agree for the batches of several accumulators to share batched calls."""
+        return (self.w_in.dtype, self.activation, self.group_size, self.rank, self.backend, self.device)
+
+    @classmethod
+    def prepare_stacked(
+        cls, accumulators, grads: torch.Tensor, acts: torch.Tensor, unit: CrossUnit = "sample"
+    ) -> StackedPrepared | None:
+        """The batches ``grads[i]`` (B, T, d) and ``acts[i]`` (B, T, d_in) of P accumulators,
+        stacked as (P, B, T, ·), unmasked, reduced by one set of batched calls
+        (``ops.cross_reduce_stacked``: ``unit="sample"`` in the ghost form with the whole batch one
+        group, torch path) with one finiteness read for all; nothing changes. None where that
+        does not apply (or for a batch :meth:`prepare` would refuse: it then says why)."""
+        accs = list(accumulators)
+        if unit != "sample" or grads.dim() != 4 or acts.dim() != 4 or grads.shape[0] != len(accs) or not accs:
+            return None
+        _, B, T, d = grads.shape
+        first = accs[0]
+        key = first._stack_key()
+        if (
+            not (B and T)
+            or acts.shape[1:3] != grads.shape[1:3]
+            or not (grads.is_floating_point() and acts.is_floating_point())
+            or grads.device != first.device
+            or acts.device != first.device
+            or not ops.cross_stacks(B, T, d, first.rank, unit, first.group_size)
+        ):
+            return None
+        for acc in accs:
+            if (
+                acc.dim != d
+                or acc.in_dim != acts.shape[3]
+                or acc.unit not in (None, unit)
+                or acc._stack_key() != key
+            ):
+                return None
+        out = ops.cross_reduce_stacked(
+            grads, acts, torch.stack([acc.w_in for acc in accs]), first.activation, first.backend
+        )
+        if out is None:
+            return None
+        c_sum, sums, n = out
         if all_finite(sums, c_sum):
             finite = [True] * len(accs)
         else:
             finite = (torch.isfinite(sums).all(dim=1) & torch.isfinite(c_sum).flatten(1).all(dim=1)).tolist()
+        return StackedPrepared(unit, tuple(acc.n for acc in accs), finite, (c_sum, sums, n))
+
+    @staticmethod
+    def _stacked_parts(stacked: StackedPrepared):
+        """Per accumulator: ``c_sum``, ``sq_norm_sum``, ``(u2, u3, u4)`` as views of the stack."""
+        c_sum, sums, _ = stacked.tensors
+        return c_sum.unbind(0), sums[:, 0].unbind(0), sums[:, 1:].unbind(0)
+
+    @classmethod
+    def _split_stacked(cls, accs, stacked: StackedPrepared) -> list[Prepared]:
+        """Per-accumulator :class:`Prepared` from :meth:`prepare_stacked`."""
+        n = stacked.tensors[2]
         p2, p3, p4 = n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3)
-        scalars = sums.reshape(-1).unbind(0)  # (sq_norm_sum, u2, u3, u4) of each point in turn
-        tuples = sums[:, 1:].unbind(0)  # (u2, u3, u4) of each point
-        prepared = []
-        for i, (acc, c) in enumerate(zip(accs, c_sum.unbind(0))):
-            sq, u2, u3, u4 = scalars[4 * i : 4 * i + 4]
-            batch = ops.CrossBatch(
-                n=n, c_sum=c, sq_norm_sum=sq, u2=u2, u3=u3, u4=u4, p2=p2, p3=p3, p4=p4, u=tuples[i]
+        return [
+            Prepared(
+                unit=stacked.unit,
+                base_n=base,
+                batch=ops.CrossBatch(
+                    n=n, c_sum=c, sq_norm_sum=sq, u2=u[0], u3=u[1], u4=u[2], p2=p2, p3=p3, p4=p4, u=u
+                ),
+                finite=ok,
             )
-            prepared.append(Prepared(unit=unit, base_n=acc.n, batch=batch, finite=finite[i]))
-        return prepared
+            for base, ok, c, sq, u in zip(stacked.base_n, stacked.finite, *cls._stacked_parts(stacked))
+        ]
 
     @staticmethod
     def _finite(batch) -> bool:
@@ -357,9 +400,9 @@ class CrossStats(Accumulator):
 
     @classmethod
     def commit_many(cls, accumulators, prepared) -> None:
-        """:meth:`commit` of several accumulators' batches (the points of a probe), the sums of
-        all of them added by one foreach call where every batch holds more than one sample (no
-        single-sample pairing); the same bits as one by one."""
+        """:meth:`commit` of several accumulators' batches (the points of a probe), folded
+        together (:meth:`_fold_together`) where every batch holds more than one sample (no
+        single-sample pairing) and is one ``commit`` would fold; otherwise one by one."""
         accs, prepared = list(accumulators), list(prepared)
         if (
             len(accs) < 2
@@ -368,16 +411,46 @@ class CrossStats(Accumulator):
         ):
             super().commit_many(accs, prepared)
             return
+        batches = [p.batch for p in prepared]
+        cls._fold_together(
+            accs,
+            prepared[0].unit,
+            batches,
+            [b.c_sum for b in batches],
+            [b.sq_norm_sum for b in batches],
+            [b.u if b.u is not None else torch.stack([b.u2, b.u3, b.u4]) for b in batches],
+        )
+
+    @classmethod
+    def commit_stacked(cls, accumulators, stacked: StackedPrepared) -> None:
+        """Fold the batches of :meth:`prepare_stacked` into the same accumulators, as
+        :meth:`commit_many` would (a stale or non-finite batch goes through ``commit``, which
+        refuses or skips it; single-sample batches are paired there)."""
+        accs = list(accumulators)
+        n = stacked.tensors[2]
+        if n < 2 or not stacked.folds_into(accs):
+            cls.commit_many(accs, cls._split_stacked(accs, stacked))
+            return
+        p = (n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3))
+        cls._fold_together(accs, stacked.unit, [p] * len(accs), *cls._stacked_parts(stacked), n=n)
+
+    @staticmethod
+    def _fold_together(accs, unit, counts, c_sums, sq_sums, tuple_sums, n=None) -> None:
+        """Add batches of more than one sample, each one ``commit`` would fold, by one foreach
+        call (the same bits as one by one). ``counts[i]``: a ``CrossBatch`` (its n and tuple
+        counts) or the tuple counts ``(p2, p3, p4)`` of a batch of ``n`` samples."""
         states, parts = [], []
-        for acc, p in zip(accs, prepared):
-            b = p.batch
-            u = b.u if b.u is not None else torch.stack([b.u2, b.u3, b.u4])
+        for acc, count, c, sq, u in zip(accs, counts, c_sums, sq_sums, tuple_sums):
             states += (acc.c_sum, acc.sq_norm_sum, acc.u)
-            parts += (b.c_sum, b.sq_norm_sum, u)
-            acc.n += b.n
+            parts += (c, sq, u)
+            if n is None:
+                size, (p2, p3, p4) = count.n, (count.p2, count.p3, count.p4)
+            else:
+                size, (p2, p3, p4) = n, count
+            acc.n += size
             acc.batches += 1
-            acc.unit = p.unit
-            acc.p = [acc.p[0] + b.p2, acc.p[1] + b.p3, acc.p[2] + b.p4]
+            acc.unit = unit
+            acc.p = [acc.p[0] + p2, acc.p[1] + p3, acc.p[2] + p4]
             acc.carry = None
         torch._foreach_add_(states, parts)
 

@@ -37,7 +37,16 @@ from .. import ops
 from ..backend import Backend, validate_backend
 from ..contracts import all_finite
 from ..errors import FusedStatsError
-from .base import NONFINITE_POLICIES, Accumulator, Field, IncompatibleStates, Nonfinite, Prepared, extend_gram
+from .base import (
+    NONFINITE_POLICIES,
+    Accumulator,
+    Field,
+    IncompatibleStates,
+    Nonfinite,
+    Prepared,
+    StackedPrepared,
+    extend_gram,
+)
 from .estimators import Estimate, finalize
 
 SecondMoment = Literal["auto", "dense", "pool"]
@@ -428,60 +437,90 @@ class GradStats(Accumulator):
     def prepare_many(cls, accumulators, grads, masks, unit: Unit, feature_dims) -> list[Prepared]:
         """:meth:`prepare` for several accumulators at once (the points of a probe), each with its
         own batch; nothing changes. Unmasked ``unit="sample"`` batches of one shape with one row
-        per sample, on accumulators past their first batch, go through one set of batched calls
-        on the torch path with one finiteness read for all; anything else one at a time."""
+        per sample go through :meth:`prepare_stacked` where it applies; anything else one at a
+        time."""
         accs = list(accumulators)
         if len(accs) > 1 and unit == "sample" and all(m is None for m in masks):
             views = [acc._as_batch(g, None, unit, fd) for acc, g, fd in zip(accs, grads, feature_dims)]
-            g0, first = views[0][0], accs[0]
-            if (
-                g0.shape[0]
-                and g0.shape[1] == 1
-                and all(
-                    g.shape == g0.shape
-                    and g.dtype == g0.dtype
-                    and acc.centre is not None
-                    and acc.backend == first.backend
-                    for acc, (g, _) in zip(accs, views)
-                )
-            ):
-                out = ops.capture_reduce_stacked(
-                    torch.stack([g[:, 0] for g, _ in views]),
-                    torch.stack([acc.centre for acc in accs]),
-                    first.backend,
-                )
-                if out is not None:
-                    return cls._split_stacked(accs, unit, *out)
+            g0 = views[0][0]
+            if g0.shape[1] == 1 and all(g.shape == g0.shape and g.dtype == g0.dtype for g, _ in views):
+                stacked = cls.prepare_stacked(accs, torch.stack([g[:, 0] for g, _ in views]), unit)
+                if stacked is not None:
+                    return cls._split_stacked(accs, stacked)
         return [acc.prepare(g, m, unit, fd) for acc, g, m, fd in zip(accs, grads, masks, feature_dims)]
 
-    @staticmethod
-    def _split_stacked(accs, unit, rows, st, sums) -> list[Prepared]:
-        """Per-accumulator :class:`Prepared` from the stacked sums of ``ops.capture_reduce_stacked``."""
-        P, B, d = rows.shape
+    @classmethod
+    def prepare_stacked(
+        cls, accumulators, grads: torch.Tensor, unit: Unit = "sample"
+    ) -> StackedPrepared | None:
+        """The batches ``grads[i]`` (B, d) of P accumulators past their first batch, stacked as
+        ``grads`` (P, B, d), reduced by one set of batched calls (``ops.capture_reduce_stacked``,
+        torch path), with one finiteness read for all; nothing changes. None where that does not
+        apply (another unit or backend, a fresh accumulator, or a batch :meth:`prepare` would
+        refuse: it then says why). A pool the batch would overfill raises, as in :meth:`prepare`."""
+        accs = list(accumulators)
+        if unit != "sample" or grads.dim() != 3 or grads.shape[0] != len(accs) or not accs:
+            return None
+        P, B, d = grads.shape
+        first = accs[0]
+        if not B or not grads.is_floating_point() or grads.device.type == "meta":
+            return None
+        for acc in accs:
+            if (
+                acc.centre is None
+                or acc.dim != d
+                or acc.device != grads.device
+                or acc.unit not in (None, unit)
+                or acc.backend != first.backend
+            ):
+                return None
+        out = ops.capture_reduce_stacked(grads, torch.stack([acc.centre for acc in accs]), first.backend)
+        if out is None:
+            return None
+        rows, st, sums = out
         # as sums_finite (a1, a2, norm_sum); norm_max <= norm_sum is finite with them
-        if all_finite(sums):
-            finite = [True] * P
-        else:
-            finite = torch.isfinite(sums).all(dim=1).tolist()
-        valid = torch.ones(B, dtype=torch.bool, device=rows.device)
+        finite = [True] * P if all_finite(sums) else torch.isfinite(sums).all(dim=1).tolist()
+        for acc, ok in zip(accs, finite):
+            limit = acc.pool_limit
+            if ok and acc.second_moment == "pool" and limit is not None and acc.n + B > limit:
+                raise FusedStatsError(
+                    f"pool{acc._where()} holds {acc.n} samples; {B} more exceed "
+                    f"pool_capacity={limit}. Use second_moment='auto' or 'dense', or a larger capacity"
+                )
+        return StackedPrepared(unit, tuple(acc.n for acc in accs), finite, (rows, st, sums))
+
+    @staticmethod
+    def _stacked_parts(stacked: StackedPrepared):
+        """Per accumulator: rows (B, d) and the sums ``(s, t, a1, a2, norm_sum)``, ``norm_max``."""
+        rows, st, sums = stacked.tensors
+        P, _, d = rows.shape
         scalars = sums.reshape(-1).unbind(0)  # (a1, a2, norm_max, norm_sum) of each batch in turn
         vectors = st.reshape(2 * P, d).unbind(0)  # (s, t) of each batch in turn
-        prepared = []
-        for i, (acc, y) in enumerate(zip(accs, rows.unbind(0))):
-            a1, a2, norm_max, norm_sum = scalars[4 * i : 4 * i + 4]
-            s, t = vectors[2 * i : 2 * i + 2]
-            batch = ops.BatchSums(
-                rows=y, valid=valid, n=B, s=s, t=t, a1=a1, a2=a2, norm_max=norm_max, norm_sum=norm_sum
+        parts = [
+            (vectors[2 * i], vectors[2 * i + 1], scalars[4 * i], scalars[4 * i + 1], scalars[4 * i + 3])
+            for i in range(P)
+        ]
+        return rows.unbind(0), parts, scalars[2::4]
+
+    @classmethod
+    def _split_stacked(cls, accs, stacked: StackedPrepared) -> list[Prepared]:
+        """Per-accumulator :class:`Prepared` from :meth:`prepare_stacked`."""
+        rows, parts, maxima = cls._stacked_parts(stacked)
+        valid = torch.ones(rows[0].shape[0], dtype=torch.bool, device=rows[0].device)
+        return [
+            Prepared(
+                stacked.unit,
+                n,
+                ops.BatchSums(
+                    rows=y, valid=valid, n=y.shape[0], s=s, t=t, a1=a1, a2=a2, norm_max=mx, norm_sum=ns
+                ),
+                finite=ok,
+                centre=acc.centre,
             )
-            if finite[i]:
-                limit = acc.pool_limit
-                if acc.second_moment == "pool" and limit is not None and acc.n + B > limit:
-                    raise FusedStatsError(
-                        f"pool{acc._where()} holds {acc.n} samples; {B} more exceed "
-                        f"pool_capacity={limit}. Use second_moment='auto' or 'dense', or a larger capacity"
-                    )
-            prepared.append(Prepared(unit, acc.n, batch, finite=finite[i], centre=acc.centre))
-        return prepared
+            for acc, n, ok, y, (s, t, a1, a2, ns), mx in zip(
+                accs, stacked.base_n, stacked.finite, rows, parts, maxima
+            )
+        ]
 
     def commit(self, prepared: Prepared) -> None:
         """Fold a batch returned by :meth:`prepare` (on this accumulator, with no update between)."""
@@ -503,13 +542,9 @@ class GradStats(Accumulator):
 
     @classmethod
     def commit_many(cls, accumulators, prepared) -> None:
-        """:meth:`commit` of several accumulators' batches (the points of a probe): the plain
-        sums of all of them added by two foreach calls (the same bits as one by one) and, for
-        dense states fed blocks of one shape, the second moments by one batched product
-        (``ops.second_moment_update_stacked``: the same products, summed in the order of that
-        product, so S may differ from sequential commits in the last bits). If a second-moment
-        update raises, the accumulators before it are fully committed and the rest untouched, as
-        with sequential commits."""
+        """:meth:`commit` of several accumulators' batches (the points of a probe), folded
+        together (:meth:`_fold_together`) where every batch is one ``commit`` would fold;
+        otherwise one by one."""
         accs, prepared = list(accumulators), list(prepared)
         devices = [getattr(getattr(p, "centre", None), "device", None) for p in prepared]
         if len(accs) < 2 or not cls._all_fold(accs, prepared, devices):
@@ -518,35 +553,74 @@ class GradStats(Accumulator):
         for acc, p in zip(accs, prepared):
             if acc.centre is None:
                 acc._init_state(p.centre)
-        rows = [p.batch.rows for p in prepared]
+        batches = [p.batch for p in prepared]
+        rows = [b.valid_rows() if a.mode == "pool" else b.rows for a, b in zip(accs, batches)]
+        stack = torch.stack(rows) if all(r.shape == rows[0].shape for r in rows) else None
+        cls._fold_together(
+            accs,
+            prepared[0].unit,
+            [b.n for b in batches],
+            rows,
+            stack,
+            [(b.s, b.t, b.a1, b.a2, b.norm_sum) for b in batches],
+            [b.norm_max for b in batches],
+        )
+
+    @classmethod
+    def commit_stacked(cls, accumulators, stacked: StackedPrepared) -> None:
+        """Fold the batches of :meth:`prepare_stacked` into the same accumulators, as
+        :meth:`commit_many` would fold them one by one (a stale or non-finite batch goes through
+        ``commit``, which refuses or skips it)."""
+        accs = list(accumulators)
+        if not stacked.folds_into(accs):
+            cls.commit_many(accs, cls._split_stacked(accs, stacked))
+            return
+        rows, parts, maxima = cls._stacked_parts(stacked)
+        counts = [r.shape[0] for r in rows]  # every row a sample (nothing masked)
+        cls._fold_together(accs, stacked.unit, counts, rows, stacked.tensors[0], parts, maxima)
+
+    @classmethod
+    def _fold_together(cls, accs, unit, counts, rows, stack, parts, maxima) -> None:
+        """Add batches of ``counts[i]`` samples that ``commit`` would fold to ``accs`` (``rows[i]``
+        centred at their centres, rows that are not samples exactly zero): second
+        moments first, by one batched product where every state is dense and ``stack`` (P, B, d)
+        holds the rows (``ops.second_moment_update_stacked``: the same products, summed in that
+        product's order, so S may differ from one update each in the last bits), else one
+        update each; then the plain sums ``parts[i] = (s, t, a1, a2, norm_sum)`` by one foreach
+        add and ``maxima`` by one foreach maximum (the same bits as one by one). If a
+        second-moment update raises, the accumulators before it are fully committed and the rest
+        untouched, as with sequential commits."""
+        done = 0
         if (
-            all(a.mode == "dense" and a.backend == accs[0].backend for a in accs)
-            and all(r.shape == rows[0].shape for r in rows)
-            and ops.second_moment_update_stacked([a._S for a in accs], torch.stack(rows), accs[0].backend)
+            stack is not None
+            and all(a.mode == "dense" and a.backend == accs[0].backend for a in accs)
+            and ops.second_moment_update_stacked([a._S for a in accs], stack, accs[0].backend)
         ):
-            done = len(accs)  # every S updated by one batched product (both triangles)
-        else:
-            done = 0
+            done = len(accs)
         try:
-            for acc, p in zip(accs[done:], prepared[done:]):
-                acc._add_second_moment(
-                    p.batch.n, rows=p.batch.valid_rows() if acc.mode == "pool" else p.batch.rows
-                )
+            for acc, count, r in zip(accs[done:], counts[done:], rows[done:]):
+                acc._add_second_moment(count, rows=r)
                 done += 1
         except BaseException:
-            for acc, p in zip(accs[:done], prepared[:done]):
-                acc.unit = p.unit
-                acc._add_sums(p.batch)
+            for acc, count, part, mx in zip(accs[:done], counts, parts, maxima):
+                acc._add_parts(unit, count, part, mx)
             raise
-        states, parts = [], []
-        for acc, p in zip(accs, prepared):
-            b = p.batch
+        states, sums = [], []
+        for acc, count, part in zip(accs, counts, parts):
             states += (acc.s, acc.t, acc.a1, acc.a2, acc.norm_sum)
-            parts += (b.s, b.t, b.a1, b.a2, b.norm_sum)
-            acc.n += b.n
-            acc.unit = p.unit
-        torch._foreach_add_(states, parts)
-        torch._foreach_maximum_([a.norm_max for a in accs], [p.batch.norm_max for p in prepared])
+            sums += part
+            acc.n += count
+            acc.unit = unit
+        torch._foreach_add_(states, sums)
+        torch._foreach_maximum_([a.norm_max for a in accs], list(maxima))
+
+    def _add_parts(self, unit, count, part, norm_max) -> None:
+        """Add one batch's plain sums ``part = (s, t, a1, a2, norm_sum)`` and ``norm_max``."""
+        self.n += count
+        self.unit = unit
+        for state, value in zip((self.s, self.t, self.a1, self.a2, self.norm_sum), part):
+            state += value
+        torch.maximum(self.norm_max, norm_max, out=self.norm_max)
 
     def _add_sums(self, part) -> None:
         """Add the centred sums of ``part`` (a batch, or a state at this centre): all of them are

@@ -580,6 +580,8 @@ class Probe:
         only the cross statistics see) changes none. ``nonfinite`` overrides the probe's policy.
         """
         self.check_stream(stream)
+        if positions_mask is None and self._fold_stacked(stream, activations, grads):
+            return True
         policy = self.nonfinite if nonfinite is None else nonfinite
         unit = self.unit
         prepared_at = {}  # (kind, name) -> (key, acc, prepared)
@@ -667,6 +669,52 @@ class Probe:
                     g, m = self._flat_masked(g, m, fd), None
                 for fn in self._callbacks:
                     fn(PointCapture(name, stream, act.detach(), g, m, unit, fd))
+        return True
+
+    def _fold_stacked(self, stream: str, activations, grads) -> bool:
+        """:meth:`fold` of the common case with the fewest calls: ``unit="sample"``, nothing
+        masked, every point's accumulators already made, every point's output and gradient of
+        one (B, d) shape, kinds ``grad`` and ``cross`` only, no callbacks. The points' gradients
+        are stacked once for both kinds (``prepare_stacked`` / ``commit_stacked``); the result is
+        the general path's, bit for bit. Returns False with nothing changed where that does not
+        apply or a batch is not finite: the general path then folds, refuses or skips it."""
+        points, kinds = self.points, self.kinds
+        if self.unit != "sample" or self._callbacks or len(points) < 2 or not set(kinds) <= {"grad", "cross"}:
+            return False
+        gaccs = [self.table.get(("grad", stream, p)) for p in points]
+        caccs = [self.table.get(("cross", stream, p)) for p in points] if "cross" in kinds else []
+        if None in gaccs or None in caccs:
+            return False
+        g0 = grads[points[0]]
+        if not isinstance(g0, torch.Tensor) or g0.dim() != 2:
+            return False
+        gs, acts = [], []
+        for name in points:
+            g, a = grads[name], activations[name]
+            if (
+                not isinstance(g, torch.Tensor)
+                or not isinstance(a, torch.Tensor)
+                or g.shape != g0.shape
+                or a.shape != g0.shape
+                or g.dtype != g0.dtype
+                or self.feature_dims.get(name) not in (1, -1)
+            ):
+                return False
+            gs.append(g)
+            acts.append(a.detach())
+        G = torch.stack(gs)
+        grad_batch = GradStats.prepare_stacked(gaccs, G)
+        if grad_batch is None or not all(grad_batch.finite):
+            return False
+        if caccs:
+            A = torch.stack(acts)
+            cross_batch = CrossStats.prepare_stacked(caccs, G.unsqueeze(2), A.unsqueeze(2))
+            if cross_batch is None or not all(cross_batch.finite):
+                return False
+        GradStats.commit_stacked(gaccs, grad_batch)
+        if caccs:
+            CrossStats.commit_stacked(caccs, cross_batch)
+        self.steps[stream] += 1
         return True
 
     @staticmethod
