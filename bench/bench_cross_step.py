@@ -15,19 +15,27 @@ and their ratios probe / train are printed side by side and written to
 ``bench/results/cross_step_cpu.json``. A ratio at or below 1 means a probe step costs no more than
 a training step.
 
+``--baseline DIR`` adds a third case, the same probe step from the fused_stats package of another
+checkout (e.g. ``git worktree add /tmp/before <commit>``), imported under another name and
+interleaved with the other two, so a before/after ratio comes from one run.
+
 Run (defaults: d = 32, batch 64, 4 blocks, 1 thread)::
 
     python bench/bench_cross_step.py            # --rounds 200 --dim 32 --batch 64 --blocks 4
     python bench/bench_cross_step.py --profile  # cProfile of the probe steps, top functions
+    python bench/bench_cross_step.py --baseline /tmp/before --out /tmp/cross_step_ab.json
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib.util
 import pstats
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from _harness import RESULTS, write_result
@@ -71,7 +79,21 @@ def build(dim=32, batch=64, blocks=4, inputs=16, classes=10, seed=0):
     return model, (x, y)
 
 
-def measure(rounds=200, warmup=10, profile=False, **sizes) -> dict:
+def load_checkout(directory: str):
+    """The fused_stats package of another checkout, imported as ``fused_stats_baseline``."""
+    root = Path(directory).resolve() / "fused_stats"
+    if not (root / "__init__.py").is_file():
+        raise SystemExit(f"--baseline: no fused_stats package in {directory}")
+    spec = importlib.util.spec_from_file_location(
+        "fused_stats_baseline", root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fused_stats_baseline"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(rounds=200, warmup=10, profile=False, baseline=None, **sizes) -> dict:
     model, batch = build(**sizes)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     points = [f"blocks.{i}" for i in range(len(model.blocks))]
@@ -87,6 +109,14 @@ def measure(rounds=200, warmup=10, profile=False, **sizes) -> dict:
         probe.step(batch, fs.classification_loss)
 
     cases = {"train step (fwd + bwd + Adam)": train_step, "probe step (cross=)": probe_step}
+    if baseline is not None:
+        old_model, old_batch = build(**sizes)
+        old_probe = baseline.Probe(
+            old_model, points=points, unit="sample", second_moment="dense", cross=baseline.CrossSpec()
+        )
+        cases["probe step, baseline checkout"] = lambda: old_probe.step(
+            old_batch, baseline.classification_loss
+        )
     wall = {name: [] for name in cases}
     cpu = {name: [] for name in cases}
     for r in range(warmup + rounds):
@@ -108,6 +138,9 @@ def measure(rounds=200, warmup=10, profile=False, **sizes) -> dict:
         "median_cpu_s": med_cpu,
         "wall_ratio_probe_over_train": med_wall[probe_name] / med_wall[train],
         "cpu_ratio_probe_over_train": med_cpu[probe_name] / med_cpu[train],
+        "per_round_ratio_over_train": {
+            name: statistics.median(a / b for a, b in zip(wall[name], wall[train])) for name in cases
+        },
         "probe_samples": probe.stats[points[0]].n,
         "cross_samples": probe.cross_stats[points[0]].n,
     }
@@ -130,10 +163,21 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--profile", action="store_true", help="cProfile the probe steps afterwards")
     parser.add_argument("--out", default=str(RESULTS / "cross_step_cpu.json"))
+    parser.add_argument("--baseline", metavar="DIR", help="also time the probe of the checkout in DIR")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = measure(args.rounds, profile=args.profile, dim=args.dim, batch=args.batch, blocks=args.blocks)
+    baseline = load_checkout(args.baseline) if args.baseline else None
+    result = measure(
+        args.rounds,
+        profile=args.profile,
+        baseline=baseline,
+        dim=args.dim,
+        batch=args.batch,
+        blocks=args.blocks,
+    )
+    if baseline is not None:
+        result["baseline_checkout"] = str(Path(args.baseline).resolve())
     print(
         f"torch {torch.__version__}, {result['threads']} thread(s); residual MLP d={args.dim}, "
         f"batch {args.batch}, {args.blocks} blocks; {args.rounds} interleaved rounds"
@@ -147,6 +191,10 @@ def main(argv=None) -> None:
     print(
         f"probe / train: wall {result['wall_ratio_probe_over_train']:.3f}x, "
         f"cpu {result['cpu_ratio_probe_over_train']:.3f}x (<= 1: a probe step costs no more)"
+    )
+    print(
+        "median per-round ratio over the training step: "
+        + ", ".join(f"{name} {r:.3f}x" for name, r in result["per_round_ratio_over_train"].items())
     )
     write_result(args.out, result)
 
