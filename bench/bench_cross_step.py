@@ -33,6 +33,7 @@ import cProfile
 import importlib.util
 import pstats
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -178,6 +179,10 @@ def main(argv=None) -> None:
     )
     if baseline is not None:
         result["baseline_checkout"] = str(Path(args.baseline).resolve())
+        head = subprocess.run(
+            ["git", "-C", args.baseline, "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+        )
+        result["baseline_commit"] = head.stdout.strip() or None
     print(
         f"torch {torch.__version__}, {result['threads']} thread(s); residual MLP d={args.dim}, "
         f"batch {args.batch}, {args.blocks} blocks; {args.rounds} interleaved rounds"
