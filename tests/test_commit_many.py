@@ -46,6 +46,17 @@ def assert_same(accs, refs):
         assert not state_differences(a, b), acc.name
 
 
+def assert_close_states(acc, ref, tol):
+    """Every counter equal and every state tensor equal to ``tol`` (relative and absolute)."""
+    a, b = acc.state_dict(), ref.state_dict()
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(value, b[key], rtol=tol, atol=tol, msg=key)
+        else:
+            assert value == b[key], key
+
+
 def commit_both(cls, accs, prepared):
     refs = [a.copy() for a in accs]
     for ref, p in zip(refs, prepared):
@@ -251,12 +262,7 @@ def test_grad_commit_stacked_equals_commit_of_each(gen):
         ref.update(x)
     GradStats.commit_stacked(accs, GradStats.prepare_stacked(accs, g))
     for acc, ref in zip(accs, refs):  # one prepare each vs one batched reduction: fp64 rounding
-        a, b = acc.state_dict(), ref.state_dict()
-        for key, value in a.items():
-            if isinstance(value, torch.Tensor):
-                torch.testing.assert_close(value, b[key], rtol=1e-13, atol=1e-13, msg=key)
-            else:
-                assert value == b[key], key
+        assert_close_states(acc, ref, 1e-13)
 
 
 @pytest.mark.parametrize("B", [1, 6])
@@ -272,12 +278,7 @@ def test_cross_commit_stacked_equals_commit_of_each(B, gen):
         assert stacked is not None
         CrossStats.commit_stacked(accs, stacked)
     for acc, ref in zip(accs, refs):
-        a, b = acc.state_dict(), ref.state_dict()
-        for key, value in a.items():
-            if isinstance(value, torch.Tensor):
-                torch.testing.assert_close(value, b[key], rtol=1e-12, atol=1e-12, msg=key)
-            else:
-                assert value == b[key], key
+        assert_close_states(acc, ref, 1e-12)
 
 
 def test_cross_prepare_stacked_declines_what_it_does_not_take(gen):
