@@ -338,3 +338,25 @@ def test_probe_stacked_fold_equals_the_general_path_bit_for_bit(second_moment, c
     for key, acc in fast.table.items():
         assert not state_differences(acc.state_dict(), general.table[key].state_dict()), key
     assert fast.steps == general.steps
+
+
+def test_probe_stacked_fold_declines_mixed_batches(gen):
+    probe = residual_probe(4, cross=fs.CrossSpec(rank=5), second_moment="dense")
+    points = probe.points
+
+    def batch(dtype=torch.float32):
+        acts = {p: torch.randn(7, 6, generator=gen).to(dtype) for p in points}
+        grads = {p: (torch.randn(7, 6, generator=gen) + 0.1).to(dtype) for p in points}
+        return acts, grads
+
+    assert probe.fold("train", *batch())  # makes the accumulators (general path)
+    acts, grads = batch()
+    assert probe._fold_stacked("train", acts, grads)
+    acts, grads = batch()
+    acts["2"] = acts["2"].double()  # one activation of another dtype
+    assert not probe._fold_stacked("train", acts, grads)
+    grads3 = {p: g.unsqueeze(1) for p, g in grads.items()}  # (B, 1, d) outputs: not this path
+    assert not probe._fold_stacked("train", {p: a.unsqueeze(1) for p, a in acts.items()}, grads3)
+    assert not probe._fold_stacked("test", *batch())  # that stream has no accumulators yet
+    assert probe.fold("train", acts, grads)  # the general path takes the mixed batch
+    assert probe.stats["2"].n == probe.cross_stats["2"].n == 21

@@ -683,10 +683,10 @@ class Probe:
             return False
         gaccs = [self.table.get(("grad", stream, p)) for p in points]
         caccs = [self.table.get(("cross", stream, p)) for p in points] if "cross" in kinds else []
-        if None in gaccs or None in caccs:
+        if any(a is None for a in gaccs) or any(a is None for a in caccs):
             return False
-        g0 = grads[points[0]]
-        if not isinstance(g0, torch.Tensor) or g0.dim() != 2:
+        g0, a0 = grads[points[0]], activations[points[0]]
+        if not isinstance(g0, torch.Tensor) or not isinstance(a0, torch.Tensor) or g0.dim() != 2:
             return False
         gs, acts = [], []
         for name in points:
@@ -697,6 +697,9 @@ class Probe:
                 or g.shape != g0.shape
                 or a.shape != g0.shape
                 or g.dtype != g0.dtype
+                or a.dtype != a0.dtype
+                or g.device != g0.device
+                or a.device != g0.device
                 or self.feature_dims.get(name) not in (1, -1)
             ):
                 return False
