@@ -603,7 +603,8 @@ class GradStats(Accumulator):
                 done += 1
         except BaseException:
             for acc, count, part, mx in zip(accs[:done], counts, parts, maxima):
-                acc._add_parts(unit, count, part, mx)
+                acc.unit = unit
+                acc._add_parts(count, part, mx)
             raise
         states, sums = [], []
         for acc, count, part in zip(accs, counts, parts):
@@ -614,10 +615,10 @@ class GradStats(Accumulator):
         torch._foreach_add_(states, sums)
         torch._foreach_maximum_([a.norm_max for a in accs], list(maxima))
 
-    def _add_parts(self, unit, count, part, norm_max) -> None:
-        """Add one batch's plain sums ``part = (s, t, a1, a2, norm_sum)`` and ``norm_max``."""
+    def _add_parts(self, count, part, norm_max) -> None:
+        """Add ``count`` samples' plain sums ``part = (s, t, a1, a2, norm_sum)`` (centred at this
+        centre) and the maximum ``norm_max``."""
         self.n += count
-        self.unit = unit
         for state, value in zip((self.s, self.t, self.a1, self.a2, self.norm_sum), part):
             state += value
         torch.maximum(self.norm_max, norm_max, out=self.norm_max)
@@ -625,13 +626,7 @@ class GradStats(Accumulator):
     def _add_sums(self, part) -> None:
         """Add the centred sums of ``part`` (a batch, or a state at this centre): all of them are
         plain sums, and ``max |q|`` a maximum."""
-        self.n += part.n
-        self.s += part.s
-        self.t += part.t
-        self.a1 += part.a1
-        self.a2 += part.a2
-        self.norm_sum += part.norm_sum
-        torch.maximum(self.norm_max, part.norm_max, out=self.norm_max)
+        self._add_parts(part.n, (part.s, part.t, part.a1, part.a2, part.norm_sum), part.norm_max)
 
     def _add_second_moment(self, count: int, rows: torch.Tensor) -> None:
         """Add ``count`` samples' ``rows`` (centred at this centre) to the second moment, before
