@@ -26,6 +26,7 @@ update; what differs is one large call against per-batch calls plus the per-batc
 Run the table (n = 1e4, 1e5; d = 256, 1024; both approaches, ratios side by side)::
 
     python bench/bench_grad_stats.py --threads 1   # --quick: n = 1e4 only; --repeat N runs per case
+    python bench/bench_grad_stats.py --threads 1 --floor   # also naive / dsyrk floor, the bound
 
 The pytest-benchmark version (small: n = 1e4, d = 256) is not part of the test suite::
 
@@ -110,7 +111,24 @@ def run_gradstats_addmm(n: int, batches: list[torch.Tensor]) -> tuple[dict, int]
     return run_gradstats(n, batches)
 
 
-APPROACHES = {"gradstats": run_gradstats, "naive": run_naive, "gradstats_addmm": run_gradstats_addmm}
+def run_syrk_floor(n: int, batches: list[torch.Tensor]) -> tuple[dict, int]:
+    """The floor of an exact streaming fp64 second moment: per batch only the fp64 upcast and the
+    one-triangle BLAS ``dsyrk`` GradStats calls (no centring, norms or other sums, no estimate)."""
+    from fused_stats.ops import cpu_blas
+
+    d = batches[0].shape[1]
+    S = torch.zeros(d, d, dtype=torch.float64)
+    for k in range(n // BATCH):
+        cpu_blas.syrk_update(S, batches[k % len(batches)].to(torch.float64), mirror=False)
+    return {}, S.numel() * S.element_size()
+
+
+APPROACHES = {
+    "gradstats": run_gradstats,
+    "naive": run_naive,
+    "gradstats_addmm": run_gradstats_addmm,
+    "syrk_floor": run_syrk_floor,
+}
 
 
 # RSS moves by a few MiB between identical runs (allocator caches, page reuse): a growth below this
@@ -188,21 +206,27 @@ def memory_words(gs_growth: int | None, naive_growth: int | None) -> tuple[str, 
     return f"{gs_growth * mb:.1f}", naive_word, f"{ratio:.1f}", ratio
 
 
-def table(ns, ds, threads: int | None = None, repeat: int = 1, with_addmm: bool = False) -> list[dict]:
+def table(
+    ns, ds, threads: int | None = None, repeat: int = 1, with_addmm: bool = False, with_floor: bool = False
+) -> list[dict]:
     """Each case ``repeat`` times, GradStats and naive alternating (fresh processes); medians.
-    ``with_addmm``: also GradStats on torch's addmm only (CPU-time ratio addmm / dsyrk path)."""
+    ``with_addmm``: also GradStats on torch's addmm only (CPU-time ratio addmm / dsyrk path).
+    ``with_floor``: also the ``dsyrk`` floor (:func:`run_syrk_floor`): naive / floor is the most
+    any exact streaming fp64 method calling those BLAS routines could reach in that run."""
     rows = []
     header = (
         f"{'n':>7} {'d':>5} | {'GS s':>7} {'naive s':>7} {'time x':>6} | {'GS cpu s':>8} "
         f"{'naive cpu s':>11} {'cpu x':>5} | {'GS peak MB':>11} {'naive peak MB':>13} "
         f"{'mem x':>6} | {'GS held MB':>10} {'naive held MB':>13} | {'max rel diff':>12}"
+        + (f" | {'addmm cpu x':>12}" if with_addmm else "")
+        + (f" | {'floor cpu x':>12}" if with_floor else "")
     )
     print(header)
     print("-" * len(header))
     med = statistics.median
     for n in ns:
         for d in ds:
-            runs, addmm = [], []
+            runs, addmm, floor = [], [], []
             for _ in range(repeat):
                 runs.append(
                     (
@@ -212,6 +236,8 @@ def table(ns, ds, threads: int | None = None, repeat: int = 1, with_addmm: bool 
                 )
                 if with_addmm:
                     addmm.append(measure_in_subprocess("gradstats_addmm", n, d, threads))
+                if with_floor:
+                    floor.append(measure_in_subprocess("syrk_floor", n, d, threads))
             gs, nv = runs[0]
             diff = max(
                 abs(g["estimates"][k] - v["estimates"][k]) / abs(v["estimates"][k])
@@ -225,6 +251,9 @@ def table(ns, ds, threads: int | None = None, repeat: int = 1, with_addmm: bool 
             addmm_x = (
                 med(a["cpu_seconds"] / g["cpu_seconds"] for a, (g, _) in zip(addmm, runs)) if addmm else None
             )
+            floor_x = (
+                med(v["cpu_seconds"] / f["cpu_seconds"] for f, (_, v) in zip(floor, runs)) if floor else None
+            )
             growth = [g["peak_rss_growth_bytes"] for g, _ in runs]
             naive_growth = [v["peak_rss_growth_bytes"] for _, v in runs]
             gs_peak = None if None in growth else max(growth)  # the worst run counts for memory
@@ -235,7 +264,8 @@ def table(ns, ds, threads: int | None = None, repeat: int = 1, with_addmm: bool 
                 f"{n:>7} {d:>5} | {t_gs:>7.3f} {t_nv:>7.3f} {time_x:>6.2f} | {c_gs:>8.3f} "
                 f"{c_nv:>11.3f} {cpu_x:>5.2f} | {gs_word:>11} {nv_word:>13} {mem_word:>6} | "
                 f"{gs['held_bytes'] * mb:>10.2f} {nv['held_bytes'] * mb:>13.1f} | {diff:>12.1e}"
-                + (f" | {addmm_x:>12.2f}" if addmm_x is not None else ""),
+                + (f" | {addmm_x:>12.2f}" if addmm_x is not None else "")
+                + (f" | {floor_x:>12.2f}" if floor_x is not None else ""),
                 flush=True,
             )
             rows.append(
@@ -250,6 +280,8 @@ def table(ns, ds, threads: int | None = None, repeat: int = 1, with_addmm: bool 
                     "max_rel_diff": diff,
                     "addmm_runs": addmm,
                     "cpu_ratio_addmm_over_gradstats": addmm_x,
+                    "floor_runs": floor,
+                    "cpu_ratio_naive_over_syrk_floor": floor_x,
                 }
             )
     print(
@@ -258,6 +290,11 @@ def table(ns, ds, threads: int | None = None, repeat: int = 1, with_addmm: bool 
         f"shared machine with --threads 1); peak = growth of peak RSS during the run, "
         f"'flat' below {RSS_NOISE_FLOOR_BYTES >> 20} MiB (then mem x is a lower bound)"
         + ("; addmm cpu x: GradStats on torch's addmm only / GradStats" if with_addmm else "")
+        + (
+            "; floor cpu x: naive / (upcast + dsyrk per batch only), the bound for GradStats"
+            if with_floor
+            else ""
+        )
     )
     return rows
 
@@ -279,6 +316,11 @@ def main(argv=None) -> None:
         action="store_true",
         help="also time GradStats on torch's addmm only (the second moment without BLAS dsyrk)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the dsyrk floor (fp64 upcast + dsyrk per batch only): the bound on the ratio",
+    )
     parser.add_argument("--one", nargs=3, metavar=("APPROACH", "N", "D"), help=argparse.SUPPRESS)
     parser.add_argument(
         "--json", type=Path, default=Path(__file__).parent / "results" / "bench_grad_stats.json"
@@ -293,7 +335,12 @@ def main(argv=None) -> None:
         f"{os.cpu_count()} CPUs, fp32 batches of {BATCH}, {args.repeat} alternating run(s) per case"
     )
     rows = table(
-        [10_000] if args.quick else [10_000, 100_000], [256, 1024], args.threads, args.repeat, args.addmm
+        [10_000] if args.quick else [10_000, 100_000],
+        [256, 1024],
+        args.threads,
+        args.repeat,
+        args.addmm,
+        args.floor,
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
