@@ -47,6 +47,7 @@ from .base import (
     StackedPrepared,
     extend_gram,
 )
+from .batch_view import batch_view
 from .estimators import Estimate, finalize
 
 SecondMoment = Literal["auto", "dense", "pool"]
@@ -299,76 +300,17 @@ class GradStats(Accumulator):
     # ------------------------------------------------------------------ update
     def _as_batch(self, grad, mask, unit: str, feature_dim: int):
         """Validate and view ``grad`` as (B, T, d) and ``mask`` as (B, T) bool or None."""
-        w = self._where()
-        if not isinstance(grad, torch.Tensor):
-            raise FusedStatsError(f"grad{w} must be a torch.Tensor, got {type(grad).__name__}")
-        if not grad.is_floating_point():
-            raise FusedStatsError(f"grad{w} must be a floating-point tensor, got dtype {grad.dtype}")
-        if grad.device.type == "meta":  # shapes only: there are no values to accumulate
-            raise FusedStatsError(
-                f"grad{w} is on the meta device (shape {tuple(grad.shape)}, no data); expected a "
-                f"tensor on {self.device or 'a real device'}"
-            )
-        if unit not in UNITS:
-            raise FusedStatsError(f"unit must be one of {UNITS}, got {unit!r}")
-        if self.unit is not None and unit != self.unit:
-            raise FusedStatsError(f"this accumulator{w} was fed unit={self.unit!r}; got unit={unit!r}")
-        if self.device is not None and grad.device != self.device:
-            raise FusedStatsError(f"grad{w} is on {grad.device}, the accumulator on {self.device}")
-        if unit == "flat":
-            if grad.dim() < 1:
-                raise FusedStatsError(f"grad{w} needs a batch dimension, got shape {tuple(grad.shape)}")
-            size = math.prod(grad.shape[1:])
-            if size != self.dim:
-                raise FusedStatsError(
-                    f"unit='flat'{w}: one sample of shape {tuple(grad.shape[1:])} has {size} "
-                    f"elements, expected dim={self.dim} (grad shape {tuple(grad.shape)})"
-                )
-            if mask is not None:
-                raise FusedStatsError(f"unit='flat'{w} takes no mask (got shape {tuple(mask.shape)})")
-            return grad.reshape(grad.shape[0], 1, self.dim), None
-        if grad.dim() < 2:
-            raise FusedStatsError(
-                f"grad{w} must have shape (B, d) or (B, *positions, d), got {tuple(grad.shape)}"
-            )
-        if not isinstance(feature_dim, int) or isinstance(feature_dim, bool):
-            raise FusedStatsError(f"feature_dim must be an int, got {feature_dim!r}")
-        fd = feature_dim if feature_dim >= 0 else grad.dim() + feature_dim
-        if not 1 <= fd < grad.dim():
-            raise FusedStatsError(
-                f"feature_dim={feature_dim} is not a non-batch dimension of grad{w} with shape "
-                f"{tuple(grad.shape)}"
-            )
-        if grad.shape[fd] != self.dim:
-            raise FusedStatsError(
-                f"grad{w} has {grad.shape[fd]} features on dim {feature_dim} (shape "
-                f"{tuple(grad.shape)}, dtype {grad.dtype}); expected dim={self.dim}"
-            )
-        g = grad if fd == grad.dim() - 1 else grad.movedim(fd, -1)
-        positions = tuple(g.shape[1:-1])
-        B = g.shape[0]
-        g = g.reshape(B, math.prod(positions), self.dim)  # not -1: B or a position may be 0
-        if mask is None:
-            return g, None
-        if not isinstance(mask, torch.Tensor):
-            raise FusedStatsError(f"mask{w} must be a torch.Tensor, got {type(mask).__name__}")
-        if mask.device != grad.device:
-            raise FusedStatsError(f"mask{w} is on {mask.device}, grad on {grad.device}")
-        if tuple(mask.shape) == (B,):
-            m = mask.reshape(B, 1).expand(B, g.shape[1])
-        elif tuple(mask.shape) == (B, *positions):
-            m = mask.reshape(B, g.shape[1])
-        else:
-            raise FusedStatsError(
-                f"mask{w} has shape {tuple(mask.shape)}; expected "
-                f"{f'{(B, *positions)} or ' if positions else ''}{(B,)} "
-                f"for grad of shape {tuple(grad.shape)} with feature_dim={feature_dim}"
-            )
-        if m.dtype != torch.bool:
-            if m.is_floating_point() and not torch.isfinite(m).all():
-                raise FusedStatsError(f"mask{w} contains NaN/Inf")
-            m = m != 0
-        return g, m
+        return batch_view(
+            grad,
+            mask,
+            unit,
+            feature_dim,
+            dim=self.dim,
+            units=UNITS,
+            fed=self.unit,
+            device=self.device,
+            where=self._where(),
+        )
 
     def update(
         self,

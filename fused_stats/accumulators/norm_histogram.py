@@ -19,6 +19,7 @@ import torch
 from ..backend import Backend, validate_backend
 from ..errors import FusedStatsError
 from .base import NONFINITE_POLICIES, Accumulator, Field, IncompatibleStates, Nonfinite, Prepared
+from .batch_view import batch_view
 
 F64 = torch.float64
 HistogramUnit = Literal["sample", "position"]
@@ -89,38 +90,20 @@ class NormHistogram(Accumulator):
         feature_dim: int = -1,
     ) -> Prepared:
         """Validate a batch and bin its per-sample norms without changing the state."""
-        w = self._where()
-        if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() or grad.dim() < 2:
-            raise FusedStatsError(
-                f"norm histogram{w}: grad must be a floating-point tensor (B, ..., d), got "
-                f"{type(grad).__name__} {getattr(grad, 'shape', '')}"
-            )
-        if unit not in UNITS:
-            raise FusedStatsError(f"norm histogram{w}: unit must be one of {UNITS}, got {unit!r}")
-        if self.unit is not None and unit != self.unit:
-            raise FusedStatsError(f"norm histogram{w} was fed unit={self.unit!r}; got unit={unit!r}")
-        if grad.device != self.device:
-            raise FusedStatsError(f"grad{w} is on {grad.device}, the histogram on {self.device}")
-        g = grad.movedim(feature_dim, -1)
-        if g.shape[-1] != self.dim:
-            raise FusedStatsError(
-                f"norm histogram{w}: grad has {g.shape[-1]} features (shape {tuple(grad.shape)}), "
-                f"expected dim={self.dim}"
-            )
-        B = g.shape[0]
-        g = g.reshape(B, -1, self.dim).to(F64)
-        if mask is not None:
-            if tuple(mask.shape) == (B,):
-                m = mask.reshape(B, 1).expand(B, g.shape[1])
-            elif mask.numel() == B * g.shape[1] and mask.shape[0] == B:
-                m = mask.reshape(B, g.shape[1])
-            else:
-                raise FusedStatsError(
-                    f"norm histogram{w}: mask has shape {tuple(mask.shape)} for grad {tuple(grad.shape)}"
-                )
-            m = m != 0
-        else:
-            m = torch.ones(B, g.shape[1], dtype=torch.bool, device=g.device)
+        g, m = batch_view(
+            grad,
+            mask,
+            unit,
+            feature_dim,
+            dim=self.dim,
+            units=UNITS,
+            fed=self.unit,
+            device=self.device,
+            where=self._where(),
+        )
+        g = g.to(F64)
+        if m is None:
+            m = torch.ones(g.shape[:2], dtype=torch.bool, device=g.device)
         if unit == "sample":
             q = (g * m[..., None]).sum(dim=1)[m.any(dim=1)]
         else:
