@@ -367,13 +367,18 @@ class GradStats(Accumulator):
             return empty
         if not sums_finite(batch):
             return Prepared(unit, self.n, batch, finite=False, centre=centre)
+        self._check_pool_room(batch.n)
+        return Prepared(unit, self.n, batch, finite=True, centre=centre)
+
+    def _check_pool_room(self, count: int) -> None:
+        """A fixed pool (``second_moment="pool"``) refuses a batch of ``count`` samples that would
+        pass its capacity; ``auto`` turns dense instead."""
         limit = self.pool_limit
-        if self.second_moment == "pool" and limit is not None and self.n + batch.n > limit:
+        if self.second_moment == "pool" and limit is not None and self.n + count > limit:
             raise FusedStatsError(
-                f"pool{self._where()} holds {self.n} samples; {batch.n} more exceed "
+                f"pool{self._where()} holds {self.n} samples; {count} more exceed "
                 f"pool_capacity={limit}. Use second_moment='auto' or 'dense', or a larger capacity"
             )
-        return Prepared(unit, self.n, batch, finite=True, centre=centre)
 
     @classmethod
     def prepare_many(cls, accumulators, grads, masks, unit: Unit, feature_dims) -> list[Prepared]:
@@ -423,12 +428,8 @@ class GradStats(Accumulator):
         # as sums_finite (a1, a2, norm_sum); norm_max <= norm_sum is finite with them
         finite = [True] * P if all_finite(sums) else torch.isfinite(sums).all(dim=1).tolist()
         for acc, ok in zip(accs, finite):
-            limit = acc.pool_limit
-            if ok and acc.second_moment == "pool" and limit is not None and acc.n + B > limit:
-                raise FusedStatsError(
-                    f"pool{acc._where()} holds {acc.n} samples; {B} more exceed "
-                    f"pool_capacity={limit}. Use second_moment='auto' or 'dense', or a larger capacity"
-                )
+            if ok:
+                acc._check_pool_room(B)
         return StackedPrepared(unit, tuple(acc.n for acc in accs), finite, (rows, st, sums))
 
     @staticmethod
