@@ -415,7 +415,8 @@ class CrossStats(Accumulator):
         cls._fold_together(
             accs,
             prepared[0].unit,
-            batches,
+            [b.n for b in batches],
+            [(b.p2, b.p3, b.p4) for b in batches],
             [b.c_sum for b in batches],
             [b.sq_norm_sum for b in batches],
             [b.u if b.u is not None else torch.stack([b.u2, b.u3, b.u4]) for b in batches],
@@ -431,22 +432,18 @@ class CrossStats(Accumulator):
         if n < 2 or not stacked.folds_into(accs):
             cls.commit_many(accs, cls._split_stacked(accs, stacked))
             return
+        P = len(accs)
         p = (n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3))
-        cls._fold_together(accs, stacked.unit, [p] * len(accs), *cls._stacked_parts(stacked), n=n)
+        cls._fold_together(accs, stacked.unit, [n] * P, [p] * P, *cls._stacked_parts(stacked))
 
     @staticmethod
-    def _fold_together(accs, unit, counts, c_sums, sq_sums, tuple_sums, n=None) -> None:
-        """Add batches of more than one sample, each one ``commit`` would fold, by one foreach
-        call (the same bits as one by one). ``counts[i]``: a ``CrossBatch`` (its n and tuple
-        counts) or the tuple counts ``(p2, p3, p4)`` of a batch of ``n`` samples."""
+    def _fold_together(accs, unit, sizes, tuple_counts, c_sums, sq_sums, tuple_sums) -> None:
+        """Add batches of ``sizes[i]`` > 1 samples (tuple counts ``(p2, p3, p4)``), each one
+        ``commit`` would fold, by one foreach call (the same bits as one by one)."""
         states, parts = [], []
-        for acc, count, c, sq, u in zip(accs, counts, c_sums, sq_sums, tuple_sums):
+        for acc, size, (p2, p3, p4), c, sq, u in zip(accs, sizes, tuple_counts, c_sums, sq_sums, tuple_sums):
             states += (acc.c_sum, acc.sq_norm_sum, acc.u)
             parts += (c, sq, u)
-            if n is None:
-                size, (p2, p3, p4) = count.n, (count.p2, count.p3, count.p4)
-            else:
-                size, (p2, p3, p4) = n, count
             acc.n += size
             acc.batches += 1
             acc.unit = unit
