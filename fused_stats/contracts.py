@@ -70,6 +70,11 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def tuple_counts(m: int) -> tuple[int, int, int]:
+    """How many ordered pairs, triples and quadruples of distinct indices ``m`` items have."""
+    return m * (m - 1), m * (m - 1) * (m - 2), m * (m - 1) * (m - 2) * (m - 3)
+
+
 def tuple_sums(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """Sums of ``k_ij²``, ``k_ij k_jk``, ``k_ij k_kl`` over ordered distinct tuples of one group
     ``k`` (m, m), or of each group of a stack ``k`` (..., m, m) (the sums then have shape (...)).
@@ -86,7 +91,7 @@ def tuple_sums(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     u3 = (row * row).sum(dim=-1) - u2
     total = row.sum(dim=-1)
     u4 = total * total - 4 * u3 - 2 * u2
-    return u2, u3, u4, m * (m - 1), m * (m - 1) * (m - 2), m * (m - 1) * (m - 2) * (m - 3)
+    return u2, u3, u4, *tuple_counts(m)
 
 
 # ---------------------------------------------------------------------------- argument checks

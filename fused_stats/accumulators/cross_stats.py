@@ -50,7 +50,7 @@ import torch
 
 from .. import ops
 from ..backend import Backend
-from ..contracts import ACTIVATIONS, all_finite
+from ..contracts import ACTIVATIONS, all_finite, tuple_counts
 from ..errors import FusedStatsError
 from .base import (
     NONFINITE_POLICIES,
@@ -348,7 +348,7 @@ class CrossStats(Accumulator):
     def _split_stacked(cls, accs, stacked: StackedPrepared) -> list[Prepared]:
         """Per-accumulator :class:`Prepared` from :meth:`prepare_stacked`."""
         n = stacked.tensors[2]
-        p2, p3, p4 = n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3)
+        p2, p3, p4 = tuple_counts(n)
         return [
             Prepared(
                 unit=stacked.unit,
@@ -433,15 +433,15 @@ class CrossStats(Accumulator):
             cls.commit_many(accs, cls._split_stacked(accs, stacked))
             return
         P = len(accs)
-        p = (n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3))
-        cls._fold_together(accs, stacked.unit, [n] * P, [p] * P, *cls._stacked_parts(stacked))
+        cls._fold_together(accs, stacked.unit, [n] * P, [tuple_counts(n)] * P, *cls._stacked_parts(stacked))
 
     @staticmethod
-    def _fold_together(accs, unit, sizes, tuple_counts, c_sums, sq_sums, tuple_sums) -> None:
-        """Add batches of ``sizes[i]`` > 1 samples (tuple counts ``(p2, p3, p4)``), each one
+    def _fold_together(accs, unit, sizes, counts, c_sums, sq_sums, u_sums) -> None:
+        """Add batches of ``sizes[i]`` > 1 samples (tuple counts ``counts[i] = (p2, p3, p4)``, tuple
+        sums ``u_sums[i] = (u2, u3, u4)``), each one
         ``commit`` would fold, by one foreach call (the same bits as one by one)."""
         states, parts = [], []
-        for acc, size, (p2, p3, p4), c, sq, u in zip(accs, sizes, tuple_counts, c_sums, sq_sums, tuple_sums):
+        for acc, size, (p2, p3, p4), c, sq, u in zip(accs, sizes, counts, c_sums, sq_sums, u_sums):
             states += (acc.c_sum, acc.sq_norm_sum, acc.u)
             parts += (c, sq, u)
             acc.n += size
@@ -557,7 +557,7 @@ class CrossStats(Accumulator):
 
     def _check_counters(self, counters, where: str) -> None:
         n, batches, p, unit = counters["n"], counters["batches"], counters["p"], counters["unit"]
-        bounds = (n * (n - 1), n * (n - 1) * (n - 2), n * (n - 1) * (n - 2) * (n - 3))
+        bounds = tuple_counts(n)
         if (
             n < 0
             or not 0 <= batches <= max(n, 0)
