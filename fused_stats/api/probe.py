@@ -522,15 +522,11 @@ class Probe:
             )
         if not losses.is_floating_point():
             raise FusedStatsError(f"loss_fn returned dtype {losses.dtype}; expected a floating-point tensor")
-        bad = (
-            []
-            if all_finite(losses.detach())
-            else (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
-        )
-        if bad:
+        values = losses.detach()
+        if not all_finite(values):
+            bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
             raise FusedStatsError(
-                f"loss_fn returned non-finite losses for samples {bad[:10]} of {B}: "
-                f"{losses.detach()[bad[:5]].tolist()}"
+                f"loss_fn returned non-finite losses for samples {bad[:10]} of {B}: {values[bad[:5]].tolist()}"
             )
         for name in self.points:
             if acts[name].shape[0] != B:
