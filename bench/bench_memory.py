@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import fused_stats as fs
-from fused_stats.api.plan import human_bytes, plan_memory
+from fused_stats.api.streaming.plan import human_bytes, plan_memory
 
 RESULTS = Path(__file__).parent / "results"
 ROWS: list[dict] = []
@@ -140,7 +140,7 @@ class ResidualMLP(nn.Module):
 
 
 def test_probe_1e5_samples_flat(benchmark):
-    from fused_stats.api.probe import Probe
+    from fused_stats.api.probe.driver import Probe
 
     model = ResidualMLP()
     names = [f"blocks.{i}" for i in range(3)]

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import fused_stats as fs
-from fused_stats.api.monitor_log import plot_monitor_log, read_monitor_log, summary_markdown
+from fused_stats.api.training.monitor_log import plot_monitor_log, read_monitor_log, summary_markdown
 
 
 def stdlib_windows(seq: int, count: int, seed: int = 0, min_len: int = 16) -> list[bytes]:

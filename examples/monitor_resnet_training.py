@@ -1,6 +1,6 @@
 """Watch the block-output statistics of a small CIFAR ResNet while it trains (random data).
 
-What it does: trains ``cifar_resnet20`` (``fused_stats.api.resnet``) with SGD + momentum on a
+What it does: trains ``cifar_resnet20`` (``fused_stats.networks.resnet``) with SGD + momentum on a
 synthetic 10-class image task (class-dependent mean images plus noise, so there is something to
 learn and nothing to download) and wraps every step in ``probe.observe(loss_reduction="mean")``:
 ``F.cross_entropy`` averages over the batch, so each image's gradient at each residual block is
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 import fused_stats as fs
-from fused_stats.api.monitor_log import plot_monitor_log, read_monitor_log, summary_markdown
-from fused_stats.api.resnet import cifar_resnet20
+from fused_stats.api.training.monitor_log import plot_monitor_log, read_monitor_log, summary_markdown
+from fused_stats.networks.resnet import cifar_resnet20
 
 
 def synthetic_task(image: int, classes: int = 10, seed: int = 0):

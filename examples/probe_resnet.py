@@ -1,7 +1,7 @@
 """Probe a ResNet's residual stream: per-block statistics of the activation gradient on conv maps.
 
 What it does: a CIFAR ResNet-20 (3 stages x 3 basic blocks, channels w/2w/4w) from
-:mod:`fused_stats.api.resnet`, trained briefly on a synthetic 10-class image task (class-dependent
+:mod:`fused_stats.networks.resnet`, trained briefly on a synthetic 10-class image task (class-dependent
 colour and stripe pattern plus noise: no download), then probed after every block. For a conv map
 (B, C, H, W) the feature axis is C: with ``unit="sample"`` each ``q_b ∈ R^C`` is the gradient of
 image b's loss with respect to a per-channel bias added to the block's output at every pixel;
@@ -25,7 +25,7 @@ import argparse
 import torch
 
 import fused_stats as fs
-from fused_stats.api.resnet import cifar_resnet20
+from fused_stats.networks.resnet import cifar_resnet20
 
 
 def synthetic_images(n: int, side: int, seed: int):

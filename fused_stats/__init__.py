@@ -16,14 +16,15 @@ from .accumulators import (
     realized_alignment,
 )
 from .accumulators.cross_stats import Saturation
-from .api.growth import CrossSpec, insert_zero_block, remove_inserted_block
-from .api.intervene import intervene
-from .api.losses import causal_lm_loss, classification_loss
-from .api.monitor_log import MonitorLog
-from .api.points import residual_points
-from .api.probe import Probe
-from .api.report import Report
-from .api.streaming import stream_blocks
+from .api.growth.insert import insert_zero_block, remove_inserted_block
+from .api.growth.intervene import intervene
+from .api.probe.driver import Probe
+from .api.probe.losses import causal_lm_loss, classification_loss
+from .api.probe.points import residual_points
+from .api.probe.spec import CrossSpec
+from .api.report.document import Report
+from .api.streaming.streamer import stream_blocks
+from .api.training.monitor_log import MonitorLog
 from .errors import FusedStatsError
 
 __all__ = [

@@ -27,7 +27,7 @@ from misaligned_loading import MisalignedLoading, assert_aligned
 import fused_stats as fs
 from fused_stats import Probe
 from fused_stats.accumulators import state_differences
-from fused_stats.api.checkpoint import (
+from fused_stats.api.state.checkpoint import (
     LATEST,
     has_checkpoint,
     latest_snapshot,
@@ -142,7 +142,7 @@ KILLED_RUN = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import fused_stats as fs
     import test_checkpoint_resume as T
-    from fused_stats.api.checkpoint import run_with_checkpoints
+    from fused_stats.api.state.checkpoint import run_with_checkpoints
 
     calls = [0]
     real_save = fs.GradStats.save
@@ -314,7 +314,7 @@ def test_merged_shard_checkpoints_equal_one_run(tmp_path, misaligned):
 def test_crash_between_snapshot_rename_and_pointer_update(tmp_path, uninterrupted, monkeypatch, misaligned):
     # the writer dies after its snapshot folder is in place but before LATEST names it: the
     # resumed run must use the previous snapshot and still be able to write new ones
-    import fused_stats.api.checkpoint as ckpt_mod
+    import fused_stats.api.state.checkpoint as ckpt_mod
 
     real = ckpt_mod.write_atomic
     calls = {"latest": 0}

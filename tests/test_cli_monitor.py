@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import fused_stats as fs
-from fused_stats.api.monitor_log import plot_monitor_log, read_monitor_log, split_runs
+from fused_stats.api.training.monitor_log import plot_monitor_log, read_monitor_log, split_runs
 from fused_stats.cli import main
 
 from tiny_models import TanhBlock
@@ -118,7 +118,7 @@ def test_old_logs_without_run_ids_still_read(tmp_path, gen):
 
 
 def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_path, gen, monkeypatch):
-    import fused_stats.api.report as report_mod
+    import fused_stats.api.report.document as report_mod
 
     figures = []
     real = report_mod.save_figure

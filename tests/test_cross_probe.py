@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import fused_stats as fs
-from fused_stats.api.resnet import cifar_resnet20
+from fused_stats.networks.resnet import cifar_resnet20
 
 from tiny_models import padded_lm_batch, split
 

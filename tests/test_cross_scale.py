@@ -28,7 +28,7 @@ import fused_stats as fs
 from fused_stats.accumulators import state_differences
 from fused_stats.accumulators.cross_stats import CrossStats
 from fused_stats.accumulators.persistence import save_checked
-from fused_stats.api.checkpoint import merge_checkpoints, run_with_checkpoints
+from fused_stats.api.state.checkpoint import merge_checkpoints, run_with_checkpoints
 from fused_stats.cli import main
 
 from gloo_harness import init_gloo, run_two_ranks

@@ -183,7 +183,7 @@ def run_probe(probe, train, test):
 def _worker(rank: int, world: int, outdir: str) -> None:
     import torch.distributed as dist
 
-    from fused_stats.api.distributed_probe import all_reduce_probe
+    from fused_stats.api.state.distributed import all_reduce_probe
 
     init_gloo(rank, world, outdir)
     try:

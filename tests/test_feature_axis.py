@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import fused_stats as fs
-from fused_stats.api.resnet import cifar_resnet20
+from fused_stats.networks.resnet import cifar_resnet20
 
 import per_sample_reference as R
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fused_stats as fs
-from fused_stats.api.resnet import cifar_resnet20, tiny_resnet
+from fused_stats.networks.resnet import cifar_resnet20, tiny_resnet
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -236,7 +236,7 @@ def _ddp_worker(rank, world, out_dir):
 def test_trainer_callback_ddp_two_ranks(tmp_path):
     import torch.multiprocessing as mp
 
-    from fused_stats.api.monitor_log import read_monitor_log
+    from fused_stats.api.training.monitor_log import read_monitor_log
 
     mp.spawn(_ddp_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]

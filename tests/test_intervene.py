@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import fused_stats as fs
-from fused_stats.api.resnet import cifar_resnet20
+from fused_stats.networks.resnet import cifar_resnet20
 
 F64 = torch.float64
 ETAS = [1.0, 0.3, 0.1, 0.03, 0.01, 1e-3]

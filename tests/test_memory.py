@@ -21,7 +21,7 @@ import torch
 
 import fused_stats as fs
 from fused_stats.accumulators import auto_pool_limit
-from fused_stats.api.plan import model_shape, plan_memory
+from fused_stats.api.streaming.plan import model_shape, plan_memory
 from fused_stats.cli import main
 
 

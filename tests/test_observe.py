@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fused_stats as fs
-from fused_stats.api.monitor_log import plot_monitor_log, read_monitor_log
+from fused_stats.api.training.monitor_log import plot_monitor_log, read_monitor_log
 
 import per_sample_reference as R
 from gloo_harness import init_gloo
@@ -449,7 +449,7 @@ def test_sample_without_targets_is_no_sample(fp64_llama, gen):
 
 
 def test_resnet_conv_points_eval_mode(gen):
-    from fused_stats.api.resnet import tiny_resnet
+    from fused_stats.networks.resnet import tiny_resnet
 
     model = tiny_resnet(width=4, seed=0, random_batchnorm=True).double().eval()
     ref = fs.Probe(model, second_moment="dense")
@@ -856,7 +856,7 @@ def _ddp_worker(rank, world, out_dir):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from fused_stats.api.distributed_probe import all_reduce_probe
+    from fused_stats.api.state.distributed import all_reduce_probe
 
     torch.set_num_threads(1)
     init_gloo(rank, world, out_dir)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import fused_stats as fs
-from fused_stats.api.resnet import cifar_resnet20, tiny_resnet
+from fused_stats.networks.resnet import cifar_resnet20, tiny_resnet
 
 import per_sample_reference as R
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fused_stats as fs
-from fused_stats.api.resnet import cifar_resnet20, tiny_resnet
+from fused_stats.networks.resnet import cifar_resnet20, tiny_resnet
 
 import per_sample_reference as R
 from tiny_models import padded_lm_batch, split

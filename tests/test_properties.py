@@ -491,7 +491,7 @@ def hook_count(model) -> int:
     B=st.integers(1, 4),
 )
 def test_failed_probe_step_leaves_no_hook_and_no_change(failure, seed, B):
-    from fused_stats.api.probe import Probe
+    from fused_stats.api.probe.driver import Probe
 
     model = Net()
     probe = Probe(model, points=["blocks.0", "blocks.1"], second_moment="dense")

@@ -1,4 +1,4 @@
-"""Tests of fused_stats.api.report: JSON round trip (with inf/nan), markdown numbers, PNG plots,
+"""Tests of fused_stats.api.report.document: JSON round trip (with inf/nan), markdown numbers, PNG plots,
 sweep plots and rejection of bad files.
 
 References: the report's numbers are checked against brute-force U-statistics over ordered tuples
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fused_stats as fs
-from fused_stats.api.report import Report, plot_sweep, sweep_rows
+from fused_stats.api.report.document import Report, plot_sweep, sweep_rows
 
 
 # ---------------------------------------------------------------------------- references
@@ -407,7 +407,7 @@ def test_spearman_rho_equals_the_rank_difference_formula():
 
 def test_p_value_does_not_depend_on_the_order_of_the_runs():
     from fused_stats.accumulators.trends import rank_correlation
-    from fused_stats.api.report import sweep_summary
+    from fused_stats.api.report.document import sweep_summary
 
     gen = torch.Generator().manual_seed(4)
     xs = [1, 2, 4, 8] * 3
@@ -437,7 +437,7 @@ def test_cosine_of_the_mean_gradients():
 
 
 def test_sweep_summary_medians_and_trend_words():
-    from fused_stats.api.report import sweep_summary
+    from fused_stats.api.report.document import sweep_summary
 
     reports = []
     for width, values in (
@@ -488,7 +488,7 @@ def test_png_files_get_the_permissions_of_the_json_and_markdown(tmp_path):
 @pytest.fixture
 def captured(monkeypatch):
     """The figures the plot functions save (the PNG is still written)."""
-    import fused_stats.api.report as report_mod
+    import fused_stats.api.report.document as report_mod
 
     figures = []
     real = report_mod.save_figure

@@ -20,7 +20,7 @@ from misaligned_loading import MisalignedLoading, assert_aligned, assert_bit_ide
 
 import fused_stats as fs
 from fused_stats.accumulators.cross_stats import CrossStats
-from fused_stats.api.checkpoint import load_probe_state, merge_checkpoints, save_probe_state
+from fused_stats.api.state.checkpoint import load_probe_state, merge_checkpoints, save_probe_state
 from fused_stats.cli import main as cli_main
 
 from tiny_models import MaskedPoolNet, masked_seq_batches
@@ -204,7 +204,7 @@ def feed(probe, train, test):
 
 def accumulators(probe) -> dict:
     """Every accumulator of a probe, by (kind, stream, point)."""
-    from fused_stats.api import checkpoint
+    from fused_stats.api.state import checkpoint
 
     accs = checkpoint.probe_state(probe)
     assert {key[0] for key in accs} == {"grad", "cross"} and len(accs) == 8, sorted(accs)

@@ -18,7 +18,7 @@ import torch
 
 import fused_stats as fs
 from fused_stats.accumulators import auto_pool_limit
-from fused_stats.api.checkpoint import load_probe_state, save_probe_state
+from fused_stats.api.state.checkpoint import load_probe_state, save_probe_state
 from fused_stats.cli import main
 
 F64 = torch.float64

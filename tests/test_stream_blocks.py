@@ -174,7 +174,7 @@ def test_streamed_equals_in_memory(arch, source, folders):
 
 
 def test_resnet_blocks_stream():
-    from fused_stats.api.resnet import cifar_resnet20
+    from fused_stats.networks.resnet import cifar_resnet20
 
     model = cifar_resnet20(width=4, seed=0).double().eval()
     gen = torch.Generator().manual_seed(5)
@@ -549,7 +549,7 @@ def test_cli_probe_stream_blocks_equals_in_memory(tmp_path):
 
 
 def test_plan_stream_blocks_counts_the_models_parameters(capsys):
-    from fused_stats.api.plan import plan_streaming
+    from fused_stats.api.streaming.plan import plan_streaming
     from fused_stats.cli import main
 
     cfg = transformers.LlamaConfig(

@@ -1,1 +1,4 @@
-"""Python API over models: probe driver, insertion points, reports (filled by later modules)."""
+"""The user-facing layer, grouped by what a user does (bottom to top): ``report`` (documents,
+markdown, plots, sweeps); ``probe`` (the driver, its accumulator table, hooks, points, feature
+axis, losses, CrossSpec); ``training``, ``state``, ``growth`` and ``streaming`` above the probe.
+The layers are enforced by the import-linter contracts in pyproject.toml."""

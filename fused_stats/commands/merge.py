@@ -8,7 +8,7 @@ cross-gradient sums) merge by adding every sum, and only if they describe the sa
 block (dim, rank, activation, ``w_in``) with the same unit; norm histogram files by adding their
 counts, only with the same bins. Any accumulator kind merges the same way (its own ``merge``); the
 kind is read from each file's metadata and all inputs must be of one kind. With directories, ``fused-stats merge OUT_DIR IN_DIR1
-IN_DIR2 ...`` merges probe checkpoints (:func:`fused_stats.api.checkpoint.merge_checkpoints`) point
+IN_DIR2 ...`` merges probe checkpoints (:func:`fused_stats.api.state.checkpoint.merge_checkpoints`) point
 by point and stream by stream, cross statistics included. Everything is read and checked before
 anything is written; an existing output that is not one of the inputs is replaced only with
 ``--force``.
@@ -103,7 +103,7 @@ def cmd_merge(args) -> int:
     if out.exists() and not same and not args.force:
         raise FusedStatsError(f"merge: {str(out)!r} exists; pass --force to replace it")
     if kinds == {True}:
-        from ..api.checkpoint import merge_checkpoints, read_snapshot
+        from ..api.state.checkpoint import merge_checkpoints, read_snapshot
 
         if out.exists() and not out.is_dir():
             raise FusedStatsError(f"merge: inputs are checkpoint directories but {str(out)!r} is a file")

@@ -3,7 +3,7 @@
 ``fused-stats plan --dim D --points P [--pool N] [--streams 2]`` or ``--model CONFIG_JSON`` (HF
 config with ``hidden_size`` and ``num_hidden_layers``) or ``--preset llama-70b``; with no shape at
 all it prints the LLaMA-7B and LLaMA-70B shapes. Bytes are exact counts of the fp64 state
-(:func:`fused_stats.api.plan.plan_memory`).
+(:func:`fused_stats.api.streaming.plan.plan_memory`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from .args import int_at_least, nonnegative_int, positive_int
 
 
 def register(sub) -> None:
-    from ..api.plan import PRESETS
+    from ..api.streaming.plan import PRESETS
 
     cmd = sub.add_parser(
         "plan",
@@ -64,7 +64,7 @@ def register(sub) -> None:
 def cmd_plan(args) -> int:
     import json
 
-    from ..api.plan import format_table, plan_memory
+    from ..api.streaming.plan import format_table, plan_memory
     from ..errors import FusedStatsError
 
     if args.model is None and (args.dim is None) != (args.points is None):
@@ -86,7 +86,7 @@ def cmd_plan(args) -> int:
         return 0
     print(format_table(plans))
     if args.stream_blocks:
-        from ..api.plan import format_stream_plan, plan_streaming
+        from ..api.streaming.plan import format_stream_plan, plan_streaming
 
         for spec in ([args.model] if args.model else []) + (args.preset or ["llama-7b", "llama-70b"]):
             print(

@@ -52,13 +52,13 @@ def _stems(paths: list[Path]) -> list[str]:
 
 
 def cmd_report(args) -> int:
-    from ..api.report import Report, fmt, plot_sweep, sweep_summary
+    from ..api.report.document import Report, fmt, plot_sweep, sweep_summary
 
     paths = [Path(p) for p in args.reports]
     logs = [p for p in paths if p.suffix == ".jsonl" or _is_monitor_log(p)]
     if logs:
         return _report_monitor_logs(paths, logs, args)
-    from ..api.report import sweep_rows
+    from ..api.report.document import sweep_rows
 
     reports = [Report.from_json(p) for p in paths]  # a bad file raises before anything is written
     point = int(args.point) if args.point.lstrip("-").isdigit() else args.point
@@ -102,7 +102,7 @@ def cmd_report(args) -> int:
 
 
 def _is_monitor_log(path: Path) -> bool:
-    from ..api.monitor_log import is_monitor_log
+    from ..api.training.monitor_log import is_monitor_log
 
     return is_monitor_log(path)
 
@@ -110,7 +110,7 @@ def _is_monitor_log(path: Path) -> bool:
 def _report_monitor_logs(paths: list[Path], logs: list[Path], args) -> int:
     """Training-time monitor logs: a first/last table and a trajectory plot per log, and per run
     when a log holds several runs (a file appended to by separate runs)."""
-    from ..api.monitor_log import plot_monitor_log, read_monitor_log, split_runs, summary_markdown
+    from ..api.training.monitor_log import plot_monitor_log, read_monitor_log, split_runs, summary_markdown
 
     if len(logs) != len(paths):
         raise FusedStatsError(

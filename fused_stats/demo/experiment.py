@@ -28,7 +28,7 @@ resolved: measured vs first-order predicted test-loss change per η (:func:`inte
 The width sweep runs every width at ``width_sweep_depth``; the depth sweep every depth at
 ``depth_sweep_width`` (a shared (N, L) run is trained once). Tables show the median and range over
 seeds, and Spearman's ρ of the key quantity against width / depth over all runs, with a
-permutation p-value (:func:`fused_stats.api.report.sweep_summary`): the text says what these runs
+permutation p-value (:func:`fused_stats.api.report.document.sweep_summary`): the text says what these runs
 show, including "no clear trend", and never asserts the papers' results.
 """
 
@@ -183,7 +183,7 @@ def probe_model(model, corpus, cfg: DemoConfig, meta: dict):
     """Probe a trained model on the fixed train/test probe sets; returns ``(Report, probe)``."""
     import fused_stats as fs
 
-    from ..api.report import Report
+    from ..api.report.document import Report
     from .models import eval_loss
 
     B = cfg.batch_size
@@ -252,7 +252,7 @@ def run_one(corpus, cfg: DemoConfig, width: int, depth: int, seed: int, bar=None
 def saturation_lines(reports, point: str | int = "last") -> list[str]:
     """One line per run (by depth, then seed): ``|C|_F²`` ± its standard error at ``point``, the
     saturation test's z and decision, AG_max and the held-out loss."""
-    from ..api.report import _pick
+    from ..api.report.document import _pick
 
     lines = []
     for r in sorted(reports, key=lambda r: (r.meta["depth"], r.meta["seed"])):
@@ -336,7 +336,7 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
     ``progress``: False = no progress output; True or None = the rule of
     :mod:`fused_stats.progress` (a bar on a terminal, a plain line every 30 s otherwise).
     """
-    from ..api.report import Report, plot_sweep, sweep_summary
+    from ..api.report.document import Report, plot_sweep, sweep_summary
     from ..progress import Progress
     from .corpus import StdlibCorpus
 
@@ -430,7 +430,7 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
             "(predicted = -eta mu_M.g_K for the bias, -eta <C_M, C_K>_F for the block; "
             "the ratio tends to 1 as eta shrinks when the first-order picture holds)"
         )
-        from ..api.report import _write_atomic as _write
+        from ..api.report.document import _write_atomic as _write
 
         _write(out / "interventions.json", json.dumps(dicts, indent=1) + "\n")
     files = [out / "interventions.json"] if kept is not None else []
@@ -461,7 +461,7 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
     for line in sections:
         echo(line)
     text = "\n".join(lines + sections) + "\n"
-    from ..api.report import _write_atomic
+    from ..api.report.document import _write_atomic
 
     _write_atomic(out / "summary.md", "# fused-stats demo\n\n```\n" + text + "```\n")
     return {

@@ -2,7 +2,7 @@
 
 * :mod:`fused_stats.integrations.transformers` — ``FusedStatsCallback`` for HF ``Trainer``;
 * :mod:`fused_stats.integrations.lightning` — ``FusedStatsLightningCallback`` for Lightning;
-* :mod:`fused_stats.integrations.step_logging` — the argument checks, step records and metrics
+* :mod:`fused_stats.api.training.step_logging` — the argument checks, step records and metrics
   the two callbacks share.
 
 Each submodule imports its peer library only when it is imported itself.

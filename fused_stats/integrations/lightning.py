@@ -1,7 +1,7 @@
 """Lightning integration: the probe's statistics collected during ``lightning.Trainer.fit``.
 
 Role: :class:`FusedStatsLightningCallback` opens one
-:class:`~fused_stats.api.observe.Observation` per micro-batch (``on_train_batch_start`` to
+:class:`~fused_stats.api.training.observe.Observation` per micro-batch (``on_train_batch_start`` to
 ``on_after_backward``), so every micro-batch of an ``accumulate_grad_batches`` window is folded
 with the declared loss reduction checked as ``probe.observe`` checks it. Lightning divides the
 ``training_step`` loss by ``accumulate_grad_batches`` before ``backward`` (automatic
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import Callback
 
+from ..api.training.step_logging import check_callback_args, merged_probe, metrics_of, step_record
 from ..errors import FusedStatsError
-from .step_logging import check_callback_args, merged_probe, metrics_of, step_record
 
 
 class FusedStatsLightningCallback(Callback):

@@ -1,6 +1,6 @@
 """HF ``Trainer`` integration: the probe's statistics collected during ``Trainer.train()``.
 
-Role: :class:`FusedStatsCallback` opens one :class:`~fused_stats.api.observe.Observation` per
+Role: :class:`FusedStatsCallback` opens one :class:`~fused_stats.api.training.observe.Observation` per
 micro-batch (the Trainer's ``on_step_begin`` / ``on_substep_end`` / ``on_pre_optimizer_step``
 events bracket each micro-batch's forward and backward), so every micro-batch of a
 gradient-accumulation step is folded with the declared loss reduction checked exactly as
@@ -38,8 +38,8 @@ import numbers
 
 from transformers import TrainerCallback
 
+from ..api.training.step_logging import check_callback_args, merged_probe, metrics_of, step_record
 from ..errors import FusedStatsError
-from .step_logging import check_callback_args, merged_probe, metrics_of, step_record
 
 
 class FusedStatsCallback(TrainerCallback):

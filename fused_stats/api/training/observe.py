@@ -59,7 +59,7 @@ the samples of a batch through its batch statistics, so ``G_b`` is no longer one
 **Memory.** The gradients of all points are held until the block exits (the backward's end): one
 extra activation-sized tensor per point, the size of what gradient checkpointing keeps.
 
-**DDP.** Each rank folds its own samples; ``fused_stats.api.distributed_probe.all_reduce_probe``
+**DDP.** Each rank folds its own samples; ``fused_stats.api.state.distributed.all_reduce_probe``
 merges on demand (and :class:`~fused_stats.MonitorLog` can log the merged estimates). The per-rank
 loss is what the rank differentiates, so ``"mean"`` means the local batch mean (DDP averages the
 weight gradients over ranks, not the activation gradients).
@@ -76,9 +76,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..accumulators.base import NONFINITE_POLICIES, Nonfinite
-from ..errors import FusedStatsError
-from .hooks import _split
+from ...accumulators.base import NONFINITE_POLICIES, Nonfinite
+from ...errors import FusedStatsError
+from ..probe.hooks import _split
 
 LOSS_REDUCTIONS = ("mean", "sum", "token_mean")
 IGNORE_INDEX = -100

@@ -22,15 +22,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..accumulators.distributed import (
+from ...accumulators.distributed import (
     all_reduce_many,
     comm_device,
     gather_rows,
     names_digest,
     require_initialised,
 )
-from ..errors import FusedStatsError
-from .table import KINDS, STREAMS
+from ...errors import FusedStatsError
+from ..probe.table import KINDS, STREAMS
 
 # dtype codes exchanged between ranks (0: no accumulator, or the kind's default)
 _DTYPES = {torch.float32: 1, torch.float64: 2}

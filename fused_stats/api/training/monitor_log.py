@@ -54,8 +54,8 @@ import time
 import uuid
 from pathlib import Path
 
-from ..errors import FusedStatsError
-from .report import _decode, _encode
+from ...errors import FusedStatsError
+from ..report.document import _decode, _encode
 
 FORMAT = "fused_stats.monitor"
 VERSION = 1
@@ -214,7 +214,7 @@ class MonitorLog:
 
     def _reduced(self, probe):
         """A shallow copy of the probe whose accumulators are merged COPIES of the probe's own."""
-        from .distributed_probe import all_reduce_probe
+        from ..state.distributed import all_reduce_probe
 
         return all_reduce_probe(probe.state_copy(), self.group)
 
@@ -376,7 +376,7 @@ def plot_monitor_log(source, path, stream: str | None = None) -> Path:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    from .report import save_figure
+    from ..report.document import save_figure
 
     records = read_monitor_log(source) if isinstance(source, (str, os.PathLike)) else list(source)
     if not records:

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..errors import FusedStatsError
+from ...errors import FusedStatsError
 
 IGNORE_INDEX = -100
 

@@ -33,7 +33,7 @@ import difflib
 
 from torch import nn
 
-from ..errors import FusedStatsError
+from ...errors import FusedStatsError
 
 # Where HF-style models keep their block stack, most specific first.
 KNOWN_STACKS = (
@@ -66,7 +66,7 @@ def _homogeneous_stack(module) -> bool:
 
 
 def _has_skip(module: nn.Module) -> bool:
-    # a weight-streamed stand-in (fused_stats.api.streaming) is the block it streams
+    # a weight-streamed stand-in (fused_stats.api.streaming.streamer) is the block it streams
     module = getattr(module, "streamed_block", module)
     # ``self.downsample = None`` is a plain attribute, so hasattr (not _modules) is the test
     return any(attr in vars(module) or attr in module._modules for attr in SKIP_ATTRIBUTES)
@@ -133,7 +133,7 @@ def residual_points(model: nn.Module) -> list[str]:
 
     Examples
     --------
-    >>> from fused_stats.api.resnet import cifar_resnet20
+    >>> from fused_stats.networks.resnet import cifar_resnet20
     >>> residual_points(cifar_resnet20(width=4))[:2]
     ['layer1.0', 'layer1.1']
     """

@@ -20,7 +20,7 @@ forms, with the counted positions ``P_b`` of sample ``b`` (see *Masks*):
 **Activation-only backward.** Parameters get ``requires_grad=False`` for the step, the first point
 to run becomes a fresh leaf (nothing below it is kept or differentiated), and
 ``torch.autograd.grad(L, [z_1..z_L])`` returns every point's gradient in one pass without any
-weight-gradient product (:mod:`fused_stats.api.hooks`). The model runs in ``eval()``; hooks,
+weight-gradient product (:mod:`fused_stats.api.probe.hooks`). The model runs in ``eval()``; hooks,
 ``requires_grad`` flags and every module's ``training`` flag are restored on every exit path.
 
 **Masks** (what counts as a position). ``mask=None`` (default): the batch's ``attention_mask``
@@ -65,7 +65,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..accumulators import (
+from ...accumulators import (
     Accumulator,
     Alignment,
     Certificate,
@@ -78,11 +78,11 @@ from ..accumulators import (
     misalignment_probability,
     realized_alignment,
 )
-from ..accumulators.base import Nonfinite
-from ..accumulators.grad_stats import NONFINITE_POLICIES, SECOND_MOMENTS, UNITS, SecondMoment, Unit
-from ..backend import Backend, validate_backend
-from ..contracts import all_finite
-from ..errors import FusedStatsError
+from ...accumulators.base import Nonfinite
+from ...accumulators.grad_stats import NONFINITE_POLICIES, SECOND_MOMENTS, UNITS, SecondMoment, Unit
+from ...backend import Backend, validate_backend
+from ...contracts import all_finite
+from ...errors import FusedStatsError
 from .feature_axis import resolve_feature_dim
 from .hooks import ActivationCapture, FrozenEval
 from .points import residual_points, resolve_points
@@ -168,7 +168,7 @@ class Probe:
     feature_dim : None, int or dict
         The feature axis of each point's output. ``None``: -1 for (B, d) and (B, T, d) streams, 1
         for the (B, C, ...) maps of convolutional modules; any other output of 4 or more dimensions
-        (e.g. attention heads (B, T, H, d_head)) needs it (:mod:`fused_stats.api.feature_axis`).
+        (e.g. attention heads (B, T, H, d_head)) needs it (:mod:`fused_stats.api.probe.feature_axis`).
         An int applies to every point; a dict maps point names to ints (others auto).
     nonfinite : {"raise", "skip"}
         A step whose gradient is NaN/Inf at a counted position raises (default) or is skipped and
@@ -180,7 +180,7 @@ class Probe:
     Examples
     --------
     >>> import torch, fused_stats as fs
-    >>> from fused_stats.api.resnet import cifar_resnet20
+    >>> from fused_stats.networks.resnet import cifar_resnet20
     >>> model = cifar_resnet20(width=4, seed=0)
     >>> probe = fs.Probe(model, second_moment="dense")
     >>> x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
@@ -213,7 +213,7 @@ class Probe:
         if pool_capacity is not None and (not isinstance(pool_capacity, int) or pool_capacity < 1):
             raise FusedStatsError(f"pool_capacity must be a positive int or None, got {pool_capacity!r}")
         if cross is not None:
-            from .growth import CrossSpec
+            from .spec import CrossSpec
 
             if not isinstance(cross, CrossSpec):
                 raise FusedStatsError(
@@ -493,9 +493,9 @@ class Probe:
         gradients as :meth:`step` defines them (``"mean"``: ×B, ``"sum"``: ×1, ``"token_mean"``:
         ×N/n_b, or an explicit (B,) ``scale``) and folded in when the block exits. Further
         options (``batch``, ``loss_scale``, ``log``, ``step``, ``nonfinite``) and the checks made:
-        :class:`fused_stats.api.observe.Observation`.
+        :class:`fused_stats.api.training.observe.Observation`.
         """
-        from .observe import Observation
+        from ..training.observe import Observation
 
         return Observation(
             self, loss_reduction=loss_reduction, scale=scale, mask=mask, stream=stream, **options
@@ -784,7 +784,7 @@ class Probe:
         terminal, a plain line now and then when it is redirected, never a carriage return into
         a file; False: nothing). Returns the number of batches folded in.
         """
-        from ..progress import Progress
+        from ...progress import Progress
 
         self.check_stream(stream)
         total = max_batches
@@ -809,22 +809,22 @@ class Probe:
     def all_reduce(self, group=None) -> Probe:
         """Sum every accumulator (GradStats and, with ``cross=``, CrossStats; both streams) and the
         step counters over the ranks of ``group`` (a collective):
-        :func:`fused_stats.api.distributed_probe.all_reduce_probe`."""
-        from .distributed_probe import all_reduce_probe
+        :func:`fused_stats.api.state.distributed.all_reduce_probe`."""
+        from ..state.distributed import all_reduce_probe
 
         return all_reduce_probe(self, group)
 
     def save_state(self, directory):
         """Checkpoint every accumulator into ``directory`` (atomic snapshot; returns its folder):
-        :func:`fused_stats.api.checkpoint.save_probe_state`."""
-        from .checkpoint import save_probe_state
+        :func:`fused_stats.api.state.checkpoint.save_probe_state`."""
+        from ..state.checkpoint import save_probe_state
 
         return save_probe_state(self, directory)
 
     def load_state(self, directory) -> dict:
         """Restore every accumulator from the newest snapshot in ``directory`` (all or nothing;
-        returns its manifest): :func:`fused_stats.api.checkpoint.load_probe_state`."""
-        from .checkpoint import load_probe_state
+        returns its manifest): :func:`fused_stats.api.state.checkpoint.load_probe_state`."""
+        from ..state.checkpoint import load_probe_state
 
         return load_probe_state(self, directory)
 
@@ -901,8 +901,8 @@ class Probe:
 
     # ------------------------------------------------------------------ report
     def _report_data(self, meta: dict | None = None, misalignment_trials: int = 2000) -> dict:
-        """The version-1 report dict (see :mod:`fused_stats.api.report`); weak points get None."""
-        from .._version import __version__
+        """The version-1 report dict (see :mod:`fused_stats.api.report.document`); weak points get None."""
+        from ..._version import __version__
 
         if not self.dims:
             raise FusedStatsError("nothing probed yet: run Probe.step (or run) before a report")
@@ -948,9 +948,9 @@ class Probe:
         }
 
     def report(self, meta: dict | None = None, misalignment_trials: int = 2000):
-        """A :class:`fused_stats.api.report.Report` of every point (train, test, certificate,
+        """A :class:`fused_stats.api.report.document.Report` of every point (train, test, certificate,
         misalignment when a pool exists, realized alignment). ``meta``: free-form, e.g. width."""
-        from .report import Report
+        from ..report.document import Report
 
         return Report(self._report_data(meta, misalignment_trials))
 

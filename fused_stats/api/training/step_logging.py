@@ -10,9 +10,9 @@ is imported here.
 
 from __future__ import annotations
 
-from ..api.monitor_log import MonitorLog, point_record
-from ..api.observe import LOSS_REDUCTIONS
-from ..errors import FusedStatsError
+from ...errors import FusedStatsError
+from .monitor_log import MonitorLog, point_record
+from .observe import LOSS_REDUCTIONS
 
 PREFIX = "fused_stats"
 METRIC_KEYS = ("n", "d_align", "ag_max", "cross_frob", "saturated")
@@ -31,7 +31,7 @@ def check_callback_args(loss_reduction: str, every, log) -> None:
 
 def merged_probe(probe, group=None):
     """A shallow copy of ``probe`` whose accumulators are copies merged over the process group."""
-    from ..api.distributed_probe import all_reduce_probe
+    from ..state.distributed import all_reduce_probe
 
     return all_reduce_probe(probe.state_copy(), group)
 

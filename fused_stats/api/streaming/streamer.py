@@ -43,8 +43,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..errors import FusedStatsError
-from .points import residual_points
+from ...errors import FusedStatsError
+from ..probe.points import residual_points
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -45,11 +45,11 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..accumulators import Certificate, Estimate, Misalignment, trends
-from ..accumulators.persistence import write_atomic
-from ..accumulators.trends import cosine as trend_cosine
-from ..accumulators.trends import median, rank_correlation  # noqa: F401  (re-exported)
-from ..errors import FusedStatsError
+from ...accumulators import Certificate, Estimate, Misalignment, trends
+from ...accumulators.persistence import write_atomic
+from ...accumulators.trends import cosine as trend_cosine
+from ...accumulators.trends import median, rank_correlation  # noqa: F401  (re-exported)
+from ...errors import FusedStatsError
 
 FORMAT = "fused_stats.report"
 VERSION = 1

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import FusedStatsError
-from .growth import CrossSpec, insert_zero_block, remove_inserted_block
+from ...errors import FusedStatsError
+from ..probe.spec import CrossSpec
+from .insert import insert_zero_block, remove_inserted_block
 
 F64 = torch.float64
 KINDS = ("bias", "block")
@@ -161,7 +162,7 @@ def intervene(
     Intervention
         ``rows`` of ``(eta, predicted, measured, ratio)``; ``to_markdown()`` gives a table.
     """
-    from .probe import Probe
+    from ..probe.driver import Probe
 
     if kind not in KINDS:
         raise FusedStatsError(f"kind must be one of {KINDS}, got {kind!r}")

@@ -27,8 +27,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..accumulators import GradStats, auto_pool_limit
-from ..errors import FusedStatsError
+from ...accumulators import GradStats, auto_pool_limit
+from ...errors import FusedStatsError
 
 # (hidden size, number of blocks) of common model shapes, for sizing without a config file
 PRESETS = {

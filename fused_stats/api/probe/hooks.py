@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import FusedStatsError
+from ...errors import FusedStatsError
 
 
 def _split(output):

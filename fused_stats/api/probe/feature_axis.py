@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import FusedStatsError
+from ...errors import FusedStatsError
 
 # Layers whose input and output are channels-first by definition in torch.
 CHANNELS_FIRST = (

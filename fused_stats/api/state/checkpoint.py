@@ -48,10 +48,10 @@ from pathlib import Path
 
 import torch
 
-from ..accumulators.base import IncompatibleStates, accumulator_class
-from ..accumulators.cross_stats import CrossStats
-from ..accumulators.persistence import write_atomic
-from ..errors import FusedStatsError
+from ...accumulators.base import IncompatibleStates, accumulator_class
+from ...accumulators.cross_stats import CrossStats
+from ...accumulators.persistence import write_atomic
+from ...errors import FusedStatsError
 
 FORMAT = "fused_stats.ProbeCheckpoint"
 VERSION = 1
@@ -199,7 +199,7 @@ def write_snapshot(directory, accs: dict, consumed: dict | None = None, extra: d
     """Write ``accs`` as a new snapshot of ``directory`` and point ``LATEST`` at it (module doc).
 
     ``accs``: ``{(kind, stream, point): accumulator}`` (or ``{(stream, point): GradStats}``)."""
-    from .._version import __version__
+    from ..._version import __version__
 
     accs = _keyed(accs)
     directory = Path(directory)

@@ -1,0 +1,1 @@
+"""Acting on the statistics: zero-block insertion and the direct residual intervention."""

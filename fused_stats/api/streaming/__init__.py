@@ -1,0 +1,1 @@
+"""Models larger than one device: weight-streamed blocks and the memory plan."""
