@@ -9,7 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-pytest.importorskip("lightning")
+pytest.importorskip(
+    "lightning",
+    reason="lightning is not installed: install the pinned peer libraries with `bash .ci/install-peers` "
+    "(CI does)",
+)
 
 import lightning as L
 

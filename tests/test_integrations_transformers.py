@@ -1,7 +1,9 @@
 """FusedStatsCallback under transformers.Trainer: a tiny LLaMA (from a config, fp64, CPU) trained
 with gradient_accumulation_steps=2. References: a hand-written observe loop and Probe.step
 (one activation backward of the per-sample losses) over the same micro-batches at the same
-parameters, recorded from the run; a run without the callback for bit-identity."""
+parameters, recorded from the run; a run without the callback for bit-identity. A model whose
+forward takes no ``num_items_in_batch`` on 9 rows: a partial last accumulation step, whose loss
+the Trainer divides by its own micro-batch count."""
 
 from __future__ import annotations
 
@@ -39,6 +41,27 @@ def tiny_llama(seed=0):
     return LlamaForCausalLM(cfg).to(torch.float64)
 
 
+class NoItemsLM(torch.nn.Module):
+    """The tiny LLaMA behind a forward that takes neither ``num_items_in_batch`` nor ``**kwargs``:
+    the Trainer passes no ``num_items_in_batch`` and divides each micro-batch's loss by ``k``, the
+    micro-batches of its optimizer step (fewer in an epoch's last step). The loss is the fp64
+    token mean over the micro-batch; ``output="dict"`` returns it where the observation sees it
+    (and checks the weight it arrives with), ``"tuple"`` where it does not (only the callback's
+    factor decides)."""
+
+    def __init__(self, output="dict"):
+        super().__init__()
+        self.lm = tiny_llama()
+        self.output = output
+
+    def forward(self, input_ids, attention_mask, labels):
+        logits = self.lm(input_ids=input_ids, attention_mask=attention_mask).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+        )
+        return {"loss": loss, "logits": logits} if self.output == "dict" else (loss, logits)
+
+
 class Rows(torch.utils.data.Dataset):
     def __init__(self, gen, n):
         lengths = torch.randint(3, T + 1, (n,), generator=gen).tolist()
@@ -52,10 +75,10 @@ class Rows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def train(tmp_path, data, callbacks=(), trainer_class=None, max_steps=3, record=None):
+def train(tmp_path, data, callbacks=(), trainer_class=None, max_steps=3, record=None, make_model=tiny_llama):
     from transformers import Trainer, TrainingArguments
 
-    model = tiny_llama()
+    model = make_model()
     if record is not None:
 
         def see(module, args, kwargs):
@@ -160,6 +183,47 @@ def test_trainer_callback_gradient_accumulation(tmp_path, gen):
     for h, line in zip(logged, lines):
         assert h["fused_stats/model.layers.1/d_align"] == line["points"]["model.layers.1"]["d_align"]
         assert h["fused_stats/model.layers.0/n"] == line["points"]["model.layers.0"]["n"]
+
+
+@pytest.mark.parametrize("output", ["dict", "tuple"])
+def test_trainer_callback_partial_step_without_num_items_in_batch(tmp_path, gen, output):
+    """9 rows in micro-batches of 3, 2 per optimizer step: steps of 2 and 1 micro-batches, whose
+    losses the Trainer divides by 2 and by 1; the logged statistics are Probe.step's over the
+    same micro-batches at the same parameters."""
+    data = Rows(gen, 9)
+    made = {}
+
+    def make(model):
+        made["probe"] = fs.Probe(model, second_moment="dense")
+        made["cb"] = FusedStatsCallback(
+            made["probe"], loss_reduction="token_mean", log=fs.MonitorLog(tmp_path / "monitor.jsonl")
+        )
+        return made["cb"]
+
+    recorded = []
+    train(
+        tmp_path / "obs",
+        data,
+        callbacks=[make],
+        max_steps=2,
+        record=recorded,
+        make_model=lambda: NoItemsLM(output),
+    )
+    assert len(recorded) == 3 and made["cb"].micro_batches == 3
+    assert all(set(kwargs) == {"input_ids", "attention_mask", "labels"} for _, kwargs in recorded)
+    lines = fs.api.monitor_log.read_monitor_log(tmp_path / "monitor.jsonl")
+    assert [r["step"] for r in lines] == [1, 2]
+    # reference: Probe.step (fp64 per-sample losses) of the plain LLaMA, micro-batch by micro-batch
+    ref_model = tiny_llama()
+    ref = fs.Probe(ref_model, second_moment="dense")
+    refs = []
+    for i, (state, kwargs) in enumerate(recorded):
+        ref_model.load_state_dict({k.removeprefix("lm."): v for k, v in state.items()})
+        ref.step({k: kwargs[k] for k in ("input_ids", "attention_mask", "labels")}, fs.causal_lm_loss)
+        if i in (1, 2):  # the ends of the two optimizer steps
+            refs.append({f"lm.{p}": ref.stats[p].estimate() for p in ref.points})
+    assert set(made["probe"].points) == set(refs[0])
+    check(lines, refs)
 
 
 def test_trainer_callback_wrong_declaration_raises(tmp_path, gen):

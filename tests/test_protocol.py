@@ -156,6 +156,28 @@ def test_norm_histogram_matches_numpy_and_merges_saves_and_reduces_by_declaratio
         a.merge(NormHistogram(5, low=low, high=high, bins=bins + 1))
 
 
+def test_norm_histogram_norms_on_the_edges(gen):
+    """A norm exactly on an edge counts in the bin it opens (``e_k ≤ |q| < e_{k+1}``: ``low`` in
+    the first bin, ``high`` in the overflow); the next float below it in the bin before."""
+    h = NormHistogram(4, low=0.1, high=10.0, bins=2)
+    edges = h.edges()
+    assert edges.tolist() == pytest.approx([0.1, 1.0, 10.0], rel=1e-15)
+    below = torch.nextafter(edges, torch.zeros_like(edges))
+    # scaled basis vectors with random signs and axes: each norm is that value exactly
+    values = torch.cat([edges, below])
+    sign = torch.randint(0, 2, values.shape, generator=gen).to(F64) * 2 - 1
+    q = torch.zeros(len(values), 4, dtype=F64)
+    q[torch.arange(len(values)), torch.randint(0, 4, values.shape, generator=gen)] = sign * values
+    assert torch.equal(torch.linalg.vector_norm(q, dim=-1), values)
+    on_edges = NormHistogram(4, low=0.1, high=10.0, bins=2)
+    on_edges.update(q[:3][torch.randperm(3, generator=gen)])
+    assert on_edges.counts.tolist() == [0.0, 1.0, 1.0, 1.0]
+    d = on_edges.to_dict()
+    assert (d["underflow"], d["counts"], d["overflow"]) == (0, [1, 1], 1)
+    h.update(q[torch.randperm(len(values), generator=gen)])
+    assert h.counts.tolist() == [1.0, 2.0, 2.0, 1.0] and h.n == 6
+
+
 def test_norm_histogram_rejects_nonfinite_and_keeps_state(gen):
     h = NormHistogram(3, low=0.1, high=10.0, bins=4)
     h.update(torch.randn(5, 3, generator=gen, dtype=F64))

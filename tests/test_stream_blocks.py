@@ -4,7 +4,9 @@ References are independent of the streaming code: the same model probed in memor
 (every block resident, one ordinary backward) and fs.intervene on the plain model. Tiny fp64 HF
 LLaMA, GPT-NeoX and GPT-2 models, padded batches, unit="sample" with cross=fs.CrossSpec and
 unit="position", train and test streams; the streamed model comes from the module itself and from
-a checkpoint folder written by save_pretrained into several shards. Memory is checked by the
+a checkpoint folder written by save_pretrained into several shards (also one whose tensors are not
+multiples of 64 bytes, against from_pretrained), and a model in training mode with dropout. The
+blocks read per step are counted by spying on the weight source. Memory is checked by the
 streamer's own counter and, independently, by the peak RSS of a fresh process. Bad checkpoints
 must raise FusedStatsError naming the file or tensor and leave every accumulator bit-identical.
 """
@@ -190,6 +192,134 @@ def test_resnet_blocks_stream():
         assert_close(got.stats[point].estimate().to_dict(), want.stats[point].estimate().to_dict(), point)
 
 
+@pytest.mark.parametrize("case", ["gpt2", "llama", "mixed"])
+def test_folder_with_tensors_not_a_multiple_of_64_bytes(tmp_path, gen, case):
+    """fp32 tensors whose sizes are not multiples of 64 bytes (hidden 12, an MLP width of 13,
+    biases), in several shards: the streamed model computes the logits of from_pretrained of the
+    same folder. ``mixed``: the odd-length tensors stored in fp16 among the fp32 ones (a config
+    without a dtype, both read with dtype=float32), so packed end to end an fp32 tensor would
+    start at a byte offset that is not a multiple of 4."""
+    if case == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=12,
+            intermediate_size=13,
+            num_hidden_layers=3,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+            mlp_bias=True,
+            attention_bias=True,
+        )
+    else:
+        cfg = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=12, n_inner=13, n_layer=3, n_head=3, n_positions=16
+        )
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path, max_shard_size="4KB")
+    shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 3
+    sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+    assert sum(size % 64 != 0 for size in sizes) >= 3 * 4, sizes
+    dtype = None
+    if case == "mixed":
+        from safetensors.torch import load_file, save_file
+
+        for path in shards:
+            tensors = {k: v.half() if v.numel() % 2 else v for k, v in load_file(path).items()}
+            save_file(tensors, path, metadata={"format": "pt"})
+        cfg_path = tmp_path / "config.json"
+        cfg_path.write_text(
+            json.dumps({k: v for k, v in json.loads(cfg_path.read_text()).items() if k != "dtype"})
+        )
+        dtype = torch.float32
+    want_model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, local_files_only=True, dtype=dtype
+    ).eval()
+    batch = padded_lm_batch(gen, [9, 5, 7], 9, VOCAB)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        want = want_model(**inputs).logits
+    with fs.stream_blocks(tmp_path, dtype=dtype) as st, torch.no_grad():
+        got = st.model(**inputs).logits
+    assert got.dtype == torch.float32 and float(want.abs().max()) > 0
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+
+
+# ----------------------------------------------------------------------------- training mode
+def test_dropout_in_training_mode_recomputes_the_same_masks(gen):
+    """A model in training mode: the backward's recomputed forward must draw the dropout masks
+    of the forward (the RNG state is captured per block), so the streamed input gradients are
+    the in-memory ones; the streamed backward leaves the global RNG where the in-memory one does."""
+    cfg = config("gpt2", layers=3)
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.3
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=F64).train()
+    batch = padded_lm_batch(gen, [9, 6, 4], 9, VOCAB)
+    embeds = torch.randn(3, 9, cfg.n_embd, generator=gen, dtype=F64)
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+
+    def run(m):
+        x = embeds.clone().requires_grad_()
+        torch.manual_seed(seed)
+        logits = m(inputs_embeds=x, attention_mask=batch["attention_mask"]).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), reduction="sum"
+        )
+        loss.backward()
+        return logits.detach(), x.grad, torch.get_rng_state()
+
+    want = run(model)
+    with fs.stream_blocks(model) as st:
+        assert all(m.training for m in st.model.modules())
+        got = run(st.model)
+    scale = float(want[1].abs().max())
+    assert scale > 0
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-12 * scale)
+    assert torch.equal(got[2], want[2])
+
+
+# ----------------------------------------------------------------------------- load order
+@pytest.mark.parametrize("source", ["module", "folder"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_block_loads_per_step(tmp_path, monkeypatch, source, prefetch):
+    """The blocks read per Probe.step of a 4-block model: each once forward; backward from the
+    last (kept from its forward when prefetching) down to the first block whose input needs a
+    gradient (block 0's input, the embeddings, does not), each prefetched in turn."""
+    model = tiny("llama", layers=4)
+    if source == "folder":
+        model.save_pretrained(tmp_path, max_shard_size="20KB")
+        st = fs.stream_blocks(tmp_path, prefetch=prefetch)
+    else:  # a dtype given: the blocks are copied per use, not used in place
+        st = fs.stream_blocks(model, dtype=F64, prefetch=prefetch)
+    loads = []
+    host = st._weights.host
+
+    def spy(i):
+        loads.append(i)
+        return host(i)
+
+    monkeypatch.setattr(st._weights, "host", spy)
+    want = [0, 1, 2, 3, 2, 1] if prefetch else [0, 1, 2, 3, 3, 2, 1]
+    train, test = data(11)
+    with st:
+        p = fs.Probe(st.model)
+        for batch, stream in ((train[0], "train"), (train[1], "train"), (test[0], "test")):
+            loads.clear()
+            p.step(batch, fs.causal_lm_loss, stream=stream)
+            assert loads == want, f"{stream} step read blocks {loads}"
+        loads.clear()
+        with torch.no_grad():  # a forward without grad reads each block once
+            st.model(input_ids=train[0]["input_ids"])
+        assert loads == [0, 1, 2, 3], f"a forward without grad read blocks {loads}"
+
+
 # ----------------------------------------------------------------------------- memory
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_peak_block_bytes(tmp_path, prefetch):
@@ -307,6 +437,26 @@ def test_module_left_as_it_was():
     with torch.no_grad():
         after = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("switch", ["train", "eval"])
+def test_close_restores_every_modules_training_flag(switch):
+    """Flags changed through st.model (train() or eval() inside the block) are put back on every
+    module, nested ones included, from a mix of training and eval modules."""
+    model = tiny("gpt2")
+    if switch == "eval":
+        model.train()
+        model.transformer.h[1].attn.eval()
+        model.transformer.ln_f.eval()
+    else:
+        model.transformer.h[1].train()
+        model.transformer.h[2].mlp.dropout.train()
+    flags = [(n, m.training) for n, m in model.named_modules()]
+    assert len({f for _, f in flags}) == 2  # a mix
+    with fs.stream_blocks(model) as st:
+        getattr(st.model, switch)()
+        assert all(m.training == (switch == "train") for m in st.model.modules())
+    assert [(n, m.training) for n, m in model.named_modules()] == flags
 
 
 # ----------------------------------------------------------------------------- bad input
