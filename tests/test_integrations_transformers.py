@@ -211,7 +211,7 @@ def test_trainer_callback_partial_step_without_num_items_in_batch(tmp_path, gen,
     )
     assert len(recorded) == 3 and made["cb"].micro_batches == 3
     assert all(set(kwargs) == {"input_ids", "attention_mask", "labels"} for _, kwargs in recorded)
-    lines = fs.api.monitor_log.read_monitor_log(tmp_path / "monitor.jsonl")
+    lines = fs.api.training.monitor_log.read_monitor_log(tmp_path / "monitor.jsonl")
     assert [r["step"] for r in lines] == [1, 2]
     # reference: Probe.step (fp64 per-sample losses) of the plain LLaMA, micro-batch by micro-batch
     ref_model = tiny_llama()
