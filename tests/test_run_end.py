@@ -57,9 +57,7 @@ def loss_sum(model, batch):
 def no_hooks(model, allowed=()):
     """No forward / backward hook on any module but the test's own ``allowed`` ones."""
     return not any(
-        m._forward_pre_hooks
-        or m._backward_hooks
-        or any(h not in allowed for h in m._forward_hooks.values())
+        m._forward_pre_hooks or m._backward_hooks or any(h not in allowed for h in m._forward_hooks.values())
         for m in model.modules()
     )
 
@@ -278,7 +276,7 @@ def hf_train(tmp_path, callback_args, trainer_mixin, fail_at=None, max_steps=3):
 
 def test_hf_trainer_records_the_last_steps(tmp_path):
     log = fs.MonitorLog(tmp_path / "run.jsonl", every=1)
-    model, probe, cb, trainer, maybe_fail = hf_train(
+    model, _probe, cb, trainer, maybe_fail = hf_train(
         tmp_path / "out", {"log": log, "every": 2}, trainer_mixin=False
     )
     trainer.train()
