@@ -76,6 +76,26 @@ def _parameters_on_meta():
         nn.Module.register_parameter = register
 
 
+def _init_buffers_as_from_pretrained(model) -> None:
+    """Recompute the buffers a checkpoint does not hold (non-persistent rotary tables, masks) the
+    way ``from_pretrained`` does, so that they are bit-identical to its model's.
+
+    ``from_config`` computes them in its constructors and ``post_init`` inside the build's dtype
+    context; ``from_pretrained`` builds on the meta device and recomputes them with the model's own
+    ``initialize_weights`` after leaving that context, i.e. in the caller's default dtype, then
+    casts into the buffer (GPT-J's ``embed_positions``: an fp32 table in an fp64 buffer, 4e-8 away
+    from the fp64 one). The same call is made here: every module is marked uninitialised, the
+    parameters are still on the meta device (their initialisers do nothing there), and whatever
+    the checkpoint holds is loaded over the buffers afterwards.
+    """
+    initialize = getattr(model, "initialize_weights", None)
+    if not callable(initialize):
+        return  # not a transformers model: its constructors' buffers are all there is
+    for module in model.modules():
+        module._is_hf_initialized = False
+    initialize()
+
+
 # ----------------------------------------------------------------------------- weight sources
 class _ModuleWeights:
     """Block weights from the blocks' own host tensors."""
@@ -320,6 +340,7 @@ def _from_folder(folder: Path, dev, dtype, prefetch) -> BlockStreamer:
         raise FusedStatsError(
             f"stream_blocks: {folder / 'config.json'} does not describe a causal LM: {exc}"
         ) from None
+    _init_buffers_as_from_pretrained(model)
     names = _block_names(model, f"the model built from {folder / 'config.json'}")
     blocks = [model.get_submodule(n) for n in names]
     strip = getattr(model, "base_model_prefix", None)
