@@ -14,6 +14,7 @@ transformers' own ``from_pretrained`` (the reference) and by ``fs.stream_blocks`
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -142,3 +143,64 @@ def test_streamed_folder_equals_from_pretrained(folder):
             want_probe.saturation(point).to_dict(),
             f"{arch}/{point}/sat",
         )
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+MOE = dict(GQA, num_experts_per_tok=2)
+MOE_CONFIGS = {
+    # save_pretrained writes these per expert (experts.0.w1 ...); from_pretrained fuses them
+    "mixtral": lambda: transformers.MixtralConfig(**MOE, num_local_experts=4),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **MOE, num_experts=4, moe_intermediate_size=8, shared_expert_intermediate_size=12
+    ),
+}
+
+
+def moe_block_params(cfg) -> int:
+    """Parameters of one MoE block by hand: attention, router, every expert's gated MLP, norms
+    (and Qwen2-MoE's shared expert with its gate and the q/k/v biases)."""
+    d, heads, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    d_kv = d * kv // heads
+    attention = 2 * d * d + 2 * d * d_kv
+    if cfg.model_type == "mixtral":
+        experts = cfg.num_local_experts
+        return attention + d * experts + experts * 3 * d * cfg.intermediate_size + 2 * d
+    experts = cfg.num_experts
+    shared = 3 * d * cfg.shared_expert_intermediate_size + d
+    biases = d + 2 * d_kv
+    return attention + biases + d * experts + experts * 3 * d * cfg.moe_intermediate_size + shared + 2 * d
+
+
+@pytest.mark.parametrize("arch", sorted(MOE_CONFIGS))
+def test_moe_folder_streams_as_from_pretrained(arch, tmp_path):
+    from fused_stats.api.streaming.plan import plan_streaming
+
+    torch.manual_seed(0)
+    cfg = MOE_CONFIGS[arch]()
+    model = transformers.AutoModelForCausalLM.from_config(cfg)  # fp32: the expert matmul refuses fp64
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    stored = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(".experts.3." in k for k in stored) and not any(k.endswith("gate_up_proj") for k in stored)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    batch = batches()[0]
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    want_probe = probed(ref)
+    with fs.stream_blocks(tmp_path) as st:
+        block = st.model.get_submodule(fs.residual_points(st.model)[0]).block
+        # the block's bytes count all its experts
+        assert st.block_bytes == 4 * moe_block_params(cfg) == 4 * sum(p.numel() for p in block.parameters())
+        with torch.no_grad():
+            want = ref(**inputs, use_cache=False).logits
+            got = st.model(**inputs).logits
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        got_probe = probed(st.model)
+    for point in fs.residual_points(ref):
+        g, w = got_probe.estimates("train")[point].to_dict(), want_probe.estimates("train")[point].to_dict()
+        for key in ("n", "mu_norm2", "trace_sigma2", "ag_max"):
+            assert g[key] == pytest.approx(w[key], rel=1e-5), (arch, point, key)
+    plan = plan_streaming(tmp_path, tokens=64)
+    assert plan.block_params == moe_block_params(cfg)

@@ -19,6 +19,7 @@ folds anything). Streamed blocks run without a KV cache (``config.use_cache`` is
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from contextlib import contextmanager
@@ -117,15 +118,23 @@ class _ModuleWeights:
 
 
 class _FolderWeights:
-    """Block weights read by name from a checkpoint's safetensors shards."""
+    """Block weights read by name from a checkpoint's safetensors shards.
+
+    A tensor the checkpoint stores in pieces (a mixture-of-experts block saved one expert at a
+    time, fused into one ``experts.gate_up_proj`` by ``from_pretrained``) is assembled from its
+    pieces by transformers' own converter for it (:func:`_converted_tensors`), after the pieces
+    are read into the block's buffer.
+    """
 
     in_place = False
 
-    def __init__(self, checkpoint: CheckpointShards, blocks, prefixes, dtype, expected_dtype, strip):
-        self.checkpoint, self.blocks, self.dtype = checkpoint, blocks, dtype
-        self.entries, self.extra = [], []
+    def __init__(self, checkpoint: CheckpointShards, model, blocks, prefixes, dtype, expected_dtype, strip):
+        self.checkpoint, self.model, self.blocks, self.dtype = checkpoint, model, blocks, dtype
+        self.prefixes = prefixes
+        converted = _converted_tensors(model, list(checkpoint.files))
+        self.entries, self.extra, self.groups = [], [], []
         for block, prefix in zip(blocks, prefixes):
-            entries, extra = {}, {}
+            entries, extra, groups = {}, {}, {}
             persistent = {
                 f"{m}.{b}".lstrip(".")
                 for m, mod in block.named_modules()
@@ -133,14 +142,23 @@ class _FolderWeights:
                 if b not in mod._non_persistent_buffers_set
             }
             for local, t in [*block.named_parameters(), *block.named_buffers()]:
-                if local in persistent or isinstance(t, nn.Parameter):
-                    entries[local] = checkpoint.entry(
-                        _lookup(checkpoint, f"{prefix}.{local}", strip), t.shape, t.dtype, expected_dtype
-                    )
-                else:
+                if not (local in persistent or isinstance(t, nn.Parameter)):
                     extra[local] = t  # a non-persistent buffer the constructor computed
+                    continue
+                name = _lookup(checkpoint, f"{prefix}.{local}", strip)
+                group = converted.get(f"{prefix}.{local}")
+                if name in checkpoint.files or group is None:
+                    entries[local] = checkpoint.entry(name, t.shape, t.dtype, expected_dtype)
+                    continue
+                first, template, sources = group
+                if first not in groups:
+                    groups[first] = (template, sources)
+                    for key, _ in sources:
+                        _, shape = checkpoint.specs[checkpoint.files[key]][key]
+                        entries[f"\0{key}"] = checkpoint.entry(key, shape, t.dtype, expected_dtype)
             self.entries.append(entries)
             self.extra.append(extra)
+            self.groups.append(groups)
         self.sizes = [
             sum(math.prod(t.shape) * t.element_size() for t in [*b.parameters(), *b.buffers()])
             for b in blocks
@@ -153,8 +171,77 @@ class _FolderWeights:
 
     def host(self, i) -> dict[str, torch.Tensor]:
         out = self.checkpoint.load(self.entries[i], pin=self.pin)
+        if self.groups[i]:
+            out.update(self._assemble(i, out))
         out.update({k: v.detach() for k, v in self.extra[i].items()})
         return out
+
+    def _assemble(self, i, loaded) -> dict[str, torch.Tensor]:
+        """Block ``i``'s converted tensors from their pieces (popped from ``loaded``)."""
+        prefix, block = self.prefixes[i], self.blocks[i]
+        shapes = {k: tuple(t.shape) for k, t in [*block.named_parameters(), *block.named_buffers()]}
+        out = {}
+        for first, (template, sources) in self.groups[i].items():
+            converter = copy.deepcopy(template)  # it collects tensors: one fresh copy per use
+            for key, pattern in sources:
+                converter.add_tensor(first, key, pattern, loaded.pop(f"\0{key}"))
+            with torch.no_grad():
+                produced = converter.convert(first, model=self.model, config=self.model.config)
+            for target, t in produced.items():
+                t = t[0] if isinstance(t, list) else t
+                local = target[len(prefix) + 1 :]
+                if not target.startswith(prefix + ".") or local not in shapes:
+                    continue
+                if tuple(t.shape) != shapes[local]:
+                    raise FusedStatsError(
+                        f"tensor {target!r} assembled from {[k for k, _ in sources][:3]}... in "
+                        f"{self.checkpoint.folder} has shape {tuple(t.shape)}; the config gives {shapes[local]}"
+                    )
+                out[local] = t
+        return out
+
+
+def _converted_tensors(model, stored) -> dict[str, tuple]:
+    """Model tensor name -> ``(first target, converter, [(checkpoint name, source pattern)])`` for
+    every tensor that ``from_pretrained`` assembles from several checkpoint tensors.
+
+    Built with transformers' own loading rules (``get_model_conversion_mapping`` and
+    ``rename_source_key``, as ``convert_and_load_state_dict_in_model`` uses them), so every layout
+    that ``from_pretrained`` accepts is read the same way; pieces are ordered as it orders them
+    (``dot_natural_key``: expert 10 after expert 9). Empty when this transformers has no such rules.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
+
+        mapping = get_model_conversion_mapping(model)
+    except Exception:  # an older or newer transformers without these rules: names as stored
+        return {}
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    if not converters:
+        return {}
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    meta = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    groups: dict[str, tuple] = {}
+    for key in sorted(stored, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        if pattern is None or renamed not in meta:
+            continue
+        template = by_pattern[pattern]
+        _, _, sources = groups.setdefault(renamed, (renamed, template, []))
+        sources.append((key, pattern))
+    out = {}
+    for first, (_, template, sources) in groups.items():
+        for target in template.target_patterns:  # one group may give several tensors (q, k, v)
+            out[first.replace(template.target_patterns[0], target)] = (first, template, sources)
+    return out
 
 
 def _checkpoint_aliases(model, names) -> dict[str, str]:
@@ -364,7 +451,7 @@ def _from_folder(folder: Path, dev, dtype, prefetch) -> BlockStreamer:
             )
         else:
             keep[key] = t
-    weights = _FolderWeights(checkpoint, blocks, names, dtype, declared, strip)
+    weights = _FolderWeights(checkpoint, model, blocks, names, dtype, declared, strip)
     weights.pin = dev.type == "cuda"
     loaded = checkpoint.load(entries)
     resident_seen = []
