@@ -13,6 +13,7 @@ memory map); a missing, truncated or mismatching shard or tensor is a
 from __future__ import annotations
 
 import json
+import math
 import mmap
 from pathlib import Path
 
@@ -95,59 +96,57 @@ class CheckpointShards:
 
     def load(self, entries: dict[str, tuple[Path, str]], pin: bool = False) -> dict[str, torch.Tensor]:
         """Read ``local name -> (shard, tensor name)`` as CPU tensors, all views of ONE fresh
-        buffer (pinned when ``pin``). Each shard is opened afresh and its tensors re-checked (the
+        buffer (pinned when ``pin``). Shards are opened afresh and the tensors re-checked (the
         file may have changed since construction).
 
         The bytes are copied out of ``safe_open``'s memory map instead of read straight into the
         buffer, so that the block's weights never alias the file (a shard rewritten or truncated
-        while a block runs cannot change or fault them). Measured on this machine (2-core VM,
-        128 MB fp32, warm page cache): 0.18-0.29 s with ``read()`` into the buffer, 0.26-0.38 s
-        with the map and a copy; a block's recomputation at probing batch sizes costs more.
+        while a block runs cannot change or fault them); the map is opened per tensor and closed
+        after its copy, so the mapped file pages, which count in the process's RSS while mapped,
+        add at most one tensor to the peak. Measured on this machine (2-core VM, 128 MB fp32,
+        warm page cache): 0.18-0.29 s with ``read()`` into the buffer, 0.26-0.38 s through the
+        map; a block's recomputation at probing batch sizes costs more.
         """
         by_file: dict[Path, list] = {}
         for local, (path, name) in entries.items():
             by_file.setdefault(path, []).append((local, name))
-        handles, views, total = [], [], 0
-        try:
-            for path, names in by_file.items():
-                handle = _open(path)
-                handles.append(handle)
-                handle.__enter__()
+        layout, total = [], 0
+        for path, names in by_file.items():
+            with _open(path) as handle:  # one header read per shard for the layout
                 for local, name in names:
-                    try:
-                        t = handle.get_tensor(name)
-                    except Exception:  # safetensors raises its own error for an unknown name
-                        raise FusedStatsError(
-                            f"tensor {name!r} is missing from checkpoint shard {path}"
-                        ) from None
-                    was = self.specs[path][name]
-                    if _spec(t) != was:
-                        raise FusedStatsError(
-                            f"tensor {name!r} in {path} has shape {tuple(t.shape)} and dtype "
-                            f"{t.dtype}; the config gives shape {was[1]}, dtype {was[0]}"
-                        )
-                    views.append((local, name, path, t, total))
-                    total += (t.numel() * t.element_size() + 63) // 64 * 64  # 64-byte aligned views
-            if pin:
-                buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-            else:
-                # its own anonymous mapping, unmapped when the last view is dropped: a malloc'd
-                # block would raise glibc's dynamic mmap threshold and leave later activations on
-                # the heap
-                buffer = torch.frombuffer(mmap.mmap(-1, max(total, 1)), dtype=torch.uint8)[:total]
-            out = {}
-            for local, name, path, t, at in views:
-                size = t.numel() * t.element_size()
-                view = buffer[at : at + size].view(t.dtype).view(t.shape)
+                    dtype, shape = _spec(self._tensor(handle, path, name, self.specs[path][name]))
+                    layout.append((local, name, path, dtype, shape, total))
+                    total += (math.prod(shape) * dtype.itemsize + 63) // 64 * 64  # 64-byte aligned views
+        if pin:
+            buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        else:
+            # its own anonymous mapping, unmapped when the last view is dropped: a malloc'd block
+            # would raise glibc's dynamic mmap threshold and leave later activations on the heap
+            buffer = torch.frombuffer(mmap.mmap(-1, max(total, 1)), dtype=torch.uint8)[:total]
+        out = {}
+        for local, name, path, dtype, shape, at in layout:
+            view = buffer[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            with _open(path) as handle:
+                source = self._tensor(handle, path, name, (dtype, shape))
                 try:
-                    view.copy_(t)
+                    view.copy_(source)
                 except RuntimeError as exc:
                     raise FusedStatsError(
                         f"cannot read tensor {name!r} from checkpoint shard {path}: {exc}"
                     ) from None
-                out[local] = view
-        finally:
-            views.clear()  # the views into the maps go before the files are closed
-            for handle in handles:
-                handle.__exit__(None, None, None)
+                del source  # the map goes with the handle
+            out[local] = view
         return out
+
+    @staticmethod
+    def _tensor(handle, path: Path, name: str, was) -> torch.Tensor:
+        try:
+            t = handle.get_tensor(name)
+        except Exception:  # safetensors raises its own error for an unknown name
+            raise FusedStatsError(f"tensor {name!r} is missing from checkpoint shard {path}") from None
+        if _spec(t) != was:
+            raise FusedStatsError(
+                f"tensor {name!r} in {path} has shape {tuple(t.shape)} and dtype {t.dtype}; the "
+                f"config gives shape {was[1]}, dtype {was[0]}"
+            )
+        return t
