@@ -222,25 +222,14 @@ def test_lightning_exception_closes_the_observation():
 
 
 # ----------------------------------------------------------------------------- HF Trainer
-VOCAB, T = 29, 8
-
-
 def hf_train(tmp_path, callback_args, trainer_mixin, fail_at=None, max_steps=3):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
+    from test_integrations_transformers import VOCAB, Rows, T, tiny_llama, training_args
+
     from fused_stats.integrations.transformers import FusedStatsCallback, FusedStatsTrainerMixin
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    model = transformers.LlamaForCausalLM(cfg).to(F64)
+    model = tiny_llama()
     calls = [0]
 
     def maybe_fail(module, args, output):
@@ -249,34 +238,18 @@ def hf_train(tmp_path, callback_args, trainer_mixin, fail_at=None, max_steps=3):
             raise RuntimeError("training failed mid-step")
 
     model.model.layers[1].register_forward_hook(maybe_fail)
-    gen = torch.Generator().manual_seed(3)
-    batch = padded_lm_batch(gen, torch.randint(3, T + 1, (18,), generator=gen).tolist(), T, VOCAB)
-    rows = [{k: v[i] for k, v in batch.items()} for i in range(18)]
     probe = fs.Probe(model, second_moment="dense")
     cb = FusedStatsCallback(probe, **callback_args)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=3,
-        gradient_accumulation_steps=2,
-        max_steps=max_steps,
-        learning_rate=3e-3,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
     base = transformers.Trainer
     cls = type("MixedTrainer", (FusedStatsTrainerMixin, base), {}) if trainer_mixin else base
-    trainer = cls(model=model, args=args, train_dataset=rows, callbacks=[cb])
-    return model, probe, cb, trainer, maybe_fail
+    data = Rows(torch.Generator().manual_seed(3), 18)
+    trainer = cls(model=model, args=training_args(tmp_path, max_steps), train_dataset=data, callbacks=[cb])
+    return model, probe, cb, trainer, maybe_fail, (T, VOCAB)
 
 
 def test_hf_trainer_records_the_last_steps(tmp_path):
     log = fs.MonitorLog(tmp_path / "run.jsonl", every=1)
-    model, _probe, cb, trainer, maybe_fail = hf_train(
+    model, _probe, cb, trainer, maybe_fail, _ = hf_train(
         tmp_path / "out", {"log": log, "every": 2}, trainer_mixin=False
     )
     trainer.train()
@@ -289,7 +262,7 @@ def test_hf_trainer_records_the_last_steps(tmp_path):
 
 @pytest.mark.parametrize("mixin", [True, False])
 def test_hf_trainer_exception_closes_the_observation(tmp_path, mixin):
-    model, probe, cb, trainer, maybe_fail = hf_train(
+    model, probe, cb, trainer, maybe_fail, (T, VOCAB) = hf_train(
         tmp_path / "out", {"every": 1}, trainer_mixin=mixin, fail_at=3
     )
     with pytest.raises(RuntimeError, match="training failed mid-step"):

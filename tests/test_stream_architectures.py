@@ -15,10 +15,10 @@ transformers' own ``from_pretrained`` (the reference) and by ``fs.stream_blocks`
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
+from test_stream_blocks import assert_close
 
 import fused_stats as fs
 
@@ -28,7 +28,6 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 F64 = torch.float64
 VOCAB = 40
-REL = 1e-10
 ATTENTION = dict(hidden_size=16, num_attention_heads=4, num_hidden_layers=2, vocab_size=VOCAB)
 GQA = dict(ATTENTION, intermediate_size=24, num_key_value_heads=2, max_position_embeddings=32)
 
@@ -80,23 +79,6 @@ def batches():
     ]
 
 
-def close(got, want, where):
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), where
-        for key in want:
-            close(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, float):
-        assert math.isclose(got, want, rel_tol=REL, abs_tol=1e-15) or (
-            math.isnan(got) and math.isnan(want)
-        ), (
-            where,
-            got,
-            want,
-        )
-    else:
-        assert got == want, (where, got, want)
-
-
 def probed(model):
     probe = fs.Probe(model, unit="sample", cross=fs.CrossSpec(rank=3, seed=2), second_moment="pool")
     train, test = batches()
@@ -124,21 +106,21 @@ def test_streamed_folder_equals_from_pretrained(folder):
         with torch.no_grad():
             want = ref(**inputs, use_cache=False).logits
             got = st.model(**inputs).logits
-        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-14, msg=lambda m: f"{arch}: {m}")
+        torch.testing.assert_assert_close(got, want, rtol=1e-13, atol=1e-14, msg=lambda m: f"{arch}: {m}")
         got_probe = probed(st.model)
     for point in names:
         for stream in ("train", "test"):
-            close(
+            assert_close(
                 got_probe.estimates(stream)[point].to_dict(),
                 want_probe.estimates(stream)[point].to_dict(),
                 f"{arch}/{point}/{stream}",
             )
-        close(
+        assert_close(
             got_probe.certificate(point).to_dict(),
             want_probe.certificate(point).to_dict(),
             f"{arch}/{point}/cert",
         )
-        close(
+        assert_close(
             got_probe.saturation(point).to_dict(),
             want_probe.saturation(point).to_dict(),
             f"{arch}/{point}/sat",
@@ -196,7 +178,7 @@ def test_moe_folder_streams_as_from_pretrained(arch, tmp_path):
         with torch.no_grad():
             want = ref(**inputs, use_cache=False).logits
             got = st.model(**inputs).logits
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_assert_close(got, want, rtol=1e-6, atol=1e-6)
         got_probe = probed(st.model)
     for point in fs.residual_points(ref):
         g, w = got_probe.estimates("train")[point].to_dict(), want_probe.estimates("train")[point].to_dict()
