@@ -53,6 +53,10 @@ class FusedStatsLightningCallback(Callback):
         if obs is not None:
             obs.close(fold=False)
 
+    def on_train_start(self, trainer, pl_module):
+        # a resumed run: its earlier steps were logged by the run before
+        self._logged_step = int(trainer.global_step)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._drop()
         if not pl_module.automatic_optimization:

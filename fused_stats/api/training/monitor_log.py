@@ -113,9 +113,10 @@ class MonitorLog:
 
     Examples
     --------
-    >>> log = fs.MonitorLog("run.jsonl", every=10)                      # doctest: +SKIP
-    >>> with probe.observe(loss_reduction="token_mean", log=log):      # doctest: +SKIP
-    ...     model(**batch).loss.backward()
+    >>> with fs.MonitorLog("run.jsonl", every=10) as log:               # doctest: +SKIP
+    ...     for batch in loader:
+    ...         with probe.observe(loss_reduction="token_mean", log=log):
+    ...             model(**batch).loss.backward()
     """
 
     def __init__(
@@ -217,7 +218,8 @@ class MonitorLog:
     def close(self) -> list[dict]:
         """End the run: write one line per stream for the steps observed since its last line
         (the partial window at the end of training) and refuse further lines. Returns the
-        records written now; closing again does nothing."""
+        records written now; closing again does nothing. With ``all_reduce=True`` every rank
+        must close (the last lines are merged like any other)."""
         if self.closed:
             return []
         written = []
