@@ -106,7 +106,7 @@ def test_streamed_folder_equals_from_pretrained(folder):
         with torch.no_grad():
             want = ref(**inputs, use_cache=False).logits
             got = st.model(**inputs).logits
-        torch.testing.assert_assert_close(got, want, rtol=1e-13, atol=1e-14, msg=lambda m: f"{arch}: {m}")
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-14, msg=lambda m: f"{arch}: {m}")
         got_probe = probed(st.model)
     for point in names:
         for stream in ("train", "test"):
@@ -178,7 +178,7 @@ def test_moe_folder_streams_as_from_pretrained(arch, tmp_path):
         with torch.no_grad():
             want = ref(**inputs, use_cache=False).logits
             got = st.model(**inputs).logits
-        torch.testing.assert_assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         got_probe = probed(st.model)
     for point in fs.residual_points(ref):
         g, w = got_probe.estimates("train")[point].to_dict(), want_probe.estimates("train")[point].to_dict()
