@@ -23,7 +23,7 @@ from .api.probe.losses import causal_lm_loss, classification_loss
 from .api.probe.points import residual_points
 from .api.probe.spec import CrossSpec
 from .api.report.document import Report
-from .api.streaming.streamer import stream_blocks
+from .api.streaming.builders import stream_blocks
 from .api.training.monitor_log import MonitorLog
 from .errors import FusedStatsError
 

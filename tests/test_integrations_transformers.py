@@ -75,8 +75,28 @@ class Rows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
+def training_args(tmp_path, max_steps):
+    """CPU, 3 sequences a micro-batch, 2 micro-batches a step, a log entry every step."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=2,
+        max_steps=max_steps,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+
+
 def train(tmp_path, data, callbacks=(), trainer_class=None, max_steps=3, record=None, make_model=tiny_llama):
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     model = make_model()
     if record is not None:
@@ -94,20 +114,7 @@ def train(tmp_path, data, callbacks=(), trainer_class=None, max_steps=3, record=
         cb(model) if callable(cb) and not isinstance(cb, transformers.TrainerCallback) else cb
         for cb in callbacks
     ]
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=3,
-        gradient_accumulation_steps=2,
-        max_steps=max_steps,
-        learning_rate=3e-3,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
+    args = training_args(tmp_path, max_steps)
     trainer = (trainer_class or Trainer)(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train()
     return model, trainer

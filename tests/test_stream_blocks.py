@@ -721,3 +721,27 @@ def test_plan_stream_blocks_counts_the_models_parameters(capsys):
     assert plan.saved_input_bytes == 80 * 4096 * 8192 * 2
     assert main(["plan", "--preset", "llama-70b", "--stream-blocks", "--tokens", "4096"]) == 0
     assert "2 blocks" in capsys.readouterr().out
+
+
+def test_shard_reads_own_their_bytes(folders, tmp_path):
+    """A block's tensors are views of one fresh buffer, equal to safetensors' own load_file, and
+    never alias the file: rewriting the shard afterwards leaves them unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    from fused_stats.api.streaming.shards import CheckpointShards
+
+    folder = Path(shutil.copytree(folders["llama"], tmp_path / "ckpt"))
+    shards = CheckpointShards(folder)
+    names = [n for n in shards.files if n.startswith("model.layers.1.")]
+    entries = {n: (shards.files[n], n) for n in names}
+    got = shards.load(entries)
+    want = {n: load_file(shards.files[n])[n] for n in names}
+    assert all(torch.equal(got[n], want[n]) and got[n].dtype == want[n].dtype for n in names)
+    storages = {t.untyped_storage().data_ptr() for t in got.values()}
+    assert len(storages) == 1
+    before = {n: t.clone() for n, t in got.items()}
+    for path in {shards.files[n] for n in names}:
+        tensors = load_file(path)
+        save_file({k: v + 1 for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    assert all(torch.equal(got[n], before[n]) for n in names)
+    assert all(torch.equal(t, before[n] + 1) for n, t in shards.load(entries).items())

@@ -26,7 +26,10 @@ statistics logged are merged over the ranks (copies; the probe's own accumulator
 (TensorBoard, W&B) in ``on_log``, so the metrics it adds there reach only the console and the
 callbacks after it; it also patches the newest ``state.log_history`` entry. Mix
 :class:`FusedStatsTrainerMixin` into the Trainer class (``class MyTrainer(FusedStatsTrainerMixin,
-Trainer)``) to put them into the logs before any callback sees them.
+Trainer)``) to put them into the logs before any callback sees them; the mixin also closes the
+callback's open observation when training raises (with a plain ``Trainer``, call
+:meth:`FusedStatsCallback.close` in a ``finally``). The steps after the last logged one get a
+final record (and MonitorLog line) in ``on_train_end``.
 
 The hooks only read gradients: training is bit-identical with and without the callback.
 """
@@ -98,9 +101,11 @@ class FusedStatsCallback(TrainerCallback):
         self._steps_in_epoch = None
         self._batch_in_epoch = 0
         self._accumulation = 1
+        self._logged_step = 0
 
     # ------------------------------------------------------------------ set-up
     def on_train_begin(self, args, state, control, **kwargs):
+        self._logged_step = int(state.global_step)
         self._world = max(int(getattr(args, "world_size", 1) or 1), 1)
         self._average_tokens = bool(getattr(args, "average_tokens_across_devices", False))
         self._accumulation = int(args.gradient_accumulation_steps)
@@ -117,6 +122,17 @@ class FusedStatsCallback(TrainerCallback):
         self._batch_in_epoch = 0
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+        step = int(state.global_step)
+        if step > self._logged_step:
+            # the steps after the last every-th one (the partial window): the run's end is recorded
+            self._log_step(step)
+            self._pending = {}  # the Trainer logs nothing after on_train_end
+
+    def close(self) -> None:
+        """Drop an open observation (folding nothing) and the forward hook; idempotent. Called at
+        the end of training, by :class:`FusedStatsTrainerMixin` when training raises, and by
+        hand around a plain ``Trainer.train()``: ``try: trainer.train() finally: cb.close()``."""
         self._close(fold=False)
         if self._hook is not None:
             self._hook.remove()
@@ -158,19 +174,19 @@ class FusedStatsCallback(TrainerCallback):
         self._observation = self.probe.observe(
             loss_reduction=self.loss_reduction, stream=self.stream, loss_scale=self._Scale(self)
         )
-        self._observation.__enter__()
+        self._observation.open()
 
     def _close(self, fold: bool = True):
         obs, self._observation = self._observation, None
         if obs is None:
             return
         if not fold:
-            # training ended between events: drop the capture, fold nothing
-            obs.__exit__(RuntimeError, RuntimeError("closed"), None)
+            # training ended or failed between events: drop the capture, fold nothing
+            obs.close(fold=False)
             return
         self._k_in_step += 1
         self._batch_in_epoch += 1
-        obs.__exit__(None, None, None)
+        obs.close()
         self.micro_batches += 1
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -190,6 +206,12 @@ class FusedStatsCallback(TrainerCallback):
         step = int(state.global_step)
         if step % self.every:
             return control
+        self._log_step(step)
+        control.should_log = True
+        return control
+
+    def _log_step(self, step: int) -> None:
+        self._logged_step = step
         source = self.probe
         if self._world > 1:
             import torch.distributed as dist
@@ -199,8 +221,6 @@ class FusedStatsCallback(TrainerCallback):
         record = step_record(self.probe, source, self.log, self.stream, step)
         self.records.append(record)
         self._pending = metrics_of(record["points"])
-        control.should_log = True
-        return control
 
     def pop_metrics(self) -> dict[str, float]:
         """The metrics of the last logged step, once (used by :class:`FusedStatsTrainerMixin`)."""
@@ -223,7 +243,18 @@ class FusedStatsTrainerMixin:
     FusedStatsTrainerMixin, Trainer)``."""
 
     def log(self, logs, *args, **kwargs):
-        for callback in self.callback_handler.callbacks:
-            if isinstance(callback, FusedStatsCallback):
-                logs.update(callback.pop_metrics())
+        for callback in self._fused_stats_callbacks():
+            logs.update(callback.pop_metrics())
         return super().log(logs, *args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            # HF has no exception event: without this, a step that raised would leave the
+            # observation's hooks on the model and its outputs referenced
+            for callback in self._fused_stats_callbacks():
+                callback.close()
+
+    def _fused_stats_callbacks(self):
+        return [c for c in self.callback_handler.callbacks if isinstance(c, FusedStatsCallback)]

@@ -66,7 +66,7 @@ def _homogeneous_stack(module) -> bool:
 
 
 def _has_skip(module: nn.Module) -> bool:
-    # a weight-streamed stand-in (fused_stats.api.streaming.streamer) is the block it streams
+    # a weight-streamed stand-in (fused_stats.api.streaming.recompute) is the block it streams
     module = getattr(module, "streamed_block", module)
     # ``self.downsample = None`` is a plain attribute, so hasattr (not _modules) is the test
     return any(attr in vars(module) or attr in module._modules for attr in SKIP_ATTRIBUTES)

@@ -285,6 +285,33 @@ def _stream_shape(model) -> tuple:
     )
 
 
+def _count_on_meta(model) -> tuple[int, int] | None:
+    """``(largest block's parameters, the rest)`` of the model transformers builds from the config
+    ``model`` (a folder or config JSON) on the meta device; None without transformers or for a
+    config it cannot build (the formula of :func:`plan_streaming` is used then)."""
+    try:
+        import torch
+        import transformers
+
+        from ..probe.points import residual_points
+
+        path = Path(model)
+        folder = path if path.is_dir() else path.parent
+        if not path.is_dir() and path.name != "config.json":
+            fields = json.loads(path.read_text())
+            config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        else:
+            config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        with torch.device("meta"):
+            built = transformers.AutoModelForCausalLM.from_config(config)
+        names = residual_points(built)
+    except Exception:  # any config transformers cannot build: the formula
+        return None
+    blocks = [sum(p.numel() for p in built.get_submodule(n).parameters()) for n in names]
+    total = sum(p.numel() for p in built.parameters())  # tied weights once
+    return max(blocks), total - sum(blocks)
+
+
 def plan_streaming(
     model,
     tokens: int = 8192,
@@ -301,6 +328,9 @@ def plan_streaming(
     ``3 d f`` and two norms ``2 d``. One block's activations: ``N (8 d + 3 f)`` numbers (what
     autograd keeps for a LLaMA block's recomputed backward with fused attention, an estimate).
     Accumulators: :func:`plan_memory`'s ``auto`` total at ``pool_size`` (its dense bound without).
+    For a config or folder (not a preset), the block and resident parameters are counted on the
+    model transformers builds from it on the meta device, when it can: every architecture
+    exactly, a mixture-of-experts block with all its experts, router and shared expert.
     """
     tokens = _positive("tokens", tokens)
     if prefetch not in (0, 1):
@@ -309,6 +339,9 @@ def plan_streaming(
     d_kv = d * kv // max(heads, 1)
     block = 2 * d * d + 2 * d * d_kv + 3 * d * ff + 2 * d
     resident = vocab * d * (1 if tied else 2) + d
+    counted = None if isinstance(model, str) and model in STREAM_PRESETS else _count_on_meta(model)
+    if counted is not None:
+        block, resident = counted
     b = dtype_bytes
     acc = plan_memory(dim=d, points=layers, pool_size=pool_size, streams=streams).total("auto")
     label = model if isinstance(model, str) and model in STREAM_PRESETS else Path(model).stem

@@ -30,7 +30,10 @@ Line format (``"format": "fused_stats.monitor"``, version 1)::
 A point with fewer than 4 samples has ``null`` estimates. Non-finite floats are written as the
 strings ``"Infinity"`` / ``"-Infinity"`` / ``"NaN"`` (strict JSON, as in probe reports) and read
 back as floats. Lines are appended and flushed one by one, so a crashed run keeps every line
-written so far.
+written so far. A run's end is written too: :meth:`MonitorLog.close` (or leaving
+``with MonitorLog(...) as log:``) writes one more line for the steps observed since the last one
+(the last partial window, e.g. steps 101..120 with ``every=50``), so nothing observed is missing
+from the log; the training callbacks do the same in ``on_train_end``.
 
 An existing log is never extended by accident: ``MonitorLog`` on a file that already holds lines
 raises unless ``mode="append"`` (add lines; pass the old ``run_id`` to continue that run, or
@@ -52,6 +55,7 @@ import math
 import os
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 from ...errors import FusedStatsError
@@ -109,9 +113,10 @@ class MonitorLog:
 
     Examples
     --------
-    >>> log = fs.MonitorLog("run.jsonl", every=10)                      # doctest: +SKIP
-    >>> with probe.observe(loss_reduction="token_mean", log=log):      # doctest: +SKIP
-    ...     model(**batch).loss.backward()
+    >>> with fs.MonitorLog("run.jsonl", every=10) as log:               # doctest: +SKIP
+    ...     for batch in loader:
+    ...         with probe.observe(loss_reduction="token_mean", log=log):
+    ...             model(**batch).loss.backward()
     """
 
     def __init__(
@@ -156,7 +161,11 @@ class MonitorLog:
         self.count = 0  # observed steps seen
         self.lines = 0  # lines written (by this process)
         self.last: dict | None = None
+        self.closed = False
         self._start = time.time()
+        # stream -> (weak probe, step) of steps observed since that stream's last line: what
+        # close() still owes the file (weak: the log must not keep a finished probe alive)
+        self._unwritten: dict[str, tuple] = {}
 
     def __repr__(self) -> str:
         mode = "window" if self.window else "cumulative"
@@ -167,14 +176,18 @@ class MonitorLog:
 
     def observed(self, probe, stream: str = "train", step: int | None = None) -> dict | None:
         """Count one observed step; on every ``every``-th, write a line (returned as a dict)."""
+        self._check_open()
         self.count += 1
         if self.count % self.every:
+            self._unwritten[stream] = (weakref.ref(probe), self.count if step is None else step)
             return None
         return self.write(probe, stream=stream, step=self.count if step is None else step)
 
     def write(self, probe, stream: str = "train", step: int | None = None) -> dict:
         """Write one line now with ``stream``'s current estimates (and reset it in window mode)."""
+        self._check_open()
         probe.check_stream(stream)
+        self._unwritten.pop(stream, None)
         source = self._reduced(probe) if self.all_reduce else probe
         record = {
             "format": FORMAT,
@@ -201,6 +214,38 @@ class MonitorLog:
             probe.clear_stream(stream)
         self.last = record
         return record
+
+    def close(self) -> list[dict]:
+        """End the run: write one line per stream for the steps observed since its last line
+        (the partial window at the end of training) and refuse further lines. Returns the
+        records written now; closing again does nothing. With ``all_reduce=True`` every rank
+        must close (the last lines are merged like any other)."""
+        if self.closed:
+            return []
+        written = []
+        try:
+            for stream, (ref, step) in list(self._unwritten.items()):
+                probe = ref()
+                if probe is not None:
+                    written.append(self.write(probe, stream=stream, step=step))
+        finally:
+            self._unwritten.clear()
+            self.closed = True
+        return written
+
+    def __enter__(self) -> MonitorLog:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # a failed run still gets its last steps written: the file is what is left of it
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise FusedStatsError(
+                f"monitor log {str(self.path)!r} was closed (its run ended); open a new "
+                "MonitorLog (mode='append') to log more"
+            )
 
     def _is_writer(self) -> bool:
         if not self.all_reduce:

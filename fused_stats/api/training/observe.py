@@ -185,7 +185,8 @@ def _check_scale(scale) -> torch.Tensor:
 
 
 class Observation:
-    """Context manager returned by :meth:`fused_stats.Probe.observe` (module docstring).
+    """Context manager returned by :meth:`fused_stats.Probe.observe` (module docstring); where
+    one ``with`` block cannot span the step, :meth:`open` and :meth:`close` do the same.
 
     Parameters
     ----------
@@ -294,6 +295,14 @@ class Observation:
 
     # ------------------------------------------------------------------ hooks
     def __enter__(self) -> Observation:
+        return self.open()
+
+    def open(self) -> Observation:
+        """Start capturing: register the hooks, as entering ``with probe.observe(...)`` does.
+
+        For training loops that split a step over callbacks (the HF and Lightning integrations);
+        every ``open()`` must be paired with :meth:`close`, also when training raises.
+        """
         probe = self.probe
         if self._entered:
             raise FusedStatsError("this Observation is already in use; call probe.observe(...) per step")
@@ -379,17 +388,31 @@ class Observation:
 
     # ------------------------------------------------------------------ exit
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close(fold=exc_type is None)
+        return False
+
+    def close(self, fold: bool = True) -> bool:
+        """Stop capturing: remove every hook and drop the step's tensors, as leaving the
+        with-block does.
+
+        ``fold=True`` (the step's backward is done): the captured gradients are checked and
+        folded, raising as the with-block would; ``fold=False`` (training failed or stopped
+        mid-step): nothing is folded. Closing an observation that is not open does nothing.
+        Returns :attr:`folded`.
+        """
+        if not self._entered:
+            return self.folded
         self._remove()
         _active.discard(self.probe)
         self._entered = False
         try:
-            if exc_type is None:
+            if fold:
                 self._finish()
         finally:
             # drop every reference to the step's tensors, whatever happened
             self._records = {name: [] for name in self.probe.points}
             self._calls = []
-        return False
+        return self.folded
 
     def _positions_mask(self):
         """The counted-position mask of this step's batch (as ``Probe.step`` resolves it), once."""
