@@ -140,6 +140,10 @@ def trend_rows(suite: dict) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- markdown
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")  # a bare | would end the table cell
+
+
 def render_markdown(suite: dict) -> str:
     names = _order(suite)
     done = [n for n in names if suite["runs"][n]["status"] == "done"]
@@ -172,7 +176,10 @@ def render_markdown(suite: dict) -> str:
     header = "| run | " + " | ".join(f"{r:g}" for r in depths) + " |"
     rule = "|---" * (len(depths) + 1) + "|"
     for title, cell in statistics(suite):
-        out += ["", f"## {title}", "", "Columns: relative depth of the point (block j of P: j/P).", "", header, rule]
+        note = "Columns: relative depth of the point (block j of P: j/P)."
+        if title.startswith("misalignment"):
+            note += ' "—": no sample pool (it needs second_moment = "pool", or "auto" below its switch size).'
+        out += ["", f"## {title}", "", note, "", header, rule]
         for n in done:
             entry = suite["runs"][n]
             at = dict(relative_depths(entry["report"]))
@@ -196,8 +203,11 @@ def render_markdown(suite: dict) -> str:
             "|---|---|---|---|---|---|",
         ]
         for t in rows:
-            p = f"{t['p']:.3g}" + ("" if t["exact"] else " (Monte Carlo)")
-            out.append(f"| {t['label']} | {t['group']} | {t['statistic']} | {t['n']} | {t['rho']:+.2f} | {p} |")
+            if math.isnan(t["rho"]):
+                rho, p = "undefined", "(a constant column)"
+            else:
+                rho, p = f"{t['rho']:+.2f}", f"{t['p']:.3g}" + ("" if t["exact"] else " (Monte Carlo)")
+            out.append(f"| {t['label']} | {t['group']} | {_cell(t['statistic'])} | {t['n']} | {rho} | {p} |")
     else:
         out.append("No group holds 3 or more runs at 2 or more values of a label.")
     return "\n".join(out) + "\n"
@@ -224,9 +234,18 @@ def _group_by(suite, names, keys):
     return dict(sorted(groups.items(), key=lambda g: str(g[0])))
 
 
+def _plain_ticks(axis) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+
 def _logy(ax, values):
-    if values and all(v > 0 for v in values):
+    # a log axis only where the values span a decade (below, it would show no labelled tick)
+    if values and all(v > 0 for v in values) and max(values) > 10 * min(values):
         ax.set_yscale("log")
+        _plain_ticks(ax.yaxis)
 
 
 def plot_width(suite, path) -> Path | None:
@@ -249,6 +268,9 @@ def plot_width(suite, path) -> Path | None:
             values += [b for _, b in pts]
         _logy(ax, values)
         ax.set_xscale("log", base=2)
+        widths = sorted({suite["runs"][n]["labels"]["width"] for n in ns})
+        ax.set_xticks(widths, [str(w) for w in widths])
+        ax.xaxis.set_minor_formatter(lambda v, _: "")
         ax.set_xlabel("width (hidden size)")
         ax.set_ylabel("d_align (train)")
         ax.set_title(", ".join(f"{k}={v}" for k, v in zip(("model", "depth", "step"), group) if v is not None), fontsize=9)
@@ -300,6 +322,8 @@ def plot_depth(suite, path) -> Path | None:
         ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=", ".join(f"{k}={v}" for k, v in zip(("model", "width", "step"), group) if v is not None))
         values += [b for _, b in pts]
     _logy(ax, values)
+    depths = sorted({suite["runs"][n]["labels"]["depth"] for ns in groups.values() for n in ns})
+    ax.set_xticks(depths, [str(d) for d in depths])
     ax.set_xlabel("depth (blocks)")
     ax.set_ylabel(f"AG_max = max_i |q_i| (train, point: {where})")
     ax.legend(fontsize=7)
@@ -318,10 +342,14 @@ def plot_saturation(suite, path) -> Path | None:
     for i, n in enumerate(names):
         for r, p in relative_depths(suite["runs"][n]["report"]):
             sat = p.get("saturation")
-            if sat and isinstance(sat.get("cross_frob2"), float) and sat["cross_frob2"] > 0:
+            if sat and isinstance(sat.get("cross_frob2"), float):
                 j = depths.index(r)
-                grid[i, j] = math.log10(sat["cross_frob2"])
-                marks.append((i, j, "S" if sat.get("saturated") else "×"))
+                verdict = "S" if sat.get("saturated") else "×"
+                if sat["cross_frob2"] > 0:
+                    grid[i, j] = math.log10(sat["cross_frob2"])
+                else:  # the unbiased estimate can be ≤ 0 when the true |C|² is near 0
+                    verdict += " ≤0"
+                marks.append((i, j, verdict))
     if not marks:
         return None
     from ..report.document import _matplotlib
@@ -336,7 +364,7 @@ def plot_saturation(suite, path) -> Path | None:
     ax.set_xticks(range(len(depths)), [f"{r:g}" for r in depths], fontsize=7)
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xlabel("relative depth")
-    ax.set_title("log10 |C|²_F  (S: saturated, ×: not)", fontsize=9)
+    ax.set_title("log10 |C|²_F  (S: saturated, ×: not;\n≤0: estimate ≤ 0, no colour)", fontsize=9)
     fig.colorbar(image, ax=ax)
     return save_figure(fig, path, dpi=110)
 
@@ -347,7 +375,9 @@ def plot_steps(suite, path) -> Path | None:
     groups = {g: ns for g, ns in _group_by(suite, names, fixed).items() if len(ns) > 1}
     if not groups:
         return None
-    stats = [s for s in statistics(suite) if s[0].split()[0] in ("d_align", "AG_max", "|C|²_F", "misalignment")]
+    every = statistics(suite)
+    stats = [s for s in every if s[0].split()[0] in ("d_align", "AG_max", "|C|²_F")]
+    stats += [s for s in every if s[0].startswith("misalignment")][-1:]  # the largest (M, K)
     fig, axes = _figure(len(stats))
     for ax, (title, cell) in zip(axes, stats):
         for group, ns in groups.items():
@@ -361,9 +391,10 @@ def plot_steps(suite, path) -> Path | None:
             tag = ", ".join(f"{k}={v}" for k, v in zip(fixed, group) if v is not None and k in ("model_type", "width", "depth"))
             for r, pts in sorted(series.items()):
                 pts.sort()
-                ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=f"{tag}, rel. depth {r:g}")
+                label = f"{tag}, rel. depth {r:g}" if len(groups) > 1 else f"rel. depth {r:g}"
+                ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=label)
         ax.set_xlabel("training step")
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title if len(groups) > 1 else f"{title}\n{tag}", fontsize=8)
         if ax.lines:
             ax.legend(fontsize=6)
     return save_figure(fig, path, dpi=110)
