@@ -235,3 +235,98 @@ def test_killed_after_two_runs_then_resumed(family, reference, capsys):
     for name, payload in before.items():  # not probed again: the same bytes, timing and timestamp included
         assert (out / "runs" / name).read_bytes() == payload
     assert normalised(out / "suite.json") == normalised(reference / "suite.json")
+
+
+# ---------------------------------------------------------------------------- 4: bad input
+def _suite_file(root: Path, tmp_path: Path, text: str) -> Path:
+    """A suite file in a fresh folder whose ckpts / data point at the family's."""
+    for item in ("ckpts", "train.txt", "test.txt"):
+        target = tmp_path / item
+        if not target.exists():
+            target.symlink_to(root / item)
+    path = tmp_path / "suite.toml"
+    path.write_text(text)
+    return path
+
+
+BAD = [
+    (("[probe]", "[probe]\nbogus = 1"), "unknown key 'bogus' in [probe]"),
+    (("[data]", "[extra]\nx = 1\n[data]"), "unknown section or key 'extra'"),
+    (("[[runs]]\nglob = \"ckpts/llama-*\"", "[[runs]]\nglob = \"ckpts/gpt2-*\""), "glob 'ckpts/gpt2-*' matches no checkpoint"),
+    (("[[runs]]", "[compare]\ntrends = [\"width\", \"step\"]\n[[runs]]"), "trends asks for label 'step', which run(s) llama-w16-d1"),
+    ((f"sequences = {SEQUENCES}", "sequences = 100000"), "is too short"),
+    (("splits = [[4, 4]", "splits = [[30, 4]"), "splits [30, 4]: the misalignment draws M + K = 34"),
+    ((f"seq_len = {SEQ_LEN}", "seq_len = 65"), "seq_len 65 exceeds its 64 positions"),
+    (("unit = \"sample\"", "unit = \"sample\"\nstream_blocks = \"yes\""), "stream_blocks must be \"auto\", true or false"),
+    (("unit = \"sample\"", "unit = \"token\""), "[probe] unit must be one of"),
+    (("[[runs]]\nglob = \"ckpts/llama-*\"", "[[runs]]\nmodel = \"ckpts/missing\""), "is not a folder with a config.json"),
+    (("[[runs]]\nglob = \"ckpts/llama-*\"", "[[runs]]\nglob = \"ckpts/llama-*\"\n[[runs]]\nmodel = \"ckpts/llama-w16-d1\""), "named by more than one"),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), BAD, ids=[m[:30] for _, m in BAD])
+def test_bad_input_refused_before_any_model_loads(family, tmp_path, monkeypatch, capsys, edit, message):
+    old, new = edit
+    assert old in SUITE
+    path = _suite_file(family["root"], tmp_path, SUITE.replace(old, new, 1))
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the suite file was checked")
+
+    monkeypatch.setattr("fused_stats.commands.probe.load_model", no_loading)
+    out = tmp_path / "out"
+    assert main(["suite", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fused-stats: error: ") and message in err, err
+    assert not out.exists()  # nothing created
+
+
+def test_differing_tokenizers_refused_unless_per_model(family, tmp_path, capsys):
+    from fused_stats.api.suite.spec import read_suite
+    from fused_stats.commands.suite import prepare
+
+    other = tmp_path / "ckpts-other" / "llama-retok"
+    shutil.copytree(family["folders"]["llama-w16-d1"], other)
+    suite_models.build_tokenizer(suite_models.corpus(5, 600)).save_pretrained(other)
+    text = SUITE + '[[runs]]\nmodel = "ckpts-other/llama-retok"\n'
+    path = _suite_file(family["root"], tmp_path, text)
+    assert main(["suite", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizers differ" in err and "llama-retok" in err and 'tokenizer = "per-model"' in err
+    path.write_text(text.replace("[data]", '[data]\ntokenizer = "per-model"'))
+    windows, identity = prepare(read_suite(path))
+    assert len(windows) == 2 and identity["llama-retok"] != identity["llama-w16-d1"]
+    import transformers
+
+    for name in ("llama-retok", "llama-w16-d1"):  # each tokenizer's own windows of the same text
+        folder = other if name == "llama-retok" else family["folders"][name]
+        want = windows_of(transformers.AutoTokenizer.from_pretrained(folder), family["root"] / "train.txt")
+        assert np.array_equal(windows[identity[name]].train, want)
+
+
+def windows_of(tokenizer, text_file):
+    return windows(tokenizer, text_file)
+
+
+def test_corrupt_shard_fails_alone_and_force_redoes(family, tmp_path, capsys):
+    broken = tmp_path / "ckpts-broken" / "llama-broken"
+    shutil.copytree(family["folders"]["llama-w16-d2"], broken)
+    shard = sorted(broken.glob("model-*-of-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a torn download
+    text = SUITE.split("[[runs]]")[0] + '[[runs]]\nmodel = "ckpts/llama-w16-d1"\n[[runs]]\nmodel = "ckpts-broken/llama-broken"\n'
+    path = _suite_file(family["root"], tmp_path, text)
+    out = tmp_path / "out"
+    assert main(["suite", str(path), "--out", str(out), "--no-progress"]) == 1
+    printed = capsys.readouterr().out
+    assert "FAILED runs (1 of 2):" in printed and "llama-broken:" in printed.split("FAILED runs")[1]
+    suite = json.loads((out / "suite.json").read_text())
+    assert suite["failed"] == ["llama-broken"] and suite["runs"]["llama-w16-d1"]["status"] == "done"
+    assert suite["runs"]["llama-broken"]["report"] is None and suite["runs"]["llama-broken"]["error"]
+    assert "failed" in (out / "suite.md").read_text()
+    # the suite file changed: refused for this folder unless --force
+    path.write_text(text.replace("trials = 200", "trials = 100"))
+    assert main(["suite", str(path), "--out", str(out), "--no-progress"]) == 2
+    assert "different suite file" in capsys.readouterr().err
+    assert main(["suite", str(path), "--out", str(out), "--no-progress", "--force"]) == 1
+    assert "1 probed, 0 finished earlier (skipped), 1 failed" in capsys.readouterr().out
+    assert json.loads((out / "suite.json").read_text())["settings"]["trials"] == 100
