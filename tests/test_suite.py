@@ -319,6 +319,7 @@ def test_corrupt_shard_fails_alone_and_force_redoes(family, tmp_path, capsys):
     assert main(["suite", str(path), "--out", str(out), "--no-progress"]) == 1
     printed = capsys.readouterr().out
     assert "FAILED runs (1 of 2):" in printed and "llama-broken:" in printed.split("FAILED runs")[1]
+    assert f"shard {shard.name} is unreadable" in printed.split("FAILED runs")[1]
     suite = json.loads((out / "suite.json").read_text())
     assert suite["failed"] == ["llama-broken"] and suite["runs"]["llama-w16-d1"]["status"] == "done"
     assert suite["runs"]["llama-broken"]["report"] is None and suite["runs"]["llama-broken"]["error"]
@@ -330,3 +331,44 @@ def test_corrupt_shard_fails_alone_and_force_redoes(family, tmp_path, capsys):
     assert main(["suite", str(path), "--out", str(out), "--no-progress", "--force"]) == 1
     assert "1 probed, 0 finished earlier (skipped), 1 failed" in capsys.readouterr().out
     assert json.loads((out / "suite.json").read_text())["settings"]["trials"] == 100
+
+
+# ---------------------------------------------------------------------------- data sources
+def test_data_sources_give_the_expected_windows(family, tmp_path):
+    from fused_stats.api.suite.data import stream_windows
+    from fused_stats.errors import FusedStatsError
+
+    rng = np.random.default_rng(11)
+    flat = rng.integers(0, 100, size=1000, dtype=np.int32)
+    np.save(tmp_path / "flat.npy", flat)
+    got = stream_windows(tmp_path / "flat.npy", None, 16, 20, "text", "train")
+    assert got.dtype == np.int64 and np.array_equal(got, flat[:320].reshape(20, 16))
+    rows = rng.integers(0, 100, size=(30, 16), dtype=np.int64)
+    np.save(tmp_path / "rows.npy", rows)
+    assert np.array_equal(stream_windows(tmp_path / "rows.npy", None, 16, 20, "text", "test"), rows[:20])
+    with pytest.raises(FusedStatsError, match="length 16, \\[data\\] seq_len = 8"):
+        stream_windows(tmp_path / "rows.npy", None, 8, 4, "text", "test")
+    with pytest.raises(FusedStatsError, match="too short: 30 windows"):
+        stream_windows(tmp_path / "rows.npy", None, 16, 31, "text", "test")
+    np.save(tmp_path / "float.npy", rng.random(100))
+    with pytest.raises(FusedStatsError, match="float64; expected integers"):
+        stream_windows(tmp_path / "float.npy", None, 16, 2, "text", "test")
+
+    tokenizer = family["tokenizer"]
+    docs = [suite_models.corpus(20 + i, 60) for i in range(12)]
+    with (tmp_path / "docs.jsonl").open("w") as handle:
+        for doc in docs:
+            handle.write(json.dumps({"body": doc, "id": 1}) + "\n")
+    want = []
+    for doc in docs:  # documents joined by the end-of-text id
+        want += ([tokenizer.eos_token_id] if want else []) + tokenizer(doc, add_special_tokens=False)["input_ids"]
+    want = np.asarray(want[: 16 * 10]).reshape(10, 16)
+    assert np.array_equal(stream_windows(tmp_path / "docs.jsonl", tokenizer, 16, 10, "body", "train"), want)
+    with pytest.raises(FusedStatsError, match="line 1 has no string field 'text'"):
+        stream_windows(tmp_path / "docs.jsonl", tokenizer, 16, 10, "text", "train")
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "ds"))
+    assert np.array_equal(stream_windows(tmp_path / "ds", tokenizer, 16, 10, "body", "train"), want)
+    text = (family["root"] / "train.txt").read_text()  # bytes when a folder has no tokenizer
+    raw = np.frombuffer(text.encode()[: 16 * 4], dtype=np.uint8).astype(np.int64).reshape(4, 16)
+    assert np.array_equal(stream_windows(family["root"] / "train.txt", None, 16, 4, "text", "train"), raw)

@@ -117,13 +117,35 @@ def check_runs(spec, windows, identity) -> None:
                 )
 
 
+def unreadable_shard(folder: Path) -> Path | None:
+    """The first safetensors file of ``folder`` whose header does not cover the file (a torn
+    copy or download), or None."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(file, framework="pt") as handle:
+                handle.keys()
+        except Exception:  # safetensors raises its own error type for a bad header
+            return file
+    return None
+
+
 def loader(seed: int = 0):
     def load(path: Path, dtype: str, device, stream: bool):
         from .probe import load_model, load_streamed
 
-        if stream:
-            return load_streamed(str(path), device, dtype)[0]
-        return load_model(str(path), seed, dtype)[0].to(device)
+        try:
+            if stream:
+                return load_streamed(str(path), device, dtype)[0]
+            return load_model(str(path), seed, dtype)[0].to(device)
+        except Exception as exc:
+            bad = unreadable_shard(path)
+            if bad is None:
+                raise
+            raise FusedStatsError(
+                f"checkpoint {str(path)!r}: shard {bad.name} is unreadable ({' '.join(str(exc).split())})"
+            ) from None
 
     return load
 
