@@ -60,7 +60,8 @@ for folder in folders:
 def text(seed: int, words: int) -> str:
     rng = random.Random(seed)
     vocab = [
-        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))) for _ in range(400)
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+        for _ in range(400)
     ]
     return "\n".join(" ".join(rng.choice(vocab) for _ in range(12)) for _ in range(words // 12)) + "\n"
 
@@ -78,7 +79,9 @@ def build(root: Path, seq_len: int) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator([train], trainers.BpeTrainer(vocab_size=1024, special_tokens=["<unk>", "<eos>"]))
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>"
+    )
     for w in WIDTHS:
         for d in DEPTHS:
             cfg = transformers.LlamaConfig(
@@ -132,16 +135,54 @@ def main() -> None:
         cli = [sys.executable, "-m", "fused_stats.cli"]
         for r in range(args.rounds):
             times["suite"].append(
-                timed(cli + ["suite", str(root / "suite.toml"), "--out", str(root / f"suite{r}"), "--no-progress"], env)
+                timed(
+                    [
+                        *cli,
+                        "suite",
+                        str(root / "suite.toml"),
+                        "--out",
+                        str(root / f"suite{r}"),
+                        "--no-progress",
+                    ],
+                    env,
+                )
             )
             times["probes"].append(
                 sum(
-                    timed(cli + ["probe", "--model", str(f), "--text", str(root / "all.txt"), "--out", str(root / f"p{r}" / f.name), "--no-progress"] + probe_args, env)
+                    timed(
+                        [
+                            *cli,
+                            "probe",
+                            "--model",
+                            str(f),
+                            "--text",
+                            str(root / "all.txt"),
+                            "--out",
+                            str(root / f"p{r}" / f.name),
+                            "--no-progress",
+                            *probe_args,
+                        ],
+                        env,
+                    )
                     for f in folders
                 )
             )
             times["loop"].append(
-                timed([sys.executable, "-c", LOOP, str(root), str(T), str(N), str(B), str(M), str(M), str(args.trials)], env)
+                timed(
+                    [
+                        sys.executable,
+                        "-c",
+                        LOOP,
+                        str(root),
+                        str(T),
+                        str(N),
+                        str(B),
+                        str(M),
+                        str(M),
+                        str(args.trials),
+                    ],
+                    env,
+                )
             )
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f} s" for k, v in times.items()), flush=True)
         best = {k: min(v) for k, v in times.items()}
@@ -157,7 +198,11 @@ def main() -> None:
             "suite_over_probes": best["suite"] / best["probes"],
             "suite_over_loop": best["suite"] / best["loop"],
         }
-        print(json.dumps({k: result[k] for k in ("best_seconds", "suite_over_probes", "suite_over_loop")}, indent=1))
+        print(
+            json.dumps(
+                {k: result[k] for k in ("best_seconds", "suite_over_probes", "suite_over_loop")}, indent=1
+            )
+        )
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

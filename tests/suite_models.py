@@ -6,10 +6,40 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-WORDS = (
-    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
-    "tau upsilon phi chi psi omega residual stream gradient width depth block layer norm"
-).split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+    "tau",
+    "upsilon",
+    "phi",
+    "chi",
+    "psi",
+    "omega",
+    "residual",
+    "stream",
+    "gradient",
+    "width",
+    "depth",
+    "block",
+    "layer",
+    "norm",
+]
 WIDTHS = (16, 24, 32)
 DEPTHS = (1, 2)
 STEPS = (0, 100, 200)

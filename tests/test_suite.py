@@ -106,7 +106,10 @@ def test_every_run_equals_a_separate_probe(family, reference):
         folder = family["folders"][name]
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
         train, test = windows(tokenizer, root / "train.txt"), windows(tokenizer, root / "test.txt")
-        shas = {k: hashlib.sha256(v.astype("<i8").tobytes()).hexdigest() for k, v in (("train", train), ("test", test))}
+        shas = {
+            k: hashlib.sha256(v.astype("<i8").tobytes()).hexdigest()
+            for k, v in (("train", train), ("test", test))
+        }
         assert {k: suite["data"][entry["tokenizer"]][k]["sha256"] for k in shas} == shas
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         config = json.loads((folder / "config.json").read_text())
@@ -115,11 +118,15 @@ def test_every_run_equals_a_separate_probe(family, reference):
         assert entry["labels"]["model_type"] == config["model_type"]
         assert entry["labels"]["parameters"] == model.num_parameters()
         assert entry["labels"].get("step") == (int(name[4:]) if name.startswith("step") else None)
-        probe = fs.Probe(model, points="residual", unit="sample", second_moment="pool", cross=fs.CrossSpec(rank=4, seed=3))
+        probe = fs.Probe(
+            model, points="residual", unit="sample", second_moment="pool", cross=fs.CrossSpec(rank=4, seed=3)
+        )
         for stream, rows in (("train", train), ("test", test)):
             for i in range(0, SEQUENCES, BATCH):
                 ids = torch.from_numpy(rows[i : i + BATCH])
-                probe.step({"input_ids": ids, "labels": ids}, fs.causal_lm_loss, stream=stream, mask="attention")
+                probe.step(
+                    {"input_ids": ids, "labels": ids}, fs.causal_lm_loss, stream=stream, mask="attention"
+                )
         want = json.loads(json.dumps(_encode(probe.report(misalignment_trials=0).data)))
         got = entry["report"]
         assert [p["name"] for p in got["points"]] == list(probe.points)
@@ -136,7 +143,13 @@ def test_every_run_equals_a_separate_probe(family, reference):
     md = (reference / "suite.md").read_text()
     assert "| width | depth=2, model_type=llama | d_align (train) | 3 |" in md
     assert "| step | depth=2, model_type=gpt_neox, width=16 |" in md
-    for png in ("suite_width.png", "suite_budgets.png", "suite_depth.png", "suite_saturation.png", "suite_steps.png"):
+    for png in (
+        "suite_width.png",
+        "suite_budgets.png",
+        "suite_depth.png",
+        "suite_saturation.png",
+        "suite_steps.png",
+    ):
         assert (reference / png).stat().st_size > 1000
 
 
@@ -150,7 +163,11 @@ def test_trend_rows_match_a_brute_force_spearman(reference):
     suite = json.loads((reference / "suite.json").read_text())
     md = (reference / "suite.md").read_text()
     for depth in suite_models.DEPTHS:
-        runs = [r for r in suite["runs"].values() if r["labels"]["model_type"] == "llama" and r["labels"]["depth"] == depth]
+        runs = [
+            r
+            for r in suite["runs"].values()
+            if r["labels"]["model_type"] == "llama" and r["labels"]["depth"] == depth
+        ]
         xs = [r["labels"]["width"] for r in runs]
         ys = [r["report"]["points"][-1]["train"]["ag_max"] for r in runs]
         rho = spearmanr(xs, ys).statistic
@@ -172,7 +189,16 @@ def test_three_shards_and_torchrun_equal_one_process(family, reference, capsys):
     assert normalised(out / "suite.json") == normalised(reference / "suite.json")
 
     out = family["root"] / "out-torchrun"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "fused_stats.cli"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "-m",
+        "fused_stats.cli",
+    ]
     done = subprocess.run(
         cmd + ["suite", toml, "--out", str(out), "--no-progress"],
         env=child_env(),
@@ -192,23 +218,43 @@ def test_shard_from_the_environment():
     from fused_stats.errors import FusedStatsError
 
     assert shard_from_env(env={}) == Shard(0, 1, "single")
-    assert shard_from_env(env={"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}) == Shard(2, 3, "torchrun", 0)
+    assert shard_from_env(env={"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}) == Shard(
+        2, 3, "torchrun", 0
+    )
     # sbatch --array=1-4: ids 1..4, MIN 1, COUNT 4
-    slurm = {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_MAX": "4", "SLURM_ARRAY_TASK_COUNT": "4"}
+    slurm = {
+        "SLURM_ARRAY_TASK_ID": "3",
+        "SLURM_ARRAY_TASK_MIN": "1",
+        "SLURM_ARRAY_TASK_MAX": "4",
+        "SLURM_ARRAY_TASK_COUNT": "4",
+    }
     assert shard_from_env(env=slurm) == Shard(2, 4, "slurm")
-    stepped = {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_MAX": "6", "SLURM_ARRAY_TASK_STEP": "2", "SLURM_ARRAY_TASK_COUNT": "4"}
+    stepped = {
+        "SLURM_ARRAY_TASK_ID": "4",
+        "SLURM_ARRAY_TASK_MIN": "0",
+        "SLURM_ARRAY_TASK_MAX": "6",
+        "SLURM_ARRAY_TASK_STEP": "2",
+        "SLURM_ARRAY_TASK_COUNT": "4",
+    }
     assert shard_from_env(env=stepped) == Shard(2, 4, "slurm")
     both = dict(slurm, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
     assert shard_from_env(env=both) == Shard(5, 8, "slurm+torchrun", 1)
     assert shard_from_env("1/2", env=both) == Shard(1, 2, "--shard", 1)
     with pytest.raises(FusedStatsError, match="not evenly spaced"):  # --array=1,2,7
-        shard_from_env(env={"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_MAX": "7", "SLURM_ARRAY_TASK_COUNT": "3"})
+        shard_from_env(
+            env={
+                "SLURM_ARRAY_TASK_ID": "2",
+                "SLURM_ARRAY_TASK_MIN": "1",
+                "SLURM_ARRAY_TASK_MAX": "7",
+                "SLURM_ARRAY_TASK_COUNT": "3",
+            }
+        )
     for bad in ("3/3", "1", "a/b", "0/0"):
         with pytest.raises(FusedStatsError, match="--shard"):
             shard_from_env(bad, env={})
     runs = list(range(10))
     shares = [my_runs(runs, Shard(i, 3, "x")) for i in range(3)]
-    assert sorted(sum(shares, [])) == runs and all(len(s) in (3, 4) for s in shares)
+    assert sorted(r for share in shares for r in share) == runs and all(len(s) in (3, 4) for s in shares)
 
 
 # ---------------------------------------------------------------------------- 3: killed and resumed
@@ -252,15 +298,33 @@ def _suite_file(root: Path, tmp_path: Path, text: str) -> Path:
 BAD = [
     (("[probe]", "[probe]\nbogus = 1"), "unknown key 'bogus' in [probe]"),
     (("[data]", "[extra]\nx = 1\n[data]"), "unknown section or key 'extra'"),
-    (("[[runs]]\nglob = \"ckpts/llama-*\"", "[[runs]]\nglob = \"ckpts/gpt2-*\""), "glob 'ckpts/gpt2-*' matches no checkpoint"),
-    (("[[runs]]", "[compare]\ntrends = [\"width\", \"step\"]\n[[runs]]"), "trends asks for label 'step', which run(s) llama-w16-d1"),
+    (
+        ('[[runs]]\nglob = "ckpts/llama-*"', '[[runs]]\nglob = "ckpts/gpt2-*"'),
+        "glob 'ckpts/gpt2-*' matches no checkpoint",
+    ),
+    (
+        ("[[runs]]", '[compare]\ntrends = ["width", "step"]\n[[runs]]'),
+        "trends asks for label 'step', which run(s) llama-w16-d1",
+    ),
     ((f"sequences = {SEQUENCES}", "sequences = 100000"), "is too short"),
     (("splits = [[4, 4]", "splits = [[30, 4]"), "splits [30, 4]: the misalignment draws M + K = 34"),
     ((f"seq_len = {SEQ_LEN}", "seq_len = 65"), "seq_len 65 exceeds its 64 positions"),
-    (("unit = \"sample\"", "unit = \"sample\"\nstream_blocks = \"yes\""), "stream_blocks must be \"auto\", true or false"),
-    (("unit = \"sample\"", "unit = \"token\""), "[probe] unit must be one of"),
-    (("[[runs]]\nglob = \"ckpts/llama-*\"", "[[runs]]\nmodel = \"ckpts/missing\""), "is not a folder with a config.json"),
-    (("[[runs]]\nglob = \"ckpts/llama-*\"", "[[runs]]\nglob = \"ckpts/llama-*\"\n[[runs]]\nmodel = \"ckpts/llama-w16-d1\""), "named by more than one"),
+    (
+        ('unit = "sample"', 'unit = "sample"\nstream_blocks = "yes"'),
+        'stream_blocks must be "auto", true or false',
+    ),
+    (('unit = "sample"', 'unit = "token"'), "[probe] unit must be one of"),
+    (
+        ('[[runs]]\nglob = "ckpts/llama-*"', '[[runs]]\nmodel = "ckpts/missing"'),
+        "is not a folder with a config.json",
+    ),
+    (
+        (
+            '[[runs]]\nglob = "ckpts/llama-*"',
+            '[[runs]]\nglob = "ckpts/llama-*"\n[[runs]]\nmodel = "ckpts/llama-w16-d1"',
+        ),
+        "named by more than one",
+    ),
 ]
 
 
@@ -313,7 +377,10 @@ def test_corrupt_shard_fails_alone_and_force_redoes(family, tmp_path, capsys):
     shutil.copytree(family["folders"]["llama-w16-d2"], broken)
     shard = sorted(broken.glob("model-*-of-*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a torn download
-    text = SUITE.split("[[runs]]")[0] + '[[runs]]\nmodel = "ckpts/llama-w16-d1"\n[[runs]]\nmodel = "ckpts-broken/llama-broken"\n'
+    text = (
+        SUITE.split("[[runs]]")[0]
+        + '[[runs]]\nmodel = "ckpts/llama-w16-d1"\n[[runs]]\nmodel = "ckpts-broken/llama-broken"\n'
+    )
     path = _suite_file(family["root"], tmp_path, text)
     out = tmp_path / "out"
     assert main(["suite", str(path), "--out", str(out), "--no-progress"]) == 1
@@ -361,7 +428,9 @@ def test_data_sources_give_the_expected_windows(family, tmp_path):
             handle.write(json.dumps({"body": doc, "id": 1}) + "\n")
     want = []
     for doc in docs:  # documents joined by the end-of-text id
-        want += ([tokenizer.eos_token_id] if want else []) + tokenizer(doc, add_special_tokens=False)["input_ids"]
+        want += ([tokenizer.eos_token_id] if want else []) + tokenizer(doc, add_special_tokens=False)[
+            "input_ids"
+        ]
     want = np.asarray(want[: 16 * 10]).reshape(10, 16)
     assert np.array_equal(stream_windows(tmp_path / "docs.jsonl", tokenizer, 16, 10, "body", "train"), want)
     with pytest.raises(FusedStatsError, match="line 1 has no string field 'text'"):

@@ -23,7 +23,9 @@ def register(sub) -> None:
         description=__doc__.split("\n\n")[0].replace("``", "'"),
     )
     p.add_argument("suite_file", metavar="SUITE.toml", help="the suite file (TOML)")
-    p.add_argument("--out", required=True, help="suite folder: plan.json, runs/<name>.json, suite.json, suite.md, plots")
+    p.add_argument(
+        "--out", required=True, help="suite folder: plan.json, runs/<name>.json, suite.json, suite.md, plots"
+    )
     p.add_argument(
         "--device",
         default="cpu",
@@ -57,7 +59,9 @@ def _device(text: str, shard):
         if device.index is None and shard.local_rank is not None:
             device = torch.device("cuda", shard.local_rank)  # one rank per device on the node
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise FusedStatsError(f"device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise FusedStatsError(
+                f"device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
     return device
 
 
@@ -71,7 +75,8 @@ def prepare(spec):
     if len(distinct) > 1 and spec.data["tokenizer"] != "per-model":
         groups = {key: [n for n, k in identity.items() if k == key] for key in distinct}
         listing = "; ".join(
-            f"{'no tokenizer (bytes)' if k == BYTES else 'tokenizer ' + k[:12]}: {', '.join(v)}" for k, v in groups.items()
+            f"{'no tokenizer (bytes)' if k == BYTES else 'tokenizer ' + k[:12]}: {', '.join(v)}"
+            for k, v in groups.items()
         )
         raise FusedStatsError(
             f"suite file {str(spec.path)!r}: the runs' tokenizers differ ({listing}); the runs would not see the "
@@ -109,7 +114,7 @@ def check_runs(spec, windows, identity) -> None:
     if spec.probe["unit"] == "sample":
         n = spec.data["sequences"]
         for M, K in spec.splits:
-            if M + K > 2 * n:
+            if 2 * n < M + K:
                 raise FusedStatsError(
                     f"suite file {str(spec.path)!r}: [probe] splits [{M}, {K}]: the misalignment draws M + K = "
                     f"{M + K} disjoint samples from the pooled {n} train + {n} test sequences; lower M, K or "
@@ -170,7 +175,9 @@ def cmd_suite(args) -> int:
         f"suite {spec.path.name}: {len(spec.runs)} runs; shard {shard.index}/{shard.count} ({shard.how}) takes "
         f"{len(mine)} on {device}"
     )
-    done, skipped, failed = execute(spec, out, windows, identity, shard, device, loader(spec.probe["seed"]), progress)
+    done, skipped, failed = execute(
+        spec, out, windows, identity, shard, device, loader(spec.probe["seed"]), progress
+    )
     print(
         f"this shard: {len(done)} probed, {len(skipped)} finished earlier (skipped), {len(failed)} failed"
         + (f": {', '.join(failed)}" if failed else "")

@@ -50,7 +50,10 @@ def statistics(suite: dict) -> list[tuple[str, object]]:
     ]
     for b, (M, K) in enumerate(suite["settings"]["splits"]):
         stats.append(
-            (f"B_exact at M={M}, K={K}", lambda e, p, b=b: _sub(_budget_point(e, b, p["name"]), "certificate", "b_exact"))
+            (
+                f"B_exact at M={M}, K={K}",
+                lambda e, p, b=b: _sub(_budget_point(e, b, p["name"]), "certificate", "b_exact"),
+            )
         )
         stats.append(
             (
@@ -68,7 +71,10 @@ def _order(suite: dict) -> list[str]:
         labels = suite["runs"][name]["labels"]
         return (
             str(labels.get("model_type") or ""),
-            *(labels.get(k) if isinstance(labels.get(k), (int, float)) else -1 for k in ("depth", "width", "step")),
+            *(
+                labels.get(k) if isinstance(labels.get(k), (int, float)) else -1
+                for k in ("depth", "width", "step")
+            ),
             name,
         )
 
@@ -99,7 +105,11 @@ def trend_rows(suite: dict) -> list[dict]:
     """One row per (label, group, statistic) with at least 3 runs at 2+ label values."""
     done = {n: r for n, r in suite["runs"].items() if r["status"] == "done"}
     asked = suite.get("trends")
-    labels = list(asked) if asked else [x for x in TREND_LABELS if any(r["labels"].get(x) is not None for r in done.values())]
+    labels = (
+        list(asked)
+        if asked
+        else [x for x in TREND_LABELS if any(r["labels"].get(x) is not None for r in done.values())]
+    )
     design = design_labels(suite)
     where = suite.get("point", "last")
     rows = []
@@ -123,7 +133,9 @@ def trend_rows(suite: dict) -> list[dict]:
                     continue
                 n = len(pairs)
                 permutations = math.factorial(n) if n <= 8 else 100_000
-                rho, p = rank_correlation([a for a, _ in pairs], [b for _, b in pairs], permutations=permutations)
+                rho, p = rank_correlation(
+                    [a for a, _ in pairs], [b for _, b in pairs], permutations=permutations
+                )
                 rows.append(
                     {
                         "label": x,
@@ -155,22 +167,41 @@ def render_markdown(suite: dict) -> str:
     tok = suite["tokenizer"]
     out.append(
         f"- tokenizer: {tok}"
-        + (f" ({len(suite['data'])} distinct tokenizers: each run saw its own tokenisation of the same text)" if tok == "per-model" else "")
+        + (
+            f" ({len(suite['data'])} distinct tokenizers: each run saw its own tokenisation of the same text)"
+            if tok == "per-model"
+            else ""
+        )
     )
     for key, data in suite["data"].items():
         for stream in ("train", "test"):
             d = data[stream]
-            out.append(f"- {stream} windows ({key[:12]}): {d['shape'][0]} × {d['shape'][1]} from `{d['source']}`, SHA-256 `{d['sha256']}`")
+            out.append(
+                f"- {stream} windows ({key[:12]}): {d['shape'][0]} × {d['shape'][1]} from `{d['source']}`, SHA-256 `{d['sha256']}`"
+            )
     s = suite["settings"]
     out.append(
         f"- probe: points {s['points']}, unit {s['unit']}, mask {s['mask']}, second moment {s['second_moment']}, "
         f"dtype {s['dtype']}, cross {s['cross']}, (M, K) budgets {s['splits']}, {s['trials']} misalignment trials"
     )
-    out += ["", "## Runs", "", "| run | " + " | ".join(label_keys) + " | status |", "|---" * (len(label_keys) + 2) + "|"]
+    out += [
+        "",
+        "## Runs",
+        "",
+        "| run | " + " | ".join(label_keys) + " | status |",
+        "|---" * (len(label_keys) + 2) + "|",
+    ]
     for n in names:
         r = suite["runs"][n]
         status = r["status"] if r["status"] == "done" else f"**failed**: {r['error']}"
-        out.append(f"| {n} | " + " | ".join(fmt(r["labels"].get(k)) if not isinstance(r["labels"].get(k), str) else r["labels"][k] for k in label_keys) + f" | {status} |")
+        out.append(
+            f"| {n} | "
+            + " | ".join(
+                fmt(r["labels"].get(k)) if not isinstance(r["labels"].get(k), str) else r["labels"][k]
+                for k in label_keys
+            )
+            + f" | {status} |"
+        )
     if suite["failed"]:
         out += ["", f"**{len(suite['failed'])} failed run(s)**: {', '.join(suite['failed'])}"]
     header = "| run | " + " | ".join(f"{r:g}" for r in depths) + " |"
@@ -250,7 +281,11 @@ def _logy(ax, values):
 
 def plot_width(suite, path) -> Path | None:
     names = [n for n in _done(suite) if isinstance(suite["runs"][n]["labels"].get("width"), int)]
-    groups = {g: ns for g, ns in _group_by(suite, names, ("model_type", "depth", "step")).items() if len({suite["runs"][n]["labels"]["width"] for n in ns}) > 1}
+    groups = {
+        g: ns
+        for g, ns in _group_by(suite, names, ("model_type", "depth", "step")).items()
+        if len({suite["runs"][n]["labels"]["width"] for n in ns}) > 1
+    }
     if not groups:
         return None
     fig, axes = _figure(len(groups))
@@ -273,7 +308,10 @@ def plot_width(suite, path) -> Path | None:
         ax.xaxis.set_minor_formatter(lambda v, _: "")
         ax.set_xlabel("width (hidden size)")
         ax.set_ylabel("d_align (train)")
-        ax.set_title(", ".join(f"{k}={v}" for k, v in zip(("model", "depth", "step"), group) if v is not None), fontsize=9)
+        ax.set_title(
+            ", ".join(f"{k}={v}" for k, v in zip(("model", "depth", "step"), group) if v is not None),
+            fontsize=9,
+        )
         ax.legend(fontsize=7)
     return save_figure(fig, path, dpi=110)
 
@@ -307,7 +345,11 @@ def plot_budgets(suite, path) -> Path | None:
 
 def plot_depth(suite, path) -> Path | None:
     names = [n for n in _done(suite) if isinstance(suite["runs"][n]["labels"].get("depth"), int)]
-    groups = {g: ns for g, ns in _group_by(suite, names, ("model_type", "width", "step")).items() if len({suite["runs"][n]["labels"]["depth"] for n in ns}) > 1}
+    groups = {
+        g: ns
+        for g, ns in _group_by(suite, names, ("model_type", "width", "step")).items()
+        if len({suite["runs"][n]["labels"]["depth"] for n in ns}) > 1
+    }
     if not groups:
         return None
     fig, (ax,) = _figure(1)
@@ -315,11 +357,19 @@ def plot_depth(suite, path) -> Path | None:
     values = []
     for group, ns in groups.items():
         pts = sorted(
-            (suite["runs"][n]["labels"]["depth"], _sub(_pick_point(suite["runs"][n]["report"], where), "train", "ag_max"))
+            (
+                suite["runs"][n]["labels"]["depth"],
+                _sub(_pick_point(suite["runs"][n]["report"], where), "train", "ag_max"),
+            )
             for n in ns
         )
         pts = [(a, b) for a, b in pts if isinstance(b, float)]
-        ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=", ".join(f"{k}={v}" for k, v in zip(("model", "width", "step"), group) if v is not None))
+        ax.plot(
+            [a for a, _ in pts],
+            [b for _, b in pts],
+            marker="o",
+            label=", ".join(f"{k}={v}" for k, v in zip(("model", "width", "step"), group) if v is not None),
+        )
         values += [b for _, b in pts]
     _logy(ax, values)
     depths = sorted({suite["runs"][n]["labels"]["depth"] for ns in groups.values() for n in ns})
@@ -388,7 +438,11 @@ def plot_steps(suite, path) -> Path | None:
                     v = cell(entry, p)
                     if isinstance(v, float) and math.isfinite(v):
                         series[r].append((entry["labels"]["step"], v))
-            tag = ", ".join(f"{k}={v}" for k, v in zip(fixed, group) if v is not None and k in ("model_type", "width", "depth"))
+            tag = ", ".join(
+                f"{k}={v}"
+                for k, v in zip(fixed, group)
+                if v is not None and k in ("model_type", "width", "depth")
+            )
             for r, pts in sorted(series.items()):
                 pts.sort()
                 label = f"{tag}, rel. depth {r:g}" if len(groups) > 1 else f"rel. depth {r:g}"

@@ -72,9 +72,15 @@ def shard_from_env(explicit: str | None = None, env=None) -> Shard:
         low = _env_int(env, "SLURM_ARRAY_TASK_MIN") if "SLURM_ARRAY_TASK_MIN" in env else 0
         step = _env_int(env, "SLURM_ARRAY_TASK_STEP") if "SLURM_ARRAY_TASK_STEP" in env else 1
         if "SLURM_ARRAY_TASK_COUNT" not in env:
-            raise FusedStatsError("SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not; pass --shard I/N")
+            raise FusedStatsError(
+                "SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not; pass --shard I/N"
+            )
         count = _env_int(env, "SLURM_ARRAY_TASK_COUNT")
-        high = _env_int(env, "SLURM_ARRAY_TASK_MAX") if "SLURM_ARRAY_TASK_MAX" in env else low + step * (count - 1)
+        high = (
+            _env_int(env, "SLURM_ARRAY_TASK_MAX")
+            if "SLURM_ARRAY_TASK_MAX" in env
+            else low + step * (count - 1)
+        )
         # an array given as a list (--array=1,4,9) has no constant step: the task id alone cannot say
         # which of the COUNT shares is this task's
         if step < 1 or (task - low) % step or (high - low) != step * (count - 1):
@@ -187,10 +193,18 @@ def stream_decision(spec: SuiteSpec, run: RunSpec, device) -> tuple[bool, str]:
             dtype_bytes=size,
             pool_size=2 * spec.data["sequences"],
         )
-        whole = plan.model_bytes + plan.blocks * plan.block_activation_bytes + plan.point_bytes + plan.accumulator_bytes
+        whole = (
+            plan.model_bytes
+            + plan.blocks * plan.block_activation_bytes
+            + plan.point_bytes
+            + plan.accumulator_bytes
+        )
         free = _free_bytes(device)
         stream = free is not None and whole > 0.9 * free
-        return stream, f"auto: whole model needs ~{whole:,} bytes, {free if free is None else f'{free:,}'} free"
+        return (
+            stream,
+            f"auto: whole model needs ~{whole:,} bytes, {free if free is None else f'{free:,}'} free",
+        )
     return bool(setting), "set in the suite file"
 
 
@@ -220,7 +234,11 @@ def probe_windows(model, windows: Windows, spec: SuiteSpec, device, progress: bo
     from ..probe.spec import CrossSpec
 
     p = spec.probe
-    cross = None if p["cross"] is None else CrossSpec(rank=p["cross"]["rank"], activation=p["cross"]["activation"], seed=p["seed"])
+    cross = (
+        None
+        if p["cross"] is None
+        else CrossSpec(rank=p["cross"]["rank"], activation=p["cross"]["activation"], seed=p["seed"])
+    )
     probe = Probe(model, points=p["points"], unit=p["unit"], second_moment=p["second_moment"], cross=cross)
     B = spec.data["batch_size"]
     for stream, rows in (("train", windows.train), ("test", windows.test)):
@@ -228,28 +246,29 @@ def probe_windows(model, windows: Windows, spec: SuiteSpec, device, progress: bo
         batches = [ids[i : i + B].to(device) for i in range(0, ids.shape[0], B)]
         with Progress(len(batches), f"  probe {stream}", enabled=progress, unit="batches") as bar:
             for batch in batches:
-                probe.step({"input_ids": batch, "labels": batch}, causal_lm_loss, stream=stream, mask=p["mask"])
+                probe.step(
+                    {"input_ids": batch, "labels": batch}, causal_lm_loss, stream=stream, mask=p["mask"]
+                )
                 bar.update()
     report = probe.report(meta=meta, misalignment_trials=0)
     budgets = []
     for M, K in spec.splits:
         per_point = {}
         for name in probe.points:
+            mis = None
+            if p["trials"]:
+                mis = _or_none(probe.misalignment, name, M, K, trials=p["trials"], seed=p["seed"])
             per_point[name] = {
-                "certificate": _or_none(lambda n=name: probe.certificate(n, M=M, K=K).to_dict()),
-                "misalignment": _or_none(
-                    lambda n=name: probe.misalignment(n, M, K, trials=p["trials"], seed=p["seed"]).to_dict()
-                )
-                if p["trials"]
-                else None,
+                "certificate": _or_none(probe.certificate, name, M=M, K=K),
+                "misalignment": mis,
             }
         budgets.append({"M": M, "K": K, "points": per_point})
     return report.data, budgets
 
 
-def _or_none(compute):
+def _or_none(compute, *args, **kwargs):
     try:
-        return compute()
+        return compute(*args, **kwargs).to_dict()
     except FusedStatsError:  # too few samples for this (M, K), or no pool for the misalignment
         return None
 
@@ -297,10 +316,14 @@ def execute_run(spec, run, windows, device, loader, progress, echo) -> dict:
         entry["labels"]["parameters"] = int(sum(p.numel() for p in model.parameters()))
         if hasattr(model, "eval"):
             model.eval()  # dropout off: the gradients are the deterministic function's
-        report, budgets = probe_windows(model, windows, spec, device, progress, run_meta(spec, run, windows, device))
+        report, budgets = probe_windows(
+            model, windows, spec, device, progress, run_meta(spec, run, windows, device)
+        )
         entry["timing"]["probe_s"] = time.perf_counter() - t1
         entry.update(status="done", report=report, budgets=budgets)
-        echo(f"{run.name}: loaded in {t1 - t0:.2f} s ({'streamed; ' if stream else ''}{why}), probed in {entry['timing']['probe_s']:.2f} s")
+        echo(
+            f"{run.name}: loaded in {t1 - t0:.2f} s ({'streamed; ' if stream else ''}{why}), probed in {entry['timing']['probe_s']:.2f} s"
+        )
     except Exception as exc:  # a corrupt shard, OOM, a bad config: recorded, the suite goes on
         entry["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
         echo(f"{run.name}: FAILED: {entry['error']}")
@@ -311,7 +334,17 @@ def execute_run(spec, run, windows, device, loader, progress, echo) -> dict:
     return entry
 
 
-def execute(spec, out: Path, windows: dict, run_tokenizer: dict, shard: Shard, device, loader, progress: bool, echo=print):
+def execute(
+    spec,
+    out: Path,
+    windows: dict,
+    run_tokenizer: dict,
+    shard: Shard,
+    device,
+    loader,
+    progress: bool,
+    echo=print,
+):
     """Run this shard's unfinished runs; returns ``(done, skipped, failed)`` name lists."""
     from ...progress import Progress
 
@@ -325,8 +358,12 @@ def execute(spec, out: Path, windows: dict, run_tokenizer: dict, shard: Shard, d
                 bar.update()
                 continue
             step = run.labels.get("step")
-            bar.set_description(f"suite {k}/{len(mine)}: {run.name}" + (f" (step {step})" if step is not None else ""))
-            entry = execute_run(spec, run, windows[run_tokenizer[run.name]], device, loader, progress, lambda m: bar.write(m))
+            bar.set_description(
+                f"suite {k}/{len(mine)}: {run.name}" + (f" (step {step})" if step is not None else "")
+            )
+            entry = execute_run(
+                spec, run, windows[run_tokenizer[run.name]], device, loader, progress, lambda m: bar.write(m)
+            )
             _dump(run_file(out, run.name), entry)
             (done if entry["status"] == "done" else failed).append(run.name)
             bar.update()

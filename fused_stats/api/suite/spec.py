@@ -180,15 +180,20 @@ def _check_data(path: Path, data: dict, base: Path) -> dict:
     out["field"] = data.get("field", "text")
     if not isinstance(out["field"], str):
         _fail(path, f"[data] field must be a string, got {out['field']!r}")
-    out["tokenizer"] = _choice(path, "[data] tokenizer", data.get("tokenizer", "shared"), ("shared", "per-model"))
+    out["tokenizer"] = _choice(
+        path, "[data] tokenizer", data.get("tokenizer", "shared"), ("shared", "per-model")
+    )
     return out
 
 
 def _check_probe(path: Path, probe: dict) -> dict:
     out = dict(probe)
     points = probe.get("points", "residual")
-    if not (points == "residual" or (isinstance(points, list) and points and all(isinstance(p, str) for p in points))):
-        _fail(path, f"[probe] points must be \"residual\" or a non-empty list of module names, got {points!r}")
+    if not (
+        points == "residual"
+        or (isinstance(points, list) and points and all(isinstance(p, str) for p in points))
+    ):
+        _fail(path, f'[probe] points must be "residual" or a non-empty list of module names, got {points!r}')
     out["points"] = points
     out["unit"] = _choice(path, "[probe] unit", probe.get("unit", "sample"), UNITS)
     default_mask = "labels" if out["unit"] == "position" else "attention"
@@ -199,7 +204,7 @@ def _check_probe(path: Path, probe: dict) -> dict:
     out["dtype"] = _choice(path, "[probe] dtype", probe.get("dtype", "float32"), DTYPES)
     stream = probe.get("stream_blocks", "auto")
     if stream not in ("auto", True, False):
-        _fail(path, f"[probe] stream_blocks must be \"auto\", true or false, got {stream!r}")
+        _fail(path, f'[probe] stream_blocks must be "auto", true or false, got {stream!r}')
     out["stream_blocks"] = stream
     out["trials"] = _int(path, "[probe] trials", probe.get("trials", 2000), low=0)
     out["seed"] = _int(path, "[probe] seed", probe.get("seed", 0), low=0)
@@ -210,16 +215,21 @@ def _check_probe(path: Path, probe: dict) -> dict:
         if isinstance(cross, int) and not isinstance(cross, bool):
             cross = {"rank": cross}
         if not isinstance(cross, dict) or set(cross) - {"rank", "activation"} or "rank" not in cross:
-            _fail(path, f"[probe] cross must be a rank (integer) or {{rank = R, activation = \"gelu\"}}, got {cross!r}")
+            _fail(
+                path,
+                f'[probe] cross must be a rank (integer) or {{rank = R, activation = "gelu"}}, got {cross!r}',
+            )
         rank = _int(path, "[probe] cross rank", cross["rank"])
         activation = _choice(path, "[probe] cross activation", cross.get("activation", "gelu"), ACTIVATIONS)
         if out["unit"] == "flat":
-            _fail(path, "[probe] cross needs unit = \"sample\" or \"position\"; got unit = \"flat\"")
+            _fail(path, '[probe] cross needs unit = "sample" or "position"; got unit = "flat"')
         cross = {"rank": rank, "activation": activation}
     out["cross"] = cross
     splits = probe.get("splits", [])
     if not isinstance(splits, list) or not all(
-        isinstance(s, list) and len(s) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in s)
+        isinstance(s, list)
+        and len(s) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in s)
         for s in splits
     ):
         _fail(path, f"[probe] splits must be a list of [M, K] pairs of integers >= 1, got {splits!r}")
@@ -260,7 +270,7 @@ def config_labels(model: Path) -> dict:
 
 def _find_runs(path: Path, entries, base: Path, pattern: re.Pattern) -> list[RunSpec]:
     if not isinstance(entries, list) or not entries:
-        _fail(path, "needs at least one [[runs]] entry (model = \"folder\" or glob = \"pattern\")")
+        _fail(path, 'needs at least one [[runs]] entry (model = "folder" or glob = "pattern")')
     found: list[tuple[Path, dict, str]] = []
     for i, entry in enumerate(entries):
         where = f"[[runs]] entry {i + 1}"
@@ -270,7 +280,7 @@ def _find_runs(path: Path, entries, base: Path, pattern: re.Pattern) -> list[Run
         if bad:
             _fail(path, f"unknown key {bad[0]!r} in {where} (known: {', '.join(sorted(RUN_KEYS))})")
         if ("model" in entry) == ("glob" in entry):
-            _fail(path, f"{where} needs exactly one of model = \"folder\" or glob = \"pattern\"")
+            _fail(path, f'{where} needs exactly one of model = "folder" or glob = "pattern"')
         hand = entry.get("labels", {})
         if not isinstance(hand, dict):
             _fail(path, f"{where}: labels must be a table, got {hand!r}")
@@ -281,16 +291,24 @@ def _find_runs(path: Path, entries, base: Path, pattern: re.Pattern) -> list[Run
                 _fail(path, f"{where}: model must be a path string, got {entry['model']!r}")
             folder = (base / entry["model"]).resolve()
             if not (folder / "config.json").is_file():
-                _fail(path, f"{where}: model {entry['model']!r} ({str(folder)!r}) is not a folder with a config.json")
+                _fail(
+                    path,
+                    f"{where}: model {entry['model']!r} ({str(folder)!r}) is not a folder with a config.json",
+                )
             found.append((folder, hand, entry.get("name")))
         else:
             if not isinstance(entry["glob"], str):
                 _fail(path, f"{where}: glob must be a string, got {entry['glob']!r}")
             matches = sorted(
-                Path(m).resolve() for m in globlib.glob(str(base / entry["glob"])) if (Path(m) / "config.json").is_file()
+                Path(m).resolve()
+                for m in globlib.glob(str(base / entry["glob"]))
+                if (Path(m) / "config.json").is_file()
             )
             if not matches:
-                _fail(path, f"{where}: glob {entry['glob']!r} matches no checkpoint folder (with a config.json) under {str(base)!r}")
+                _fail(
+                    path,
+                    f"{where}: glob {entry['glob']!r} matches no checkpoint folder (with a config.json) under {str(base)!r}",
+                )
             found.extend((m, hand, None) for m in matches)
     folders = [f for f, _, _ in found]
     dupes = sorted({str(f) for f in folders if folders.count(f) > 1})
@@ -302,7 +320,9 @@ def _find_runs(path: Path, entries, base: Path, pattern: re.Pattern) -> list[Run
     runs = []
     for (folder, hand, _), name in zip(found, names):
         labels = config_labels(folder)
-        labels.update(_labels_from_path(pattern, folder.relative_to(base) if folder.is_relative_to(base) else folder))
+        labels.update(
+            _labels_from_path(pattern, folder.relative_to(base) if folder.is_relative_to(base) else folder)
+        )
         labels.update(hand)
         runs.append(RunSpec(name=name, model=folder, labels=labels, source=str(folder)))
     return sorted(runs, key=lambda r: r.name)
