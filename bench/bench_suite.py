@@ -5,7 +5,9 @@ trained BPE tokenizer) are probed on the same text, each the same work: ``sequen
 ``sequences`` test windows of ``seq_len`` tokens, the cross-gradient at rank 16, the certificate and
 misalignment at one (M, K). Three ways, each a fresh Python process timed from start to exit:
 
-* ``suite``: one ``fused-stats suite`` process (text tokenised once, libraries imported once);
+* ``suite``: one ``fused-stats suite --no-plots`` process (text tokenised once, libraries imported
+  once; the same outputs as the other two: a JSON report per run, plus suite.json and suite.md);
+* ``suite_plots``: the same with its five comparison plots (matplotlib import and rendering);
 * ``probes``: one ``fused-stats probe --text`` process per checkpoint, summed (the loop by hand);
 * ``loop``: one Python process that tokenises once and calls ``fs.Probe`` per checkpoint.
 
@@ -131,7 +133,7 @@ def main() -> None:
         # the probe command splits one text 90/10: enough text that both streams hold N windows
         probe_args = ["--batches", str(N // B), "--batch-size", str(B), "--seq-len", str(T), "--cross", "16"]
         probe_args += ["--second-moment", "pool", "--split", str(M), str(M), "--trials", str(args.trials)]
-        times = {"suite": [], "probes": [], "loop": []}
+        times = {"suite": [], "suite_plots": [], "probes": [], "loop": []}
         cli = [sys.executable, "-m", "fused_stats.cli"]
         for r in range(args.rounds):
             times["suite"].append(
@@ -197,10 +199,15 @@ def main() -> None:
             "best_seconds": best,
             "suite_over_probes": best["suite"] / best["probes"],
             "suite_over_loop": best["suite"] / best["loop"],
+            "suite_plots_over_loop": best["suite_plots"] / best["loop"],
         }
         print(
             json.dumps(
-                {k: result[k] for k in ("best_seconds", "suite_over_probes", "suite_over_loop")}, indent=1
+                {
+                    k: result[k]
+                    for k in ("best_seconds", "suite_over_probes", "suite_over_loop", "suite_plots_over_loop")
+                },
+                indent=1,
             )
         )
         if args.out:

@@ -148,8 +148,8 @@ def read_suite(path) -> SuiteSpec:
                     "(set it with labels = {...} in their [[runs]] entry, or drop the trend)",
                 )
     point = compare.get("point", "last")
-    if not isinstance(point, str):
-        _fail(path, f"[compare] point must be 'last', 'first' or a relative depth as a string, got {point!r}")
+    if point not in ("last", "first") and not _relative_depth(point):
+        _fail(path, f"[compare] point must be 'last', 'first' or a relative depth in (0, 1] as a string (e.g. '0.5'), got {point!r}")
     return SuiteSpec(
         path=path,
         sha256=hashlib.sha256(payload).hexdigest(),
@@ -237,6 +237,13 @@ def _check_probe(path: Path, probe: dict) -> dict:
     return out
 
 
+def _relative_depth(value) -> bool:
+    try:
+        return isinstance(value, str) and 0 < float(value) <= 1
+    except ValueError:
+        return False
+
+
 def _labels_from_path(pattern: re.Pattern, model: Path) -> dict:
     found = {}
     for match in pattern.finditer(str(model)):
@@ -264,7 +271,10 @@ def config_labels(model: Path) -> dict:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise FusedStatsError(f"run {str(model)!r}: cannot read {config_file.name}: {exc}") from None
-    width, depth = model_shape(config)
+    try:
+        width, depth = model_shape(config)
+    except FusedStatsError as exc:
+        raise FusedStatsError(f"run {str(model)!r}: {exc}") from None
     return {"width": width, "depth": depth, "model_type": config.get("model_type")}
 
 
