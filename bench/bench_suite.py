@@ -136,19 +136,9 @@ def main() -> None:
         times = {"suite": [], "suite_plots": [], "probes": [], "loop": []}
         cli = [sys.executable, "-m", "fused_stats.cli"]
         for r in range(args.rounds):
-            times["suite"].append(
-                timed(
-                    [
-                        *cli,
-                        "suite",
-                        str(root / "suite.toml"),
-                        "--out",
-                        str(root / f"suite{r}"),
-                        "--no-progress",
-                    ],
-                    env,
-                )
-            )
+            suite = [*cli, "suite", str(root / "suite.toml"), "--no-progress"]
+            times["suite"].append(timed([*suite, "--out", str(root / f"suite{r}"), "--no-plots"], env))
+            times["suite_plots"].append(timed([*suite, "--out", str(root / f"suite-plots{r}")], env))
             times["probes"].append(
                 sum(
                     timed(

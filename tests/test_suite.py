@@ -357,6 +357,7 @@ def test_differing_tokenizers_refused_unless_per_model(family, tmp_path, capsys)
     assert main(["suite", str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "tokenizers differ" in err and "llama-retok" in err and 'tokenizer = "per-model"' in err
+    assert not (tmp_path / "out").exists()
     path.write_text(text.replace("[data]", '[data]\ntokenizer = "per-model"'))
     windows, identity = prepare(read_suite(path))
     assert len(windows) == 2 and identity["llama-retok"] != identity["llama-w16-d1"]
