@@ -442,3 +442,17 @@ def test_data_sources_give_the_expected_windows(family, tmp_path):
     text = (family["root"] / "train.txt").read_text()  # bytes when a folder has no tokenizer
     raw = np.frombuffer(text.encode()[: 16 * 4], dtype=np.uint8).astype(np.int64).reshape(4, 16)
     assert np.array_equal(stream_windows(family["root"] / "train.txt", None, 16, 4, "text", "train"), raw)
+
+
+def test_token_ids_beyond_a_vocabulary_refused_before_loading(family, tmp_path, monkeypatch, capsys):
+    vocab = len(family["tokenizer"])
+    rows = np.random.default_rng(4).integers(0, vocab, size=(SEQUENCES, SEQ_LEN))
+    np.save(tmp_path / "ok.npy", rows)
+    rows[5, 7] = vocab  # one id past the embedding table
+    np.save(tmp_path / "bad.npy", rows)
+    text = SUITE.replace('"train.txt"', '"bad.npy"').replace('"test.txt"', '"ok.npy"')
+    path = _suite_file(family["root"], tmp_path, text)
+    monkeypatch.setattr("fused_stats.commands.probe.load_model", lambda *a, **k: pytest.fail("loaded"))
+    assert main(["suite", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"token ids span [0, {vocab}] but its vocab_size is {vocab}" in err, err
