@@ -456,3 +456,24 @@ def test_token_ids_beyond_a_vocabulary_refused_before_loading(family, tmp_path, 
     assert main(["suite", str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert f"token ids span [0, {vocab}] but its vocab_size is {vocab}" in err, err
+
+
+def test_report_suite_rerenders_and_lists_pending_runs(reference, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(reference, copy)
+    for name in ("suite.json", "suite.md", "suite_width.png"):
+        (copy / name).unlink()
+    assert main(["report", "--suite", str(copy)]) == 0
+    for name in ("suite.json", "suite.md"):  # the same bytes from the same run files
+        assert (copy / name).read_bytes() == (reference / name).read_bytes()
+    assert (copy / "suite_width.png").is_file()
+    (copy / "runs" / "step100.json").unlink()
+    capsys.readouterr()
+    assert main(["report", "--suite", str(copy), "--no-plots"]) == 0
+    assert "1 run(s) not finished yet, left out: step100" in capsys.readouterr().out
+    partial = json.loads((copy / "suite.json").read_text())
+    assert (
+        partial["pending"] == ["step100"] and "step100" not in partial["runs"] and len(partial["runs"]) == 8
+    )
+    assert main(["report", "--suite", str(tmp_path / "nowhere")]) == 2
+    assert "is not a suite folder (no plan.json)" in capsys.readouterr().err

@@ -38,7 +38,7 @@ def register(sub) -> None:
         "--suite",
         metavar="DIR",
         default=None,
-        help="re-render a suite folder's suite.json, suite.md and plots from its finished runs",
+        help="re-render a suite folder's suite.json, suite.md and plots from its finished runs (default: none)",
     )
     p.set_defaults(func=cmd_report)
 

@@ -149,7 +149,10 @@ def read_suite(path) -> SuiteSpec:
                 )
     point = compare.get("point", "last")
     if point not in ("last", "first") and not _relative_depth(point):
-        _fail(path, f"[compare] point must be 'last', 'first' or a relative depth in (0, 1] as a string (e.g. '0.5'), got {point!r}")
+        _fail(
+            path,
+            f"[compare] point must be 'last', 'first' or a relative depth in (0, 1] as a string (e.g. '0.5'), got {point!r}",
+        )
     return SuiteSpec(
         path=path,
         sha256=hashlib.sha256(payload).hexdigest(),
