@@ -410,7 +410,8 @@ def plot_saturation(suite, path) -> Path | None:
     ax = fig.add_subplot(1, 1, 1)
     image = ax.imshow(grid, aspect="auto", cmap="viridis")
     for i, j, text in marks:
-        ax.text(j, i, text, ha="center", va="center", color="white", fontsize=8)
+        blank = math.isnan(grid[i, j])  # no colour under it: dark text on the white background
+        ax.text(j, i, text, ha="center", va="center", color="black" if blank else "white", fontsize=8)
     ax.set_xticks(range(len(depths)), [f"{r:g}" for r in depths], fontsize=7)
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xlabel("relative depth")
