@@ -21,7 +21,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "reports",
-        nargs="+",
+        nargs="*",
         help="report .json files (e.g. fused_stats_out/runs/*.json), "
         "or monitor logs (.jsonl) written during training",
     )
@@ -34,7 +34,29 @@ def register(sub) -> None:
     )
     p.add_argument("--point", default="last", help="point used by --sweep: last, first, an index or a name")
     p.add_argument("--no-plots", action="store_true", help="write markdown only, no PNG plots")
+    p.add_argument(
+        "--suite",
+        metavar="DIR",
+        default=None,
+        help="re-render a suite folder's suite.json, suite.md and plots from its finished runs (default: none)",
+    )
     p.set_defaults(func=cmd_report)
+
+
+def _report_suite(args) -> int:
+    from ..api.suite.runner import collect, write_suite
+
+    if args.reports:
+        raise FusedStatsError("give report files or --suite DIR, not both")
+    out = Path(args.suite)
+    suite, pending = collect(out, partial=True)
+    written = write_suite(out, suite, plots=not args.no_plots)
+    if pending:
+        print(f"{len(pending)} run(s) not finished yet, left out: {', '.join(pending)}")
+    if suite["failed"]:
+        print(f"failed runs: {', '.join(suite['failed'])}")
+    print("wrote " + ", ".join(str(w) for w in written))
+    return 0
 
 
 def _stems(paths: list[Path]) -> list[str]:
@@ -54,6 +76,10 @@ def _stems(paths: list[Path]) -> list[str]:
 def cmd_report(args) -> int:
     from ..api.report.document import Report, fmt, plot_sweep, sweep_summary
 
+    if args.suite:
+        return _report_suite(args)
+    if not args.reports:
+        raise FusedStatsError("give report .json files, monitor logs, or --suite DIR")
     paths = [Path(p) for p in args.reports]
     logs = [p for p in paths if p.suffix == ".jsonl" or _is_monitor_log(p)]
     if logs:

@@ -1,0 +1,473 @@
+"""The suite's comparison: tables over runs × points, trends against the labels, plots.
+
+Points are aligned across depths by relative depth ``(j + 1) / P`` (point ``j`` of ``P``, in the
+report's order: the residual stream after block ``j + 1`` of ``P``). A trend of a statistic against
+a label is measured within each group of runs that hold the other design labels (width, depth,
+step, model_type and hand-set labels) fixed; ``parameters`` follows from width and depth, so its
+groups hold only the rest fixed. Each trend is Spearman's ρ with the two-sided permutation p-value
+of :func:`fused_stats.accumulators.trends.rank_correlation`, exact (every re-pairing enumerated)
+up to 8 runs a group. Plots use matplotlib's object-oriented API (no pyplot).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from ...accumulators.trends import rank_correlation
+from ..report.document import fmt, save_figure
+
+TREND_LABELS = ("width", "depth", "step", "parameters")
+NOT_DESIGN = ("parameters",)
+
+
+# ---------------------------------------------------------------------------- cells
+def relative_depths(report: dict) -> list[tuple[float, dict]]:
+    points = report["points"]
+    return [(round((j + 1) / len(points), 4), p) for j, p in enumerate(points)]
+
+
+def _budget_point(entry, b: int, name: str) -> dict:
+    return entry["budgets"][b]["points"].get(name, {}) if entry["budgets"] else {}
+
+
+def _sub(d, *keys):
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def statistics(suite: dict) -> list[tuple[str, object]]:
+    """``(title, cell(entry, point) -> value)`` for every table."""
+    stats = [
+        ("d_align (train)", lambda e, p: _sub(p, "train", "d_align")),
+        ("d_par (train)", lambda e, p: _sub(p, "train", "d_par")),
+        ("d_2 (train)", lambda e, p: _sub(p, "train", "d_2")),
+        ("AG_max (train)", lambda e, p: _sub(p, "train", "ag_max")),
+    ]
+    for b, (M, K) in enumerate(suite["settings"]["splits"]):
+        stats.append(
+            (
+                f"B_exact at M={M}, K={K}",
+                lambda e, p, b=b: _sub(_budget_point(e, b, p["name"]), "certificate", "b_exact"),
+            )
+        )
+        stats.append(
+            (
+                f"misalignment Pr(μ_Mᵀg_K ≤ 0) at M={M}, K={K}",
+                lambda e, p, b=b: _sub(_budget_point(e, b, p["name"]), "misalignment", "probability"),
+            )
+        )
+    if suite["settings"].get("cross"):
+        stats.append(("|C|²_F (cross_frob2)", lambda e, p: _sub(p, "saturation", "cross_frob2")))
+    return stats
+
+
+def _order(suite: dict) -> list[str]:
+    def key(name):
+        labels = suite["runs"][name]["labels"]
+        return (
+            str(labels.get("model_type") or ""),
+            *(
+                labels.get(k) if isinstance(labels.get(k), (int, float)) else -1
+                for k in ("depth", "width", "step")
+            ),
+            name,
+        )
+
+    return sorted(suite["runs"], key=key)
+
+
+def _pick_point(report: dict, where: str):
+    points = relative_depths(report)
+    if not points:
+        return None
+    if where == "last":
+        return points[-1][1]
+    if where == "first":
+        return points[0][1]
+    target = float(where)
+    return min(points, key=lambda rp: abs(rp[0] - target))[1]
+
+
+# ---------------------------------------------------------------------------- trends
+def design_labels(suite: dict) -> list[str]:
+    keys = set()
+    for run in suite["runs"].values():
+        keys.update(k for k, v in run["labels"].items() if v is not None)
+    return sorted(keys - set(NOT_DESIGN))
+
+
+def trend_rows(suite: dict) -> list[dict]:
+    """One row per (label, group, statistic) with at least 3 runs at 2+ label values."""
+    done = {n: r for n, r in suite["runs"].items() if r["status"] == "done"}
+    asked = suite.get("trends")
+    labels = (
+        list(asked)
+        if asked
+        else [x for x in TREND_LABELS if any(r["labels"].get(x) is not None for r in done.values())]
+    )
+    design = design_labels(suite)
+    where = suite.get("point", "last")
+    rows = []
+    for x in labels:
+        fixed = [k for k in design if k != x and not (x == "parameters" and k in ("width", "depth"))]
+        groups = defaultdict(list)
+        for name, run in done.items():
+            if isinstance(run["labels"].get(x), (int, float)) and not isinstance(run["labels"].get(x), bool):
+                groups[tuple((k, run["labels"].get(k)) for k in fixed)].append(name)
+        for group, names in sorted(groups.items(), key=lambda g: str(g[0])):
+            xs = [done[n]["labels"][x] for n in names]
+            if len(names) < 3 or len(set(xs)) < 2:
+                continue
+            for title, cell in statistics(suite):
+                ys = []
+                for n in names:
+                    point = _pick_point(done[n]["report"], where)
+                    ys.append(None if point is None else cell(done[n], point))
+                pairs = [(a, b) for a, b in zip(xs, ys) if isinstance(b, (int, float)) and math.isfinite(b)]
+                if len(pairs) < 3:
+                    continue
+                n = len(pairs)
+                permutations = math.factorial(n) if n <= 8 else 100_000
+                rho, p = rank_correlation(
+                    [a for a, _ in pairs], [b for _, b in pairs], permutations=permutations
+                )
+                rows.append(
+                    {
+                        "label": x,
+                        "group": ", ".join(f"{k}={v}" for k, v in group if v is not None) or "all runs",
+                        "statistic": title,
+                        "n": n,
+                        "rho": rho,
+                        "p": p,
+                        "exact": n <= 8,
+                        "runs": names,
+                    }
+                )
+    return rows
+
+
+# ---------------------------------------------------------------------------- markdown
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")  # a bare | would end the table cell
+
+
+def render_markdown(suite: dict) -> str:
+    names = _order(suite)
+    done = [n for n in names if suite["runs"][n]["status"] == "done"]
+    depths = sorted({r for n in done for r, _ in relative_depths(suite["runs"][n]["report"])})
+    label_keys = ["model_type", "width", "depth", "step", "parameters"]
+    label_keys += [k for k in design_labels(suite) if k not in label_keys]
+    out = [f"# Suite: {Path(suite['suite']['file']).name}", ""]
+    out.append(f"- suite file SHA-256: `{suite['suite']['sha256']}`")
+    tok = suite["tokenizer"]
+    out.append(
+        f"- tokenizer: {tok}"
+        + (
+            f" ({len(suite['data'])} distinct tokenizers: each run saw its own tokenisation of the same text)"
+            if tok == "per-model"
+            else ""
+        )
+    )
+    for key, data in suite["data"].items():
+        for stream in ("train", "test"):
+            d = data[stream]
+            out.append(
+                f"- {stream} windows ({key[:12]}): {d['shape'][0]} × {d['shape'][1]} from `{d['source']}`, SHA-256 `{d['sha256']}`"
+            )
+    s = suite["settings"]
+    out.append(
+        f"- probe: points {s['points']}, unit {s['unit']}, mask {s['mask']}, second moment {s['second_moment']}, "
+        f"dtype {s['dtype']}, cross {s['cross']}, (M, K) budgets {s['splits']}, {s['trials']} misalignment trials"
+    )
+    out += [
+        "",
+        "## Runs",
+        "",
+        "| run | " + " | ".join(label_keys) + " | status |",
+        "|---" * (len(label_keys) + 2) + "|",
+    ]
+    for n in names:
+        r = suite["runs"][n]
+        status = r["status"] if r["status"] == "done" else f"**failed**: {r['error']}"
+        out.append(
+            f"| {n} | "
+            + " | ".join(
+                fmt(r["labels"].get(k)) if not isinstance(r["labels"].get(k), str) else r["labels"][k]
+                for k in label_keys
+            )
+            + f" | {status} |"
+        )
+    if suite["failed"]:
+        out += ["", f"**{len(suite['failed'])} failed run(s)**: {', '.join(suite['failed'])}"]
+    header = "| run | " + " | ".join(f"{r:g}" for r in depths) + " |"
+    rule = "|---" * (len(depths) + 1) + "|"
+    for title, cell in statistics(suite):
+        note = "Columns: relative depth of the point (block j of P: j/P)."
+        if title.startswith("misalignment"):
+            note += ' "—": no sample pool (it needs second_moment = "pool", or "auto" below its switch size).'
+        out += ["", f"## {title}", "", note, "", header, rule]
+        for n in done:
+            entry = suite["runs"][n]
+            at = dict(relative_depths(entry["report"]))
+            cells = []
+            for r in depths:
+                point = at.get(r)
+                value = None if point is None else cell(entry, point)
+                text = fmt(value)
+                if title.startswith("|C|") and point is not None and point.get("saturation"):
+                    text += " (sat.)" if point["saturation"].get("saturated") else " (not sat.)"
+                cells.append(text if point is not None else "")
+            out.append(f"| {n} | " + " | ".join(cells) + " |")
+    rows = trend_rows(suite)
+    out += ["", f"## Trends (point: {suite.get('point', 'last')})", ""]
+    if rows:
+        out += [
+            "Spearman's ρ within groups that hold the other labels fixed; p: two-sided permutation p-value "
+            "(exact: every re-pairing enumerated).",
+            "",
+            "| label | group | statistic | runs | ρ | p |",
+            "|---|---|---|---|---|---|",
+        ]
+        for t in rows:
+            if math.isnan(t["rho"]):
+                rho, p = "undefined", "(a constant column)"
+            else:
+                rho, p = f"{t['rho']:+.2f}", f"{t['p']:.3g}" + ("" if t["exact"] else " (Monte Carlo)")
+            out.append(f"| {t['label']} | {t['group']} | {_cell(t['statistic'])} | {t['n']} | {rho} | {p} |")
+    else:
+        out.append("No group holds 3 or more runs at 2 or more values of a label.")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------- plots
+def _figure(panels: int):
+    from ..report.document import _matplotlib
+
+    Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(4.6 * panels, 3.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, [fig.add_subplot(1, panels, i + 1) for i in range(panels)]
+
+
+def _done(suite):
+    return [n for n in _order(suite) if suite["runs"][n]["status"] == "done"]
+
+
+def _group_by(suite, names, keys):
+    groups = defaultdict(list)
+    for n in names:
+        groups[tuple(suite["runs"][n]["labels"].get(k) for k in keys)].append(n)
+    return dict(sorted(groups.items(), key=lambda g: str(g[0])))
+
+
+def _plain_ticks(axis) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+
+def _logy(ax, values):
+    # a log axis only where the values span a decade (below, it would show no labelled tick)
+    if values and all(v > 0 for v in values) and max(values) > 10 * min(values):
+        ax.set_yscale("log")
+        _plain_ticks(ax.yaxis)
+
+
+def plot_width(suite, path) -> Path | None:
+    names = [n for n in _done(suite) if isinstance(suite["runs"][n]["labels"].get("width"), int)]
+    groups = {
+        g: ns
+        for g, ns in _group_by(suite, names, ("model_type", "depth", "step")).items()
+        if len({suite["runs"][n]["labels"]["width"] for n in ns}) > 1
+    }
+    if not groups:
+        return None
+    fig, axes = _figure(len(groups))
+    for ax, (group, ns) in zip(axes, groups.items()):
+        series = defaultdict(list)
+        for n in ns:
+            for r, p in relative_depths(suite["runs"][n]["report"]):
+                v = _sub(p, "train", "d_align")
+                if isinstance(v, float) and math.isfinite(v):
+                    series[r].append((suite["runs"][n]["labels"]["width"], v))
+        values = []
+        for r, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=f"rel. depth {r:g}")
+            values += [b for _, b in pts]
+        _logy(ax, values)
+        ax.set_xscale("log", base=2)
+        widths = sorted({suite["runs"][n]["labels"]["width"] for n in ns})
+        ax.set_xticks(widths, [str(w) for w in widths])
+        ax.xaxis.set_minor_formatter(lambda v, _: "")
+        ax.set_xlabel("width (hidden size)")
+        ax.set_ylabel("d_align (train)")
+        ax.set_title(
+            ", ".join(f"{k}={v}" for k, v in zip(("model", "depth", "step"), group) if v is not None),
+            fontsize=9,
+        )
+        ax.legend(fontsize=7)
+    return save_figure(fig, path, dpi=110)
+
+
+def plot_budgets(suite, path) -> Path | None:
+    splits = suite["settings"]["splits"]
+    names = _done(suite)
+    if not splits or not names:
+        return None
+    fig, axes = _figure(2)
+    where = suite.get("point", "last")
+    for n in names:
+        entry = suite["runs"][n]
+        point = _pick_point(entry["report"], where)
+        if point is None:
+            continue
+        xs = [M * K / (M + K + 1) for M, K in splits]
+        for ax, key in zip(axes, (("misalignment", "probability"), ("certificate", "b_exact"))):
+            ys = [_sub(_budget_point(entry, b, point["name"]), *key) for b in range(len(splits))]
+            pts = [(x, y) for x, y in zip(xs, ys) if isinstance(y, (int, float))]
+            if pts:
+                ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=n)
+    for ax, title in zip(axes, ("empirical misalignment Pr(μ_Mᵀg_K ≤ 0)", "certificate B_exact")):
+        ax.set_xscale("log")
+        ax.set_xlabel("n_eff = MK/(M+K+1)")
+        ax.set_title(f"{title}, point: {where}", fontsize=9)
+        if ax.lines:
+            ax.legend(fontsize=6, ncol=2)
+    return save_figure(fig, path, dpi=110)
+
+
+def plot_depth(suite, path) -> Path | None:
+    names = [n for n in _done(suite) if isinstance(suite["runs"][n]["labels"].get("depth"), int)]
+    groups = {
+        g: ns
+        for g, ns in _group_by(suite, names, ("model_type", "width", "step")).items()
+        if len({suite["runs"][n]["labels"]["depth"] for n in ns}) > 1
+    }
+    if not groups:
+        return None
+    fig, (ax,) = _figure(1)
+    where = suite.get("point", "last")
+    values = []
+    for group, ns in groups.items():
+        pts = sorted(
+            (
+                suite["runs"][n]["labels"]["depth"],
+                _sub(_pick_point(suite["runs"][n]["report"], where), "train", "ag_max"),
+            )
+            for n in ns
+        )
+        pts = [(a, b) for a, b in pts if isinstance(b, float)]
+        ax.plot(
+            [a for a, _ in pts],
+            [b for _, b in pts],
+            marker="o",
+            label=", ".join(f"{k}={v}" for k, v in zip(("model", "width", "step"), group) if v is not None),
+        )
+        values += [b for _, b in pts]
+    _logy(ax, values)
+    depths = sorted({suite["runs"][n]["labels"]["depth"] for ns in groups.values() for n in ns})
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.set_xlabel("depth (blocks)")
+    ax.set_ylabel(f"AG_max = max_i |q_i| (train, point: {where})")
+    ax.legend(fontsize=7)
+    return save_figure(fig, path, dpi=110)
+
+
+def plot_saturation(suite, path) -> Path | None:
+    if not suite["settings"].get("cross"):
+        return None
+    names = _done(suite)
+    depths = sorted({r for n in names for r, _ in relative_depths(suite["runs"][n]["report"])})
+    import numpy as np
+
+    grid = np.full((len(names), len(depths)), np.nan)
+    marks = []
+    for i, n in enumerate(names):
+        for r, p in relative_depths(suite["runs"][n]["report"]):
+            sat = p.get("saturation")
+            if sat and isinstance(sat.get("cross_frob2"), float):
+                j = depths.index(r)
+                verdict = "S" if sat.get("saturated") else "×"
+                if sat["cross_frob2"] > 0:
+                    grid[i, j] = math.log10(sat["cross_frob2"])
+                else:  # the unbiased estimate can be ≤ 0 when the true |C|² is near 0
+                    verdict += " ≤0"
+                marks.append((i, j, verdict))
+    if not marks:
+        return None
+    from ..report.document import _matplotlib
+
+    Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(1.2 + 0.7 * len(depths), 1.4 + 0.32 * len(names)), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    image = ax.imshow(grid, aspect="auto", cmap="viridis")
+    for i, j, text in marks:
+        blank = math.isnan(grid[i, j])  # no colour under it: dark text on the white background
+        ax.text(j, i, text, ha="center", va="center", color="black" if blank else "white", fontsize=8)
+    ax.set_xticks(range(len(depths)), [f"{r:g}" for r in depths], fontsize=7)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set_xlabel("relative depth")
+    ax.set_title("log10 |C|²_F  (S: saturated, ×: not;\n≤0: estimate ≤ 0, no colour)", fontsize=9)
+    fig.colorbar(image, ax=ax)
+    return save_figure(fig, path, dpi=110)
+
+
+def plot_steps(suite, path) -> Path | None:
+    names = [n for n in _done(suite) if isinstance(suite["runs"][n]["labels"].get("step"), (int, float))]
+    fixed = [k for k in design_labels(suite) if k != "step"]
+    groups = {g: ns for g, ns in _group_by(suite, names, fixed).items() if len(ns) > 1}
+    if not groups:
+        return None
+    every = statistics(suite)
+    stats = [s for s in every if s[0].split()[0] in ("d_align", "AG_max", "|C|²_F")]
+    stats += [s for s in every if s[0].startswith("misalignment")][-1:]  # the largest (M, K)
+    fig, axes = _figure(len(stats))
+    for ax, (title, cell) in zip(axes, stats):
+        for group, ns in groups.items():
+            series = defaultdict(list)
+            for n in ns:
+                entry = suite["runs"][n]
+                for r, p in relative_depths(entry["report"]):
+                    v = cell(entry, p)
+                    if isinstance(v, float) and math.isfinite(v):
+                        series[r].append((entry["labels"]["step"], v))
+            tag = ", ".join(
+                f"{k}={v}"
+                for k, v in zip(fixed, group)
+                if v is not None and k in ("model_type", "width", "depth")
+            )
+            for r, pts in sorted(series.items()):
+                pts.sort()
+                label = f"{tag}, rel. depth {r:g}" if len(groups) > 1 else f"rel. depth {r:g}"
+                ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=label)
+        ax.set_xlabel("training step")
+        ax.set_title(title if len(groups) > 1 else f"{title}\n{tag}", fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=6)
+    return save_figure(fig, path, dpi=110)
+
+
+PLOTS = {
+    "suite_width.png": plot_width,
+    "suite_budgets.png": plot_budgets,
+    "suite_depth.png": plot_depth,
+    "suite_saturation.png": plot_saturation,
+    "suite_steps.png": plot_steps,
+}
+
+
+def render_plots(suite: dict, out: Path) -> list[Path]:
+    written = []
+    for name, plot in PLOTS.items():
+        path = plot(suite, out / name)
+        if path is not None:
+            written.append(path)
+    return written

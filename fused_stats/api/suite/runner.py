@@ -1,0 +1,441 @@
+"""Running a suite: shards, resumable per-run files, and ``suite.json`` from every finished run.
+
+Files under ``DIR``: ``plan.json`` (the suite file's SHA-256, the windows' SHA-256 per tokenizer
+and the run list; written atomically by whichever process starts first, identical from every
+shard), ``runs/<name>.json`` (one finished run, ``status`` done or failed, with the suite hash it
+ran under), and, once every run of the plan has a file with the plan's hash, ``suite.json``,
+``suite.md`` and the plots. A run file with another hash is stale and the run is done again;
+a plan with another hash is refused unless ``force``.
+
+Sharding: run ``k`` (runs sorted by name) belongs to shard ``k mod n``. The shard comes from
+``--shard i/n``, else from torchrun's ``RANK``/``WORLD_SIZE`` and a SLURM array's
+``SLURM_ARRAY_TASK_ID``/``SLURM_ARRAY_TASK_MIN``/``SLURM_ARRAY_TASK_STEP``/``SLURM_ARRAY_TASK_COUNT``
+(both together: rank ``r`` of task ``t`` is shard ``t·WORLD_SIZE + r``). No process waits for
+another: each checks after its own share whether the plan is complete, so the last to finish
+writes the suite files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...accumulators.persistence import write_atomic
+from ...errors import FusedStatsError
+from ..report.document import _decode, _encode
+from .data import Windows
+from .spec import RunSpec, SuiteSpec
+
+FORMAT = "fused_stats.suite"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    count: int
+    how: str  # "single", "--shard", "torchrun", "slurm", "slurm+torchrun"
+    local_rank: int | None = None
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise FusedStatsError(f"--shard must be I/N with integers 0 <= I < N, got {text!r}") from None
+    if n < 1 or not 0 <= i < n:
+        raise FusedStatsError(f"--shard must be I/N with 0 <= I < N, got {text!r}")
+    return i, n
+
+
+def _env_int(env, key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise FusedStatsError(f"environment variable {key}={env[key]!r} is not an integer") from None
+
+
+def shard_from_env(explicit: str | None = None, env=None) -> Shard:
+    """This process's shard (module docstring); ``explicit`` is ``--shard i/n``."""
+    env = os.environ if env is None else env
+    local = _env_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else None
+    if explicit:
+        i, n = parse_shard(explicit)
+        return Shard(i, n, "--shard", local)
+    index, count, how = 0, 1, []
+    if "SLURM_ARRAY_TASK_ID" in env:
+        task = _env_int(env, "SLURM_ARRAY_TASK_ID")
+        low = _env_int(env, "SLURM_ARRAY_TASK_MIN") if "SLURM_ARRAY_TASK_MIN" in env else 0
+        step = _env_int(env, "SLURM_ARRAY_TASK_STEP") if "SLURM_ARRAY_TASK_STEP" in env else 1
+        if "SLURM_ARRAY_TASK_COUNT" not in env:
+            raise FusedStatsError(
+                "SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not; pass --shard I/N"
+            )
+        count = _env_int(env, "SLURM_ARRAY_TASK_COUNT")
+        high = (
+            _env_int(env, "SLURM_ARRAY_TASK_MAX")
+            if "SLURM_ARRAY_TASK_MAX" in env
+            else low + step * (count - 1)
+        )
+        # an array given as a list (--array=1,4,9) has no constant step: the task id alone cannot say
+        # which of the COUNT shares is this task's
+        if step < 1 or (task - low) % step or (high - low) != step * (count - 1):
+            raise FusedStatsError(
+                f"SLURM array ids {low}..{high} (step {step}, {count} tasks) are not evenly spaced; "
+                "use --array=A-B[:S] or pass --shard I/N"
+            )
+        index = (task - low) // step
+        how.append("slurm")
+    if "WORLD_SIZE" in env and "RANK" in env:
+        world, rank = _env_int(env, "WORLD_SIZE"), _env_int(env, "RANK")
+        if world < 1 or not 0 <= rank < world:
+            raise FusedStatsError(f"RANK={rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
+        index, count = index * world + rank, count * world
+        how.append("torchrun")
+    return Shard(index, count, "+".join(how) or "single", local)
+
+
+def my_runs(runs: list[RunSpec], shard: Shard) -> list[RunSpec]:
+    return [r for k, r in enumerate(runs) if k % shard.count == shard.index]
+
+
+# ---------------------------------------------------------------------------- files
+def _dump(path: Path, obj) -> None:
+    write_atomic(path, (json.dumps(_encode(obj), indent=1, allow_nan=False) + "\n").encode("utf-8"))
+
+
+def _load(path: Path):
+    try:
+        return _decode(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError) as exc:
+        raise FusedStatsError(f"cannot read {str(path)!r}: {exc}") from None
+
+
+def plan_document(spec: SuiteSpec, windows: dict[str, Windows], run_tokenizer: dict[str, str]) -> dict:
+    return {
+        "format": FORMAT + ".plan",
+        "version": VERSION,
+        "suite": {"file": str(spec.path.resolve()), "sha256": spec.sha256},
+        "tokenizer": spec.data["tokenizer"],
+        "data": {key: w.describe() for key, w in windows.items()},
+        "settings": {
+            "seq_len": spec.data["seq_len"],
+            "sequences": spec.data["sequences"],
+            "batch_size": spec.data["batch_size"],
+            **{k: v for k, v in spec.probe.items()},
+        },
+        "trends": spec.trends,
+        "point": spec.point,
+        "runs": [
+            {"name": r.name, "model": str(r.model), "labels": r.labels, "tokenizer": run_tokenizer[r.name]}
+            for r in spec.runs
+        ],
+    }
+
+
+def open_dir(out: Path, plan: dict, force: bool) -> None:
+    """Create ``out`` or check that it belongs to this suite file (and these windows)."""
+    existing = out / "plan.json"
+    if out.exists() and not out.is_dir():
+        raise FusedStatsError(f"--out {str(out)!r} is a file; a suite writes a folder")
+    if existing.is_file():
+        old = _load(existing)
+        if not force:
+            if old.get("suite", {}).get("sha256") != plan["suite"]["sha256"]:
+                raise FusedStatsError(
+                    f"{str(out)!r} holds a suite run from a different suite file (sha256 "
+                    f"{str(old.get('suite', {}).get('sha256'))[:12]}…, this file {plan['suite']['sha256'][:12]}…); "
+                    "pass --force to redo it with this file, or choose another --out"
+                )
+            if old.get("data") != plan["data"]:
+                raise FusedStatsError(
+                    f"{str(out)!r}: the data windows changed since this suite was started (their "
+                    "SHA-256 differ from plan.json); pass --force to redo every run, or choose another --out"
+                )
+        if old == plan:
+            return
+    _dump(existing, plan)
+
+
+def run_file(out: Path, name: str) -> Path:
+    return out / "runs" / f"{name}.json"
+
+
+def finished(out: Path, name: str, sha: str) -> dict | None:
+    """The run's file when it was finished under suite hash ``sha`` (a torn or stale file: None)."""
+    path = run_file(out, name)
+    if not path.is_file():
+        return None
+    try:
+        entry = _load(path)
+    except FusedStatsError:
+        return None
+    return entry if entry.get("suite_sha256") == sha and entry.get("status") in ("done", "failed") else None
+
+
+# ---------------------------------------------------------------------------- one run
+def stream_decision(spec: SuiteSpec, run: RunSpec, device) -> tuple[bool, str]:
+    """``stream_blocks``: as the file says, or for "auto" whether the memory plan of the whole
+    model (weights, every block's activations, point outputs and gradients, accumulators) fits
+    the device's free memory."""
+    setting = spec.probe["stream_blocks"]
+    if setting is not True and setting is not False:
+        from ..streaming.plan import plan_streaming
+
+        size = {"float32": 4, "float64": 8, "bfloat16": 2}[spec.probe["dtype"]]
+        plan = plan_streaming(
+            run.model,
+            tokens=spec.data["batch_size"] * spec.data["seq_len"],
+            dtype_bytes=size,
+            pool_size=2 * spec.data["sequences"],
+        )
+        whole = (
+            plan.model_bytes
+            + plan.blocks * plan.block_activation_bytes
+            + plan.point_bytes
+            + plan.accumulator_bytes
+        )
+        free = _free_bytes(device)
+        stream = free is not None and whole > 0.9 * free
+        return (
+            stream,
+            f"auto: whole model needs ~{whole:,} bytes, {free if free is None else f'{free:,}'} free",
+        )
+    return bool(setting), "set in the suite file"
+
+
+def _free_bytes(device) -> int | None:
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def probe_windows(model, windows: Windows, spec: SuiteSpec, device, progress: bool, meta: dict):
+    """Probe ``model`` on the windows; returns ``(report dict, budgets)`` where ``budgets`` lists,
+    per (M, K) of the file, each point's certificate and misalignment."""
+    import torch
+
+    from ...progress import Progress
+    from ..probe.driver import Probe
+    from ..probe.losses import causal_lm_loss
+    from ..probe.spec import CrossSpec
+
+    p = spec.probe
+    cross = (
+        None
+        if p["cross"] is None
+        else CrossSpec(rank=p["cross"]["rank"], activation=p["cross"]["activation"], seed=p["seed"])
+    )
+    probe = Probe(model, points=p["points"], unit=p["unit"], second_moment=p["second_moment"], cross=cross)
+    B = spec.data["batch_size"]
+    for stream, rows in (("train", windows.train), ("test", windows.test)):
+        ids = torch.from_numpy(rows)
+        batches = [ids[i : i + B].to(device) for i in range(0, ids.shape[0], B)]
+        with Progress(len(batches), f"  probe {stream}", enabled=progress, unit="batches") as bar:
+            for batch in batches:
+                probe.step(
+                    {"input_ids": batch, "labels": batch}, causal_lm_loss, stream=stream, mask=p["mask"]
+                )
+                bar.update()
+    report = probe.report(meta=meta, misalignment_trials=0)
+    budgets = []
+    for M, K in spec.splits:
+        per_point = {}
+        for name in probe.points:
+            mis = None
+            if p["trials"]:
+                mis = _or_none(probe.misalignment, name, M, K, trials=p["trials"], seed=p["seed"])
+            per_point[name] = {
+                "certificate": _or_none(probe.certificate, name, M=M, K=K),
+                "misalignment": mis,
+            }
+        budgets.append({"M": M, "K": K, "points": per_point})
+    return report.data, budgets
+
+
+def _or_none(compute, *args, **kwargs):
+    try:
+        return compute(*args, **kwargs).to_dict()
+    except FusedStatsError:  # too few samples for this (M, K), or no pool for the misalignment
+        return None
+
+
+def run_meta(spec: SuiteSpec, run: RunSpec, windows: Windows, device) -> dict:
+    return {
+        "suite_run": run.name,
+        "labels": run.labels,
+        # report --sweep width|depth reads these two keys
+        "width": run.labels.get("width"),
+        "depth": run.labels.get("depth"),
+        "data": {s: windows.sha256(s) for s in ("train", "test")},
+        "seq_len": spec.data["seq_len"],
+        "sequences": spec.data["sequences"],
+        "batch_size": spec.data["batch_size"],
+        "mask": spec.probe["mask"],
+        "device": str(device),
+        "certificate_sizes": spec.splits,
+    }
+
+
+def execute_run(spec, run, windows, device, loader, progress, echo) -> dict:
+    """Load and probe one run; any exception is recorded in the entry (the suite goes on)."""
+    import torch
+
+    entry = {
+        "name": run.name,
+        "model": str(run.model),
+        "labels": dict(run.labels),
+        "suite_sha256": spec.sha256,
+        "tokenizer": windows.tokenizer,
+        "status": "failed",
+        "error": None,
+        "report": None,
+        "budgets": None,
+        "timing": {},
+    }
+    try:
+        stream, why = stream_decision(spec, run, device)
+        entry["timing"]["stream_blocks"] = stream
+        t0 = time.perf_counter()
+        model = loader(run.model, spec.probe["dtype"], device, stream)
+        t1 = time.perf_counter()
+        entry["timing"]["load_s"] = t1 - t0
+        entry["labels"]["parameters"] = int(sum(p.numel() for p in model.parameters()))
+        if hasattr(model, "eval"):
+            model.eval()  # dropout off: the gradients are the deterministic function's
+        report, budgets = probe_windows(
+            model, windows, spec, device, progress, run_meta(spec, run, windows, device)
+        )
+        entry["timing"]["probe_s"] = time.perf_counter() - t1
+        entry.update(status="done", report=report, budgets=budgets)
+        echo(
+            f"{run.name}: loaded in {t1 - t0:.2f} s ({'streamed; ' if stream else ''}{why}), probed in {entry['timing']['probe_s']:.2f} s"
+        )
+    except Exception as exc:  # a corrupt shard, OOM, a bad config: recorded, the suite goes on
+        entry["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        echo(f"{run.name}: FAILED: {entry['error']}")
+    finally:
+        model = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return entry
+
+
+def execute(
+    spec,
+    out: Path,
+    windows: dict,
+    run_tokenizer: dict,
+    shard: Shard,
+    device,
+    loader,
+    progress: bool,
+    echo=print,
+):
+    """Run this shard's unfinished runs; returns ``(done, skipped, failed)`` name lists."""
+    from ...progress import Progress
+
+    mine = my_runs(spec.runs, shard)
+    done, skipped, failed = [], [], []
+    with Progress(len(mine), "suite", enabled=progress, unit="runs") as bar:
+        for k, run in enumerate(mine, 1):
+            old = finished(out, run.name, spec.sha256)
+            if old is not None and old["status"] == "done":
+                skipped.append(run.name)
+                bar.update()
+                continue
+            step = run.labels.get("step")
+            bar.set_description(
+                f"suite {k}/{len(mine)}: {run.name}" + (f" (step {step})" if step is not None else "")
+            )
+            entry = execute_run(
+                spec, run, windows[run_tokenizer[run.name]], device, loader, progress, lambda m: bar.write(m)
+            )
+            _dump(run_file(out, run.name), entry)
+            (done if entry["status"] == "done" else failed).append(run.name)
+            bar.update()
+    return done, skipped, failed
+
+
+# ---------------------------------------------------------------------------- the suite document
+def collect(out: Path, partial: bool = False) -> tuple[dict | None, list[str]]:
+    """``(suite document, pending names)``: the document over every finished run of
+    ``out/plan.json``; None while runs are pending unless ``partial``."""
+    plan_file = out / "plan.json"
+    if not plan_file.is_file():
+        raise FusedStatsError(f"{str(out)!r} is not a suite folder (no plan.json)")
+    plan = _load(plan_file)
+    sha = plan["suite"]["sha256"]
+    runs, pending = {}, []
+    for item in plan["runs"]:
+        entry = finished(out, item["name"], sha)
+        if entry is None:
+            pending.append(item["name"])
+            continue
+        runs[item["name"]] = {
+            "model": entry["model"],
+            "labels": entry["labels"],
+            "tokenizer": entry["tokenizer"],
+            "status": entry["status"],
+            "error": entry["error"],
+            "report": entry["report"],
+            "budgets": entry["budgets"],
+        }
+    if pending and not partial:
+        return None, pending
+    suite = {
+        "format": FORMAT,
+        "version": VERSION,
+        "suite": plan["suite"],
+        "tokenizer": plan["tokenizer"],
+        "data": plan["data"],
+        "settings": plan["settings"],
+        "trends": plan["trends"],
+        "point": plan["point"],
+        "runs": runs,
+        "failed": sorted(n for n, r in runs.items() if r["status"] == "failed"),
+        "pending": pending,
+    }
+    return suite, pending
+
+
+def write_suite(out: Path, suite: dict, plots: bool = True) -> list[Path]:
+    from .compare import render_markdown, render_plots
+
+    _dump(out / "suite.json", suite)
+    written = [out / "suite.json"]
+    write_atomic(out / "suite.md", render_markdown(suite).encode("utf-8"))
+    written.append(out / "suite.md")
+    if plots:
+        written.extend(render_plots(suite, out))
+    return written
+
+
+def read_suite_json(path: Path) -> dict:
+    suite = _load(path)
+    if not isinstance(suite, dict) or suite.get("format") != FORMAT:
+        raise FusedStatsError(f"{str(path)!r} is not a fused_stats suite document")
+    return suite
+
+
+def n_eff(M: int, K: int) -> float:
+    return M * K / (M + K + 1)
+
+
+def exact_permutations(n: int) -> int:
+    """Enough permutations for :func:`rank_correlation` to enumerate every re-pairing (exact
+    p-value) up to n = 8; beyond, 10⁵ seeded random ones."""
+    return math.factorial(n) if n <= 8 else 100_000

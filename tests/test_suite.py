@@ -1,0 +1,479 @@
+"""``fused-stats suite``: a family of tiny sharded-safetensors checkpoints probed on shared windows.
+
+References are independent of the suite code: each run is redone with ``from_pretrained`` and a
+separate ``fs.Probe`` on windows tokenised here; sharded, torchrun and killed-and-resumed suites
+are compared with one uninterrupted process. ``suite.json`` is compared with each report's
+``created`` timestamp left out (the one wall-clock field; everything else must match exactly).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import suite_models
+import torch
+
+import fused_stats as fs
+from fused_stats.api.report.document import _encode
+from fused_stats.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ_LEN, SEQUENCES, BATCH = 16, 16, 8
+SUITE = f"""
+[data]
+train = "train.txt"
+test = "test.txt"
+seq_len = {SEQ_LEN}
+sequences = {SEQUENCES}
+batch_size = {BATCH}
+[probe]
+points = "residual"
+unit = "sample"
+second_moment = "pool"
+cross = 4
+splits = [[4, 4], [8, 8], [16, 16]]
+trials = 200
+seed = 3
+[[runs]]
+glob = "ckpts/llama-*"
+[[runs]]
+glob = "ckpts/neox/step*"
+"""
+
+
+def child_env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT"):
+        env.pop(key, None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    info = suite_models.build_all(tmp_path_factory.mktemp("suite"))
+    (info["root"] / "suite.toml").write_text(SUITE)
+    return info
+
+
+@pytest.fixture(scope="session")
+def reference(family):
+    """One uninterrupted suite run in this process."""
+    out = family["root"] / "out-one"
+    assert main(["suite", str(family["root"] / "suite.toml"), "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def normalised(path: Path) -> dict:
+    suite = json.loads(path.read_text())
+    for run in suite["runs"].values():
+        if run["report"] is not None:
+            run["report"].pop("created")
+    return suite
+
+
+def windows(tokenizer, text_file: Path) -> np.ndarray:
+    ids = tokenizer(text_file.read_text(), add_special_tokens=False)["input_ids"]
+    return np.asarray(ids[: SEQ_LEN * SEQUENCES], dtype=np.int64).reshape(SEQUENCES, SEQ_LEN)
+
+
+# ---------------------------------------------------------------------------- 1: bit for bit
+def test_every_run_equals_a_separate_probe(family, reference):
+    import hashlib
+
+    import transformers
+
+    suite = json.loads((reference / "suite.json").read_text())
+    names = {f"llama-w{w}-d{d}" for w in suite_models.WIDTHS for d in suite_models.DEPTHS}
+    names |= {f"step{s}" for s in suite_models.STEPS}
+    assert set(suite["runs"]) == names and suite["failed"] == []
+    for folder in family["folders"].values():  # sharded safetensors, as the issue asks
+        assert (folder / "model.safetensors.index.json").is_file()
+        assert len(list(folder.glob("model-*-of-*.safetensors"))) >= 2
+    root = family["root"]
+    for name, entry in sorted(suite["runs"].items()):
+        folder = family["folders"][name]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        train, test = windows(tokenizer, root / "train.txt"), windows(tokenizer, root / "test.txt")
+        shas = {
+            k: hashlib.sha256(v.astype("<i8").tobytes()).hexdigest()
+            for k, v in (("train", train), ("test", test))
+        }
+        assert {k: suite["data"][entry["tokenizer"]][k]["sha256"] for k in shas} == shas
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        config = json.loads((folder / "config.json").read_text())
+        assert entry["labels"]["width"] == config["hidden_size"]
+        assert entry["labels"]["depth"] == config["num_hidden_layers"]
+        assert entry["labels"]["model_type"] == config["model_type"]
+        assert entry["labels"]["parameters"] == model.num_parameters()
+        assert entry["labels"].get("step") == (int(name[4:]) if name.startswith("step") else None)
+        probe = fs.Probe(
+            model, points="residual", unit="sample", second_moment="pool", cross=fs.CrossSpec(rank=4, seed=3)
+        )
+        for stream, rows in (("train", train), ("test", test)):
+            for i in range(0, SEQUENCES, BATCH):
+                ids = torch.from_numpy(rows[i : i + BATCH])
+                probe.step(
+                    {"input_ids": ids, "labels": ids}, fs.causal_lm_loss, stream=stream, mask="attention"
+                )
+        want = json.loads(json.dumps(_encode(probe.report(misalignment_trials=0).data)))
+        got = entry["report"]
+        assert [p["name"] for p in got["points"]] == list(probe.points)
+        for mine, theirs in zip(got["points"], want["points"]):
+            for key in ("train", "test", "certificate", "realized_alignment", "saturation"):
+                assert mine[key] == theirs[key], (name, mine["name"], key)
+        for budget, (M, K) in zip(entry["budgets"], [(4, 4), (8, 8), (16, 16)]):
+            assert (budget["M"], budget["K"]) == (M, K)
+            for point in probe.points:
+                cert = probe.certificate(point, M=M, K=K).to_dict()
+                mis = probe.misalignment(point, M, K, trials=200, seed=3).to_dict()
+                assert budget["points"][point]["certificate"] == json.loads(json.dumps(_encode(cert)))
+                assert budget["points"][point]["misalignment"] == mis
+    md = (reference / "suite.md").read_text()
+    assert "| width | depth=2, model_type=llama | d_align (train) | 3 |" in md
+    assert "| step | depth=2, model_type=gpt_neox, width=16 |" in md
+    for png in (
+        "suite_width.png",
+        "suite_budgets.png",
+        "suite_depth.png",
+        "suite_saturation.png",
+        "suite_steps.png",
+    ):
+        assert (reference / png).stat().st_size > 1000
+
+
+def test_trend_rows_match_a_brute_force_spearman(reference):
+    """ρ against width at fixed depth and its exact p-value, redone with scipy's ρ and every permutation."""
+    import itertools
+    import math
+
+    from scipy.stats import spearmanr
+
+    suite = json.loads((reference / "suite.json").read_text())
+    md = (reference / "suite.md").read_text()
+    for depth in suite_models.DEPTHS:
+        runs = [
+            r
+            for r in suite["runs"].values()
+            if r["labels"]["model_type"] == "llama" and r["labels"]["depth"] == depth
+        ]
+        xs = [r["labels"]["width"] for r in runs]
+        ys = [r["report"]["points"][-1]["train"]["ag_max"] for r in runs]
+        rho = spearmanr(xs, ys).statistic
+        perms = [spearmanr(xs, list(p)).statistic for p in itertools.permutations(ys)]
+        p = sum(abs(r) >= abs(rho) - 1e-12 for r in perms) / math.factorial(len(ys))
+        row = f"| width | depth={depth}, model_type=llama | AG_max (train) | 3 | {rho:+.2f} | {p:.3g} |"
+        assert row in md, row
+
+
+# ---------------------------------------------------------------------------- 2: sharding
+def test_three_shards_and_torchrun_equal_one_process(family, reference, capsys):
+    toml = str(family["root"] / "suite.toml")
+    out = family["root"] / "out-shards"
+    for i in range(3):
+        assert main(["suite", toml, "--out", str(out), "--shard", f"{i}/3", "--no-progress"]) == 0
+        # only the last shard to finish writes the suite files
+        assert (out / "suite.json").exists() == (i == 2)
+    assert "not finished yet" in capsys.readouterr().out
+    assert normalised(out / "suite.json") == normalised(reference / "suite.json")
+
+    out = family["root"] / "out-torchrun"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "-m",
+        "fused_stats.cli",
+    ]
+    done = subprocess.run(
+        cmd + ["suite", toml, "--out", str(out), "--no-progress"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torchrun" in done.stdout and "takes 3 on cpu" in done.stdout
+    ranks = {json.loads(p.read_text())["name"] for p in (out / "runs").glob("*.json")}
+    assert len(ranks) == 9
+    assert normalised(out / "suite.json") == normalised(reference / "suite.json")
+
+
+def test_shard_from_the_environment():
+    from fused_stats.api.suite.runner import Shard, my_runs, shard_from_env
+    from fused_stats.errors import FusedStatsError
+
+    assert shard_from_env(env={}) == Shard(0, 1, "single")
+    assert shard_from_env(env={"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}) == Shard(
+        2, 3, "torchrun", 0
+    )
+    # sbatch --array=1-4: ids 1..4, MIN 1, COUNT 4
+    slurm = {
+        "SLURM_ARRAY_TASK_ID": "3",
+        "SLURM_ARRAY_TASK_MIN": "1",
+        "SLURM_ARRAY_TASK_MAX": "4",
+        "SLURM_ARRAY_TASK_COUNT": "4",
+    }
+    assert shard_from_env(env=slurm) == Shard(2, 4, "slurm")
+    stepped = {
+        "SLURM_ARRAY_TASK_ID": "4",
+        "SLURM_ARRAY_TASK_MIN": "0",
+        "SLURM_ARRAY_TASK_MAX": "6",
+        "SLURM_ARRAY_TASK_STEP": "2",
+        "SLURM_ARRAY_TASK_COUNT": "4",
+    }
+    assert shard_from_env(env=stepped) == Shard(2, 4, "slurm")
+    both = dict(slurm, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+    assert shard_from_env(env=both) == Shard(5, 8, "slurm+torchrun", 1)
+    assert shard_from_env("1/2", env=both) == Shard(1, 2, "--shard", 1)
+    with pytest.raises(FusedStatsError, match="not evenly spaced"):  # --array=1,2,7
+        shard_from_env(
+            env={
+                "SLURM_ARRAY_TASK_ID": "2",
+                "SLURM_ARRAY_TASK_MIN": "1",
+                "SLURM_ARRAY_TASK_MAX": "7",
+                "SLURM_ARRAY_TASK_COUNT": "3",
+            }
+        )
+    for bad in ("3/3", "1", "a/b", "0/0"):
+        with pytest.raises(FusedStatsError, match="--shard"):
+            shard_from_env(bad, env={})
+    runs = list(range(10))
+    shares = [my_runs(runs, Shard(i, 3, "x")) for i in range(3)]
+    assert sorted(r for share in shares for r in share) == runs and all(len(s) in (3, 4) for s in shares)
+
+
+# ---------------------------------------------------------------------------- 3: killed and resumed
+def test_killed_after_two_runs_then_resumed(family, reference, capsys):
+    toml = str(family["root"] / "suite.toml")
+    out = family["root"] / "out-killed"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "fused_stats.cli", "suite", toml, "--out", str(out), "--no-progress"],
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 240
+    while len(list((out / "runs").glob("*.json"))) < 2:
+        assert child.poll() is None and time.monotonic() < deadline, "the child ended before its second run"
+        time.sleep(0.01)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    before = {p.name: p.read_bytes() for p in (out / "runs").glob("*.json")}
+    assert 2 <= len(before) < 9 and not (out / "suite.json").exists()
+    assert main(["suite", toml, "--out", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert f"{9 - len(before)} probed, {len(before)} finished earlier (skipped)" in text
+    for name, payload in before.items():  # not probed again: the same bytes, timing and timestamp included
+        assert (out / "runs" / name).read_bytes() == payload
+    assert normalised(out / "suite.json") == normalised(reference / "suite.json")
+
+
+# ---------------------------------------------------------------------------- 4: bad input
+def _suite_file(root: Path, tmp_path: Path, text: str) -> Path:
+    """A suite file in a fresh folder whose ckpts / data point at the family's."""
+    for item in ("ckpts", "train.txt", "test.txt"):
+        target = tmp_path / item
+        if not target.exists():
+            target.symlink_to(root / item)
+    path = tmp_path / "suite.toml"
+    path.write_text(text)
+    return path
+
+
+BAD = [
+    (("[probe]", "[probe]\nbogus = 1"), "unknown key 'bogus' in [probe]"),
+    (("[data]", "[extra]\nx = 1\n[data]"), "unknown section or key 'extra'"),
+    (
+        ('[[runs]]\nglob = "ckpts/llama-*"', '[[runs]]\nglob = "ckpts/gpt2-*"'),
+        "glob 'ckpts/gpt2-*' matches no checkpoint",
+    ),
+    (
+        ("[[runs]]", '[compare]\ntrends = ["width", "step"]\n[[runs]]'),
+        "trends asks for label 'step', which run(s) llama-w16-d1",
+    ),
+    ((f"sequences = {SEQUENCES}", "sequences = 100000"), "is too short"),
+    (("splits = [[4, 4]", "splits = [[30, 4]"), "splits [30, 4]: the misalignment draws M + K = 34"),
+    ((f"seq_len = {SEQ_LEN}", "seq_len = 65"), "seq_len 65 exceeds its 64 positions"),
+    (
+        ('unit = "sample"', 'unit = "sample"\nstream_blocks = "yes"'),
+        'stream_blocks must be "auto", true or false',
+    ),
+    (('unit = "sample"', 'unit = "token"'), "[probe] unit must be one of"),
+    (
+        ('[[runs]]\nglob = "ckpts/llama-*"', '[[runs]]\nmodel = "ckpts/missing"'),
+        "is not a folder with a config.json",
+    ),
+    (
+        (
+            '[[runs]]\nglob = "ckpts/llama-*"',
+            '[[runs]]\nglob = "ckpts/llama-*"\n[[runs]]\nmodel = "ckpts/llama-w16-d1"',
+        ),
+        "named by more than one",
+    ),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), BAD, ids=[m[:30] for _, m in BAD])
+def test_bad_input_refused_before_any_model_loads(family, tmp_path, monkeypatch, capsys, edit, message):
+    old, new = edit
+    assert old in SUITE
+    path = _suite_file(family["root"], tmp_path, SUITE.replace(old, new, 1))
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the suite file was checked")
+
+    monkeypatch.setattr("fused_stats.commands.probe.load_model", no_loading)
+    out = tmp_path / "out"
+    assert main(["suite", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fused-stats: error: ") and message in err, err
+    assert not out.exists()  # nothing created
+
+
+def test_differing_tokenizers_refused_unless_per_model(family, tmp_path, capsys):
+    from fused_stats.api.suite.spec import read_suite
+    from fused_stats.commands.suite import prepare
+
+    other = tmp_path / "ckpts-other" / "llama-retok"
+    shutil.copytree(family["folders"]["llama-w16-d1"], other)
+    suite_models.build_tokenizer(suite_models.corpus(5, 600)).save_pretrained(other)
+    text = SUITE + '[[runs]]\nmodel = "ckpts-other/llama-retok"\n'
+    path = _suite_file(family["root"], tmp_path, text)
+    assert main(["suite", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizers differ" in err and "llama-retok" in err and 'tokenizer = "per-model"' in err
+    assert not (tmp_path / "out").exists()
+    path.write_text(text.replace("[data]", '[data]\ntokenizer = "per-model"'))
+    windows, identity = prepare(read_suite(path))
+    assert len(windows) == 2 and identity["llama-retok"] != identity["llama-w16-d1"]
+    import transformers
+
+    for name in ("llama-retok", "llama-w16-d1"):  # each tokenizer's own windows of the same text
+        folder = other if name == "llama-retok" else family["folders"][name]
+        want = windows_of(transformers.AutoTokenizer.from_pretrained(folder), family["root"] / "train.txt")
+        assert np.array_equal(windows[identity[name]].train, want)
+
+
+def windows_of(tokenizer, text_file):
+    return windows(tokenizer, text_file)
+
+
+def test_corrupt_shard_fails_alone_and_force_redoes(family, tmp_path, capsys):
+    broken = tmp_path / "ckpts-broken" / "llama-broken"
+    shutil.copytree(family["folders"]["llama-w16-d2"], broken)
+    shard = sorted(broken.glob("model-*-of-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a torn download
+    text = (
+        SUITE.split("[[runs]]")[0]
+        + '[[runs]]\nmodel = "ckpts/llama-w16-d1"\n[[runs]]\nmodel = "ckpts-broken/llama-broken"\n'
+    )
+    path = _suite_file(family["root"], tmp_path, text)
+    out = tmp_path / "out"
+    assert main(["suite", str(path), "--out", str(out), "--no-progress"]) == 1
+    printed = capsys.readouterr().out
+    assert "FAILED runs (1 of 2):" in printed and "llama-broken:" in printed.split("FAILED runs")[1]
+    assert f"shard {shard.name} is unreadable" in printed.split("FAILED runs")[1]
+    suite = json.loads((out / "suite.json").read_text())
+    assert suite["failed"] == ["llama-broken"] and suite["runs"]["llama-w16-d1"]["status"] == "done"
+    assert suite["runs"]["llama-broken"]["report"] is None and suite["runs"]["llama-broken"]["error"]
+    assert "failed" in (out / "suite.md").read_text()
+    # the suite file changed: refused for this folder unless --force
+    path.write_text(text.replace("trials = 200", "trials = 100"))
+    assert main(["suite", str(path), "--out", str(out), "--no-progress"]) == 2
+    assert "different suite file" in capsys.readouterr().err
+    assert main(["suite", str(path), "--out", str(out), "--no-progress", "--force"]) == 1
+    assert "1 probed, 0 finished earlier (skipped), 1 failed" in capsys.readouterr().out
+    assert json.loads((out / "suite.json").read_text())["settings"]["trials"] == 100
+
+
+# ---------------------------------------------------------------------------- data sources
+def test_data_sources_give_the_expected_windows(family, tmp_path):
+    from fused_stats.api.suite.data import stream_windows
+    from fused_stats.errors import FusedStatsError
+
+    rng = np.random.default_rng(11)
+    flat = rng.integers(0, 100, size=1000, dtype=np.int32)
+    np.save(tmp_path / "flat.npy", flat)
+    got = stream_windows(tmp_path / "flat.npy", None, 16, 20, "text", "train")
+    assert got.dtype == np.int64 and np.array_equal(got, flat[:320].reshape(20, 16))
+    rows = rng.integers(0, 100, size=(30, 16), dtype=np.int64)
+    np.save(tmp_path / "rows.npy", rows)
+    assert np.array_equal(stream_windows(tmp_path / "rows.npy", None, 16, 20, "text", "test"), rows[:20])
+    with pytest.raises(FusedStatsError, match="length 16, \\[data\\] seq_len = 8"):
+        stream_windows(tmp_path / "rows.npy", None, 8, 4, "text", "test")
+    with pytest.raises(FusedStatsError, match="too short: 30 windows"):
+        stream_windows(tmp_path / "rows.npy", None, 16, 31, "text", "test")
+    np.save(tmp_path / "float.npy", rng.random(100))
+    with pytest.raises(FusedStatsError, match="float64; expected integers"):
+        stream_windows(tmp_path / "float.npy", None, 16, 2, "text", "test")
+
+    tokenizer = family["tokenizer"]
+    docs = [suite_models.corpus(20 + i, 60) for i in range(12)]
+    with (tmp_path / "docs.jsonl").open("w") as handle:
+        for doc in docs:
+            handle.write(json.dumps({"body": doc, "id": 1}) + "\n")
+    want = []
+    for doc in docs:  # documents joined by the end-of-text id
+        want += ([tokenizer.eos_token_id] if want else []) + tokenizer(doc, add_special_tokens=False)[
+            "input_ids"
+        ]
+    want = np.asarray(want[: 16 * 10]).reshape(10, 16)
+    assert np.array_equal(stream_windows(tmp_path / "docs.jsonl", tokenizer, 16, 10, "body", "train"), want)
+    with pytest.raises(FusedStatsError, match="line 1 has no string field 'text'"):
+        stream_windows(tmp_path / "docs.jsonl", tokenizer, 16, 10, "text", "train")
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "ds"))
+    assert np.array_equal(stream_windows(tmp_path / "ds", tokenizer, 16, 10, "body", "train"), want)
+    text = (family["root"] / "train.txt").read_text()  # bytes when a folder has no tokenizer
+    raw = np.frombuffer(text.encode()[: 16 * 4], dtype=np.uint8).astype(np.int64).reshape(4, 16)
+    assert np.array_equal(stream_windows(family["root"] / "train.txt", None, 16, 4, "text", "train"), raw)
+
+
+def test_token_ids_beyond_a_vocabulary_refused_before_loading(family, tmp_path, monkeypatch, capsys):
+    vocab = len(family["tokenizer"])
+    rows = np.random.default_rng(4).integers(0, vocab, size=(SEQUENCES, SEQ_LEN))
+    np.save(tmp_path / "ok.npy", rows)
+    rows[5, 7] = vocab  # one id past the embedding table
+    np.save(tmp_path / "bad.npy", rows)
+    text = SUITE.replace('"train.txt"', '"bad.npy"').replace('"test.txt"', '"ok.npy"')
+    path = _suite_file(family["root"], tmp_path, text)
+    monkeypatch.setattr("fused_stats.commands.probe.load_model", lambda *a, **k: pytest.fail("loaded"))
+    assert main(["suite", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"token ids span [0, {vocab}] but its vocab_size is {vocab}" in err, err
+
+
+def test_report_suite_rerenders_and_lists_pending_runs(reference, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(reference, copy)
+    for name in ("suite.json", "suite.md", "suite_width.png"):
+        (copy / name).unlink()
+    assert main(["report", "--suite", str(copy)]) == 0
+    for name in ("suite.json", "suite.md"):  # the same bytes from the same run files
+        assert (copy / name).read_bytes() == (reference / name).read_bytes()
+    assert (copy / "suite_width.png").is_file()
+    (copy / "runs" / "step100.json").unlink()
+    capsys.readouterr()
+    assert main(["report", "--suite", str(copy), "--no-plots"]) == 0
+    assert "1 run(s) not finished yet, left out: step100" in capsys.readouterr().out
+    partial = json.loads((copy / "suite.json").read_text())
+    assert (
+        partial["pending"] == ["step100"] and "step100" not in partial["runs"] and len(partial["runs"]) == 8
+    )
+    assert main(["report", "--suite", str(tmp_path / "nowhere")]) == 2
+    assert "is not a suite folder (no plan.json)" in capsys.readouterr().err
