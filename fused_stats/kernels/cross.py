@@ -133,7 +133,7 @@ def _phi_kernel(
             w = tl.load(
                 W + rn[None, :] * sw_r + k[:, None] * sw_d, mask=k_in[:, None] & n_in[None, :], other=0.0
             )
-            x = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), x, input_precision=PRECISION)
+            x = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), x, input_precision=PRECISION, out_dtype=DOT_DTYPE)
         # the activation in the GEMM's epilogue: the pre-activations never leave registers
         if ACT == "gelu":
             phi = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
@@ -203,7 +203,13 @@ def _cross_kernel(
             base = b * sq_b + (idx - b * T) * sq_t
             q = tl.load(Q + base[:, None] + rd[None, :] * sq_d, mask=j_in[:, None] & d_in[None, :], other=0.0)
             p = tl.load(PHI + j[:, None] * R + rr[None, :], mask=j_in[:, None] & r_in[None, :], other=0.0)
-            acc = tl.dot(tl.trans(q.to(DOT_DTYPE)), p.to(DOT_DTYPE), acc, input_precision=PRECISION)
+            acc = tl.dot(
+                tl.trans(q.to(DOT_DTYPE)),
+                p.to(DOT_DTYPE),
+                acc,
+                input_precision=PRECISION,
+                out_dtype=DOT_DTYPE,
+            )
         acc64 = acc.to(tl.float64)
         csum += acc64
         if STORE_C:

@@ -81,7 +81,7 @@ def _gram_kernel(
         k_in = k < D
         a = tl.load(X + rm[:, None] * sx_0 + k[None, :] * sx_1, mask=m_in[:, None] & k_in[None, :], other=0.0)
         b = tl.load(P + rn[None, :] * sp_0 + k[:, None] * sp_1, mask=k_in[:, None] & n_in[None, :], other=0.0)
-        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=PRECISION)
+        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=PRECISION, out_dtype=ACC_DTYPE)
     tl.store(
         G + rm[:, None] * sg_0 + rn[None, :] * sg_1, acc.to(tl.float64), mask=m_in[:, None] & n_in[None, :]
     )

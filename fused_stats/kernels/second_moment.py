@@ -120,7 +120,13 @@ def _syrk_upper_kernel(
         k_in = (k < R) & (k < k_end)
         a = tl.load(Y + k[:, None] * sy_r + rm[None, :] * sy_d, mask=k_in[:, None] & m_in[None, :], other=0.0)
         b = tl.load(Y + k[:, None] * sy_r + rn[None, :] * sy_d, mask=k_in[:, None] & n_in[None, :], other=0.0)
-        acc = tl.dot(tl.trans(a.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc, input_precision=PRECISION)
+        acc = tl.dot(
+            tl.trans(a.to(DOT_DTYPE)),
+            b.to(DOT_DTYPE),
+            acc,
+            input_precision=PRECISION,
+            out_dtype=W.dtype.element_ty,
+        )
     if ti == tj:
         # exact symmetry on the diagonal (the MMA may round a_i.b_j and b_j.a_i differently)
         acc = (acc + tl.trans(acc)) * 0.5
