@@ -29,10 +29,13 @@ Structure (two launches at most, then a small fp64 reduction in torch):
 Everything is computed in fp32 right after the load (fp64 when the gradient is fp64). The centre is
 expected to be fp32-representable for non-fp64 inputs (the accumulator rounds it), so passing it to
 the kernel in fp32 loses nothing and ``q - c`` is a single fp32 rounding. Every load is masked; padding positions are never read, so a NaN stored there
-cannot leak into the sums. Offsets are int64 (``program_id(0).to(tl.int64)``).
+cannot leak into the sums. Offsets are int64 (``program_id(0).to(tl.int64)``, and every
+stride product).
 
-Note: ``max |q|`` uses ``tl.maximum`` which, like ``fmax``, ignores NaN; non-finite inputs still show
-up in ``a1`` and ``sum |q|`` (which is what the accumulator checks).
+NaN: ``max |q|`` is NaN whenever a counted row's ``|q|`` is NaN, as in the torch twin, compiled and
+interpreted alike (``tl.maximum`` alone would drop it when compiled; the kernel takes the NaN from
+``sum |q|``). Offsets are int64 throughout, products of a stride with a position or feature index
+included.
 """
 
 from __future__ import annotations
@@ -90,13 +93,16 @@ def _load_q(
     included, never enters)."""
     q = tl.full((BLOCK_R, BLOCK_D), 0.0, ACC)
     for pos in range(0, L):
+        # int64 products: a position stride times a position index can pass 2^31 elements
+        # (e.g. a (T, B, d) buffer viewed as (B, T, d)), as can a feature stride times a feature
+        pos64 = tl.cast(pos, tl.int64)
         if HAS_MASK:
-            mv = tl.load(MASK + m_row + pos * sm_l, mask=r_in, other=0)
+            mv = tl.load(MASK + m_row + pos64 * sm_l, mask=r_in, other=0)
             take = r_in & (mv != 0)
         else:
             take = r_in
         x = tl.load(
-            X + (x_row + pos * sx_l)[:, None] + dd[None, :] * sx_d,
+            X + (x_row + pos64 * sx_l)[:, None] + dd.to(tl.int64)[None, :] * sx_d,
             mask=take[:, None] & d_in[None, :],
             other=0.0,
         )
@@ -153,7 +159,7 @@ def _capture_rows_kernel(
         if HAS_MASK:
             cnt = tl.full((BLOCK_R,), 0, tl.int32)
             for pos in range(0, L):
-                mv = tl.load(MASK + m_row + pos * sm_l, mask=r_in, other=0)
+                mv = tl.load(MASK + m_row + tl.cast(pos, tl.int64) * sm_l, mask=r_in, other=0)
                 cnt += (mv != 0).to(tl.int32)
             valid = r_in & (cnt > 0)
         else:
@@ -235,7 +241,7 @@ def _capture_rows_kernel(
         a1_acc += y2
         a2_acc += y2 * y2
         nsum_acc += qn
-        nmax_acc = tl.maximum(nmax_acc, qn)
+        nmax_acc = tl.maximum(nmax_acc, qn)  # NaN handled below (one rule on every stack)
         tl.store(VALID + r, valid.to(tl.int8), mask=r_in)
     if SINGLE_CHUNK:
         d_in = offs_d < D
@@ -243,8 +249,15 @@ def _capture_rows_kernel(
         tl.store(T_PART + pid * D + offs_d, t_acc, mask=d_in)
     tl.store(A_PART + pid * 4 + 0, tl.reduce(a1_acc, 0, SUM))
     tl.store(A_PART + pid * 4 + 1, tl.reduce(a2_acc, 0, SUM))
-    tl.store(A_PART + pid * 4 + 2, tl.reduce(nsum_acc, 0, SUM))
-    tl.store(A_PART + pid * 4 + 3, tl.reduce(nmax_acc, 0, MAX))
+    nsum = tl.reduce(nsum_acc, 0, SUM)
+    # The NaN rule: max |q| is NaN when some counted row's |q| is (as the torch twin's max is).
+    # Whether tl.maximum and the MAX reduction drop a NaN differs between compiled code (fmax:
+    # dropped), Triton 3.6's interpreter (elementwise: kept) and 3.9's (dropped); the sum of the
+    # norms is NaN exactly when one of them is (they are >= 0, so inf + -inf cannot occur), so the
+    # rule is applied from it, whatever the max does.
+    nmax = tl.reduce(nmax_acc, 0, MAX)
+    tl.store(A_PART + pid * 4 + 2, nsum)
+    tl.store(A_PART + pid * 4 + 3, tl.where(nsum != nsum, nsum, nmax))
 
 
 @kernel
@@ -285,7 +298,7 @@ def _sum_positions_kernel(
             else:
                 take = t_in
             x = tl.load(
-                X + b * sx_b + t[:, None] * sx_t + dd[None, :] * sx_d,
+                X + b * sx_b + t[:, None] * sx_t + dd.to(tl.int64)[None, :] * sx_d,
                 mask=take[:, None] & d_in[None, :],
                 other=0.0,
             )

@@ -129,6 +129,7 @@ def _phi_kernel(
         for k0 in range(0, DIN, BK):
             k = k0 + tl.arange(0, BK)
             k_in = k < DIN
+            k = k.to(tl.int64)  # a feature stride times k can pass 2^31 (e.g. a transposed act)
             a = tl.load(Z + base[:, None] + k[None, :] * sz_d, mask=m_in[:, None] & k_in[None, :], other=0.0)
             w = tl.load(
                 W + rn[None, :] * sw_r + k[:, None] * sw_d, mask=k_in[:, None] & n_in[None, :], other=0.0

@@ -79,6 +79,7 @@ def _gram_kernel(
     for k0 in range(0, D, BK):
         k = k0 + rk
         k_in = k < D
+        k = k.to(tl.int64)  # a feature stride times k can pass 2^31 (transposed operands)
         a = tl.load(X + rm[:, None] * sx_0 + k[None, :] * sx_1, mask=m_in[:, None] & k_in[None, :], other=0.0)
         b = tl.load(P + rn[None, :] * sp_0 + k[:, None] * sp_1, mask=k_in[:, None] & n_in[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=PRECISION, out_dtype=ACC_DTYPE)
