@@ -21,8 +21,9 @@ Structure (two launches at most, then a small fp64 reduction in torch):
    inner positions (the sample's positions, the splits of stage 1, or a single position), subtracts
    the centre, writes ``y``, and keeps per-program partials of ``s``, ``t`` (fp32 vectors) and of
    ``a1``, ``a2``, ``sum |q|``, ``max |q|`` (fp64). ``t`` needs ``|y|^2`` of the whole row before
-   it can weight ``y``: when ``d`` fits one block (``d <= 8192`` on GPU) the row stays in registers;
-   otherwise the kernel loops over ``d`` twice and re-reads the ``y`` it just wrote (L2-resident).
+   it can weight ``y``: when ``d`` fits one block (``d <= 8192`` on GPU, ``d <= 4096`` for fp64)
+   the row stays in registers; otherwise the kernel loops over ``d`` twice and re-reads the ``y``
+   it just wrote (L2-resident).
 3. ``torch.sum`` in fp64 over the ``P x d`` partials (``P`` about 4 per multiprocessor): no float
    atomics anywhere, so results are bitwise reproducible.
 
@@ -56,6 +57,7 @@ from ._common import (
     kernel_dtype,
     launch,
     next_pow2,
+    on_gpu,
     sm_count,
 )
 
@@ -65,6 +67,9 @@ F64 = torch.float64
 # whole row when d is larger): at d = 4096, one row per step, 8 warps, ~110 registers, 2 programs/SM.
 GPU_TILE_ELEMENTS = 4096
 GPU_SINGLE_CHUNK_MAX_D = 8192  # up to this d a whole row stays in registers
+# fp64 rows hold twice the registers: at d = 8192 (16 warps) the whole-row path spills (about 500
+# bytes per thread in the sm_90a gate), so wider fp64 rows take the two-pass path
+GPU_SINGLE_CHUNK_MAX_D_FP64 = 4096
 GPU_CHUNK_D = 2048  # d-chunk of the two-pass path
 GPU_PROGRAMS_PER_SM = 4
 SUM_POSITIONS_MIN_T = 16  # unit="sample": from this many positions on, stage 1 sums them
@@ -317,10 +322,15 @@ def _sum_positions_kernel(
 
 
 # ---------------------------------------------------------------------------- launcher
-def _row_config(d: int, device: torch.device):
-    """(BLOCK_R, BLOCK_D, SINGLE_CHUNK, num_warps) for rows of ``d`` features."""
-    if device.type == "cuda":
-        single_max, chunk, tile = GPU_SINGLE_CHUNK_MAX_D, GPU_CHUNK_D, GPU_TILE_ELEMENTS
+def _row_config(
+    d: int, device: torch.device, dtype: torch.dtype = torch.float32, sums_positions: bool = False
+):
+    """(BLOCK_R, BLOCK_D, SINGLE_CHUNK, num_warps) for rows of ``d`` features computed in ``dtype``
+    (fp32, or fp64 for fp64 gradients); ``sums_positions``: the kernel also sums a short
+    sequence's positions of the gradient itself (``unit="sample"``, ``T < 16``)."""
+    if on_gpu(device):
+        single_max = GPU_SINGLE_CHUNK_MAX_D_FP64 if dtype == F64 else GPU_SINGLE_CHUNK_MAX_D
+        chunk, tile = GPU_CHUNK_D, GPU_TILE_ELEMENTS
     else:  # interpreter: tiny blocks so that tails and chunk loops are exercised
         single_max, chunk, tile = 64, 16, 256
     single_max = config_value("capture_single_chunk_max_d", single_max)
@@ -331,13 +341,18 @@ def _row_config(d: int, device: torch.device):
         block_d, single = next_pow2(chunk), False
     block_r = config_value("capture_block_r", max(1, min(64, tile // block_d)))
     # about 16 fp32 tile elements per thread (plus s, t and the centre: 3 * BLOCK_D / threads)
-    num_warps = config_value("capture_num_warps", max(4, min(16, block_r * block_d // 512)))
+    warps = max(4, min(16, block_r * block_d // 512))
+    if sums_positions and on_gpu(device):
+        # the mask and gradient loads of each position in flight next to the running sum: at 8
+        # warps Triton 3.6 spills there (d = 4096, 12 + 12 bytes), at 16 it needs 90 registers
+        warps = min(16, 2 * warps)
+    num_warps = config_value("capture_num_warps", warps)
     return block_r, block_d, single, num_warps
 
 
 def _positions_config(d: int, device: torch.device):
     """(BLOCK_T, BLOCK_D, num_warps) of stage 1: a (BLOCK_T, BLOCK_D) tile per step, d looped over."""
-    if device.type == "cuda":
+    if on_gpu(device):
         block_d = min(next_pow2(d), GPU_CHUNK_D * 2)
         block_t = max(1, min(64, 2 * GPU_TILE_ELEMENTS // block_d))
         warps = 8
@@ -478,7 +493,8 @@ def capture_partials(
             M, has_mask = cnt, True
             sm = (1, 0, B)
 
-    block_r, block_d, single, warps = _row_config(d, device)
+    sums_positions = X is g and L > 1
+    block_r, block_d, single, warps = _row_config(d, device, ct, sums_positions)
     n_blocks = cdiv(R, block_r)
     P = max(1, min(n_blocks, config_value("capture_programs", programs)))
     n_iters = cdiv(n_blocks, P)

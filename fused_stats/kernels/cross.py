@@ -68,7 +68,17 @@ import triton.language as tl
 
 from ..contracts import DEFAULT_GROUP_SIZE, CrossBatch, check_cross_args, tuple_sums
 from ..errors import FusedStatsError
-from ._common import SUM, cdiv, check_kernel_device, config_value, kernel, kernel_dtype, launch, sm_count
+from ._common import (
+    SUM,
+    cdiv,
+    check_kernel_device,
+    config_value,
+    kernel,
+    kernel_dtype,
+    launch,
+    on_gpu,
+    sm_count,
+)
 from .gram import gram_rows
 from .second_moment import dot_precision
 
@@ -221,7 +231,7 @@ def _cross_kernel(
 
 
 def _configs(dot: torch.dtype, device: torch.device):
-    if device.type == "cuda":
+    if on_gpu(device):
         phi, cross = PHI_GPU[dot], CROSS_GPU[dot]
     else:
         phi, cross = PHI_INTERPRETER, CROSS_INTERPRETER

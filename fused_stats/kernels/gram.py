@@ -23,7 +23,16 @@ import torch
 import triton.language as tl
 
 from ..contracts import check_gram_args
-from ._common import TORCH_TO_TL, cdiv, check_kernel_device, config_value, kernel, kernel_dtype, launch
+from ._common import (
+    TORCH_TO_TL,
+    cdiv,
+    check_kernel_device,
+    config_value,
+    kernel,
+    kernel_dtype,
+    launch,
+    on_gpu,
+)
 
 F64 = torch.float64
 
@@ -103,9 +112,9 @@ def gram_rows(new_rows: torch.Tensor, pool_rows: torch.Tensor) -> torch.Tensor:
         return out.zero_()
     x, p = kernel_dtype(new_rows), kernel_dtype(pool_rows)
     dot = compute_dtype(x.dtype, p.dtype)
-    if device.type != "cuda" and dot == torch.bfloat16:
+    if not on_gpu(device) and dot == torch.bfloat16:
         dot = torch.float32  # the interpreter's numpy dot has no bf16; bf16 -> fp32 is exact
-    cfg = GPU_CONFIGS[dot] if device.type == "cuda" else INTERPRETER_CONFIG
+    cfg = GPU_CONFIGS[dot] if on_gpu(device) else INTERPRETER_CONFIG
     BM, BN, BK, warps, stages = config_value("gram_config", cfg)
     grid = (cdiv(B, BM), cdiv(N, BN))
     launch(
