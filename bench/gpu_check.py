@@ -3,7 +3,7 @@
 
 Run on a CUDA machine (written for an H200) from the repository root; the first command::
 
-    python3 bench/gpu_check.py                # about 5-8 minutes on one H200: every section below
+    python3 bench/gpu_check.py                # at most 8 minutes (--max-s 480): every section below
     python3 bench/gpu_check.py --dry-run      # no GPU needed: tiny sizes through the interpreter
     python3 bench/gpu_check.py --sweeps --compile-peers   # then, if time is left: the heavy extras
 
@@ -30,7 +30,9 @@ It measures, in one run and side by side:
 
 Failure isolation: every section runs in its own child process with its own timeout
 (:data:`TIMEOUT_S`, ``--timeout NAME=SECONDS``), so a CUDA illegal-address error, a crash or a hang
-ends that section only; inside a section each dtype or case has its own try. The JSON is rewritten
+ends that section only; inside a section each dtype or case has its own try. No section starts
+after ``--max-s`` seconds (default 480: the first command stays within 8 minutes) and each child's
+timeout is cut to the time left. The JSON is rewritten
 after every section (``$OUT/gpu_check.json`` when ``OUT`` is set, else
 ``bench/results/gpu_check.json``, or ``--out DIR``; a dry run writes ``gpu_check_dry_run.json``)
 and a table is printed last. Sections marked optional are skipped once ``--budget-s`` seconds
@@ -86,6 +88,13 @@ def parse_args(argv=None):
         type=float,
         default=420.0,
         help="skip optional sections after this many seconds",
+    )
+    p.add_argument(
+        "--max-s",
+        type=float,
+        default=None,
+        help="hard wall: no section starts after this many seconds, and none runs past it "
+        "(default 480; none for a dry run, whose speed is the CPU's)",
     )
     p.add_argument("--sweeps", action="store_true", help="also the configuration sweeps (heavy)")
     p.add_argument("--compile-peers", action="store_true", help="also torch.compile peers (slow to compile)")
@@ -1474,6 +1483,8 @@ def main(argv=None) -> int:
         print(f"unknown sections in --skip: {sorted(unknown)}")
         return 2
     timeouts = _timeouts(args)
+    if args.max_s is None:
+        args.max_s = math.inf if args.dry_run else 480.0
     ctx = None
     if args.in_process:
         ctx = Ctx(args)
@@ -1489,6 +1500,8 @@ def main(argv=None) -> int:
                 reason = "heavy: run with --compile-peers"
             elif kind == "optional" and time.time() - T0 > args.budget_s:
                 reason = f"time budget {args.budget_s:.0f}s"
+            elif args.max_s - (time.time() - T0) < 20:
+                reason = f"out of time (--max-s {args.max_s:.0f})"
             if reason:
                 run.sections[name] = {"status": "skipped", "reason": reason}
                 run.write()
@@ -1496,7 +1509,8 @@ def main(argv=None) -> int:
             if args.in_process:
                 run.section(name, lambda r, fn=fn: fn(r, ctx))
             else:
-                _run_child(run, name, Path(child_dir), timeouts.get(name, DEFAULT_TIMEOUT_S))
+                left = args.max_s - (time.time() - T0)
+                _run_child(run, name, Path(child_dir), min(timeouts.get(name, DEFAULT_TIMEOUT_S), left))
     run.meta["elapsed_s"] = round(time.time() - T0, 1)
     run.write()
     run.print_table()
