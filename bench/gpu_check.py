@@ -898,7 +898,9 @@ def section_additivity(run, ctx):
     c = torch.zeros(d, dtype=torch.float64, device=ctx.device)
     fields = ("s", "t", "a1", "a2", "norm_sum")
 
-    def compare(full, halves, tol=1e-5):
+    # a wrapped offset reads unrelated elements: errors of order one; what the tolerance leaves
+    # out is the fp32 rounding of partial sums taken over other partitions of the rows
+    def compare(full, halves, tol=1e-4):
         errs = {}
         for k in fields:
             errs[k] = rel_err(getattr(full, k), getattr(halves[0], k) + getattr(halves[1], k))
@@ -928,7 +930,7 @@ def section_additivity(run, ctx):
         second_moment_update(S_h, rows[:half])
         second_moment_update(S_h, rows[half:])
         entry["S_rel_err"] = rel_err(S, S_h)
-        entry["ok"] = entry["ok"] and entry["S_rel_err"] < 1e-5
+        entry["ok"] = entry["ok"] and entry["S_rel_err"] < 1e-4
         return entry
 
     def sample_transposed():
@@ -951,7 +953,7 @@ def section_additivity(run, ctx):
                 "additivity > 2^31",
                 f"{label} max rel diff",
                 worst,
-                note=f"{entry['elements']:.3e} elements; full vs sum of halves, tol 1e-5",
+                note=f"{entry['elements']:.3e} elements; full vs sum of halves, tol 1e-4",
                 ok=entry["ok"],
             )
             if ctx.cuda:
