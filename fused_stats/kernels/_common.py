@@ -13,6 +13,7 @@ tail and chunk loop at tiny shapes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -30,9 +31,51 @@ TORCH_TO_TL = {
 KERNEL_DTYPES = tuple(TORCH_TO_TL)
 
 
+# ---------------------------------------------------------------------------- recorded launches
+# The ahead-of-time gate (aot.py) compiles exactly what the launchers launch: it calls them on
+# "meta" tensors (shapes and strides, no data) inside record_launches(), where a meta device stands
+# for the GPU (its configurations, AOT_SM_COUNT multiprocessors) and launch() records instead of
+# running. No second table of configurations exists to drift from the launchers.
+AOT_SM_COUNT = 132  # an H100/H200 SXM: what the recorded grids and split decisions assume
+_RECORDING: list | None = None
+
+
+@dataclasses.dataclass
+class Launch:
+    """One recorded launch: the kernel, its grid, positional arguments and keyword meta-parameters
+    (constexprs plus num_warps/num_stages/enable_fp_fusion)."""
+
+    kernel: DualKernel
+    grid: tuple
+    args: tuple
+    meta: dict
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Inside, launchers given meta tensors choose their GPU configuration and record each launch
+    (yielded list of :class:`Launch`) instead of running it."""
+    global _RECORDING
+    old, _RECORDING = _RECORDING, []
+    try:
+        yield _RECORDING
+    finally:
+        _RECORDING = old
+
+
+def on_gpu(device: torch.device) -> bool:
+    """Whether launches on ``device`` take the GPU configurations: CUDA, or a meta device while
+    launches are recorded for the ahead-of-time gate."""
+    return device.type == "cuda" or (device.type == "meta" and _RECORDING is not None)
+
+
 def launch(kern: DualKernel, grid, device: torch.device, *args, **meta):
     """Launch ``kern`` on ``grid``; ``meta`` holds constexprs plus num_warps/num_stages (ignored by
     the interpreter)."""
+    if device.type == "meta" and _RECORDING is not None:
+        meta.setdefault("enable_fp_fusion", True)  # as a CUDA launch below
+        _RECORDING.append(Launch(kern, tuple(grid), args, meta))
+        return None
     if device.type == "cuda":
         # FMA contraction on explicitly (more accurate, and Triton 3.9 warns when left implicit)
         meta.setdefault("enable_fp_fusion", True)
@@ -51,6 +94,8 @@ def sm_count(device: torch.device) -> int:
     """Multiprocessors on ``device``; under the interpreter a small number keeps grids tiny."""
     if device.type == "cuda":
         return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if on_gpu(device):
+        return AOT_SM_COUNT
     return 2
 
 
@@ -86,7 +131,7 @@ def config_value(name: str, default):
 def check_kernel_device(x: torch.Tensor, name: str) -> None:
     """The kernels take CUDA tensors, or CPU tensors under Triton's interpreter (the argument
     checks shared with the twins are :mod:`fused_stats.contracts`)."""
-    if x.device.type == "cuda":
+    if on_gpu(x.device):
         return
     from ..backend import interpreter_enabled
 

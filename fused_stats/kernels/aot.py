@@ -15,7 +15,11 @@ For each compiled kernel :func:`report` then gives
 
 Which instruction each configuration must produce, and why, is :attr:`Spec.expect` (and
 bench/KERNELS.md). :func:`production_specs` covers capture-reduce, second moment, Gram rows and the
-two cross-gradient kernels (:func:`cross_specs`). The Triton internals this needs (``ASTSource``,
+two cross-gradient kernels (:func:`cross_specs`). The specs are *recorded from the launchers*: each
+launcher is called on meta tensors inside :func:`fused_stats.kernels._common.record_launches`, where
+it picks its GPU configuration and records its launches instead of running them, so the gate
+compiles exactly what production launches (arguments, constexprs, warps, stages) and there is no
+second table to drift. The Triton internals this needs (``ASTSource``,
 ``GPUTarget``, the wheel's ptxas/cuobjdump) come from :mod:`._triton_compat`.
 Run ``python -m fused_stats.kernels.aot`` for a table.
 """
@@ -31,9 +35,10 @@ import sys
 import tempfile
 
 import torch
+import triton.language as tl
 
 from . import capture, cross, gram, second_moment
-from ._common import TORCH_TO_TL
+from ._common import record_launches
 from ._triton_compat import compile_for, nvidia_tool, ptxas_path, standard_library_compilable
 
 _TL_NAME = {
@@ -49,9 +54,11 @@ _TL_NAME = {
 
 @dataclasses.dataclass(frozen=True)
 class Ptr:
-    """A pointer argument of the given element dtype (assumed 16-byte aligned)."""
+    """A pointer argument of the given element dtype, 16-byte aligned or not (torch allocations
+    are; a view's offset may not be)."""
 
     dtype: torch.dtype
+    aligned: bool = True
 
 
 @dataclasses.dataclass
@@ -77,7 +84,8 @@ def _signature(spec: Spec):
         value = spec.args[name]
         if isinstance(value, Ptr):
             sig[name] = "*" + _TL_NAME[value.dtype]
-            attrs[(idx,)] = [["tt.divisibility", 16]]
+            if value.aligned:
+                attrs[(idx,)] = [["tt.divisibility", 16]]
         elif isinstance(value, bool):
             sig[name] = "u1"
         elif isinstance(value, int):
@@ -96,321 +104,210 @@ def _signature(spec: Spec):
     return sig, const, attrs
 
 
-def production_specs(d: int = 4096, tokens: int = 65536) -> list[Spec]:
-    """The production configurations (H200-sized problem: ``tokens`` rows of ``d`` features)."""
-    specs = []
-    bf16, f32, f64 = torch.bfloat16, torch.float32, torch.float64
-    dev = torch.device("cuda")
+def _meta(*shape, dtype=torch.float32):
+    """A contiguous tensor of ``shape`` without data (the launchers only read shapes and strides)."""
+    return torch.empty(*shape, dtype=dtype, device="meta")
 
-    # capture-reduce, whole row in registers (d <= 8192), bf16 gradient (B, T, d) contiguous, masked
-    block_r, block_d, single, warps = capture._row_config(d, dev)
-    T = 2048
-    for has_mask in (False, True):
-        specs.append(
-            Spec(
-                name=f"capture_rows_bf16_d{d}" + ("_mask" if has_mask else ""),
-                kernel=capture._capture_rows_kernel,
-                args=dict(
-                    X=Ptr(bf16),
-                    MASK=Ptr(torch.uint8),
-                    CENTRE=Ptr(f32),
-                    ROWS=Ptr(f32),
-                    VALID=Ptr(torch.int8),
-                    S_PART=Ptr(f32),
-                    T_PART=Ptr(f32),
-                    A_PART=Ptr(f64),
-                    R=tokens,
-                    R2=T,
-                    L=1,
-                    D=d,
-                    n_iters=7,
-                    sx_i=T * d,
-                    sx_j=d,
-                    sx_l=0,
-                    sx_d=1,
-                    sm_i=T,
-                    sm_j=1,
-                    sm_l=0,
-                ),
-                constexprs=dict(HAS_MASK=has_mask, BLOCK_R=block_r, BLOCK_D=block_d, SINGLE_CHUNK=single),
-                num_warps=warps,
-                num_stages=2,
-                expect=("LDG.E.128",),
-                note="memory-bound: 16-byte loads of the bf16 gradient",
-            )
-        )
-    # capture-reduce of an fp64 gradient (computed in fp64), whole row in registers
-    specs.append(
-        Spec(
-            name=f"capture_rows_fp64_d{d}",
-            kernel=capture._capture_rows_kernel,
-            args=dict(
-                X=Ptr(f64),
-                MASK=Ptr(torch.uint8),
-                CENTRE=Ptr(f64),
-                ROWS=Ptr(f64),
-                VALID=Ptr(torch.int8),
-                S_PART=Ptr(f64),
-                T_PART=Ptr(f64),
-                A_PART=Ptr(f64),
-                R=tokens,
-                R2=T,
-                L=1,
-                D=d,
-                n_iters=7,
-                sx_i=T * d,
-                sx_j=d,
-                sx_l=0,
-                sx_d=1,
-                sm_i=T,
-                sm_j=1,
-                sm_l=0,
-            ),
-            constexprs=dict(HAS_MASK=True, BLOCK_R=block_r, BLOCK_D=block_d, SINGLE_CHUNK=single),
-            num_warps=warps,
-            num_stages=2,
-            expect=("LDG.E.128",),
-        )
-    )
-    # capture-reduce, two-pass path for wide rows (d > 8192), fp32 gradient
-    wide = 3 * 8192
-    block_r, block_d, single, warps = capture._row_config(wide, dev)
-    specs.append(
-        Spec(
-            name=f"capture_rows_fp32_d{wide}_chunked",
-            kernel=capture._capture_rows_kernel,
-            args=dict(
-                X=Ptr(f32),
-                MASK=Ptr(torch.uint8),
-                CENTRE=Ptr(f32),
-                ROWS=Ptr(f32),
-                VALID=Ptr(torch.int8),
-                S_PART=Ptr(f32),
-                T_PART=Ptr(f32),
-                A_PART=Ptr(f64),
-                R=4096,
-                R2=1,
-                L=16,
-                D=wide,
-                n_iters=3,
-                sx_i=16 * wide,
-                sx_j=0,
-                sx_l=wide,
-                sx_d=1,
-                sm_i=16,
-                sm_j=0,
-                sm_l=1,
-            ),
-            constexprs=dict(HAS_MASK=True, BLOCK_R=block_r, BLOCK_D=block_d, SINGLE_CHUNK=single),
-            num_warps=warps,
-            num_stages=2,
-            expect=("LDG.E.128",),
-        )
-    )
-    # stage 1 of unit="sample" with few samples: sums over a slice of positions
-    block_t, block_d, warps = capture._positions_config(d, dev)
-    specs.append(
-        Spec(
-            name=f"sum_positions_bf16_d{d}",
-            kernel=capture._sum_positions_kernel,
-            args=dict(
-                X=Ptr(bf16),
-                MASK=Ptr(torch.uint8),
-                QPART=Ptr(f32),
-                CNT=Ptr(torch.int32),
-                B=32,
-                T=T,
-                D=d,
-                t_per_split=128,
-                sx_b=T * d,
-                sx_t=d,
-                sx_d=1,
-                sm_b=T,
-                sm_t=1,
-            ),
-            constexprs=dict(HAS_MASK=True, BLOCK_T=block_t, BLOCK_D=block_d),
-            num_warps=warps,
-            num_stages=2,
-            expect=("LDG.E.128",),
-        )
-    )
 
-    # second moment S += Y^T Y, rows (tokens, d) contiguous
-    for dtype, expect, note in (
-        (bf16, ("HGMMA",), "native bf16 wgmma, exact products"),
-        (torch.float16, ("HGMMA",), "native fp16 wgmma, exact products"),
-        (f32, ("HGMMA",), "tf32x3: three tf32 wgmma per tile product"),
-        (f64, ("DMMA",), "fp64 MMA (Hopper has no fp64 wgmma)"),
-    ):
-        BM, BK, warps, stages = second_moment.GPU_CONFIGS[dtype]
-        specs.append(
+_KERNEL_PREFIX = {
+    "_capture_rows_kernel": "capture_rows",
+    "_sum_positions_kernel": "sum_positions",
+    "_syrk_upper_kernel": "syrk_upper",
+    "_gram_kernel": "gram",
+    "_phi_kernel": "cross_phi",
+}
+_NON_KERNEL_META = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return (t.storage_offset() * t.element_size()) % 16 == 0
+
+
+def _expect(launch, args: dict) -> tuple:
+    """The instruction a recorded launch must compile to (see :class:`Spec`): ``DMMA`` for fp64 tile
+    products (Hopper has no fp64 wgmma), ``HGMMA`` for the others; ``LDG.E.128`` in the capture
+    kernels when the input's rows are 16-byte aligned with unit feature stride (a feature-strided
+    input or an odd ``d`` cannot be read 16 bytes at a time: no expectation then, no spills still)."""
+    meta = launch.meta
+    if "DOT_DTYPE" in meta:
+        return ("DMMA",) if meta["DOT_DTYPE"] == tl.float64 else ("HGMMA",)
+    x = args["X"]
+    strides = [v for k, v in args.items() if k.startswith("sx_") and k != "sx_d"]
+    if args["sx_d"] == 1 and x.aligned and all(v % 16 == 0 for v in strides):
+        return ("LDG.E.128",)
+    return ()
+
+
+def specs_of(case: str, launches, note: str = "") -> list[Spec]:
+    """A :class:`Spec` per recorded launch (:func:`fused_stats.kernels._common.record_launches`):
+    tensor arguments become :class:`Ptr` of their dtype, integers stay as passed, keyword
+    meta-parameters become constexprs and options. Named ``<kernel>_<case>``."""
+    out = []
+    for launch in launches:
+        fn = launch.kernel.fn.__name__
+        prefix = _KERNEL_PREFIX.get(fn)
+        if fn == "_cross_kernel":
+            prefix = "cross_sample" if launch.meta["STORE_C"] else "cross_position"
+        args = {}
+        for name, value in zip(launch.kernel.arg_names, launch.args):
+            if isinstance(value, torch.Tensor):
+                args[name] = Ptr(value.dtype, _aligned(value))
+            else:
+                args[name] = int(value)
+        constexprs = {k: v for k, v in launch.meta.items() if k not in _NON_KERNEL_META}
+        out.append(
             Spec(
-                name=f"syrk_upper_{_TL_NAME[dtype]}_d{d}",
-                kernel=second_moment._syrk_upper_kernel,
-                args=dict(
-                    Y=Ptr(dtype),
-                    S=Ptr(f64),
-                    W=Ptr(f64 if dtype == f64 else f32),
-                    TILES=Ptr(torch.int32),
-                    R=tokens,
-                    D=d,
-                    k_per_split=tokens,
-                    sy_r=d,
-                    sy_d=1,
-                    ss_0=d,
-                    ss_1=1,
-                ),
-                constexprs=dict(
-                    ACCUMULATE=True,
-                    DOT_DTYPE=TORCH_TO_TL[dtype],
-                    BM=BM,
-                    BK=BK,
-                    PRECISION=second_moment.dot_precision(dtype),
-                ),
-                num_warps=warps,
-                num_stages=stages,
-                expect=expect,
+                name=f"{prefix}_{case}",
+                kernel=launch.kernel,
+                args=args,
+                constexprs=constexprs,
+                num_warps=launch.meta["num_warps"],
+                num_stages=launch.meta["num_stages"],
+                expect=_expect(launch, args),
                 note=note,
             )
         )
-    # split-K variant (few tiles, many rows: d = 512): tiles stored to the fp32 workspace
-    BM, BK, warps, stages = second_moment.GPU_CONFIGS[bf16]
-    specs.append(
-        Spec(
-            name="syrk_upper_bf16_d512_splitk",
-            kernel=second_moment._syrk_upper_kernel,
-            args=dict(
-                Y=Ptr(bf16),
-                S=Ptr(f64),
-                W=Ptr(f32),
-                TILES=Ptr(torch.int32),
-                R=tokens,
-                D=512,
-                k_per_split=tokens // 16,
-                sy_r=512,
-                sy_d=1,
-                ss_0=512,
-                ss_1=1,
-            ),
-            constexprs=dict(ACCUMULATE=False, DOT_DTYPE=TORCH_TO_TL[bf16], BM=BM, BK=BK, PRECISION="ieee"),
-            num_warps=warps,
-            num_stages=stages,
-            expect=("HGMMA",),
+    return out
+
+
+def _recorded(fn, *args) -> list:
+    with record_launches() as launches:
+        fn(*args)
+    return list(launches)
+
+
+def production_specs(d: int = 4096, tokens: int = 65536) -> list[Spec]:
+    """What the launchers launch on an H200-sized problem (``tokens`` rows of ``d`` features),
+    recorded from the launchers themselves on meta tensors (no second table of configurations):
+    capture-reduce (both units, stage 1 and its stage 2, short sequences, wide, odd and
+    feature-strided rows, ``d = 8192``), the second moment (each dtype, split-K), Gram rows (each
+    dtype, the fp32 x fp64 of a pool, an odd pool size) and both cross-gradient stages
+    (:func:`cross_specs`). Duplicate compilations (same kernel, signature and options) are dropped."""
+    bf16, f32, f64 = torch.bfloat16, torch.float32, torch.float64
+    specs = []
+    T = 2048
+    B = max(1, tokens // T)
+    mask = _meta(B, T, dtype=torch.bool)
+
+    def capture_case(case, grad, m, unit, note=""):
+        c = _meta(grad.shape[-1], dtype=f64)
+        specs.extend(specs_of(case, _recorded(capture.capture_partials, grad, m, c, unit), note))
+
+    capture_case(f"bf16_d{d}", _meta(B, T, d, dtype=bf16), None, "position", "memory-bound: 16-byte loads")
+    capture_case(f"bf16_d{d}_mask", _meta(B, T, d, dtype=bf16), mask, "position")
+    capture_case(f"fp64_d{d}_mask", _meta(B, T, d, dtype=f64), mask, "position", "computed in fp64")
+    # unit="sample", long sequences: stage 1 over slices of positions, stage 2 sums the slices
+    # (an int32 count mask, L = n_split)
+    capture_case(f"bf16_d{d}_sample", _meta(B, T, d, dtype=bf16), mask, "sample", "stage 1, then stage 2")
+    # the layout of a sequence-first model, (T, B, d) viewed as (B, T, d)
+    capture_case(f"bf16_d{d}_sample_tbd", _meta(T, B, d, dtype=bf16).transpose(0, 1), None, "sample")
+    # short sequences (T < 16): positions summed inside the row kernel
+    short = max(1, tokens // 8)
+    capture_case(
+        f"bf16_d{d}_sample_t8", _meta(short, 8, d, dtype=bf16), _meta(short, 8, dtype=torch.bool), "sample"
+    )
+    # an odd width and a feature-strided view (every other feature of a wider buffer): no 16-byte
+    # loads possible, but the configuration must still not spill
+    capture_case(f"bf16_d{d - 1}_odd", _meta(B, T, d - 1, dtype=bf16), None, "position")
+    capture_case(f"bf16_d{d}_strided", _meta(B, T, 2 * d, dtype=bf16)[:, :, ::2], None, "position")
+    # the widest whole-row configuration and beyond it the two-pass path
+    wide = capture.GPU_SINGLE_CHUNK_MAX_D
+    for dtype in (bf16, f32, f64):
+        capture_case(f"{_TL_NAME[dtype]}_d{wide}", _meta(B // 2, T, wide, dtype=dtype), None, "position")
+    capture_case(f"fp32_d{3 * wide}", _meta(4096, 1, 3 * wide, dtype=f32), None, "position", "two-pass")
+
+    # second moment S += Y^T Y; rows (tokens, d) and an odd row count
+    S = _meta(d, d, dtype=f64)
+    for dtype in (bf16, torch.float16, f32, f64):
+        rows = _meta(tokens, d, dtype=dtype)
+        specs.extend(
+            specs_of(f"{_TL_NAME[dtype]}_d{d}", _recorded(second_moment.second_moment_update, S, rows))
+        )
+    rows = _meta(tokens - 15, d, dtype=f32)
+    specs.extend(
+        specs_of(f"fp32_d{d}_r{tokens - 15}", _recorded(second_moment.second_moment_update, S, rows))
+    )
+    # few tiles, many rows: the launcher splits K (tiles stored to the workspace)
+    S512 = _meta(512, 512, dtype=f64)
+    specs.extend(
+        specs_of(
+            "bf16_d512_splitk",
+            _recorded(second_moment.second_moment_update, S512, _meta(tokens, 512, dtype=bf16)),
         )
     )
-    # Gram rows: new rows (64, d) x pool (N, d)^T
-    for dtype, expect in ((bf16, ("HGMMA",)), (f32, ("HGMMA",)), (f64, ("DMMA",))):
-        BM, BN, BK, warps, stages = gram.GPU_CONFIGS[dtype]
-        specs.append(
-            Spec(
-                name=f"gram_{_TL_NAME[dtype]}_d{d}",
-                kernel=gram._gram_kernel,
-                args=dict(
-                    X=Ptr(dtype),
-                    P=Ptr(dtype),
-                    G=Ptr(f64),
-                    B=64,
-                    N=2496,
-                    D=d,
-                    sx_0=d,
-                    sx_1=1,
-                    sp_0=d,
-                    sp_1=1,
-                    sg_0=2496,
-                    sg_1=1,
-                ),
-                constexprs=dict(
-                    DOT_DTYPE=TORCH_TO_TL[dtype],
-                    ACC_DTYPE=TORCH_TO_TL[f64 if dtype == f64 else f32],
-                    PRECISION="tf32x3" if dtype == f32 else "ieee",
-                    BM=BM,
-                    BN=BN,
-                    BK=BK,
-                ),
-                num_warps=warps,
-                num_stages=stages,
-                expect=expect,
-            )
+
+    # Gram rows: a batch of new rows against a pool of N rows (N about the auto pool's limit, odd)
+    n_pool = int(0.61 * d)
+    for new_dtype, pool_dtype in ((bf16, bf16), (f32, f32), (f64, f64), (f32, f64)):
+        name = (
+            _TL_NAME[new_dtype]
+            if new_dtype == pool_dtype
+            else f"{_TL_NAME[new_dtype]}_{_TL_NAME[pool_dtype]}"
         )
-    # cross-gradient: stage 1 phi(Z W_in^T) and stage 2 Q_i^T Phi_i (both units), rank 64
+        new, pool = _meta(64, d, dtype=new_dtype), _meta(n_pool, d, dtype=pool_dtype)
+        note = "a pool's extension: fp32 new rows, fp64 pool" if new_dtype != pool_dtype else ""
+        specs.extend(specs_of(f"{name}_d{d}_n{n_pool}", _recorded(gram.gram_rows, new, pool), note))
+
     specs.extend(cross_specs(d=d, r=64, tokens=tokens))
-    return specs
+    return _unique(specs)
+
+
+def _unique(specs: list[Spec]) -> list[Spec]:
+    seen, out = set(), []
+    for spec in specs:
+        sig, const, attrs = _signature(spec)
+        key = (
+            id(spec.kernel),
+            tuple(sorted(sig.items())),
+            tuple(sorted((k, str(v)) for k, v in const.items())),
+            tuple(sorted((k, str(v)) for k, v in attrs.items())),
+            spec.num_warps,
+            spec.num_stages,
+        )
+        if key not in seen:
+            seen.add(key)
+            out.append(spec)
+    return out
 
 
 def cross_specs(d: int = 4096, r: int = 64, tokens: int = 65536, inputs=("bf16", "fp32", "fp64")):
-    """Production configurations of both cross-gradient kernels (:mod:`.cross`; part of
-    :func:`production_specs`): bf16 or fp32 gradient/activation with fp32 ``tf32x3`` products
-    (``HGMMA``), fp64 inputs in fp64 (``DMMA``).
-    ``tokens`` rows of width ``d`` in stage 1, rows of ``T = 2048`` positions in stage 2."""
+    """Both cross-gradient stages (:mod:`.cross`; part of :func:`production_specs`) as the stage
+    launchers ``_phi`` and ``_cross`` launch them, with the configurations ``_configs`` picks: bf16
+    or fp32 gradient/activation with fp32 ``tf32x3`` products (``HGMMA``), fp64 inputs in fp64
+    (``DMMA``). ``tokens`` counted positions of width ``d`` in rows of ``T = 2048`` positions;
+    ``unit="sample"`` items are samples, ``"position"`` items runs of ``ITEM_ROWS`` positions."""
     bf16, f32, f64, i32 = torch.bfloat16, torch.float32, torch.float64, torch.int32
     T = 2048
+    B = max(1, tokens // T)
+    dev = torch.device("meta")
     specs = []
-    for io, dot, expect in ((bf16, f32, ("HGMMA",)), (f32, f32, ("HGMMA",)), (f64, f64, ("DMMA",))):
-        name = {bf16: "bf16", f32: "fp32", f64: "fp64"}[io]
+    for io, dot in ((bf16, f32), (f32, f32), (f64, f64)):
+        name = _TL_NAME[io]
         if name not in inputs:
             continue
-        prec = second_moment.dot_precision(dot)
-        mma = "tf32x3 wgmma" if prec == "tf32x3" else "fp64 DMMA"
-        BM, BN, BK, warps, stages = cross.PHI_GPU[dot]
-        specs.append(
-            Spec(
-                name=f"cross_phi_{name}_d{d}_r{r}",
-                kernel=cross._phi_kernel,
-                args=dict(
-                    Z=Ptr(io),
-                    W=Ptr(dot),
-                    ROWS=Ptr(i32),
-                    PHI=Ptr(dot),
-                    n_rows=tokens,
-                    T=T,
-                    DIN=d,
-                    R=r,
-                    sz_b=T * d,
-                    sz_t=d,
-                    sz_d=1,
-                    sw_r=d,
-                    sw_d=1,
-                ),
-                constexprs=dict(ACT="gelu", DOT_DTYPE=TORCH_TO_TL[dot], PRECISION=prec, BM=BM, BN=BN, BK=BK),
-                num_warps=warps,
-                num_stages=stages,
-                expect=expect,
-                note=f"stage 1: Z W_in^T ({mma}), gelu (erf) in the epilogue",
+        with record_launches():
+            phi_cfg, cross_cfg = cross._configs(dot, dev)
+        z, q = _meta(B, T, d, dtype=io), _meta(B, T, d, dtype=io)
+        w = _meta(r, d, dtype=dot)
+        rows = _meta(tokens, dtype=i32)
+        mma = "tf32x3 wgmma" if dot == f32 else "fp64 DMMA"
+        case = f"{name}_d{d}_r{r}"
+        specs.extend(
+            specs_of(
+                case,
+                _recorded(cross._phi, z, w, rows, "gelu", dot, phi_cfg),
+                f"stage 1: Z W_in^T ({mma}), gelu (erf) in the epilogue",
             )
         )
-        BD, BR, BT, warps, stages = cross.CROSS_GPU[dot]
-        for store in (True, False):
-            specs.append(
-                Spec(
-                    name=f"cross_{'sample' if store else 'position'}_{name}_d{d}_r{r}",
-                    kernel=cross._cross_kernel,
-                    args=dict(
-                        Q=Ptr(io),
-                        PHI=Ptr(dot),
-                        ROWS=Ptr(i32),
-                        SEG=Ptr(i32),
-                        C_OUT=Ptr(dot),
-                        SQ_PART=Ptr(f64),
-                        CSUM_PART=Ptr(f64),
-                        n_items=256,
-                        items_per_split=32,
-                        T=T,
-                        D=d,
-                        R=r,
-                        sq_b=T * d,
-                        sq_t=d,
-                        sq_d=1,
-                    ),
-                    constexprs=dict(
-                        STORE_C=store, DOT_DTYPE=TORCH_TO_TL[dot], PRECISION=prec, BD=BD, BR=BR, BT=BT
-                    ),
-                    num_warps=warps,
-                    num_stages=stages,
-                    expect=expect,
-                    note=(
-                        f"stage 2: c_i = Q_i^T Phi_i ({mma}), fp64 c_sum partials"
-                        + (", c_i and |c_i|^2 stored" if store else "")
-                    ),
+        phi = _meta(tokens, r, dtype=dot)
+        for store, n_items in ((True, B), (False, -(-tokens // cross.ITEM_ROWS))):
+            seg = _meta(n_items + 1, dtype=i32)
+            specs.extend(
+                specs_of(
+                    case,
+                    _recorded(cross._cross, q, phi, rows, seg, store, dot, cross_cfg),
+                    f"stage 2: c_i = Q_i^T Phi_i ({mma}), fp64 c_sum partials"
+                    + (", c_i and |c_i|^2 stored" if store else ""),
                 )
             )
     return specs
@@ -571,10 +468,19 @@ def main(argv=None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     specs = {s.name: s for s in production_specs()}
+    if "--json" not in argv:
+        return _print_table(specs)
     rows = [report(s) for s in specs.values()]
     if "--json" in argv:
         print(json.dumps([dataclasses.asdict(r) for r in rows]))
         return 0 if all(r.ok for r in rows) else 1
+    return 1  # pragma: no cover
+
+
+def _print_table(specs: dict) -> int:
+    """The report table, one line per spec; a spec that fails to compile is a line saying so (the
+    others are still compiled and reported). 0 when every spec compiled and passed."""
+    failed = []
     cols = (
         "kernel",
         "warps",
@@ -590,9 +496,19 @@ def main(argv=None) -> int:
         "FFMA",
         "ok",
     )
-    print(" | ".join(cols))
-    for r in rows:
-        sp = specs[r.name]
+    print(" | ".join(cols), flush=True)
+    for sp in specs.values():
+        try:
+            r = report(sp)
+        except Exception as exc:  # one variant failing to compile must not hide the others
+            failed.append(sp.name)
+            print(
+                f"{sp.name} | compile error: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}",
+                flush=True,
+            )
+            continue
+        if not r.ok:
+            failed.append(sp.name)
         print(
             " | ".join(
                 str(v)
@@ -611,9 +527,14 @@ def main(argv=None) -> int:
                     r.sass["FFMA"],
                     r.ok,
                 )
-            )
+            ),
+            flush=True,
         )
-    return 0 if all(r.ok for r in rows) else 1
+    print(
+        f"{len(specs)} kernel configurations, {len(failed)} failed"
+        + (f": {', '.join(failed)}" if failed else "")
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

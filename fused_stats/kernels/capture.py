@@ -21,18 +21,22 @@ Structure (two launches at most, then a small fp64 reduction in torch):
    inner positions (the sample's positions, the splits of stage 1, or a single position), subtracts
    the centre, writes ``y``, and keeps per-program partials of ``s``, ``t`` (fp32 vectors) and of
    ``a1``, ``a2``, ``sum |q|``, ``max |q|`` (fp64). ``t`` needs ``|y|^2`` of the whole row before
-   it can weight ``y``: when ``d`` fits one block (``d <= 8192`` on GPU) the row stays in registers;
-   otherwise the kernel loops over ``d`` twice and re-reads the ``y`` it just wrote (L2-resident).
+   it can weight ``y``: when ``d`` fits one block (``d <= 8192`` on GPU, ``d <= 4096`` for fp64)
+   the row stays in registers; otherwise the kernel loops over ``d`` twice and re-reads the ``y``
+   it just wrote (L2-resident).
 3. ``torch.sum`` in fp64 over the ``P x d`` partials (``P`` about 4 per multiprocessor): no float
    atomics anywhere, so results are bitwise reproducible.
 
 Everything is computed in fp32 right after the load (fp64 when the gradient is fp64). The centre is
 expected to be fp32-representable for non-fp64 inputs (the accumulator rounds it), so passing it to
 the kernel in fp32 loses nothing and ``q - c`` is a single fp32 rounding. Every load is masked; padding positions are never read, so a NaN stored there
-cannot leak into the sums. Offsets are int64 (``program_id(0).to(tl.int64)``).
+cannot leak into the sums. Offsets are int64 (``program_id(0).to(tl.int64)``, and every
+stride product).
 
-Note: ``max |q|`` uses ``tl.maximum`` which, like ``fmax``, ignores NaN; non-finite inputs still show
-up in ``a1`` and ``sum |q|`` (which is what the accumulator checks).
+NaN: ``max |q|`` is NaN whenever a counted row's ``|q|`` is NaN, as in the torch twin, compiled and
+interpreted alike (``tl.maximum`` alone would drop it when compiled; the kernel takes the NaN from
+``sum |q|``). Offsets are int64 throughout, products of a stride with a position or feature index
+included.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from ._common import (
     kernel_dtype,
     launch,
     next_pow2,
+    on_gpu,
     sm_count,
 )
 
@@ -62,6 +67,9 @@ F64 = torch.float64
 # whole row when d is larger): at d = 4096, one row per step, 8 warps, ~110 registers, 2 programs/SM.
 GPU_TILE_ELEMENTS = 4096
 GPU_SINGLE_CHUNK_MAX_D = 8192  # up to this d a whole row stays in registers
+# fp64 rows hold twice the registers: at d = 8192 (16 warps) the whole-row path spills (about 500
+# bytes per thread in the sm_90a gate), so wider fp64 rows take the two-pass path
+GPU_SINGLE_CHUNK_MAX_D_FP64 = 4096
 GPU_CHUNK_D = 2048  # d-chunk of the two-pass path
 GPU_PROGRAMS_PER_SM = 4
 SUM_POSITIONS_MIN_T = 16  # unit="sample": from this many positions on, stage 1 sums them
@@ -90,13 +98,16 @@ def _load_q(
     included, never enters)."""
     q = tl.full((BLOCK_R, BLOCK_D), 0.0, ACC)
     for pos in range(0, L):
+        # int64 products: a position stride times a position index can pass 2^31 elements
+        # (e.g. a (T, B, d) buffer viewed as (B, T, d)), as can a feature stride times a feature
+        pos64 = tl.cast(pos, tl.int64)
         if HAS_MASK:
-            mv = tl.load(MASK + m_row + pos * sm_l, mask=r_in, other=0)
+            mv = tl.load(MASK + m_row + pos64 * sm_l, mask=r_in, other=0)
             take = r_in & (mv != 0)
         else:
             take = r_in
         x = tl.load(
-            X + (x_row + pos * sx_l)[:, None] + dd[None, :] * sx_d,
+            X + (x_row + pos64 * sx_l)[:, None] + dd.to(tl.int64)[None, :] * sx_d,
             mask=take[:, None] & d_in[None, :],
             other=0.0,
         )
@@ -153,7 +164,7 @@ def _capture_rows_kernel(
         if HAS_MASK:
             cnt = tl.full((BLOCK_R,), 0, tl.int32)
             for pos in range(0, L):
-                mv = tl.load(MASK + m_row + pos * sm_l, mask=r_in, other=0)
+                mv = tl.load(MASK + m_row + tl.cast(pos, tl.int64) * sm_l, mask=r_in, other=0)
                 cnt += (mv != 0).to(tl.int32)
             valid = r_in & (cnt > 0)
         else:
@@ -235,7 +246,7 @@ def _capture_rows_kernel(
         a1_acc += y2
         a2_acc += y2 * y2
         nsum_acc += qn
-        nmax_acc = tl.maximum(nmax_acc, qn)
+        nmax_acc = tl.maximum(nmax_acc, qn)  # NaN handled below (one rule on every stack)
         tl.store(VALID + r, valid.to(tl.int8), mask=r_in)
     if SINGLE_CHUNK:
         d_in = offs_d < D
@@ -243,8 +254,15 @@ def _capture_rows_kernel(
         tl.store(T_PART + pid * D + offs_d, t_acc, mask=d_in)
     tl.store(A_PART + pid * 4 + 0, tl.reduce(a1_acc, 0, SUM))
     tl.store(A_PART + pid * 4 + 1, tl.reduce(a2_acc, 0, SUM))
-    tl.store(A_PART + pid * 4 + 2, tl.reduce(nsum_acc, 0, SUM))
-    tl.store(A_PART + pid * 4 + 3, tl.reduce(nmax_acc, 0, MAX))
+    nsum = tl.reduce(nsum_acc, 0, SUM)
+    # The NaN rule: max |q| is NaN when some counted row's |q| is (as the torch twin's max is).
+    # Whether tl.maximum and the MAX reduction drop a NaN differs between compiled code (fmax:
+    # dropped), Triton 3.6's interpreter (elementwise: kept) and 3.9's (dropped); the sum of the
+    # norms is NaN exactly when one of them is (they are >= 0, so inf + -inf cannot occur), so the
+    # rule is applied from it, whatever the max does.
+    nmax = tl.reduce(nmax_acc, 0, MAX)
+    tl.store(A_PART + pid * 4 + 2, nsum)
+    tl.store(A_PART + pid * 4 + 3, tl.where(nsum != nsum, nsum, nmax))
 
 
 @kernel
@@ -285,7 +303,7 @@ def _sum_positions_kernel(
             else:
                 take = t_in
             x = tl.load(
-                X + b * sx_b + t[:, None] * sx_t + dd[None, :] * sx_d,
+                X + b * sx_b + t[:, None] * sx_t + dd.to(tl.int64)[None, :] * sx_d,
                 mask=take[:, None] & d_in[None, :],
                 other=0.0,
             )
@@ -304,10 +322,15 @@ def _sum_positions_kernel(
 
 
 # ---------------------------------------------------------------------------- launcher
-def _row_config(d: int, device: torch.device):
-    """(BLOCK_R, BLOCK_D, SINGLE_CHUNK, num_warps) for rows of ``d`` features."""
-    if device.type == "cuda":
-        single_max, chunk, tile = GPU_SINGLE_CHUNK_MAX_D, GPU_CHUNK_D, GPU_TILE_ELEMENTS
+def _row_config(
+    d: int, device: torch.device, dtype: torch.dtype = torch.float32, sums_positions: bool = False
+):
+    """(BLOCK_R, BLOCK_D, SINGLE_CHUNK, num_warps) for rows of ``d`` features computed in ``dtype``
+    (fp32, or fp64 for fp64 gradients); ``sums_positions``: the kernel also sums a short
+    sequence's positions of the gradient itself (``unit="sample"``, ``T < 16``)."""
+    if on_gpu(device):
+        single_max = GPU_SINGLE_CHUNK_MAX_D_FP64 if dtype == F64 else GPU_SINGLE_CHUNK_MAX_D
+        chunk, tile = GPU_CHUNK_D, GPU_TILE_ELEMENTS
     else:  # interpreter: tiny blocks so that tails and chunk loops are exercised
         single_max, chunk, tile = 64, 16, 256
     single_max = config_value("capture_single_chunk_max_d", single_max)
@@ -318,13 +341,18 @@ def _row_config(d: int, device: torch.device):
         block_d, single = next_pow2(chunk), False
     block_r = config_value("capture_block_r", max(1, min(64, tile // block_d)))
     # about 16 fp32 tile elements per thread (plus s, t and the centre: 3 * BLOCK_D / threads)
-    num_warps = config_value("capture_num_warps", max(4, min(16, block_r * block_d // 512)))
+    warps = max(4, min(16, block_r * block_d // 512))
+    if sums_positions and on_gpu(device):
+        # the mask and gradient loads of each position in flight next to the running sum: at 8
+        # warps Triton 3.6 spills there (d = 4096, 12 + 12 bytes), at 16 it needs 90 registers
+        warps = min(16, 2 * warps)
+    num_warps = config_value("capture_num_warps", warps)
     return block_r, block_d, single, num_warps
 
 
 def _positions_config(d: int, device: torch.device):
     """(BLOCK_T, BLOCK_D, num_warps) of stage 1: a (BLOCK_T, BLOCK_D) tile per step, d looped over."""
-    if device.type == "cuda":
+    if on_gpu(device):
         block_d = min(next_pow2(d), GPU_CHUNK_D * 2)
         block_t = max(1, min(64, 2 * GPU_TILE_ELEMENTS // block_d))
         warps = 8
@@ -465,7 +493,8 @@ def capture_partials(
             M, has_mask = cnt, True
             sm = (1, 0, B)
 
-    block_r, block_d, single, warps = _row_config(d, device)
+    sums_positions = X is g and L > 1
+    block_r, block_d, single, warps = _row_config(d, device, ct, sums_positions)
     n_blocks = cdiv(R, block_r)
     P = max(1, min(n_blocks, config_value("capture_programs", programs)))
     n_iters = cdiv(n_blocks, P)

@@ -68,7 +68,17 @@ import triton.language as tl
 
 from ..contracts import DEFAULT_GROUP_SIZE, CrossBatch, check_cross_args, tuple_sums
 from ..errors import FusedStatsError
-from ._common import SUM, cdiv, check_kernel_device, config_value, kernel, kernel_dtype, launch, sm_count
+from ._common import (
+    SUM,
+    cdiv,
+    check_kernel_device,
+    config_value,
+    kernel,
+    kernel_dtype,
+    launch,
+    on_gpu,
+    sm_count,
+)
 from .gram import gram_rows
 from .second_moment import dot_precision
 
@@ -129,11 +139,12 @@ def _phi_kernel(
         for k0 in range(0, DIN, BK):
             k = k0 + tl.arange(0, BK)
             k_in = k < DIN
+            k = k.to(tl.int64)  # a feature stride times k can pass 2^31 (e.g. a transposed act)
             a = tl.load(Z + base[:, None] + k[None, :] * sz_d, mask=m_in[:, None] & k_in[None, :], other=0.0)
             w = tl.load(
                 W + rn[None, :] * sw_r + k[:, None] * sw_d, mask=k_in[:, None] & n_in[None, :], other=0.0
             )
-            x = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), x, input_precision=PRECISION)
+            x = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), x, input_precision=PRECISION, out_dtype=DOT_DTYPE)
         # the activation in the GEMM's epilogue: the pre-activations never leave registers
         if ACT == "gelu":
             phi = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
@@ -203,7 +214,13 @@ def _cross_kernel(
             base = b * sq_b + (idx - b * T) * sq_t
             q = tl.load(Q + base[:, None] + rd[None, :] * sq_d, mask=j_in[:, None] & d_in[None, :], other=0.0)
             p = tl.load(PHI + j[:, None] * R + rr[None, :], mask=j_in[:, None] & r_in[None, :], other=0.0)
-            acc = tl.dot(tl.trans(q.to(DOT_DTYPE)), p.to(DOT_DTYPE), acc, input_precision=PRECISION)
+            acc = tl.dot(
+                tl.trans(q.to(DOT_DTYPE)),
+                p.to(DOT_DTYPE),
+                acc,
+                input_precision=PRECISION,
+                out_dtype=DOT_DTYPE,
+            )
         acc64 = acc.to(tl.float64)
         csum += acc64
         if STORE_C:
@@ -214,7 +231,7 @@ def _cross_kernel(
 
 
 def _configs(dot: torch.dtype, device: torch.device):
-    if device.type == "cuda":
+    if on_gpu(device):
         phi, cross = PHI_GPU[dot], CROSS_GPU[dot]
     else:
         phi, cross = PHI_INTERPRETER, CROSS_INTERPRETER

@@ -23,7 +23,16 @@ import torch
 import triton.language as tl
 
 from ..contracts import check_gram_args
-from ._common import TORCH_TO_TL, cdiv, check_kernel_device, config_value, kernel, kernel_dtype, launch
+from ._common import (
+    TORCH_TO_TL,
+    cdiv,
+    check_kernel_device,
+    config_value,
+    kernel,
+    kernel_dtype,
+    launch,
+    on_gpu,
+)
 
 F64 = torch.float64
 
@@ -79,9 +88,10 @@ def _gram_kernel(
     for k0 in range(0, D, BK):
         k = k0 + rk
         k_in = k < D
+        k = k.to(tl.int64)  # a feature stride times k can pass 2^31 (transposed operands)
         a = tl.load(X + rm[:, None] * sx_0 + k[None, :] * sx_1, mask=m_in[:, None] & k_in[None, :], other=0.0)
         b = tl.load(P + rn[None, :] * sp_0 + k[:, None] * sp_1, mask=k_in[:, None] & n_in[None, :], other=0.0)
-        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=PRECISION)
+        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=PRECISION, out_dtype=ACC_DTYPE)
     tl.store(
         G + rm[:, None] * sg_0 + rn[None, :] * sg_1, acc.to(tl.float64), mask=m_in[:, None] & n_in[None, :]
     )
@@ -102,9 +112,9 @@ def gram_rows(new_rows: torch.Tensor, pool_rows: torch.Tensor) -> torch.Tensor:
         return out.zero_()
     x, p = kernel_dtype(new_rows), kernel_dtype(pool_rows)
     dot = compute_dtype(x.dtype, p.dtype)
-    if device.type != "cuda" and dot == torch.bfloat16:
+    if not on_gpu(device) and dot == torch.bfloat16:
         dot = torch.float32  # the interpreter's numpy dot has no bf16; bf16 -> fp32 is exact
-    cfg = GPU_CONFIGS[dot] if device.type == "cuda" else INTERPRETER_CONFIG
+    cfg = GPU_CONFIGS[dot] if on_gpu(device) else INTERPRETER_CONFIG
     BM, BN, BK, warps, stages = config_value("gram_config", cfg)
     grid = (cdiv(B, BM), cdiv(N, BN))
     launch(

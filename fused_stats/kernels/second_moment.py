@@ -43,6 +43,7 @@ from ._common import (
     kernel,
     kernel_dtype,
     launch,
+    on_gpu,
     sm_count,
 )
 
@@ -62,7 +63,7 @@ MAX_WORKSPACE_BYTES = 256 << 20
 def mma_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The tile-product input dtype: the rows' own dtype, except bf16 under the interpreter, whose
     numpy ``dot`` has no bf16 (there bf16 -> fp32 is exact and so are the products, in either)."""
-    if device.type != "cuda" and dtype == torch.bfloat16:
+    if not on_gpu(device) and dtype == torch.bfloat16:
         return torch.float32
     return dtype
 
@@ -120,7 +121,13 @@ def _syrk_upper_kernel(
         k_in = (k < R) & (k < k_end)
         a = tl.load(Y + k[:, None] * sy_r + rm[None, :] * sy_d, mask=k_in[:, None] & m_in[None, :], other=0.0)
         b = tl.load(Y + k[:, None] * sy_r + rn[None, :] * sy_d, mask=k_in[:, None] & n_in[None, :], other=0.0)
-        acc = tl.dot(tl.trans(a.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc, input_precision=PRECISION)
+        acc = tl.dot(
+            tl.trans(a.to(DOT_DTYPE)),
+            b.to(DOT_DTYPE),
+            acc,
+            input_precision=PRECISION,
+            out_dtype=W.dtype.element_ty,
+        )
     if ti == tj:
         # exact symmetry on the diagonal (the MMA may round a_i.b_j and b_j.a_i differently)
         acc = (acc + tl.trans(acc)) * 0.5
@@ -139,7 +146,7 @@ def _syrk_upper_kernel(
 
 
 def _config(dtype: torch.dtype, device: torch.device):
-    cfg = GPU_CONFIGS[dtype] if device.type == "cuda" else INTERPRETER_CONFIG
+    cfg = GPU_CONFIGS[dtype] if on_gpu(device) else INTERPRETER_CONFIG
     return config_value("syrk_config", cfg)
 
 
