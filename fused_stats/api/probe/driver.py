@@ -59,7 +59,6 @@ import contextlib
 import copy as _copy
 import datetime as _dt
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -83,31 +82,12 @@ from ...backend import Backend, validate_backend
 from ...contracts import all_finite
 from ...errors import FusedStatsError
 from .feature_axis import resolve_feature_dim
-from .fold import REGISTRY, StepFold, fold_stacked
+from .fold import REGISTRY, PointCapture, StepFold, fold_stacked  # noqa: F401  (PointCapture re-exported)
 from .fold import fold as fold_batch
 from .hooks import ActivationCapture, FrozenEval
 from .masks import IGNORE_INDEX, MASK_MODES, counted_positions  # noqa: F401  (re-exported)
 from .points import residual_points, resolve_points
 from .table import KINDS, STREAMS, TableView
-
-
-@dataclass
-class PointCapture:
-    """What one step saw at one point; handed to callbacks registered with :meth:`Probe.add_callback`.
-
-    ``activation``: the point's forward output ``z`` (detached), ``grad``: ``∂L/∂z`` (same shape),
-    ``mask``: the counted positions (B, *positions) bool or None, ``feature_dim``: the feature axis
-    of both tensors. Extension point for statistics that need ``z`` as well as ``q`` (the depth
-    probe's cross-gradient ``Σ_t q_t φ(W_in z_t)ᵀ``).
-    """
-
-    point: str
-    stream: str
-    activation: torch.Tensor
-    grad: torch.Tensor
-    mask: torch.Tensor | None
-    unit: str
-    feature_dim: int
 
 
 def model_summary(model: nn.Module, points: list[str] | None = None) -> dict:

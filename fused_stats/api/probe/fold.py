@@ -34,6 +34,25 @@ from ...errors import FusedStatsError
 from .masks import flat_masked, point_mask
 
 
+@dataclass
+class PointCapture:
+    """What one step saw at one point; handed to callbacks registered with :meth:`Probe.add_callback`.
+
+    ``activation``: the point's forward output ``z`` (detached), ``grad``: ``∂L/∂z`` (same shape),
+    ``mask``: the counted positions (B, *positions) bool or None, ``feature_dim``: the feature axis
+    of both tensors. Extension point for statistics that need ``z`` as well as ``q`` (the depth
+    probe's cross-gradient ``Σ_t q_t φ(W_in z_t)ᵀ``).
+    """
+
+    point: str
+    stream: str
+    activation: torch.Tensor
+    grad: torch.Tensor
+    mask: torch.Tensor | None
+    unit: str
+    feature_dim: int
+
+
 # ---------------------------------------------------------------------------- the kind registry
 @dataclass(frozen=True)
 class Kind:
@@ -244,8 +263,6 @@ def fold(
         probe.feature_dims[name] = probe.feature_dim(name, activations[name])
     probe.steps[stream] += 1
     if probe._callbacks:
-        from .driver import PointCapture
-
         for name in probe.points:
             act, fd = activations[name], probe.feature_dims[name]
             m = point_mask(name, act.shape, fd, act.device, positions_mask)
