@@ -476,10 +476,9 @@ class Probe:
                 "the losses do not depend on any probed point (no graph); was the loss computed "
                 "under torch.no_grad() or from detached outputs?"
             )
-        folding.before_backward()
         # sum, never mean: each sample's gradient must be that of its own loss (docs/design.md,
-        # section 5); the returned leaf gradients were already reduced by their hooks
-        torch.autograd.grad(losses.sum(), capture.leaves, allow_unused=True)
+        # section 5)
+        folding.backward(losses.sum(), capture.leaves)
 
     def feature_dim(self, point: str, activation: torch.Tensor) -> int:
         """The feature axis of ``point``'s output: the one fixed at its first step, else inferred

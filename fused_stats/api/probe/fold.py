@@ -339,7 +339,8 @@ class _Point:
     accs: dict = field(default_factory=dict)  # kind -> accumulator (new ones kept on commit)
     z: torch.Tensor | None = None  # only for one-row-per-sample points (B, d) or callbacks
     phi: torch.Tensor | None = None  # cross features (B, P, r)
-    pending: tuple | None = None  # (module, kwargs) of a point whose features wait for before_backward
+    out: torch.Tensor | None = None  # the output itself while it is kept (with z)
+    pending: tuple | None = None  # (module, kwargs) of a kept point: its features wait for backward
     grad: torch.Tensor | None = None  # staged mode only
     prepared: dict | None = None  # kind -> Prepared, once the gradient has been reduced
     committed: bool = False
@@ -353,8 +354,8 @@ def _one_row_per_sample(shape, fd) -> bool:
 class StepFold:
     """The fold of one :meth:`fused_stats.Probe.step` inside its backward (module docstring).
 
-    :meth:`on_output` is the forward hook's callback, :meth:`before_backward` runs between the
-    forward and the backward, the tensor hooks reduce each gradient, :meth:`finish` commits.
+    :meth:`on_output` is the forward hook's callback, :meth:`backward` runs the backward (the
+    tensor hooks reduce each gradient), :meth:`finish` commits.
     Steps with callbacks, or where every point has one row per sample (unit "sample", (B, d)
     outputs, nothing masked: the gradients are already the reduced rows), stage the gradients and
     fold them with :func:`fold` (its stacked calls); ``atomic=False`` never stages.
@@ -381,13 +382,18 @@ class StepFold:
             if acc is None and REGISTRY[kind].reads == "cross":
                 acc = probe.new_accumulator(kind, self.stream, name, z.shape[fd], cross_dtype(z), z.device)
             pt.accs[kind] = acc
-        if self.raw or (z.dim() >= 1 and _one_row_per_sample(z.shape, fd)):
-            pt.z = z.detach()  # (B, d): no larger than the gradient rows kept anyway
-            pt.pending = (module, kwargs) if not self.raw else None
+        self.points[name] = pt
+        if self.raw or _one_row_per_sample(z.shape, fd):
+            # (B, d): no larger than the gradient rows kept anyway; whether the step stages (and
+            # differentiates with respect to these outputs) or hooks them is known after the forward
+            pt.out, pt.z = z, z.detach()
+            pt.pending = (module, kwargs)
         else:
             pt.phi = self._features(pt, module, z, kwargs)
-        self.points[name] = pt
-        z.register_hook(lambda g, pt=pt: self._on_grad(pt, g))
+            self._hook(pt, z)
+
+    def _hook(self, pt: _Point, z: torch.Tensor) -> None:
+        z.register_hook(lambda g: self._on_grad(pt, g))
 
     def _features(self, pt: _Point, module, z, kwargs):
         for kind in self.kinds:
@@ -402,29 +408,34 @@ class StepFold:
         the forward hook: what is read from it would not be the point's output."""
         return [pt.name for pt in self.points.values() if pt.z is not None and pt.z._version != pt.version]
 
-    def before_backward(self) -> None:
-        """Stage (one row per sample everywhere, atomic) or compute the waiting features."""
-        pts = list(self.points.values())
-        if not self.staged:
-            self.staged = (
-                self.atomic
-                and self.probe.unit == "sample"
-                and self.positions_mask is None
-                and all(pt.pending is not None for pt in pts)
-            )
+    def backward(self, total: torch.Tensor, leaves) -> None:
+        """The step's one backward of ``total`` (the summed losses). Staged (callbacks, or one
+        row per sample everywhere): one ``autograd.grad`` with respect to every point's output,
+        as the staged fold takes them; otherwise down to ``leaves`` only, the hooks reducing."""
+        pts = [self.points[name] for name in self.probe.points]
+        self.staged = self.raw or (
+            self.atomic
+            and self.probe.unit == "sample"
+            and self.positions_mask is None
+            and all(pt.out is not None for pt in pts)
+        )
         if self.staged:
+            grads = torch.autograd.grad(
+                total, [pt.out for pt in pts], allow_unused=True, materialize_grads=True
+            )
+            for pt, g in zip(pts, grads):
+                pt.grad, pt.out = g, None
             return
         for pt in pts:
-            if pt.pending is not None:
+            if pt.out is not None:
                 module, kwargs = pt.pending
                 pt.phi = self._features(pt, module, pt.z, kwargs)
-                pt.z, pt.pending = None, None
+                self._hook(pt, pt.out)
+                pt.out = pt.z = pt.pending = None
+        torch.autograd.grad(total, leaves, allow_unused=True)
 
     # ---- backward
     def _on_grad(self, pt: _Point, g: torch.Tensor) -> None:
-        if self.staged:
-            pt.grad = g
-            return
         if self.stopped or pt.prepared is not None:
             return
         pt.prepared = self._prepare(pt, g)
@@ -488,7 +499,7 @@ class StepFold:
         ordered = [self.points[name] for name in probe.points]
         if self.staged:
             acts = {pt.name: pt.z for pt in ordered}
-            grads = {pt.name: pt.grad if pt.grad is not None else torch.zeros_like(pt.z) for pt in ordered}
+            grads = {pt.name: pt.grad for pt in ordered}
             return fold(probe, stream, acts, grads, self.positions_mask)
         for pt in ordered:  # a point the loss does not depend on has a zero gradient
             if pt.prepared is None and not self.stopped:
