@@ -333,7 +333,7 @@ class _Point:
     shape: tuple
     dtype: torch.dtype
     device: torch.device
-    fd: int
+    fd: int | None  # None until resolved (a (B, d) output: only if the step does not stage)
     mask: torch.Tensor | None
     dim: int
     accs: dict = field(default_factory=dict)  # kind -> accumulator (new ones kept on commit)
@@ -371,26 +371,33 @@ class StepFold:
 
     # ---- forward
     def on_output(self, name: str, module, z: torch.Tensor, kwargs) -> None:
-        probe, unit = self.probe, self.probe.unit
-        fd = probe.feature_dim(name, z)
-        m = point_mask(name, z.shape, fd, z.device, self.positions_mask)
-        dim = math.prod(z.shape[1:]) if unit == "flat" else z.shape[fd]
-        check_dim(probe, self.stream, name, z.shape, dim)
-        pt = _Point(name, tuple(z.shape), z.dtype, z.device, fd, m, dim, version=z._version)
+        pt = _Point(name, tuple(z.shape), z.dtype, z.device, None, None, 0, version=z._version)
+        self.points[name] = pt
+        if z.dim() == 2 and not self.raw:
+            # (B, d): one row per sample on any feature axis, no larger than the gradient rows kept
+            # anyway; whether the step stages them (the staged fold then resolves the rest) or
+            # hooks them is known after the forward
+            pt.out, pt.z, pt.pending = z, z.detach(), (module, kwargs)
+            return
+        self._resolve(pt, z)
+        if self.raw or _one_row_per_sample(z.shape, pt.fd):
+            pt.out, pt.z, pt.pending = z, z.detach(), (module, kwargs)
+        else:
+            pt.phi = self._features(pt, module, z, kwargs)
+            self._hook(pt, z)
+
+    def _resolve(self, pt: _Point, z: torch.Tensor) -> None:
+        """The point's feature axis, mask, width and accumulators (a new cross one for its W_in)."""
+        probe, name = self.probe, pt.name
+        pt.fd = fd = probe.feature_dim(name, z)
+        pt.mask = point_mask(name, z.shape, fd, z.device, self.positions_mask)
+        pt.dim = math.prod(z.shape[1:]) if probe.unit == "flat" else z.shape[fd]
+        check_dim(probe, self.stream, name, z.shape, pt.dim)
         for kind in self.kinds:
             acc = probe.table.get((kind, self.stream, name))
             if acc is None and REGISTRY[kind].reads == "cross":
                 acc = probe.new_accumulator(kind, self.stream, name, z.shape[fd], cross_dtype(z), z.device)
             pt.accs[kind] = acc
-        self.points[name] = pt
-        if self.raw or _one_row_per_sample(z.shape, fd):
-            # (B, d): no larger than the gradient rows kept anyway; whether the step stages (and
-            # differentiates with respect to these outputs) or hooks them is known after the forward
-            pt.out, pt.z = z, z.detach()
-            pt.pending = (module, kwargs)
-        else:
-            pt.phi = self._features(pt, module, z, kwargs)
-            self._hook(pt, z)
 
     def _hook(self, pt: _Point, z: torch.Tensor) -> None:
         z.register_hook(lambda g: self._on_grad(pt, g))
@@ -429,6 +436,8 @@ class StepFold:
         for pt in pts:
             if pt.out is not None:
                 module, kwargs = pt.pending
+                if pt.fd is None:
+                    self._resolve(pt, pt.z)
                 pt.phi = self._features(pt, module, pt.z, kwargs)
                 self._hook(pt, pt.out)
                 pt.out = pt.z = pt.pending = None
