@@ -964,3 +964,33 @@ def test_examples_run_tiny(tmp_path):
     assert [r["step"] for r in records] == [2, 4]
     assert all(point["n"] == 16 for point in records[-1]["points"].values())  # 2 steps x 8
     assert Path(result["plot"]).exists()
+
+
+# ----------------------------------------------------------------------------- explicit feature axis
+def test_observe_with_an_explicit_last_feature_axis():
+    """``feature_dim=2`` on (B, T, d) outputs (the last axis, named positively): the lean path's
+    (B, d) sums keep the output's rank, so a fresh probe and one after a step both fold them; the
+    per-sample rows equal one backward per sample, summed over the counted positions."""
+    from tiny_models import MaskedPoolNet, masked_pool_loss, masked_seq_batches
+
+    model = MaskedPoolNet(6, seed=3).double()
+    points = ["blocks.0", "blocks.1"]
+    probe = fs.Probe(model, points=points, feature_dim=2, second_moment="pool")
+    batches = [
+        {k: (v.double() if v.is_floating_point() else v) for k, v in b.items()}
+        for b in masked_seq_batches(5, 2, 5, 4)
+    ]
+    for batch in batches:
+        with probe.observe(loss_reduction="sum", mask="none"):
+            masked_pool_loss(model, batch).sum().backward()
+        model.zero_grad(set_to_none=True)
+    rows = {p: [] for p in points}
+    for batch in batches:
+        for b in range(batch["x"].shape[0]):
+            one = {k: v[b : b + 1] for k, v in batch.items()}
+            g = R.point_grads_one_sample(model, points, lambda m, one=one: masked_pool_loss(m, one)[0])
+            for p in points:
+                rows[p].append(g[p].reshape(-1, g[p].shape[-1]).sum(0))
+    for p in points:
+        assert probe.stats[p].n == 10
+        assert torch.allclose(probe.stats[p].pool_rows(), torch.stack(rows[p]), rtol=1e-10, atol=1e-13), p

@@ -667,7 +667,10 @@ class Observation:
         acts, grads = {}, {}
         for name, record in chosen.items():
             if record.reduced is not None:
+                # the (B, d) sums as (B, 1, ..., 1, d), of the output's rank: the feature axis the
+                # probe resolves for the output (an explicit feature_dim=2 included) is theirs too
                 r = record.reduced
+                r = r.reshape(r.shape[0], *([1] * (record.tensor.dim() - 2)), r.shape[-1])
                 acts[name] = torch.zeros((), dtype=r.dtype, device=r.device).expand(r.shape)
                 grads[name] = _scaled(r, factor, B)
                 continue
