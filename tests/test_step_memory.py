@@ -141,3 +141,45 @@ def test_in_memory_step_peak_over_a_plain_backward(folders):
         f"in memory: plain {plain / 2**20:.1f} MiB, probe {probe / 2**20:.1f} MiB, N·d {ND_BYTES / 2**20:.1f} MiB"
     )
     assert probe - plain < ND_BYTES + rows, (plain, probe)
+
+
+def test_stream_plan_counts_what_a_step_holds(monkeypatch):
+    """``plan_streaming``'s per-step terms, from the shapes: the gradient in and out of the
+    recomputed block (2 N d), every point's (B, d) fp64 rows (and N r fp64 features with a cross
+    rank); and the rows a real step hands to the commit are that many bytes."""
+    from fused_stats.api.streaming.plan import plan_streaming
+
+    N, d, L, Bs, b = 65536, 8192, 80, 8, 2
+    plan = plan_streaming("llama-70b", tokens=N, samples=Bs, prefetch=1)
+    assert plan.gradient_bytes == 2 * N * d * b
+    assert plan.reduced_bytes == L * Bs * d * 8
+    with_cross = plan_streaming("llama-70b", tokens=N, samples=Bs, cross_rank=64)
+    assert with_cross.reduced_bytes - plan.reduced_bytes == L * N * 64 * 8
+    parts = ("resident_bytes", "streamed_blocks_bytes", "block_activation_bytes", "gradient_bytes")
+    assert (
+        plan.device_bytes
+        == sum(getattr(plan, k) for k in parts) + plan.reduced_bytes + plan.accumulator_bytes
+    )
+    # the README's worked example: 107.67 GiB on one H200 at 64K tokens
+    assert round(plan.device_bytes / 2**30, 2) == 107.67
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=3, num_attention_heads=2
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    held = []
+    original = fs.GradStats.commit_many.__func__
+    monkeypatch.setattr(
+        fs.GradStats,
+        "commit_many",
+        classmethod(
+            lambda cls, accs, prepared: (
+                held.append(sum(p.batch.rows.nbytes for p in prepared)) or original(cls, accs, prepared)
+            )
+        ),
+    )
+    ids = torch.randint(0, 64, (5, 7))
+    with fs.stream_blocks(model) as st:
+        fs.Probe(st.model).step({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, fs.causal_lm_loss)
+    assert held == [3 * 5 * 16 * 8]
