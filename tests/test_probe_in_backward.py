@@ -507,3 +507,38 @@ def test_gradient_is_that_of_the_output_before_a_downstream_in_place_change(gen)
         rows.append(g)
     got = probe.stats["blocks.1"].pool_rows()
     assert torch.allclose(got, torch.stack(rows), rtol=1e-12, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------- the kind registry
+def test_a_kind_added_through_the_registry_is_folded_at_every_point(gen):
+    """A new statistic is one ``register_kind`` (no edit of the folds or of ``new_accumulator``):
+    here a second GradStats kind, dense, beside the probe's pooled one. The step folds it at every
+    point; its estimates equal those of a dense GradStats fed the pooled kind's per-sample rows."""
+    from fused_stats.api.probe.fold import Kind, register_kind, unregister_kind
+
+    register_kind(
+        Kind(
+            "grad_dense",
+            lambda probe: getattr(probe, "keep_dense", False),
+            lambda probe, name, dim, dtype, device: fs.GradStats(int(dim), "dense", device=device, name=name),
+        )
+    )
+    try:
+        model = tiny_lm("gpt2", torch.float64)
+        probe = fs.Probe(model, second_moment="pool")
+        probe.keep_dense = True
+        assert probe.kinds == ("grad", "grad_dense")
+        for batch in lm_batches(gen, 3):
+            probe.step(batch, fs.causal_lm_loss)
+        for point in probe.points:
+            dense = probe.accumulators("grad_dense")[point]
+            ref = fs.GradStats(dense.dim, "dense")
+            ref.update(probe.stats[point].pool_rows())
+            assert dense.n == ref.n == probe.stats[point].n
+            got, want = dense.estimate().to_dict(), ref.estimate().to_dict()
+            for key, value in want.items():
+                if isinstance(value, float):
+                    assert math.isclose(got[key], value, rel_tol=1e-9, abs_tol=1e-15), (point, key)
+    finally:
+        unregister_kind("grad_dense")
+    assert "grad_dense" not in fs.Probe(tiny_lm("gpt2", torch.float64)).kinds

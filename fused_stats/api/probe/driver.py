@@ -87,7 +87,7 @@ from .fold import fold as fold_batch
 from .hooks import ActivationCapture, FrozenEval
 from .masks import IGNORE_INDEX, MASK_MODES, counted_positions  # noqa: F401  (re-exported)
 from .points import residual_points, resolve_points
-from .table import KINDS, STREAMS, TableView
+from .table import STREAMS, TableView
 
 
 def model_summary(model: nn.Module, points: list[str] | None = None) -> dict:
@@ -242,8 +242,8 @@ class Probe:
     def accumulators(self, kind: str = "grad", stream: str = "train") -> TableView:
         """The live view ``point -> accumulator`` of ``kind`` in ``stream``."""
         self.check_stream(stream)
-        if kind not in KINDS:
-            raise FusedStatsError(f"kind must be one of {KINDS}, got {kind!r}")
+        if kind not in REGISTRY:
+            raise FusedStatsError(f"kind must be one of {tuple(REGISTRY)}, got {kind!r}")
         return TableView(self.table, kind, stream)
 
     @property

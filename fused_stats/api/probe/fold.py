@@ -73,10 +73,18 @@ REGISTRY: dict[str, Kind] = {}
 
 
 def register_kind(kind: Kind) -> None:
-    """Add (or replace) a kind; probes built afterwards that enable it keep it at every point."""
+    """Add (or replace) a kind; every probe that ``enabled`` says keeps it folds it at every point
+    (its accumulator: ``prepare``/``commit``/``commit_many`` of the protocol, section 3.2)."""
     if kind.reads not in ("grad", "cross"):
         raise FusedStatsError(f"Kind.reads must be 'grad' or 'cross', got {kind.reads!r}")
     REGISTRY[kind.name] = kind
+
+
+def unregister_kind(name: str) -> None:
+    """Remove a kind added by :func:`register_kind` (the built-in ones stay)."""
+    if name in ("grad", "cross", "norm_hist"):
+        raise FusedStatsError(f"the built-in kind {name!r} cannot be removed")
+    REGISTRY.pop(name, None)
 
 
 register_kind(
