@@ -994,3 +994,26 @@ def test_observe_with_an_explicit_last_feature_axis():
     for p in points:
         assert probe.stats[p].n == 10
         assert torch.allclose(probe.stats[p].pool_rows(), torch.stack(rows[p]), rtol=1e-10, atol=1e-13), p
+
+
+def test_scale_factors_are_pure_functions_of_the_batch():
+    """``per_sample_scales`` / ``check_declaration`` without an Observation: the factors against
+    counts made by hand (targets t+1 with label != -100, as HF's shifted loss)."""
+    from fused_stats.api.training.observe import check_declaration, per_sample_scales
+
+    labels = torch.tensor([[5, 6, 7, -100], [1, -100, -100, -100], [2, 3, -100, 4]])
+    n = [sum(1 for t in range(1, 4) if int(row[t]) != -100) for row in labels]  # 2, 0, 2
+    total = sum(n)
+    batch = {"labels": labels}
+    s, keep, counts, tot = per_sample_scales(batch, 3, "token_mean", None, "p")
+    assert keep.tolist() == [c > 0 for c in n] and tot == total
+    assert s.tolist() == [total / c if c else 0.0 for c in n]
+    assert per_sample_scales(batch, 3, "mean", None, "p")[0].tolist() == [3.0, 3.0, 3.0]
+    assert per_sample_scales(batch, 3, "sum", None, "p")[0].tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(fs.FusedStatsError, match=r"scale has shape \(2,\)"):
+        per_sample_scales(batch, 3, None, torch.ones(2, dtype=torch.float64), "p")
+    # the model's own token-mean loss reached with weight 1: "mean" disagrees, "token_mean" agrees
+    s_mean, keep_m, counts_m, tot_m = per_sample_scales(batch, 3, "mean", None, "p")
+    with pytest.raises(fs.FusedStatsError, match="token_mean"):
+        check_declaration(s_mean, keep_m, counts_m, tot_m, 1.0, [1.0], "mean", None)
+    assert check_declaration(s, keep, counts, tot, 1.0, [1.0], "token_mean", None) == 1.0
