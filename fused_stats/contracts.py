@@ -160,6 +160,23 @@ def check_gram_args(new_rows, pool_rows) -> None:
         )
 
 
+def check_cross_features_args(grad, phi, mask, unit: str, group_size: int) -> None:
+    """Cross-gradient from given features: ``grad`` (B, T, d) and ``phi`` (B, T, r), float, on one
+    device; ``mask``, ``unit`` and ``group_size`` as :func:`check_cross_args`."""
+    check_tensor(grad, "grad", 3)
+    check_tensor(phi, "phi", 3, device=grad.device)
+    if unit not in UNITS_CAPTURED:
+        raise FusedStatsError(f"unit must be one of {UNITS_CAPTURED}, got {unit!r}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise FusedStatsError(f"group_size must be a positive int, got {group_size!r}")
+    B, T, _ = grad.shape
+    if tuple(phi.shape[:2]) != (B, T):
+        raise FusedStatsError(
+            f"phi has shape {tuple(phi.shape)}, expected ({B}, {T}, r) for grad {tuple(grad.shape)}"
+        )
+    _check_mask(mask, B, T, grad, same_device=False)
+
+
 def check_cross_args(grad, act, mask, w_in, activation: str, unit: str, group_size: int) -> None:
     """Cross-gradient: ``grad`` (B, T, d), ``act`` (B, T, d_in) and ``w_in`` (r, d_in), float, on
     one device; ``mask`` None or (B, T) (moved to grad's device by the op); ``activation`` in

@@ -964,3 +964,56 @@ def test_examples_run_tiny(tmp_path):
     assert [r["step"] for r in records] == [2, 4]
     assert all(point["n"] == 16 for point in records[-1]["points"].values())  # 2 steps x 8
     assert Path(result["plot"]).exists()
+
+
+# ----------------------------------------------------------------------------- explicit feature axis
+def test_observe_with_an_explicit_last_feature_axis():
+    """``feature_dim=2`` on (B, T, d) outputs (the last axis, named positively): the lean path's
+    (B, d) sums keep the output's rank, so a fresh probe and one after a step both fold them; the
+    per-sample rows equal one backward per sample, summed over the counted positions."""
+    from tiny_models import MaskedPoolNet, masked_pool_loss, masked_seq_batches
+
+    model = MaskedPoolNet(6, seed=3).double()
+    points = ["blocks.0", "blocks.1"]
+    probe = fs.Probe(model, points=points, feature_dim=2, second_moment="pool")
+    batches = [
+        {k: (v.double() if v.is_floating_point() else v) for k, v in b.items()}
+        for b in masked_seq_batches(5, 2, 5, 4)
+    ]
+    for batch in batches:
+        with probe.observe(loss_reduction="sum", mask="none"):
+            masked_pool_loss(model, batch).sum().backward()
+        model.zero_grad(set_to_none=True)
+    rows = {p: [] for p in points}
+    for batch in batches:
+        for b in range(batch["x"].shape[0]):
+            one = {k: v[b : b + 1] for k, v in batch.items()}
+            g = R.point_grads_one_sample(model, points, lambda m, one=one: masked_pool_loss(m, one)[0])
+            for p in points:
+                rows[p].append(g[p].reshape(-1, g[p].shape[-1]).sum(0))
+    for p in points:
+        assert probe.stats[p].n == 10
+        assert torch.allclose(probe.stats[p].pool_rows(), torch.stack(rows[p]), rtol=1e-10, atol=1e-13), p
+
+
+def test_scale_factors_are_pure_functions_of_the_batch():
+    """``per_sample_scales`` / ``check_declaration`` without an Observation: the factors against
+    counts made by hand (targets t+1 with label != -100, as HF's shifted loss)."""
+    from fused_stats.api.training.observe import check_declaration, per_sample_scales
+
+    labels = torch.tensor([[5, 6, 7, -100], [1, -100, -100, -100], [2, 3, -100, 4]])
+    n = [sum(1 for t in range(1, 4) if int(row[t]) != -100) for row in labels]  # 2, 0, 2
+    total = sum(n)
+    batch = {"labels": labels}
+    s, keep, counts, tot = per_sample_scales(batch, 3, "token_mean", None, "p")
+    assert keep.tolist() == [c > 0 for c in n] and tot == total
+    assert s.tolist() == [total / c if c else 0.0 for c in n]
+    assert per_sample_scales(batch, 3, "mean", None, "p")[0].tolist() == [3.0, 3.0, 3.0]
+    assert per_sample_scales(batch, 3, "sum", None, "p")[0].tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(fs.FusedStatsError, match=r"scale has shape \(2,\)"):
+        per_sample_scales(batch, 3, None, torch.ones(2, dtype=torch.float64), "p")
+    # the model's own token-mean loss reached with weight 1: "mean" disagrees, "token_mean" agrees
+    s_mean, keep_m, counts_m, tot_m = per_sample_scales(batch, 3, "mean", None, "p")
+    with pytest.raises(fs.FusedStatsError, match="token_mean"):
+        check_declaration(s_mean, keep_m, counts_m, tot_m, 1.0, [1.0], "mean", None)
+    assert check_declaration(s, keep, counts, tot, 1.0, [1.0], "token_mean", None) == 1.0

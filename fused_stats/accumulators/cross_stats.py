@@ -232,8 +232,52 @@ class CrossStats(Accumulator):
         finite = not batch.n or self._finite(batch)
         return Prepared(unit=unit, base_n=self.n, batch=batch, finite=finite)
 
+    def features(self, act: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's features ``φ(W_in z_t)`` (B, T, rank) of ``act`` (B, T, d_in), zero where
+        ``mask`` (B, T) is 0, for :meth:`prepare_features`: a caller that keeps these instead of
+        ``act`` (r numbers a position instead of d_in) prepares the same batch, bit for bit."""
+        if act.dim() == 2:
+            act = act.unsqueeze(1)
+        if act.dim() != 3 or act.shape[-1] != self.in_dim:
+            raise FusedStatsError(
+                f"cross gradient{self._where()}: activation has shape {tuple(act.shape)}, "
+                f"expected (B, T, {self.in_dim})"
+            )
+        if act.device != self.device:
+            raise FusedStatsError(
+                f"cross gradient{self._where()}: activation on {act.device}, state on {self.device}"
+            )
+        if mask is not None and tuple(mask.shape) != tuple(act.shape[:2]):
+            raise FusedStatsError(
+                f"cross gradient{self._where()}: mask has shape {tuple(mask.shape)}, expected "
+                f"{tuple(act.shape[:2])}"
+            )
+        return ops.cross_features(act, mask, self.w_in, self.activation, self.backend)
+
+    def prepare_features(
+        self,
+        grad: torch.Tensor,
+        phi: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        unit: CrossUnit = "sample",
+    ) -> Prepared:
+        """:meth:`prepare` from the features ``phi`` of :meth:`features` (same ``mask``) instead of
+        the activation; nothing changes."""
+        if phi.dim() == 2:
+            phi = phi.unsqueeze(1)
+        grad, _ = self._checked(grad, None, mask, unit)
+        if tuple(phi.shape) != (*grad.shape[:2], self.rank) or phi.device != self.device:
+            raise FusedStatsError(
+                f"cross gradient{self._where()}: features of shape {tuple(phi.shape)} on "
+                f"{phi.device}, expected ({grad.shape[0]}, {grad.shape[1]}, {self.rank}) on {self.device}"
+            )
+        batch = ops.cross_reduce_features(grad, phi, mask, unit, self.group_size, self.backend)
+        finite = not batch.n or self._finite(batch)
+        return Prepared(unit=unit, base_n=self.n, batch=batch, finite=finite)
+
     def _checked(self, grad, act, mask, unit):
-        """The checks of :meth:`prepare`; returns ``grad`` and ``act`` viewed as (B, T, ·)."""
+        """The checks of :meth:`prepare`; returns ``grad`` and ``act`` viewed as (B, T, ·)
+        (``act`` None: :meth:`prepare_features`, which checks its features itself)."""
         w = self._where()
         if unit not in UNITS:
             raise FusedStatsError(f"cross gradient{w}: unit must be one of {UNITS}, got {unit!r}")
@@ -241,25 +285,25 @@ class CrossStats(Accumulator):
             raise FusedStatsError(
                 f"cross gradient{w}: batch with unit={unit!r}, but the state holds unit={self.unit!r} samples"
             )
-        if not isinstance(grad, torch.Tensor) or not isinstance(act, torch.Tensor):
+        if not isinstance(grad, torch.Tensor) or not isinstance(act, (torch.Tensor, type(None))):
             raise FusedStatsError(
                 f"cross gradient{w}: grad and activation must be tensors, got "
                 f"{type(grad).__name__} and {type(act).__name__}"
             )
         if grad.dim() == 2:
             grad = grad.unsqueeze(1)
-        if act.dim() == 2:
+        if act is not None and act.dim() == 2:
             act = act.unsqueeze(1)
         if grad.dim() != 3 or grad.shape[-1] != self.dim:
             raise FusedStatsError(
                 f"cross gradient{w}: grad has shape {tuple(grad.shape)}, expected (B, T, {self.dim})"
             )
-        if act.shape[:2] != grad.shape[:2] or act.shape[-1] != self.in_dim:
+        if act is not None and (act.shape[:2] != grad.shape[:2] or act.shape[-1] != self.in_dim):
             raise FusedStatsError(
                 f"cross gradient{w}: activation has shape {tuple(act.shape)}, expected "
                 f"({grad.shape[0]}, {grad.shape[1]}, {self.in_dim}) to match grad {tuple(grad.shape)}"
             )
-        if grad.device != self.device or act.device != self.device:
+        if grad.device != self.device or (act is not None and act.device != self.device):
             raise FusedStatsError(
                 f"cross gradient{w}: tensors on {grad.device}/{act.device}, state on {self.device}"
             )

@@ -58,6 +58,15 @@ def register(sub) -> None:
         help="also plan device and host memory of a weight-streamed probe step",
     )
     cmd.add_argument("--tokens", type=int, default=8192, help="tokens a batch (--stream-blocks)")
+    cmd.add_argument(
+        "--samples", type=positive_int, default=8, help="sequences a batch (--stream-blocks; default 8)"
+    )
+    cmd.add_argument(
+        "--cross-rank",
+        type=positive_int,
+        default=None,
+        help="rank of a cross= block, whose features a step keeps (--stream-blocks; default: none)",
+    )
     cmd.set_defaults(func=cmd_plan)
 
 
@@ -91,7 +100,14 @@ def cmd_plan(args) -> int:
         for spec in ([args.model] if args.model else []) + (args.preset or ["llama-7b", "llama-70b"]):
             print(
                 format_stream_plan(
-                    plan_streaming(spec, args.tokens, pool_size=args.pool, streams=args.streams)
+                    plan_streaming(
+                        spec,
+                        args.tokens,
+                        pool_size=args.pool,
+                        streams=args.streams,
+                        samples=args.samples,
+                        cross_rank=args.cross_rank,
+                    )
                 )
             )
     print(

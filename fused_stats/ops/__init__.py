@@ -22,7 +22,9 @@ __all__ = [
     "CrossBatch",
     "capture_reduce",
     "capture_reduce_stacked",
+    "cross_features",
     "cross_reduce",
+    "cross_reduce_features",
     "cross_reduce_stacked",
     "cross_stacks",
     "gram_rows",
@@ -102,6 +104,26 @@ def cross_reduce(
     return implementation(backend, _device(grad)).cross_reduce(
         grad, act, mask, w_in, activation, unit, group_size
     )
+
+
+def cross_features(act, mask, w_in, activation, backend="auto") -> torch.Tensor:
+    """The features ``φ(W_in z)`` (B, T, r) :func:`cross_reduce` forms from ``act`` (B, T, d_in),
+    zero where ``mask`` is 0 (:func:`fused_stats.ops.cross_twin.features`); for
+    :func:`cross_reduce_features`, so that a caller can keep them instead of ``act``."""
+    return cross_twin.features(act, mask, w_in, activation)
+
+
+def cross_reduce_features(grad, phi, mask, unit, group_size=DEFAULT_GROUP_SIZE, backend="auto") -> CrossBatch:
+    """:func:`cross_reduce` from given features ``phi`` (B, T, r). The torch twin gives the bits of
+    ``cross_reduce(grad, act, ...)`` when ``phi = cross_features(act, ...)``; the Triton launcher
+    takes them as its activation with an identity ``W_in`` and φ = identity (exact products)."""
+    if resolve_backend(backend, _device(grad)) == "torch":
+        return cross_twin.cross_reduce_features(grad, phi, mask, unit, group_size)
+    from .. import kernels  # lazy: imports triton
+
+    r = phi.shape[-1]
+    eye = torch.eye(r, dtype=phi.dtype, device=phi.device)
+    return kernels.cross_reduce(grad, phi, mask, eye, "identity", unit, group_size)
 
 
 def capture_reduce_stacked(grads, centres, backend="auto"):

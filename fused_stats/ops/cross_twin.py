@@ -23,7 +23,14 @@ import math
 
 import torch
 
-from ..contracts import ACTIVATIONS, DEFAULT_GROUP_SIZE, CrossBatch, check_cross_args, tuple_sums
+from ..contracts import (
+    ACTIVATIONS,
+    DEFAULT_GROUP_SIZE,
+    CrossBatch,
+    check_cross_args,
+    check_cross_features_args,
+    tuple_sums,
+)
 from ..errors import FusedStatsError
 
 F64 = torch.float64
@@ -73,6 +80,20 @@ def ghost_is_cheaper(T: int, d: int, r: int, group: int) -> bool:
     return group * T * T * (d + r) < (T + group) * d * r
 
 
+def features(
+    act: torch.Tensor, mask: torch.Tensor | None, w_in: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """``φ(W_in z_t)`` (B, T, r) fp64 for ``act`` (B, T, d_in), zero at positions ``mask`` leaves
+    out, exactly as :func:`cross_reduce` forms them: a caller that keeps only these features (the
+    probe's forward hook, instead of ``z``) gets the same bits from :func:`cross_reduce_features`."""
+    if mask is None or bool(mask.all()):
+        return apply_activation(act.to(F64) @ w_in.to(F64).T, activation)
+    keep = mask.to(device=act.device, dtype=torch.bool).unsqueeze(-1)
+    zero = torch.zeros((), dtype=F64, device=act.device)
+    z = torch.where(keep, act.to(F64), zero)
+    return torch.where(keep, apply_activation(z @ w_in.to(F64).T, activation), zero)
+
+
 def cross_reduce(
     grad: torch.Tensor,
     act: torch.Tensor,
@@ -85,8 +106,21 @@ def cross_reduce(
     """One batch: ``grad`` (B, T, d) and ``act`` (B, T, d_in) (the point's output z), ``mask``
     (B, T) or None, ``w_in`` (r, d_in). Returns a :class:`CrossBatch` (module docstring)."""
     check_cross_args(grad, act, mask, w_in, activation, unit, group_size)
+    return cross_reduce_features(grad, features(act, mask, w_in, activation), mask, unit, group_size)
+
+
+def cross_reduce_features(
+    grad: torch.Tensor,
+    phi: torch.Tensor,
+    mask: torch.Tensor | None,
+    unit: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> CrossBatch:
+    """:func:`cross_reduce` from the features ``phi`` (B, T, r) of :func:`features` (zero at the
+    positions ``mask`` leaves out) instead of ``z`` and ``W_in``."""
+    check_cross_features_args(grad, phi, mask, unit, group_size)
     B, T, d = grad.shape
-    r = w_in.shape[0]
+    r = phi.shape[-1]
     all_kept = mask is None or bool(mask.all())
     ghost = unit == "sample" and ghost_is_cheaper(T, d, r, min(group_size, B))
     keep = None  # the ghost path with nothing masked needs no mask tensor
@@ -98,12 +132,9 @@ def cross_reduce(
         )
     if all_kept:  # nothing to zero out: skip the masking passes (the common case)
         q = grad.to(F64)
-        phi = apply_activation(act.to(F64) @ w_in.to(F64).T, activation)
     else:
-        zero = torch.zeros((), dtype=F64, device=grad.device)
-        q = torch.where(keep.unsqueeze(-1), grad.to(F64), zero)
-        z = torch.where(keep.unsqueeze(-1), act.to(F64), zero)
-        phi = torch.where(keep.unsqueeze(-1), apply_activation(z @ w_in.to(F64).T, activation), zero)
+        q = torch.where(keep.unsqueeze(-1), grad.to(F64), torch.zeros((), dtype=F64, device=grad.device))
+    phi = phi.to(F64)
     if ghost:
         # k_ij = Σ_{t,s} (q_itᵀ q_js)(φ_itᵀ φ_js): the per-sample Gram from position Grams, with
         # no d × r matrix per sample (few positions per sample, e.g. one row per sample)

@@ -58,9 +58,7 @@ from __future__ import annotations
 import contextlib
 import copy as _copy
 import datetime as _dt
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -84,31 +82,12 @@ from ...backend import Backend, validate_backend
 from ...contracts import all_finite
 from ...errors import FusedStatsError
 from .feature_axis import resolve_feature_dim
+from .fold import REGISTRY, PointCapture, StepFold, fold_stacked  # noqa: F401  (PointCapture re-exported)
+from .fold import fold as fold_batch
 from .hooks import ActivationCapture, FrozenEval
+from .masks import IGNORE_INDEX, MASK_MODES, counted_positions  # noqa: F401  (re-exported)
 from .points import residual_points, resolve_points
-from .table import KINDS, STREAMS, TableView
-
-MASK_MODES = ("attention", "labels", "none")
-IGNORE_INDEX = -100
-
-
-@dataclass
-class PointCapture:
-    """What one step saw at one point; handed to callbacks registered with :meth:`Probe.add_callback`.
-
-    ``activation``: the point's forward output ``z`` (detached), ``grad``: ``∂L/∂z`` (same shape),
-    ``mask``: the counted positions (B, *positions) bool or None, ``feature_dim``: the feature axis
-    of both tensors. Extension point for statistics that need ``z`` as well as ``q`` (the depth
-    probe's cross-gradient ``Σ_t q_t φ(W_in z_t)ᵀ``).
-    """
-
-    point: str
-    stream: str
-    activation: torch.Tensor
-    grad: torch.Tensor
-    mask: torch.Tensor | None
-    unit: str
-    feature_dim: int
+from .table import STREAMS, TableView
 
 
 def model_summary(model: nn.Module, points: list[str] | None = None) -> dict:
@@ -257,18 +236,14 @@ class Probe:
     @property
     def kinds(self) -> tuple[str, ...]:
         """The accumulator kinds this probe keeps at every point ("grad" and, as configured,
-        "cross", "norm_hist")."""
-        return (
-            ("grad",)
-            + (("cross",) if self.cross is not None else ())
-            + (("norm_hist",) if self.norm_histogram is not None else ())
-        )
+        "cross", "norm_hist", or a kind added by :func:`fused_stats.api.probe.fold.register_kind`)."""
+        return tuple(name for name, kind in REGISTRY.items() if kind.enabled(self))
 
     def accumulators(self, kind: str = "grad", stream: str = "train") -> TableView:
         """The live view ``point -> accumulator`` of ``kind`` in ``stream``."""
         self.check_stream(stream)
-        if kind not in KINDS:
-            raise FusedStatsError(f"kind must be one of {KINDS}, got {kind!r}")
+        if kind not in REGISTRY:
+            raise FusedStatsError(f"kind must be one of {tuple(REGISTRY)}, got {kind!r}")
         return TableView(self.table, kind, stream)
 
     @property
@@ -316,32 +291,13 @@ class Probe:
         self, kind: str, stream: str, point: str, dim: int, dtype=None, device=None
     ) -> Accumulator:
         """An empty accumulator of ``kind`` with this probe's settings for ``point`` (the one
-        place a probe creates accumulators). Named like the point (test stream:
-        ``"<point> [test]"``); ``dtype``: of a cross block's ``W_in`` (default fp32);
-        ``device``: where the state lives (None: the first batch's device)."""
+        place a probe creates accumulators; :data:`fused_stats.api.probe.fold.REGISTRY` says how).
+        Named like the point (test stream: ``"<point> [test]"``); ``dtype``: of a cross block's
+        ``W_in`` (default fp32); ``device``: where the state lives (None: the first batch's device)."""
+        if kind not in REGISTRY:
+            raise FusedStatsError(f"kind must be one of {tuple(REGISTRY)}, got {kind!r}")
         name = point if stream == "train" else f"{point} [test]"
-        if kind == "grad":
-            return GradStats(
-                int(dim),
-                self.second_moment,
-                self.pool_capacity,
-                device=device,
-                backend=self.backend,
-                nonfinite="raise",
-                name=name,
-            )
-        if kind == "cross":
-            w_in = self.cross.projection(int(dim), dtype=dtype or torch.float32, device=device)
-            return CrossStats(int(dim), w_in, self.cross.activation, backend=self.backend, name=name)
-        if kind == "norm_hist":
-            return NormHistogram(
-                int(dim),
-                device=device or "cpu",
-                backend=self.backend,
-                name=name,
-                **(self.norm_histogram or {}),
-            )
-        raise FusedStatsError(f"kind must be one of {KINDS}, got {kind!r}")
+        return REGISTRY[kind].make(self, name, dim, dtype, device)
 
     @property
     def needs_activations(self) -> bool:
@@ -382,19 +338,12 @@ class Probe:
             raise FusedStatsError(f"callback must be callable, got {type(fn).__name__}")
         self._callbacks.append(fn)
 
-    def _cross_inputs(self, act: torch.Tensor, grad: torch.Tensor, mask, fd: int):
-        """Gradient, activation and mask of one point as the cross statistics take them:
-        features last, positions flattened to (B, P, d)."""
-        last = fd % grad.dim() == grad.dim() - 1  # features already last: no view to make
-        g = grad if last else grad.movedim(fd, -1)
-        z = act if last else act.movedim(fd, -1)
-        B, d = g.shape[0], g.shape[-1]
-        P = math.prod(g.shape[1:-1])
-        g, z = g.reshape(B, P, d), z.reshape(B, P, d)
-        m = mask
-        if m is not None:
-            m = m[:, None].expand(B, P) if m.dim() == 1 else m.reshape(B, P)
-        return g, z, m
+    def cross_features(self, point: str, module, z: torch.Tensor, kwargs, acc, mask) -> torch.Tensor:
+        """The cross block's features of ``point``, computed in its forward hook so that the step
+        keeps them (B, P, r) instead of the output ``z`` (B, P, d): for a :class:`CrossSpec`,
+        ``φ(W_in z)`` of ``acc`` (:meth:`CrossStats.features`). ``module`` and its forward
+        ``kwargs`` (e.g. an attention mask) are there for specs whose features need them."""
+        return acc.features(z, mask)
 
     def saturation(self, point: str, alpha: float = 0.05, stream: str = "train"):
         """The depth-saturation test at ``point`` (:class:`~fused_stats.Saturation`): unbiased
@@ -423,64 +372,43 @@ class Probe:
     # ------------------------------------------------------------------ masks
     def mask_for(self, batch, mask) -> torch.Tensor | None:
         """The counted-position mask of ``batch`` (module docstring), or None = everything."""
-        if callable(mask) and not isinstance(mask, torch.Tensor):
-            mask = mask(batch)
-            if mask is None:
-                return None
-            if not isinstance(mask, torch.Tensor):
-                raise FusedStatsError(f"the mask callable returned {type(mask).__name__}; expected a tensor")
-        if isinstance(mask, torch.Tensor):
-            return mask
-        if mask is None:
-            mask = "attention"
-        if mask not in MASK_MODES:
-            raise FusedStatsError(
-                f"mask must be None, one of {MASK_MODES}, a tensor or a callable, got {mask!r}"
-            )
-        if mask == "none":
-            return None
-        attn = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-        if mask == "attention":
-            return attn
-        labels = batch.get("labels") if isinstance(batch, Mapping) else None
-        if labels is None:
-            raise FusedStatsError("mask='labels' needs a mapping batch with 'labels' (B, T)")
-        # position t emits the prediction of token t+1 (the shift of causal_lm_loss)
-        keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
-        keep[..., :-1] = labels[..., 1:] != IGNORE_INDEX
-        if attn is not None:
-            if tuple(attn.shape) != tuple(labels.shape):
-                raise FusedStatsError(
-                    f"attention_mask {tuple(attn.shape)} and labels {tuple(labels.shape)} differ in shape"
-                )
-            real = attn != 0
-            keep[..., :-1] &= real[..., :-1] & real[..., 1:]
-        return keep
+        return counted_positions(batch, mask)
 
     # ------------------------------------------------------------------ the step
-    def step(self, batch, loss_fn, stream: str = "train", mask=None) -> None:
+    def step(self, batch, loss_fn, stream: str = "train", mask=None, atomic: bool = True) -> None:
         """Fold one batch into ``stream``'s accumulators.
 
         ``loss_fn(model, batch)`` must return per-sample losses of shape (B,) (e.g.
         :func:`fused_stats.causal_lm_loss`). ``mask``: see the module docstring. The model,
         its parameters, their ``requires_grad`` flags and its modules' training flags are left as
-        they were, also when ``loss_fn`` raises. A rejected step changes no accumulator.
+        they were, also when ``loss_fn`` raises. Each point's gradient is reduced inside the
+        backward (:mod:`fused_stats.api.probe.fold`). ``atomic=True``: a rejected step changes no
+        accumulator. ``atomic=False`` commits each point as its gradient arrives (nothing but the
+        point's gradient is held, also for ``unit="position"``/``"flat"``, whose reduced rows are
+        N × d fp64 a point); a step refused at one point then leaves the points whose gradients
+        arrived before it (those nearer the loss) with the batch, the others without it, and counts
+        it in :attr:`skipped_steps` (``nonfinite="skip"``) or raises.
         """
         self.check_stream(stream)
         if torch.is_inference_mode_enabled():
             raise FusedStatsError("Probe.step cannot run inside torch.inference_mode(): it needs autograd")
+        if not atomic and self._callbacks:
+            raise FusedStatsError(
+                "atomic=False commits each point in the backward; callbacks need the staged step"
+            )
         positions_mask = self.mask_for(batch, mask)
         model = self.model
-        capture = ActivationCapture(model, self.points)
+        folding = StepFold(self, stream, positions_mask, atomic)
+        capture = ActivationCapture(model, self.points, on_output=folding.on_output)
         # only what changes is recorded and restored
         with FrozenEval(model), torch.enable_grad():  # enable_grad: losses.sum() needs a graph
             try:
                 with capture:
                     losses = loss_fn(model, batch)
-                grads = self._activation_grads(losses, capture)
+                self._backward(losses, capture, folding)
             finally:
                 capture.remove()
-        self.fold(stream, capture.captured, grads, positions_mask)
+        folding.finish()
 
     def observe(
         self, loss_reduction: str | None = None, scale=None, mask=None, stream: str = "train", **options
@@ -501,14 +429,16 @@ class Probe:
             self, loss_reduction=loss_reduction, scale=scale, mask=mask, stream=stream, **options
         )
 
-    def _activation_grads(self, losses, capture: ActivationCapture) -> dict[str, torch.Tensor]:
-        missing = [p for p in self.points if p not in capture.captured]
+    def _backward(self, losses, capture: ActivationCapture, folding: StepFold) -> None:
+        """Check the forward's result, then ONE backward of ``Σ_b ℓ_b`` down to the lowest point
+        (``inputs=`` the leaves the capture made); the points' tensor hooks reduce the gradients."""
+        missing = [p for p in self.points if p not in capture.shapes]
         if missing:
             raise FusedStatsError(
                 f"points {missing} did not run during loss_fn (modules never called); ran: {capture.order}"
             )
-        acts = capture.captured
-        B = acts[self.points[0]].shape[0]
+        shapes = capture.shapes
+        B = shapes[self.points[0]][0]
         if not isinstance(losses, torch.Tensor):
             raise FusedStatsError(
                 f"loss_fn must return a tensor of per-sample losses, got {type(losses).__name__}"
@@ -518,7 +448,7 @@ class Probe:
             raise FusedStatsError(
                 f"loss_fn returned shape {tuple(losses.shape)}{hint}; expected ({B},), one loss per "
                 f"sample of the batch (point {self.points[0]!r} has output shape "
-                f"{tuple(acts[self.points[0]].shape)})"
+                f"{shapes[self.points[0]]})"
             )
         if not losses.is_floating_point():
             raise FusedStatsError(f"loss_fn returned dtype {losses.dtype}; expected a floating-point tensor")
@@ -529,12 +459,12 @@ class Probe:
                 f"loss_fn returned non-finite losses for samples {bad[:10]} of {B}: {values[bad[:5]].tolist()}"
             )
         for name in self.points:
-            if acts[name].shape[0] != B:
+            if shapes[name][0] != B:
                 raise FusedStatsError(
-                    f"point {name!r} has output shape {tuple(acts[name].shape)}; every point needs "
+                    f"point {name!r} has output shape {shapes[name]}; every point needs "
                     f"the batch size {B} on dim 0"
                 )
-        changed = capture.modified_in_place()
+        changed = capture.modified_in_place() + folding.modified_in_place()
         if changed:
             raise FusedStatsError(
                 f"the outputs of points {changed} were modified in place after capture (e.g. an "
@@ -546,10 +476,9 @@ class Probe:
                 "the losses do not depend on any probed point (no graph); was the loss computed "
                 "under torch.no_grad() or from detached outputs?"
             )
-        tensors = [acts[name] for name in self.points]
-        # sum, never mean: each sample's gradient must be that of its own loss (docs/design.md, section 5)
-        grads = torch.autograd.grad(losses.sum(), tensors, allow_unused=True, materialize_grads=True)
-        return dict(zip(self.points, grads))
+        # sum, never mean: each sample's gradient must be that of its own loss (docs/design.md,
+        # section 5)
+        folding.backward(losses.sum(), capture.leaves)
 
     def feature_dim(self, point: str, activation: torch.Tensor) -> int:
         """The feature axis of ``point``'s output: the one fixed at its first step, else inferred
@@ -574,200 +503,13 @@ class Probe:
         Every point and kind is validated and reduced before any accumulator changes, so a step
         that any of them would reject (e.g. a non-finite activation at a counted position, which
         only the cross statistics see) changes none. ``nonfinite`` overrides the probe's policy.
+        (:func:`fused_stats.api.probe.fold.fold`.)
         """
-        self.check_stream(stream)
-        if positions_mask is None and self._fold_stacked(stream, activations, grads):
-            return True
-        policy = self.nonfinite if nonfinite is None else nonfinite
-        unit = self.unit
-        prepared_at = {}  # (kind, name) -> (key, acc, prepared)
-        grad_args = []  # (key, acc, grad, mask, feature_dim): GradStats prepared together below
-        cross_args = []  # (key, acc, grad, act, mask): CrossStats likewise
-        for name in self.points:
-            act, grad = activations[name], grads[name]
-            fd = self.feature_dim(name, act)
-            m = self._point_mask(name, act, fd, positions_mask)
-            g = grad
-            if unit == "flat" and m is not None:
-                g, m = self._flat_masked(g, m, fd), None
-            dim = math.prod(act.shape[1:]) if unit == "flat" else act.shape[fd]
-            if ("grad", stream, name) not in self.table and name in self.dims and self.dims[name] != dim:
-                raise FusedStatsError(
-                    f"point {name!r}: output shape {tuple(act.shape)} gives dim {dim}, but the "
-                    f"other stream has dim {self.dims[name]}"
-                )
-            for kind in self.kinds:
-                key = (kind, stream, name)
-                acc = self.table.get(key)
-                if kind == "cross":
-                    cg, z, cm = self._cross_inputs(act.detach(), g, m, fd)
-                    if acc is None:  # kept only if the step commits
-                        acc = self.new_accumulator(
-                            kind,
-                            stream,
-                            name,
-                            cg.shape[-1],
-                            torch.float64 if z.dtype == torch.float64 else torch.float32,
-                            z.device,
-                        )
-                    cross_args.append((key, acc, cg, z, cm))
-                else:
-                    if acc is None:
-                        acc = self.new_accumulator(kind, stream, name, dim, device=g.device)
-                    if kind == "grad":
-                        grad_args.append((key, acc, g, m, fd if unit != "flat" else -1))
-                    else:
-                        prepared_at[kind, name] = (
-                            key,
-                            acc,
-                            acc.prepare(g, m, unit, fd if unit != "flat" else -1),
-                        )
-        if grad_args:
-            keys, accs, gs, ms, fds = zip(*grad_args)
-            for key, acc, prepared in zip(keys, accs, GradStats.prepare_many(accs, gs, ms, unit, fds)):
-                prepared_at["grad", key[2]] = (key, acc, prepared)
-        if cross_args:
-            # the points share batched calls where their batches allow (CrossStats.prepare_many)
-            keys, accs, cgs, zs, cms = zip(*cross_args)
-            for key, acc, prepared in zip(keys, accs, CrossStats.prepare_many(accs, cgs, zs, cms, unit)):
-                prepared_at["cross", key[2]] = (key, acc, prepared)
-        plan = []
-        for name in self.points:
-            for kind in self.kinds:
-                key, acc, prepared = prepared_at[kind, name]
-                if not prepared.finite:
-                    return self._skip_or_raise(
-                        stream,
-                        self._nonfinite_message(kind, name, stream, grads[name], activations[name]),
-                        policy,
-                    )
-                plan.append((key, acc, prepared))
-        # ---- commit: each kind's accumulators together (commit_many folds their sums in fewer calls)
-        by_kind: dict[str, list] = {}
-        for entry in plan:
-            by_kind.setdefault(entry[0][0], []).append(entry)
-        for entries in by_kind.values():
-            keys, accs, prepared = zip(*entries)
-            type(accs[0]).commit_many(accs, prepared)
-            for key, acc in zip(keys, accs):
-                self.table.setdefault(key, acc)
-                if key[0] == "grad":
-                    self.dims[key[2]] = acc.dim
-        for name in self.points:
-            self.feature_dims[name] = self.feature_dim(name, activations[name])
-        self.steps[stream] += 1
-        if self._callbacks:
-            for name in self.points:
-                act, fd = activations[name], self.feature_dims[name]
-                m = self._point_mask(name, act, fd, positions_mask)
-                g = grads[name]
-                if unit == "flat" and m is not None:
-                    g, m = self._flat_masked(g, m, fd), None
-                for fn in self._callbacks:
-                    fn(PointCapture(name, stream, act.detach(), g, m, unit, fd))
-        return True
+        return fold_batch(self, stream, activations, grads, positions_mask, nonfinite)
 
     def _fold_stacked(self, stream: str, activations, grads) -> bool:
-        """:meth:`fold` of the common case with the fewest calls: ``unit="sample"``, nothing
-        masked, every point's accumulators already made, every point's output and gradient of
-        one (B, d) shape, kinds ``grad`` and ``cross`` only, no callbacks. The points' gradients
-        are stacked once for both kinds (``prepare_stacked`` / ``commit_stacked``); the result is
-        the general path's, bit for bit. Returns False with nothing changed where that does not
-        apply or a batch is not finite: the general path then folds, refuses or skips it."""
-        points, kinds = self.points, self.kinds
-        if self.unit != "sample" or self._callbacks or len(points) < 2 or not set(kinds) <= {"grad", "cross"}:
-            return False
-        gaccs = [self.table.get(("grad", stream, p)) for p in points]
-        caccs = [self.table.get(("cross", stream, p)) for p in points] if "cross" in kinds else []
-        if any(a is None for a in gaccs) or any(a is None for a in caccs):
-            return False
-        g0, a0 = grads[points[0]], activations[points[0]]
-        if not isinstance(g0, torch.Tensor) or not isinstance(a0, torch.Tensor) or g0.dim() != 2:
-            return False
-        gs, acts = [], []
-        for name in points:
-            g, a = grads[name], activations[name]
-            if (
-                not isinstance(g, torch.Tensor)
-                or not isinstance(a, torch.Tensor)
-                or g.shape != g0.shape
-                or a.shape != g0.shape
-                or g.dtype != g0.dtype
-                or a.dtype != a0.dtype
-                or g.device != g0.device
-                or a.device != g0.device
-                or self.feature_dims.get(name) not in (1, -1)
-            ):
-                return False
-            gs.append(g)
-            acts.append(a.detach())
-        G = torch.stack(gs)
-        grad_batch = GradStats.prepare_stacked(gaccs, G)
-        if grad_batch is None or not all(grad_batch.finite):
-            return False
-        if caccs:
-            A = torch.stack(acts)
-            cross_batch = CrossStats.prepare_stacked(caccs, G.unsqueeze(2), A.unsqueeze(2))
-            if cross_batch is None or not all(cross_batch.finite):
-                return False
-        GradStats.commit_stacked(gaccs, grad_batch)
-        if caccs:
-            CrossStats.commit_stacked(caccs, cross_batch)
-        self.steps[stream] += 1
-        return True
-
-    @staticmethod
-    def _nonfinite_message(kind, name, stream, grad, act) -> str:
-        if kind == "cross":
-            return (
-                f"non-finite cross-gradient sums at point {name!r} ({stream} stream): NaN/Inf "
-                f"in the activation (shape {tuple(act.shape)}, dtype {act.dtype}) or the "
-                "gradient at a counted position, or values so large that they overflow"
-            )
-        return (
-            f"non-finite activation gradient at point {name!r} ({stream} stream, grad shape "
-            f"{tuple(grad.shape)}, dtype {grad.dtype}): NaN/Inf at a counted position, or "
-            "values so large that |q|^4 overflows"
-        )
-
-    def _skip_or_raise(self, stream: str, what: str, policy: str) -> bool:
-        """A step some point rejects: counted and skipped (``nonfinite="skip"``) or an error."""
-        if policy == "skip":
-            self.skipped_steps[stream] += 1
-            return False
-        raise FusedStatsError(
-            f"{what}; nothing was accumulated. Pass nonfinite='skip' to skip such steps and count them"
-        )
-
-    def _point_mask(self, name, act, fd, positions_mask):
-        if positions_mask is None:
-            return None
-        m = positions_mask
-        if m.device != act.device:
-            m = m.to(act.device)
-        positions = tuple(s for i, s in enumerate(act.shape) if i not in (0, fd % act.dim()))
-        B = act.shape[0]
-        if tuple(m.shape) not in ((B,), (B, *positions)):
-            raise FusedStatsError(
-                f"mask of shape {tuple(m.shape)} does not fit point {name!r} with output shape "
-                f"{tuple(act.shape)} (feature_dim={fd}); expected {(B, *positions)} or {(B,)}. Pass "
-                "mask='none' or a mask per point shape"
-            )
-        if m.dtype != torch.bool:
-            if m.is_floating_point() and not bool(torch.isfinite(m).all()):
-                raise FusedStatsError(f"mask for point {name!r} contains NaN/Inf")
-            m = m != 0
-        return m
-
-    @staticmethod
-    def _flat_masked(grad, m, fd):
-        """unit='flat': drop samples a (B,) mask excludes and samples with no counted position
-        (not a sample, as for the other units), zero the uncounted positions of the others."""
-        if m.dim() == 1:
-            return grad[m]
-        keep = m.unsqueeze(fd % grad.dim())
-        zeroed = torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
-        return zeroed[m.reshape(m.shape[0], -1).any(dim=1)]
+        """The stacked fast path of :meth:`fold` (:func:`fused_stats.api.probe.fold.fold_stacked`)."""
+        return fold_stacked(self, stream, activations, grads)
 
     def run(
         self,

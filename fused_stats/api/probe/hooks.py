@@ -21,6 +21,12 @@ A point that runs twice in one forward (a reused module) is rejected: its per-sa
 would be ambiguous. Each captured tensor's version counter is recorded so that an in-place change
 made downstream (which would make the gradient refer to the modified tensor) is detected instead
 of silently giving wrong statistics.
+
+With ``on_output`` (the probe's in-backward fold, :class:`fused_stats.api.probe.fold.StepFold`)
+each output is handed to ``on_output(name, module, tensor, kwargs)`` in the forward hook and only
+the leaves made here are kept (:attr:`leaves`, the ``inputs=`` of the backward; autograd holds
+them anyway): a later point's output is not referenced here, so it lives no longer than autograd
+itself keeps it.
 """
 
 from __future__ import annotations
@@ -113,11 +119,14 @@ class ActivationCapture:
     ``__exit__`` and by :meth:`remove` (idempotent), whatever happened in between.
     """
 
-    def __init__(self, model: nn.Module, names: list[str], cut_graph: bool = True):
+    def __init__(self, model: nn.Module, names: list[str], cut_graph: bool = True, on_output=None):
         self.model = model
         self.names = list(names)
         self.cut_graph = cut_graph
-        self.captured: dict[str, torch.Tensor] = {}
+        self.on_output = on_output
+        self.captured: dict[str, torch.Tensor] = {}  # with on_output: the leaves only
+        self.leaves: list[torch.Tensor] = []
+        self.shapes: dict[str, tuple] = {}
         self.versions: dict[str, int] = {}
         self.order: list[str] = []
         self._handles: list = []
@@ -126,7 +135,7 @@ class ActivationCapture:
         try:
             for name in self.names:
                 module = submodule(self.model, name)
-                self._handles.append(module.register_forward_hook(self._make_hook(name)))
+                self._handles.append(module.register_forward_hook(self._make_hook(name), with_kwargs=True))
         except BaseException:
             self.remove()
             raise
@@ -140,8 +149,8 @@ class ActivationCapture:
             self._handles.pop().remove()
 
     def _make_hook(self, name: str):
-        def hook(module, args, output):
-            if name in self.captured:
+        def hook(module, args, kwargs, output):
+            if name in self.shapes:
                 raise FusedStatsError(
                     f"point {name!r} ({type(module).__name__}) ran more than once in one forward "
                     "pass; a reused module has no single per-sample gradient. Probe a module that "
@@ -158,19 +167,28 @@ class ActivationCapture:
                     f"point {name!r} returned a {tensor.dtype} tensor of shape "
                     f"{tuple(tensor.shape)}; expected a floating-point activation"
                 )
-            first = not self.captured
+            first = not self.shapes
             if (first and self.cut_graph) or not tensor.requires_grad:
                 tensor = tensor.detach().requires_grad_()
                 replaced = True
             else:
                 replaced = False
-            self.captured[name] = tensor
+            self.shapes[name] = tuple(tensor.shape)
             self.versions[name] = tensor._version
             self.order.append(name)
+            if replaced:
+                self.leaves.append(tensor)
+            if self.on_output is None or replaced:
+                self.captured[name] = tensor
+            if self.on_output is not None:
+                self.on_output(name, module, tensor, kwargs)
             return rebuild(tensor) if replaced else None
 
         return hook
 
     def modified_in_place(self) -> list[str]:
-        """Points whose captured tensor was changed in place after it was captured."""
+        """Points whose captured tensor was changed in place after it was captured. With
+        ``on_output`` only the leaves are held here: a later output's gradient then comes from its
+        tensor hook, registered before any downstream change, so it is the gradient with respect
+        to the output as the point produced it, which is what a bias inserted there receives."""
         return [n for n, t in self.captured.items() if t._version != self.versions[n]]

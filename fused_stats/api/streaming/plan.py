@@ -11,8 +11,11 @@ One :class:`~fused_stats.GradStats` of dimension ``d`` holds (fp64, 8 bytes a nu
 
 These are :meth:`GradStats.planned_nbytes` (the same count :meth:`GradStats.state_nbytes` reports for
 a live accumulator). A probe keeps one accumulator per point and stream (train and held-out test),
-so a run needs ``points × streams`` of them. Not included: the model, the batch's activations and
-gradients, and transients while a batch is folded in (one accumulator at a time: a pool append
+so a run needs ``points × streams`` of them. Not included: the model and the activations autograd
+keeps; a probe step adds one point's gradient at a time (reduced by its hook, then dropped) and
+every point's reduced rows until the commit (``unit="sample"``: ``B × d`` fp64 a point;
+``"position"``/``"flat"``: ``N × d`` fp64 a point, or one point at a time with ``atomic=False``),
+and transients while a batch is folded in (one accumulator at a time: a pool append
 briefly holds the old and the new Gram matrix; ``auto`` crossing ``N*`` briefly holds the pool and
 ``S``; per-batch centred rows ``B × d``).
 
@@ -217,10 +220,12 @@ class StreamPlan:
     """Memory of a weight-streamed probe step (:func:`fused_stats.stream_blocks`), in bytes.
 
     Device: the resident parts (embeddings, final norm, head), ``(1 + prefetch)`` blocks, one
-    block's activations while its backward is recomputed, every point's output and gradient
-    (the probe differentiates with respect to all points at once: ``2 L N d`` numbers for ``N``
-    tokens) and the accumulators. Host: the saved block inputs (``L N d`` numbers) and, when the
-    weights are streamed from host memory rather than from a checkpoint folder, the blocks.
+    block's activations while its backward is recomputed, the gradient entering that block and
+    the one it passes down (``2 N d`` numbers for ``N`` tokens: each point's gradient is reduced by
+    its hook as it arrives and then dropped), the reduced rows kept until the step commits
+    (``unit="sample"``: ``L B d`` fp64 for ``B`` samples; with ``cross=`` also the features
+    ``L N r`` fp64) and the accumulators. Host: the saved block inputs (``L N d`` numbers) and,
+    when the weights are streamed from host memory rather than from a checkpoint folder, the blocks.
     """
 
     label: str
@@ -234,7 +239,8 @@ class StreamPlan:
     resident_bytes: int
     streamed_blocks_bytes: int  # (1 + prefetch) blocks
     block_activation_bytes: int
-    point_bytes: int  # every point's output and gradient
+    gradient_bytes: int  # the gradient entering the recomputed block and the one it returns
+    reduced_bytes: int  # every point's reduced rows (and cross features) until the commit
     accumulator_bytes: int
     saved_input_bytes: int  # host
     host_weight_bytes: int  # host, when streaming from host memory
@@ -245,7 +251,8 @@ class StreamPlan:
             self.resident_bytes
             + self.streamed_blocks_bytes
             + self.block_activation_bytes
-            + self.point_bytes
+            + self.gradient_bytes
+            + self.reduced_bytes
             + self.accumulator_bytes
         )
 
@@ -320,6 +327,8 @@ def plan_streaming(
     streams: int = 2,
     pool_size: int | None = None,
     from_folder: bool = True,
+    samples: int = 8,
+    cross_rank: int | None = None,
 ) -> StreamPlan:
     """:class:`StreamPlan` of a LLaMA-shaped model (a preset of :data:`STREAM_PRESETS`, or a
     config JSON / model folder) probed with weights streamed block by block.
@@ -331,8 +340,14 @@ def plan_streaming(
     For a config or folder (not a preset), the block and resident parameters are counted on the
     model transformers builds from it on the meta device, when it can: every architecture
     exactly, a mixture-of-experts block with all its experts, router and shared expert.
+    ``samples``: sequences a batch (``unit="sample"`` keeps ``samples × d`` fp64 rows a point until
+    the commit); ``cross_rank``: the rank of a ``cross=`` block (its fp64 features, ``N r`` a point,
+    are kept from the forward to the point's gradient).
     """
     tokens = _positive("tokens", tokens)
+    samples = _positive("samples", samples)
+    if cross_rank is not None:
+        cross_rank = _positive("cross_rank", cross_rank)
     if prefetch not in (0, 1):
         raise FusedStatsError(f"prefetch must be 0 or 1, got {prefetch!r}")
     d, layers, ff, heads, kv, vocab, tied = _stream_shape(model)
@@ -357,7 +372,8 @@ def plan_streaming(
         resident_bytes=resident * b,
         streamed_blocks_bytes=(1 + prefetch) * block * b,
         block_activation_bytes=tokens * (8 * d + 3 * ff) * b,
-        point_bytes=2 * layers * tokens * d * b,
+        gradient_bytes=2 * tokens * d * b,
+        reduced_bytes=layers * (samples * d + tokens * (cross_rank or 0)) * 8,
         accumulator_bytes=acc,
         saved_input_bytes=layers * tokens * d * b,
         host_weight_bytes=0 if from_folder else layers * block * b,
@@ -374,8 +390,8 @@ def format_stream_plan(p: StreamPlan) -> str:
             f"{p.tokens} tokens a batch, prefetch {p.prefetch}",
             f"  device: resident parts {h(p.resident_bytes)} + {1 + p.prefetch} blocks "
             f"{h(p.streamed_blocks_bytes)} + one block's activations {h(p.block_activation_bytes)} "
-            f"+ point outputs and gradients {h(p.point_bytes)} + accumulators {h(p.accumulator_bytes)} "
-            f"= {h(p.device_bytes)}",
+            f"+ the gradients in and out of that block {h(p.gradient_bytes)} + every point's reduced "
+            f"rows {h(p.reduced_bytes)} + accumulators {h(p.accumulator_bytes)} = {h(p.device_bytes)}",
             f"  host: saved block inputs {h(p.saved_input_bytes)}"
             + (
                 f" + block weights {h(p.host_weight_bytes)}"

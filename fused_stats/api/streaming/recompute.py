@@ -52,7 +52,10 @@ class _BlockFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, run):
         ctx.run = run
-        return run.output
+        # the run keeps its input only: a reference to the output would keep every block's output
+        # on the device until the backward (the probe's hooks need none of them)
+        output, run.output = run.output, None
+        return output
 
     @staticmethod
     def backward(ctx, grad):

@@ -537,112 +537,15 @@ class Observation:
             )
         return chosen, B
 
-    def _token_counts(self, batch, B):
-        """``(n_b as fp64 (B,), N)`` for token_mean (module docstring)."""
-        labels = batch.get("labels") if isinstance(batch, Mapping) else None
-        attn = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-        if isinstance(labels, torch.Tensor):
-            if labels.dim() != 2 or labels.shape[0] != B:
-                raise FusedStatsError(
-                    f"token_mean: labels of shape {tuple(labels.shape)}; expected ({B}, T) for the "
-                    f"batch of {B} samples the points saw"
-                )
-            counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
-        elif isinstance(attn, torch.Tensor):
-            if attn.dim() != 2 or attn.shape[0] != B:
-                raise FusedStatsError(
-                    f"token_mean: attention_mask of shape {tuple(attn.shape)}; expected ({B}, T)"
-                )
-            counts = (attn[:, 1:] != 0).sum(dim=1)
-        else:
-            keys = list(batch.keys()) if isinstance(batch, Mapping) else type(batch).__name__
-            raise FusedStatsError(
-                "loss_reduction='token_mean' needs the valid-token counts: call the probe's model "
-                "with labels= (or attention_mask=) inside the block, or pass batch= to observe; "
-                f"saw {keys}"
-            )
-        counts = counts.to(device="cpu", dtype=torch.float64)
-        total = float(counts.sum())
-        items = batch.get("num_items_in_batch") if isinstance(batch, Mapping) else None
-        if items is not None:
-            items = float(items.item() if isinstance(items, torch.Tensor) else items)
-            if not math.isfinite(items) or items <= 0:
-                raise FusedStatsError(f"num_items_in_batch={items} is not a positive count")
-            total = items
-        return counts, total
-
     def _scales(self, batch, B):
-        """``(s as fp64 (B,), keep (B,) bool)``: per-sample factors and the samples that exist."""
-        keep = torch.ones(B, dtype=torch.bool)
-        reduction = self.loss_reduction
-        counts = total = None
-        if reduction == "token_mean" or (isinstance(batch, Mapping) and batch.get("labels") is not None):
-            try:
-                counts, total = self._token_counts(batch, B)
-            except FusedStatsError:
-                if reduction == "token_mean" and self.explicit_scale is None:
-                    raise
-        if self.explicit_scale is not None:
-            s = self.explicit_scale
-            if tuple(s.shape) != (B,):
-                raise FusedStatsError(
-                    f"scale has shape {tuple(s.shape)}; expected ({B},), one factor per sample of "
-                    f"the batch the points saw (point {self.probe.points[0]!r})"
-                )
-            s = s.clone()
-        elif reduction == "sum":
-            s = torch.ones(B, dtype=torch.float64)
-        elif reduction == "mean":
-            s = torch.full((B,), float(B), dtype=torch.float64)
-        else:
-            keep = counts > 0
-            s = torch.where(keep, total / counts.clamp(min=1), torch.zeros((), dtype=torch.float64))
-        return s, keep, counts, total
+        return per_sample_scales(batch, B, self.loss_reduction, self.explicit_scale, self.probe.points[0])
 
     def _check_declaration(self, s, keep, counts, total, loss_scale):
-        weights = self._loss_grads
-        if len(weights) == 1 and counts is not None:
-            w = weights[0]
-            self.loss_weight = w
-            if not (math.isfinite(w) and w > 0):
-                return
-            has = counts > 0  # a sample without targets has no term in that loss
-            implied = total / (w * counts.clamp(min=1))
-            used = s / loss_scale
-            off = ((used[has] - implied[has]).abs() > SCALE_RTOL * implied[has]).nonzero().flatten()
-            if off.numel():
-                declared = (
-                    "scale=" if self.explicit_scale is not None else f"loss_reduction={self.loss_reduction!r}"
-                )
-                message = (
-                    f"probe.observe: the backward went through the model's own loss (a mean over "
-                    f"all {total:g} valid target tokens, reached with weight {w:.6g}), which implies "
-                    f"per-sample factors N/(w n_b) = {implied[:6].tolist()}, but {declared} with "
-                    f"loss_scale={loss_scale:g} gives {used[:6].tolist()}. Declare "
-                    f"loss_reduction='token_mean'"
-                    + (f" and loss_scale={w:.6g}" if abs(w - 1) > 1e-12 else "")
-                    + "; nothing was accumulated"
-                )
-                if self.explicit_scale is not None:
-                    warnings.warn(message.replace("; nothing was accumulated", ""), stacklevel=4)
-                else:
-                    raise FusedStatsError(message)
-        elif (
-            not weights
-            and self.loss_reduction == "mean"
-            and self.explicit_scale is None
-            and counts is not None
-            and bool(keep.any())
-        ):
-            valid = counts[counts > 0]
-            if valid.numel() and float(valid.max()) >= UNEQUAL_COUNTS * float(valid.min()):
-                warnings.warn(
-                    f"probe.observe: loss_reduction='mean' but the labels give very unequal "
-                    f"valid-token counts per sample ({int(valid.min())} .. {int(valid.max())}); if "
-                    "the loss is a mean over all tokens of the batch (HF's), declare "
-                    "loss_reduction='token_mean' (a mean of per-sample means is right as 'mean')",
-                    stacklevel=4,
-                )
+        weight = check_declaration(
+            s, keep, counts, total, loss_scale, self._loss_grads, self.loss_reduction, self.explicit_scale
+        )
+        if weight is not None:
+            self.loss_weight = weight
 
     def _finish(self) -> None:
         probe = self.probe
@@ -690,7 +593,10 @@ class Observation:
         acts, grads = {}, {}
         for name, record in chosen.items():
             if record.reduced is not None:
+                # the (B, d) sums as (B, 1, ..., 1, d), of the output's rank: the feature axis the
+                # probe resolves for the output (an explicit feature_dim=2 included) is theirs too
                 r = record.reduced
+                r = r.reshape(r.shape[0], *([1] * (record.tensor.dim() - 2)), r.shape[-1])
                 acts[name] = torch.zeros((), dtype=r.dtype, device=r.device).expand(r.shape)
                 grads[name] = _scaled(r, factor, B)
                 continue
@@ -715,3 +621,122 @@ def _scaled(grad: torch.Tensor, factor: torch.Tensor, B: int) -> torch.Tensor:
     g = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
     f = factor.to(device=g.device, dtype=g.dtype).view((B,) + (1,) * (g.dim() - 1))
     return g * f
+
+
+# ----------------------------------------------------------------------------- scale factors
+def token_counts(batch, B: int):
+    """``(n_b as fp64 (B,), N)`` for token_mean (module docstring): the valid targets per sample
+    from ``labels`` (else ``attention_mask``), and their total (HF's ``num_items_in_batch`` when
+    the batch carries it)."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    attn = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if isinstance(labels, torch.Tensor):
+        if labels.dim() != 2 or labels.shape[0] != B:
+            raise FusedStatsError(
+                f"token_mean: labels of shape {tuple(labels.shape)}; expected ({B}, T) for the "
+                f"batch of {B} samples the points saw"
+            )
+        counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+    elif isinstance(attn, torch.Tensor):
+        if attn.dim() != 2 or attn.shape[0] != B:
+            raise FusedStatsError(
+                f"token_mean: attention_mask of shape {tuple(attn.shape)}; expected ({B}, T)"
+            )
+        counts = (attn[:, 1:] != 0).sum(dim=1)
+    else:
+        keys = list(batch.keys()) if isinstance(batch, Mapping) else type(batch).__name__
+        raise FusedStatsError(
+            "loss_reduction='token_mean' needs the valid-token counts: call the probe's model "
+            "with labels= (or attention_mask=) inside the block, or pass batch= to observe; "
+            f"saw {keys}"
+        )
+    counts = counts.to(device="cpu", dtype=torch.float64)
+    total = float(counts.sum())
+    items = batch.get("num_items_in_batch") if isinstance(batch, Mapping) else None
+    if items is not None:
+        items = float(items.item() if isinstance(items, torch.Tensor) else items)
+        if not math.isfinite(items) or items <= 0:
+            raise FusedStatsError(f"num_items_in_batch={items} is not a positive count")
+        total = items
+    return counts, total
+
+
+def per_sample_scales(batch, B: int, reduction, explicit_scale, first_point: str):
+    """``(s as fp64 (B,), keep (B,) bool, counts, total)``: the factors that turn the gradient of
+    the declared loss into per-sample-loss gradients (``"sum"``: 1, ``"mean"``: B,
+    ``"token_mean"``: N/n_b, or ``explicit_scale``), the samples that exist, and the token counts
+    when the batch gives them."""
+    keep = torch.ones(B, dtype=torch.bool)
+    counts = total = None
+    if reduction == "token_mean" or (isinstance(batch, Mapping) and batch.get("labels") is not None):
+        try:
+            counts, total = token_counts(batch, B)
+        except FusedStatsError:
+            if reduction == "token_mean" and explicit_scale is None:
+                raise
+    if explicit_scale is not None:
+        s = explicit_scale
+        if tuple(s.shape) != (B,):
+            raise FusedStatsError(
+                f"scale has shape {tuple(s.shape)}; expected ({B},), one factor per sample of "
+                f"the batch the points saw (point {first_point!r})"
+            )
+        s = s.clone()
+    elif reduction == "sum":
+        s = torch.ones(B, dtype=torch.float64)
+    elif reduction == "mean":
+        s = torch.full((B,), float(B), dtype=torch.float64)
+    else:
+        keep = counts > 0
+        s = torch.where(keep, total / counts.clamp(min=1), torch.zeros((), dtype=torch.float64))
+    return s, keep, counts, total
+
+
+def check_declaration(s, keep, counts, total, loss_scale, loss_grads, reduction, explicit_scale):
+    """Whether the declared scaling agrees with the loss the backward went through; returns the
+    weight ``w`` with which the model's own loss was reached (None if not exactly once). Raises
+    (or warns, for an explicit ``scale=``) when the factors disagree with that loss's ``N/(w n_b)``;
+    warns for ``"mean"`` over very unequal token counts."""
+    loss_weight = None
+    weights = loss_grads
+    if len(weights) == 1 and counts is not None:
+        w = weights[0]
+        loss_weight = w
+        if not (math.isfinite(w) and w > 0):
+            return loss_weight
+        has = counts > 0  # a sample without targets has no term in that loss
+        implied = total / (w * counts.clamp(min=1))
+        used = s / loss_scale
+        off = ((used[has] - implied[has]).abs() > SCALE_RTOL * implied[has]).nonzero().flatten()
+        if off.numel():
+            declared = "scale=" if explicit_scale is not None else f"loss_reduction={reduction!r}"
+            message = (
+                f"probe.observe: the backward went through the model's own loss (a mean over "
+                f"all {total:g} valid target tokens, reached with weight {w:.6g}), which implies "
+                f"per-sample factors N/(w n_b) = {implied[:6].tolist()}, but {declared} with "
+                f"loss_scale={loss_scale:g} gives {used[:6].tolist()}. Declare "
+                f"loss_reduction='token_mean'"
+                + (f" and loss_scale={w:.6g}" if abs(w - 1) > 1e-12 else "")
+                + "; nothing was accumulated"
+            )
+            if explicit_scale is not None:
+                warnings.warn(message.replace("; nothing was accumulated", ""), stacklevel=5)
+            else:
+                raise FusedStatsError(message)
+    elif (
+        not weights
+        and reduction == "mean"
+        and explicit_scale is None
+        and counts is not None
+        and bool(keep.any())
+    ):
+        valid = counts[counts > 0]
+        if valid.numel() and float(valid.max()) >= UNEQUAL_COUNTS * float(valid.min()):
+            warnings.warn(
+                f"probe.observe: loss_reduction='mean' but the labels give very unequal "
+                f"valid-token counts per sample ({int(valid.min())} .. {int(valid.max())}); if "
+                "the loss is a mean over all tokens of the batch (HF's), declare "
+                "loss_reduction='token_mean' (a mean of per-sample means is right as 'mean')",
+                stacklevel=5,
+            )
+    return loss_weight
