@@ -85,11 +85,11 @@ from ...contracts import all_finite
 from ...errors import FusedStatsError
 from .feature_axis import resolve_feature_dim
 from .hooks import ActivationCapture, FrozenEval
+from .losses import causal_targets
 from .points import residual_points, resolve_points
 from .table import KINDS, STREAMS, TableView
 
 MASK_MODES = ("attention", "labels", "none")
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -269,27 +269,27 @@ class Probe:
         self.check_stream(stream)
         if kind not in KINDS:
             raise FusedStatsError(f"kind must be one of {KINDS}, got {kind!r}")
-        return TableView(self.table, kind, stream)
+        return TableView(self.table, kind, stream, self.points)
 
     @property
     def stats(self) -> TableView:
         """Train-stream GradStats per point (a view of :attr:`table`)."""
-        return TableView(self.table, "grad", "train")
+        return TableView(self.table, "grad", "train", self.points)
 
     @property
     def test_stats(self) -> TableView:
         """Test-stream GradStats per point."""
-        return TableView(self.table, "grad", "test")
+        return TableView(self.table, "grad", "test", self.points)
 
     @property
     def cross_stats(self) -> TableView:
         """Train-stream CrossStats per point (``cross=``)."""
-        return TableView(self.table, "cross", "train")
+        return TableView(self.table, "cross", "train", self.points)
 
     @property
     def test_cross_stats(self) -> TableView:
         """Test-stream CrossStats per point (``cross=``)."""
-        return TableView(self.table, "cross", "test")
+        return TableView(self.table, "cross", "test", self.points)
 
     def check_stream(self, stream: str) -> str:
         if stream not in STREAMS:
@@ -445,16 +445,13 @@ class Probe:
         labels = batch.get("labels") if isinstance(batch, Mapping) else None
         if labels is None:
             raise FusedStatsError("mask='labels' needs a mapping batch with 'labels' (B, T)")
+        if attn is not None and tuple(attn.shape) != tuple(labels.shape):
+            raise FusedStatsError(
+                f"attention_mask {tuple(attn.shape)} and labels {tuple(labels.shape)} differ in shape"
+            )
         # position t emits the prediction of token t+1 (the shift of causal_lm_loss)
         keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
-        keep[..., :-1] = labels[..., 1:] != IGNORE_INDEX
-        if attn is not None:
-            if tuple(attn.shape) != tuple(labels.shape):
-                raise FusedStatsError(
-                    f"attention_mask {tuple(attn.shape)} and labels {tuple(labels.shape)} differ in shape"
-                )
-            real = attn != 0
-            keep[..., :-1] &= real[..., :-1] & real[..., 1:]
+        keep[..., :-1] = causal_targets(labels, attn)
         return keep
 
     # ------------------------------------------------------------------ the step
