@@ -266,8 +266,12 @@ def test_plot_sweeps_and_rows(tmp_path):
     _read_png(plot_sweep(reports, "depth", tmp_path / "d.png", point="first"))
     with pytest.raises(fs.FusedStatsError, match="x must be"):
         plot_sweep(reports, "height", tmp_path / "x.png")
+    # without meta["width"] the config's hidden_size labels the run; without either it is refused
     del reports[0].data["meta"]["width"]
-    with pytest.raises(fs.FusedStatsError, match="meta\\['width'\\]"):
+    reports[0].data["model"]["config"]["hidden_size"] = 40
+    assert sweep_rows(reports, "width")[0]["x"] == 40
+    del reports[0].data["model"]["config"]["hidden_size"]
+    with pytest.raises(fs.FusedStatsError, match=r"meta\['width'\].*hidden_size"):
         plot_sweep(reports, "width", tmp_path / "x.png")
 
 
@@ -659,3 +663,14 @@ def test_bad_norm_histogram_is_rejected():
         Report(data)
     data["points"][0]["norm_histogram"] = good
     assert "| [0.1, 1) | 1 |" in Report(data).to_markdown()
+
+
+def test_markdown_says_when_the_saturation_se_is_not_estimable():
+    """A NaN standard error (negative variance estimate) is named as such, never shown as 0 or nan."""
+    data, _ = make_data(points=2)
+    data["points"][0]["saturation"] = {"cross_frob2": 3e-5, "cross_frob2_se": math.nan, "z": 0.9}
+    data["points"][1]["saturation"] = {"cross_frob2": 3e-5, "cross_frob2_se": 2.5e-5, "z": 0.9}
+    lines = [line for line in Report(data).to_markdown().splitlines() if line.startswith("- saturation")]
+    assert len(lines) == 2
+    assert "cross_frob2_se=SE not estimable at this n" in lines[0] and "nan" not in lines[0]
+    assert "cross_frob2_se=2.5e-05" in lines[1]

@@ -252,7 +252,7 @@ def run_one(corpus, cfg: DemoConfig, width: int, depth: int, seed: int, bar=None
 def saturation_lines(reports, point: str | int = "last") -> list[str]:
     """One line per run (by depth, then seed): ``|C|_F²`` ± its standard error at ``point``, the
     saturation test's z and decision, AG_max and the held-out loss."""
-    from ..api.report.document import _pick
+    from ..api.report.document import _pick, fmt_se
 
     lines = []
     for r in sorted(reports, key=lambda r: (r.meta["depth"], r.meta["seed"])):
@@ -266,7 +266,7 @@ def saturation_lines(reports, point: str | int = "last") -> list[str]:
             continue
         verdict = "saturated (C = 0 not rejected)" if sat["saturated"] else "not saturated"
         lines.append(
-            f"{head}  |C|_F^2 = {sat['cross_frob2']:.3g} ± {sat['cross_frob2_se']:.2g} "
+            f"{head}  |C|_F^2 = {sat['cross_frob2']:.3g} ± {fmt_se(sat['cross_frob2_se'], '.2g')} "
             f"(z = {sat['z']:.2f}, p = {sat['p_value']:.3g}: {verdict} at "
             f"alpha = {sat['alpha']:g})  {tail}"
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping, Sequence
 
+import torch
+
 from ...errors import FusedStatsError
 
 STREAMS: tuple[str, ...] = ("train", "test")
@@ -60,3 +62,14 @@ class TableView(MutableMapping):
 
     def __repr__(self) -> str:
         return f"{{{', '.join(f'{p!r}: {a!r}' for p, a in self.items())}}}"
+
+
+def probe_device(probe) -> torch.device:
+    """Where a probe's new accumulators go (a resumed checkpoint's, an all-reduce's missing ones):
+    the device of those it holds, else its model's parameters, else the CPU."""
+    for acc in probe.table.values():
+        if acc.device is not None:
+            return torch.device(acc.device)
+    for param in probe.model.parameters():
+        return param.device
+    return torch.device("cpu")

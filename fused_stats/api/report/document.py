@@ -270,6 +270,17 @@ def fmt(value, spec: str = ".4g") -> str:
     return str(value)
 
 
+SE_NOT_ESTIMABLE = "SE not estimable at this n"
+
+
+def fmt_se(value, spec: str = ".4g") -> str:
+    """A standard error as printed: a NaN one (its variance estimate came out negative) says so
+    instead of showing a number."""
+    if _is_number(value) and math.isnan(value):
+        return SE_NOT_ESTIMABLE
+    return fmt(value, spec)
+
+
 def _cell(sub: dict | None, key: str):
     return None if sub is None else sub.get(key)
 
@@ -451,7 +462,11 @@ class Report:
             lines.append(f"- realized alignment (train mean · test mean): {fmt(p['realized_alignment'])}")
             sat = p["saturation"]
             if sat is not None:
-                parts = [f"{k}={fmt(v)}" for k, v in sat.items() if not isinstance(v, (dict, list))]
+                parts = [
+                    f"{k}={fmt_se(v) if k.endswith('_se') else fmt(v)}"
+                    for k, v in sat.items()
+                    if not isinstance(v, (dict, list))
+                ]
                 lines.append("- saturation: " + ", ".join(parts))
             hist = p.get("norm_histogram")
             if hist is not None:
@@ -656,16 +671,32 @@ def plot_sweep(reports: Iterable[Report], x: str, path, point: str | int = "last
     return save_figure(fig, path)
 
 
+# where a report without meta[x] keeps its width or depth: the HF config sizes (GPT-2's n_embd and
+# n_layer read as these through its attribute_map), else the probe's own summary of the model
+# (its "width" attribute, its number of residual points), as model_summary records them
+SWEEP_CONFIG_KEYS = {"width": ("hidden_size", "width"), "depth": ("num_hidden_layers", "depth")}
+
+
+def sweep_value(report: Report, x: str):
+    """``report``'s value of the sweep variable ``x``: ``meta[x]`` (as the demo and users set it),
+    else the first of :data:`SWEEP_CONFIG_KEYS` in the model config; None when neither exists."""
+    if x in report.meta:
+        return report.meta[x]
+    config = report.model["config"]
+    return next((config[k] for k in SWEEP_CONFIG_KEYS.get(x, ()) if _is_int(config.get(k))), None)
+
+
 def sweep_rows(reports: list[Report], x: str, point: str | int = "last") -> list[dict]:
     """One flat row per report: x value, seed and the chosen point's numbers (for tables/plots)."""
     rows = []
     for r in reports:
         if not isinstance(r, Report):
             raise FusedStatsError(f"plot_sweep takes Report objects, got {type(r).__name__}")
-        if x not in r.meta:
+        xv = sweep_value(r, x)
+        if xv is None:
             raise FusedStatsError(
-                f"report of {r.model['class']} has no meta[{x!r}] (meta keys: {sorted(r.meta)}); "
-                f"a {x} sweep needs it in every report"
+                f"report of {r.model['class']} has no meta[{x!r}] (meta keys: {sorted(r.meta)}) "
+                f"and no config {' / '.join(SWEEP_CONFIG_KEYS[x])}; a {x} sweep needs one in every report"
             )
         p = _pick(r, point)
         tr, cert, mis, sat = p["train"], p["certificate"], p["misalignment"], p["saturation"]
@@ -674,7 +705,7 @@ def sweep_rows(reports: list[Report], x: str, point: str | int = "last") -> list
         norm = norms.get(p["name"]) if isinstance(norms, dict) else None
         rows.append(
             {
-                "x": r.meta[x],
+                "x": xv,
                 "seed": r.meta.get("seed"),
                 "point": p["name"],
                 "d_align": _finite(_cell(tr, "d_align")),
