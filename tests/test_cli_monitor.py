@@ -118,7 +118,7 @@ def test_old_logs_without_run_ids_still_read(tmp_path, gen):
 
 
 def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_path, gen, monkeypatch):
-    import fused_stats.api.report.document as report_mod
+    import fused_stats.api.report.plots as report_mod
 
     figures = []
     real = report_mod.save_figure

@@ -492,7 +492,7 @@ def test_png_files_get_the_permissions_of_the_json_and_markdown(tmp_path):
 @pytest.fixture
 def captured(monkeypatch):
     """The figures the plot functions save (the PNG is still written)."""
-    import fused_stats.api.report.document as report_mod
+    import fused_stats.api.report.plots as report_mod
 
     figures = []
     real = report_mod.save_figure

@@ -252,11 +252,12 @@ def run_one(corpus, cfg: DemoConfig, width: int, depth: int, seed: int, bar=None
 def saturation_lines(reports, point: str | int = "last") -> list[str]:
     """One line per run (by depth, then seed): ``|C|_F²`` ± its standard error at ``point``, the
     saturation test's z and decision, AG_max and the held-out loss."""
-    from ..api.report.document import _pick, fmt_se
+    from ..api.report.schema import fmt_se
+    from ..api.report.sweeps import pick_point
 
     lines = []
     for r in sorted(reports, key=lambda r: (r.meta["depth"], r.meta["seed"])):
-        p = _pick(r, point)
+        p = pick_point(r, point)
         sat = p.get("saturation")
         head = f"depth {r.meta['depth']:<2} seed {r.meta['seed']}  {p['name']:<16}"
         ag = (p.get("train") or {}).get("ag_max")
@@ -430,9 +431,9 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
             "(predicted = -eta mu_M.g_K for the bias, -eta <C_M, C_K>_F for the block; "
             "the ratio tends to 1 as eta shrinks when the first-order picture holds)"
         )
-        from ..api.report.document import _write_atomic as _write
+        from ..accumulators.persistence import write_text_atomic
 
-        _write(out / "interventions.json", json.dumps(dicts, indent=1) + "\n")
+        write_text_atomic(out / "interventions.json", json.dumps(dicts, indent=1) + "\n")
     files = [out / "interventions.json"] if kept is not None else []
     try:
         files.append(plot_sweep(width_runs, "width", out / "width_sweep.png", cfg.point))
@@ -461,9 +462,9 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
     for line in sections:
         echo(line)
     text = "\n".join(lines + sections) + "\n"
-    from ..api.report.document import _write_atomic
+    from ..accumulators.persistence import write_text_atomic
 
-    _write_atomic(out / "summary.md", "# fused-stats demo\n\n```\n" + text + "```\n")
+    write_text_atomic(out / "summary.md", "# fused-stats demo\n\n```\n" + text + "```\n")
     return {
         "reports": reports,
         "width_runs": width_runs,

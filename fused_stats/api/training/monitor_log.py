@@ -55,7 +55,7 @@ import uuid
 from pathlib import Path
 
 from ...errors import FusedStatsError
-from ..report.document import _decode, _encode
+from ..report.schema import decode, encode
 
 FORMAT = "fused_stats.monitor"
 VERSION = 1
@@ -190,7 +190,7 @@ class MonitorLog:
         }
         if self._is_writer():
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps(_encode(record), allow_nan=False)
+            text = json.dumps(encode(record), allow_nan=False)
             with open(self.path, "w" if self._replace else "a", encoding="utf-8") as handle:
                 handle.write(text + "\n")
                 handle.flush()
@@ -258,7 +258,7 @@ def read_monitor_log(path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                record = _decode(json.loads(line))
+                record = decode(json.loads(line))
             except json.JSONDecodeError as exc:
                 raise FusedStatsError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
             if not isinstance(record, dict) or record.get("format") != FORMAT:
@@ -376,7 +376,7 @@ def plot_monitor_log(source, path, stream: str | None = None) -> Path:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    from ..report.document import save_figure
+    from ..report.plots import save_figure
 
     records = read_monitor_log(source) if isinstance(source, (str, os.PathLike)) else list(source)
     if not records:
