@@ -139,3 +139,27 @@ def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
         box = ax.get_window_extent(renderer)
         assert legend_box.x0 >= box.x1 or legend_box.y0 >= box.y1  # beside or above, not on
+
+
+def test_monitor_log_axis_ticks_are_plain_numbers(tmp_path, gen, monkeypatch):
+    """A log axis over less than a decade labels its ticks "2.6", not "2.6×10⁰"."""
+    import fused_stats.api.report.plots as report_mod
+
+    figures = []
+    real = report_mod.save_figure
+    monkeypatch.setattr(
+        report_mod, "save_figure", lambda fig, path, **kw: figures.append(fig) or real(fig, path, **kw)
+    )
+    path = tmp_path / "run.jsonl"
+    run_steps(fs.MonitorLog(path), [1, 2, 3, 4, 5], gen)
+    plot_monitor_log(path, tmp_path / "run.png")
+    (fig,) = figures
+    fig.canvas.draw()
+    logs = [ax for ax in fig.axes if ax.get_yscale() == "log"]
+    assert logs
+    for ax in logs:
+        texts = [t.get_text() for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True) if t.get_text()]
+        assert texts, ax.get_title()
+        for text in texts:
+            assert "10^" not in text and "times" not in text and "×" not in text, (ax.get_title(), texts)
+            float(text)  # a plain number

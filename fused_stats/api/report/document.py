@@ -162,10 +162,15 @@ class Report:
         lines.append(f"- created {d['created']} by fused_stats {d['fused_stats_version']}")
         lines += [
             "",
-            "## Summary (train stream; certificate and misalignment at the sizes shown)",
+            "## Summary",
             "",
-            "| point | index | dim | n | d_align | B_align | B_exact | misalignment | "
-            "realized alignment | AG_max |",
+            "Which stream each number comes from: n, d_align and AG_max from the train stream alone; "
+            "B_align and B_exact from the pooled train + test moments at the certificate's M and K; "
+            "the misalignment over random M/K splits of the pooled samples; the realized alignment "
+            "from the train mean against the test mean.",
+            "",
+            "| point | index | dim | n (train) | d_align (train) | B_align (pooled) | B_exact (pooled) | "
+            "misalignment (pooled splits) | realized alignment (train · test) | AG_max (train) |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for p in self.points:

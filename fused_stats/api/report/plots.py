@@ -23,11 +23,21 @@ from ...errors import FusedStatsError
 from .schema import cell, finite
 from .sweeps import sweep_rows
 
+# one colour, marker and name per transfer curve in every plot (per-point and sweep figures)
+TRANSFER_STYLE = {
+    "misalignment": {"color": "tab:red", "marker": "o", "label": "empirical Pr(misaligned), pooled splits"},
+    "b_exact": {"color": "tab:blue", "marker": "v", "label": "B_exact (Cantelli), pooled moments"},
+    "b_align": {"color": "tab:green", "marker": "^", "label": "B_align (certificate), pooled moments"},
+}
+PROBABILITY_LABEL = "probability of misalignment"
+
 
 def plot_report(report, path) -> Path:
     """PNG: d_align (train, test) and AG_max per point; certificate bounds vs empirical
-    misalignment per point; the per-sample norm histograms (train) where the points carry
-    them. A panel whose numbers were not computed is left out."""
+    misalignment per point (symlog axis: 0 and every decade down to the smallest value); the
+    cross-gradient |C|_F² with its standard error where the probe had ``cross=``; the per-sample
+    norm histograms (train) where the points carry them. A panel whose numbers were not computed
+    is left out."""
     Figure, FigureCanvasAgg = _matplotlib()
     pts = report.points
     xs = [p["index"] for p in pts]
@@ -48,6 +58,8 @@ def plot_report(report, path) -> Path:
     has_mis = present("misalignment", "probability")
     if has_cert or has_mis:
         panels.append("transfer")
+    if present("saturation", "cross_frob2"):
+        panels.append("saturation")
     if report.histogram_points():
         panels.append("norm_histogram")
     if not panels:
@@ -59,7 +71,9 @@ def plot_report(report, path) -> Path:
         if panel == "norm_histogram":
             _histogram_panel(ax, report.histogram_points())
             continue
-        if panel in ("d_align", "ag_max"):
+        if panel == "saturation":
+            _saturation_panel(ax, xs, pts)
+        elif panel in ("d_align", "ag_max"):
             for stream, marker in (("train", "o"), ("test", "s")):
                 ys = series(stream, panel)
                 if any(y is not None for y in ys):
@@ -71,19 +85,23 @@ def plot_report(report, path) -> Path:
                 ax.set_title("AG_max per point")
                 ax.set_ylabel("AG_max = max_i |q_i|")
         else:
-            if has_cert:
-                _line(ax, xs, series("certificate", "b_align"), marker="^", label="B_align (certificate)")
-                _line(ax, xs, series("certificate", "b_exact"), marker="v", label="B_exact (Cantelli)")
             if has_mis:
                 _errorbar(
                     ax,
                     xs,
                     series("misalignment", "probability"),
                     series("misalignment", "stderr"),
-                    marker="o",
-                    label="empirical Pr(misaligned)",
+                    **TRANSFER_STYLE["misalignment"],
                 )
-            ax.set_ylim(-0.02, 1.02)
+            if has_cert:
+                _line(ax, xs, series("certificate", "b_exact"), **TRANSFER_STYLE["b_exact"])
+                _line(ax, xs, series("certificate", "b_align"), **TRANSFER_STYLE["b_align"])
+            _probability_axis(
+                ax,
+                series("misalignment", "probability")
+                + series("certificate", "b_exact")
+                + series("certificate", "b_align"),
+            )
             ax.set_title(
                 " vs ".join(
                     t
@@ -91,7 +109,6 @@ def plot_report(report, path) -> Path:
                     if on
                 )
             )
-            ax.set_ylabel("probability of misalignment")
         ax.set_xticks(xs)
         ax.set_xticklabels([_short(n) for n in labels], rotation=45, ha="right", fontsize=7)
         ax.set_xlabel("insertion point")
@@ -133,15 +150,7 @@ def plot_sweep(reports: Iterable, x: str, path, point: str | int = "last") -> Pa
         panels = [
             ("d_align vs width (spread over seeds)", "d_align (train)", [("d_align", "d_align (train)")])
         ]
-        parts = [
-            (k, t)
-            for k, t in (
-                ("misalignment", "empirical Pr(misaligned)"),
-                ("b_align", "B_align (certificate)"),
-                ("b_exact", "B_exact (Cantelli)"),
-            )
-            if has(k)
-        ]
+        parts = [(k, TRANSFER_STYLE[k]["label"]) for k in ("misalignment", "b_exact", "b_align") if has(k)]
         if parts:
             title = " vs ".join(
                 t
@@ -151,7 +160,7 @@ def plot_sweep(reports: Iterable, x: str, path, point: str | int = "last") -> Pa
                 )
                 if on
             )
-            panels.append((f"transfer: {title}", "probability of misalignment", parts))
+            panels.append((f"transfer: {title}", PROBABILITY_LABEL, parts))
     else:
         panels = [
             (
@@ -186,7 +195,8 @@ def plot_sweep(reports: Iterable, x: str, path, point: str | int = "last") -> Pa
     xs = sorted({r["x"] for r in rows})
     for ax, (title, ylabel, parts) in zip(axes, panels):
         for key, label in parts:
-            _spread(ax, rows, key, label)
+            style = TRANSFER_STYLE.get(key, {})
+            _spread(ax, rows, key, label, color=style.get("color"), marker=style.get("marker", "o"))
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)
         ax.set_xlabel(x)
@@ -196,8 +206,8 @@ def plot_sweep(reports: Iterable, x: str, path, point: str | int = "last") -> Pa
         ax.set_xticks(xs)
         ax.set_xticklabels([str(v) for v in xs])
         ax.xaxis.set_minor_locator(_null_locator())
-        if ylabel == "probability of misalignment":
-            ax.set_ylim(-0.02, 1.02)
+        if ylabel == PROBABILITY_LABEL:
+            _probability_axis(ax, [r.get(k) for r in rows for k, _ in parts])
         _scientific(ax)
         _legend_below(ax)
     if x == "width":
@@ -247,7 +257,45 @@ def _scientific(ax) -> None:
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 4), useMathText=True)
 
 
-def _symlog(ax, positive) -> None:
+def _probability_axis(ax, values) -> None:
+    """Probabilities on a symlog axis from the smallest positive value's decade up to 1, with 0
+    kept visible below it: a misalignment of 1e-3 next to a bound of 0.7 is not flattened onto
+    the zero line as on a linear 0-1 axis. Only 0s (or nothing): the linear 0-1 axis."""
+    positive = [v for v in values if v is not None and v > 0]
+    ax.set_ylabel(PROBABILITY_LABEL + (" (symlog)" if positive else ""))
+    if not positive:
+        ax.set_ylim(-0.02, 1.02)
+        return
+    _symlog(ax, [*positive, 1.0], top=1.3)
+
+
+def _saturation_panel(ax, xs, points) -> None:
+    """|C|_F² per point with ± one standard error (no bar where it is not estimable), a zero
+    line (C = 0: saturated), and open markers where the test did not reject C = 0."""
+    value = [finite(cell(p["saturation"], "cross_frob2")) for p in points]
+    se = [finite(cell(p["saturation"], "cross_frob2_se")) for p in points]
+    kept = [cell(p["saturation"], "saturated") for p in points]
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    _errorbar(ax, xs, value, se, marker="o", color="tab:purple", label="|C|_F^2 (unbiased) ± SE")
+    open_x = [x for x, v, s in zip(xs, value, kept) if v is not None and s]
+    if open_x:
+        ax.plot(
+            open_x,
+            [v for v, s in zip(value, kept) if v is not None and s],
+            linestyle="none",
+            marker="o",
+            markersize=10,
+            markerfacecolor="none",
+            color="tab:purple",
+            label="saturated (C = 0 not rejected)",
+        )
+    if any(v is not None and s is None for v, s in zip(value, se)):
+        ax.plot([], [], linestyle="none", label="no bar: SE not estimable at this n")
+    ax.set_title("depth probe: cross-gradient per point")
+    ax.set_ylabel("|C|_F^2 (0 = no gain from a block)")
+
+
+def _symlog(ax, positive, top: float | None = None) -> None:
     """A symlog y axis with ticks only at 0 and at whole decades from the smallest positive value
     up: the linear part around 0 gets half a decade of height, so "0" and the first decade's label
     never overlap."""
@@ -261,7 +309,7 @@ def _symlog(ax, positive) -> None:
         FuncFormatter(lambda v, _: "0" if v == 0 else f"$10^{{{round(math.log10(v))}}}$")
     )
     ax.yaxis.set_minor_locator(_null_locator())
-    ax.set_ylim(-0.1 * 10.0**low, 10.0**high)
+    ax.set_ylim(-0.1 * 10.0**low, top if top is not None else 10.0**high)
 
 
 def _legend_below(ax) -> None:
@@ -309,7 +357,7 @@ def _errorbar(ax, xs, ys, es, **kw):
         ax.errorbar([t[0] for t in trip], [t[1] for t in trip], yerr=[t[2] for t in trip], capsize=3, **kw)
 
 
-def _spread(ax, rows, key, label):
+def _spread(ax, rows, key, label, color=None, marker="o"):
     """Every seed as a dot, the median as a line and the min-max range as a band."""
     groups = defaultdict(list)
     for r in rows:
@@ -321,7 +369,7 @@ def _spread(ax, rows, key, label):
     med = [median(groups[x]) for x in xs]
     lo = [min(groups[x]) for x in xs]
     hi = [max(groups[x]) for x in xs]
-    (line,) = ax.plot(xs, med, marker="o", label=f"{label} (median)")
+    (line,) = ax.plot(xs, med, marker=marker, color=color, label=f"{label} (median)")
     ax.fill_between(xs, lo, hi, alpha=0.2, color=line.get_color())
     dots = [(x, v) for x in xs for v in groups[x]]
     ax.scatter([d[0] for d in dots], [d[1] for d in dots], s=10, color=line.get_color(), alpha=0.6)

@@ -363,6 +363,19 @@ def summary_markdown(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _plain_log_labels(ax) -> None:
+    """Log-axis tick labels as plain numbers ("2.6", "0.003", "1e-05") instead of matplotlib's
+    "2.6×10⁰"; which ticks get a label (minor ones only on a short range) stays matplotlib's."""
+    from matplotlib.ticker import LogFormatter
+
+    class Plain(LogFormatter):
+        def _num_to_string(self, x, vmin, vmax):
+            return f"{x:.2g}"
+
+    ax.yaxis.set_major_formatter(Plain(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+
+
 def plot_monitor_log(source, path, stream: str | None = None) -> Path:
     """PNG of d_align, AG_max and (when logged) |C|_F per point against the training step.
 
@@ -425,6 +438,7 @@ def plot_monitor_log(source, path, stream: str | None = None) -> Path:
                 ax.plot(low, [floor] * len(low), linestyle="none", marker="v", color=colour, markersize=4)
         if floor is not None:
             ax.set_yscale("log")
+            _plain_log_labels(ax)
         ax.set_title(title + ("\n(v on the floor: value <= 0)" if marked else ""), fontsize=10)
         ax.set_ylabel(AXIS_LABELS[key] + (" (log scale)" if floor is not None else ""))
         ax.set_xlabel("training step")
