@@ -117,7 +117,8 @@ def test_old_logs_without_run_ids_still_read(tmp_path, gen):
     assert {k: [r["step"] for r in v] for k, v in runs.items()} == {"unnamed-1": [1, 2], "unnamed-2": [1]}
 
 
-def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_path, gen, monkeypatch):
+def _monitor_figure(tmp_path, gen, monkeypatch):
+    """The figure ``plot_monitor_log`` saves for a 5-step log (drawn; the PNG is written too)."""
     import fused_stats.api.report.plots as report_mod
 
     figures = []
@@ -130,6 +131,11 @@ def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_
     plot_monitor_log(path, tmp_path / "run.png")
     (fig,) = figures
     fig.canvas.draw()
+    return fig
+
+
+def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_path, gen, monkeypatch):
+    fig = _monitor_figure(tmp_path, gen, monkeypatch)
     renderer = fig.canvas.get_renderer()
     legend_box = fig.legends[0].get_window_extent(renderer)
     for ax in fig.axes:
@@ -143,18 +149,7 @@ def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_
 
 def test_monitor_log_axis_ticks_are_plain_numbers(tmp_path, gen, monkeypatch):
     """A log axis over less than a decade labels its ticks "2.6", not "2.6×10⁰"."""
-    import fused_stats.api.report.plots as report_mod
-
-    figures = []
-    real = report_mod.save_figure
-    monkeypatch.setattr(
-        report_mod, "save_figure", lambda fig, path, **kw: figures.append(fig) or real(fig, path, **kw)
-    )
-    path = tmp_path / "run.jsonl"
-    run_steps(fs.MonitorLog(path), [1, 2, 3, 4, 5], gen)
-    plot_monitor_log(path, tmp_path / "run.png")
-    (fig,) = figures
-    fig.canvas.draw()
+    fig = _monitor_figure(tmp_path, gen, monkeypatch)
     logs = [ax for ax in fig.axes if ax.get_yscale() == "log"]
     assert logs
     for ax in logs:

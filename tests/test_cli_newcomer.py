@@ -17,25 +17,13 @@ import torch
 
 pytest.importorskip("transformers")
 
+
 import fused_stats as fs
 from fused_stats.cli import main
 
 from tiny_models import TINY_LLAMA_CONFIG as LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def here(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
-@pytest.fixture
-def llama_json(here):
-    path = here / "llama.json"
-    path.write_text(json.dumps(LLAMA))
-    return path
 
 
 @pytest.fixture

@@ -16,21 +16,7 @@ import fused_stats as fs
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-VOCAB = 40
-
-
-def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=16,
-    )
-    return transformers.LlamaForCausalLM(cfg).double()
+from test_labels_mask import VOCAB, tiny_llama  # noqa: E402  (after the skip)
 
 
 def padded(gen, B=4, T=7):
