@@ -107,3 +107,19 @@ def test_stats_before_any_step_and_for_an_unknown_point_name_the_point(gen):
         probe.stats["model.nope"]
     with pytest.raises(fs.FusedStatsError, match=rf"'{point}' in the test stream.*no step"):
         probe.test_stats[point]
+
+
+# ------------------------------------------------------------------------ no pool, said plainly
+def test_no_pool_message_names_the_mode_and_never_a_none_switch_point(gen):
+    dense = fs.GradStats(6, second_moment="dense")
+    dense.update(torch.randn(5, 6, generator=gen))
+    with pytest.raises(fs.FusedStatsError) as info:
+        dense.pool_rows()
+    assert "None" not in str(info.value) and "second_moment='dense' keeps none" in str(info.value)
+    auto = fs.GradStats(6, second_moment="auto")
+    limit = auto.pool_limit
+    auto.update(torch.randn(limit + 3, 6, generator=gen))
+    with pytest.raises(
+        fs.FusedStatsError, match=rf"folded its pool into the dense moment past {limit} samples"
+    ):
+        auto.pool_rows()
