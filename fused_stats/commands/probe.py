@@ -7,7 +7,7 @@ model with ``--seed``. Data, one of:
 
 * ``--text FILE``: tokenised with the model folder's tokenizer when it has one, else as bytes;
 * ``--tokens FILE``: ``.npy`` or ``.pt`` integer tokens, 1-D (cut into ``--seq-len`` windows) or
-  2-D (one sequence per row);
+  2-D (one sequence per row, cut to ``--seq-len`` tokens when longer, which it says on stderr);
 * neither: this Python's standard-library source as bytes, split by file
   (:class:`fused_stats.demo.corpus.StdlibCorpus`).
 
@@ -64,7 +64,10 @@ def register(sub) -> None:
     )
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per batch")
     p.add_argument(
-        "--seq-len", type=int_at_least(2), default=128, help="tokens per sequence (windows cut from 1-D data)"
+        "--seq-len",
+        type=int_at_least(2),
+        default=128,
+        help="tokens per sequence (windows cut from 1-D data; longer 2-D rows are cut to it)",
     )
     p.add_argument(
         "--unit",
