@@ -34,7 +34,6 @@ show, including "no clear trend", and never asserts the papers' results.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import json
 import os
@@ -112,20 +111,14 @@ class DemoConfig:
 
 
 def _saturation(probe, name: str):
-    """The depth probe's saturation signal at ``name`` as a dict, or None where the installed
-    Probe has no cross-gradient support (``Probe(cross=CrossSpec)`` and
-    ``probe.saturation(point)``)."""
-    if getattr(probe, "cross", None) is None or not hasattr(probe, "saturation"):
+    """The depth probe's saturation signal at ``name`` as a dict, or None without ``cross=`` or
+    with too few samples for it."""
+    if probe.cross is None:
         return None
     try:
-        sat = probe.saturation(name)
+        return probe.saturation(name).to_dict()
     except FusedStatsError:
         return None
-    if hasattr(sat, "to_dict"):
-        return sat.to_dict()
-    if dataclasses.is_dataclass(sat):
-        return dataclasses.asdict(sat)
-    return dict(sat) if isinstance(sat, dict) else None
 
 
 def _make_probe(model, cfg: DemoConfig):

@@ -236,10 +236,9 @@ def point_record(probe, name: str, stream: str) -> dict:
         est = acc.estimate().to_dict()
         for key in FIELDS:
             out[key] = est.get(key)
-    saturation = getattr(probe, "saturation", None)
-    if getattr(probe, "cross", None) is not None and callable(saturation):
+    if probe.cross is not None:
         try:
-            sat = saturation(name, stream=stream).to_dict()
+            sat = probe.saturation(name, stream=stream).to_dict()
         except FusedStatsError:  # no cross samples yet, or too few
             sat = None
         for key in CROSS_FIELDS:
