@@ -150,7 +150,7 @@ def test_trainer_callback_gradient_accumulation(tmp_path, gen):
         assert torch.equal(a, b), name
     assert len(recorded) == 6 and made["cb"].micro_batches == 6
     # one MonitorLog line per optimizer step, equal to both references
-    lines = fs.api.monitor_log.read_monitor_log(tmp_path / "monitor.jsonl")
+    lines = fs.api.training.monitor_log.read_monitor_log(tmp_path / "monitor.jsonl")
     assert [r["step"] for r in lines] == [1, 2, 3]
     check(lines, reference_records(recorded, 2, 3, use_probe_step=False))
     check(lines, reference_records(recorded, 2, 3, use_probe_step=True), fp32_loss=True)
