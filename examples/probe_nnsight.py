@@ -22,7 +22,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from probe_transformer_lens import relative_difference
+from probe_transformer_lens import relative_difference, require_peer
 
 import fused_stats as fs
 
@@ -35,8 +35,9 @@ def per_sequence_losses(logits, ids):
 
 
 def main(argv=None) -> int:
-    from nnsight import NNsight
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    NNsight = require_peer("nnsight").NNsight
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (the tests)")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,8 +34,26 @@ import torch
 import fused_stats as fs
 
 
+def require_peer(module: str):
+    """Import a peer library this example compares with, or stop with the command that installs
+    the project's pinned peers (a bare ModuleNotFoundError does not say where they come from)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module and not str(exc.name or "").startswith(module + "."):
+            raise
+        raise SystemExit(
+            f"{Path(sys.argv[0]).name} needs the peer library {module!r}, which is not installed: run "
+            "`bash .ci/install-peers` from the repository root (the pinned versions of pyproject.toml's "
+            "peers list, installed with --no-deps)"
+        ) from None
+
+
 def build(layers, d_model, vocab, ctx, seed=0):
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    lens = require_peer("transformer_lens")
+    HookedTransformer, HookedTransformerConfig = lens.HookedTransformer, lens.HookedTransformerConfig
 
     cfg = HookedTransformerConfig(
         n_layers=layers,

@@ -53,11 +53,11 @@ def main() -> None:
     for batch in heldout_batches:
         probe.step(batch, fs.causal_lm_loss, stream="test")
     point = fs.residual_points(model)[-1]
-    est = probe.stats[point].estimate()
-    print(f"{point}: n={est.n} mu_norm2={est.mu_norm2:.3g} d_align={est.d_align:.3g}")
-    print(probe.certificate(point))
-    print(probe.misalignment(point, trials=10_000))
-    print("realized alignment", probe.realized_alignment(point))
+    est = probe.stats[point].estimate()  # the train stream alone
+    print(f"{point} (train stream): n={est.n} mu_norm2={est.mu_norm2:.3g} d_align={est.d_align:.3g}")
+    print("pooled train + test moments:", probe.certificate(point))
+    print("splits of the pooled samples:", probe.misalignment(point, trials=10_000))
+    print("realized alignment (train mean . test mean)", probe.realized_alignment(point))
     print(probe.saturation(point, alpha=0.05))
     print(probe.report(meta={"width": 32}).to_markdown())
 

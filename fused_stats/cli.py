@@ -73,8 +73,9 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
+            # argparse's convention for a missing required argument: usage, then exit status 2
             parser.print_help()
-            return 0
+            raise UsageError(f"choose a command: {', '.join(COMMANDS)} (see 'fused-stats --help')")
         return int(args.func(args) or 0)
     except (UsageError, FusedStatsError) as exc:
         print(f"fused-stats: error: {_one_line(exc)}", file=sys.stderr)

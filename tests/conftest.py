@@ -6,6 +6,7 @@ The references themselves live in ``tests/reference.py`` (independent of the pac
 
 from __future__ import annotations
 
+import json
 import sys
 import zlib
 from pathlib import Path
@@ -32,3 +33,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """The test's own folder as the working directory (default output folders land there)."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def llama_json(here):
+    """A two-layer tiny llama as a HF ``config.json`` file (the CLI's ``--model`` input)."""
+    from tiny_models import TINY_LLAMA_CONFIG
+
+    path = here / "llama.json"
+    path.write_text(json.dumps(TINY_LLAMA_CONFIG))
+    return path

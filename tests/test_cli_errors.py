@@ -32,12 +32,6 @@ def listing(root) -> list[str]:
     )
 
 
-@pytest.fixture
-def here(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
 def fails(argv, capsys, root, *needles) -> str:
     """Run the CLI; assert exit 2, one error line containing every needle, nothing created."""
     capsys.readouterr()
@@ -52,13 +46,6 @@ def fails(argv, capsys, root, *needles) -> str:
         assert needle in lines[0], (needle, lines[0])
     assert listing(root) == before
     return lines[0]
-
-
-@pytest.fixture
-def llama_json(here):
-    path = here / "llama.json"
-    path.write_text(json.dumps(LLAMA))
-    return path
 
 
 @pytest.fixture

@@ -117,8 +117,9 @@ def test_old_logs_without_run_ids_still_read(tmp_path, gen):
     assert {k: [r["step"] for r in v] for k, v in runs.items()} == {"unnamed-1": [1, 2], "unnamed-2": [1]}
 
 
-def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_path, gen, monkeypatch):
-    import fused_stats.api.report.document as report_mod
+def _monitor_figure(tmp_path, gen, monkeypatch):
+    """The figure ``plot_monitor_log`` saves for a 5-step log (drawn; the PNG is written too)."""
+    import fused_stats.api.report.plots as report_mod
 
     figures = []
     real = report_mod.save_figure
@@ -130,6 +131,11 @@ def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_
     plot_monitor_log(path, tmp_path / "run.png")
     (fig,) = figures
     fig.canvas.draw()
+    return fig
+
+
+def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_path, gen, monkeypatch):
+    fig = _monitor_figure(tmp_path, gen, monkeypatch)
     renderer = fig.canvas.get_renderer()
     legend_box = fig.legends[0].get_window_extent(renderer)
     for ax in fig.axes:
@@ -139,3 +145,16 @@ def test_monitor_plot_has_integer_step_ticks_labels_and_legend_off_the_data(tmp_
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
         box = ax.get_window_extent(renderer)
         assert legend_box.x0 >= box.x1 or legend_box.y0 >= box.y1  # beside or above, not on
+
+
+def test_monitor_log_axis_ticks_are_plain_numbers(tmp_path, gen, monkeypatch):
+    """A log axis over less than a decade labels its ticks "2.6", not "2.6×10⁰"."""
+    fig = _monitor_figure(tmp_path, gen, monkeypatch)
+    logs = [ax for ax in fig.axes if ax.get_yscale() == "log"]
+    assert logs
+    for ax in logs:
+        texts = [t.get_text() for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True) if t.get_text()]
+        assert texts, ax.get_title()
+        for text in texts:
+            assert "10^" not in text and "times" not in text and "×" not in text, (ax.get_title(), texts)
+            float(text)  # a plain number

@@ -118,7 +118,9 @@ def test_not_saturated_mean_matches_truth(R, n, T):
     within_3_se(runs["est"], truth, f"|C|^2 at n={n}")
     if n >= 40:
         sd = float(runs["est"].std())
-        rms = float(runs["se"].square().mean().sqrt())
+        # a run whose plug-in variance came out negative reports no SE (NaN); counted as the 0 it
+        # was clipped to before, so the calibration check is the same as ever
+        rms = float(runs["se"].nan_to_num(nan=0.0).square().mean().sqrt())
         assert abs(rms / sd - 1) < 0.10, (rms, sd)
         assert float(runs["saturated"].to(F64).mean()) < 0.05  # the signal is detected
 

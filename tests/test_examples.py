@@ -31,6 +31,8 @@ def test_quickstart(tmp_path):
         "| eta | predicted | measured | ratio |",
     ):
         assert needle in out, needle
+    # at n = 32 the plug-in variance of |C|_F^2 comes out negative at a point: no false "0"
+    assert "SE not estimable at this n" in out and "cross_frob2_se=0," not in out
 
 
 def test_probe_llama_tiny(tmp_path):
@@ -87,3 +89,26 @@ def test_backend_in_own_hook(name, tmp_path):
         assert row, (key, out)
         mine, probe, rel = (float(v) for v in row.groups())
         assert rel < 1e-6 and mine == pytest.approx(probe, rel=1e-5), (key, row.group(0))
+
+
+@pytest.mark.parametrize(
+    "name, module", [("probe_nnsight.py", "nnsight"), ("probe_transformer_lens.py", "transformer_lens")]
+)
+def test_missing_peer_library_names_the_install_command(name, module, tmp_path):
+    """A peer library that is absent (shadowed here by a package whose import fails as a missing
+    one would) stops the example with the command that installs the peers."""
+    import os
+
+    fake = tmp_path / "shadow" / module
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        f"raise ModuleNotFoundError({'No module named ' + module!r}, name={module!r})\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "shadow"), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = run_script(name, "--tiny", cwd=tmp_path, env=env)
+    assert proc.returncode != 0
+    assert "bash .ci/install-peers" in proc.stderr and repr(module) in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -298,6 +298,9 @@ def test_cross_statistics_observed_and_logged(fp64_llama, gen, tmp_path, window)
         assert record["points"][p]["n"] == want.n == 9
         for key in ("cross_frob2", "cross_frob2_se", "cross_frob", "p_value"):
             w = getattr(want, key)
+            if math.isnan(w):  # an SE that is not estimable at this n is logged as such
+                assert math.isnan(record["points"][p][key]), (p, key)
+                continue
             assert abs(record["points"][p][key] - w) <= 1e-6 * abs(w), (p, key)
         assert record["points"][p]["saturated"] == want.saturated
     if window:  # the window emptied the cross statistics with the GradStats
@@ -932,8 +935,8 @@ def test_ddp_local_stats_all_reduced(tmp_path):
             # the merged line carries the merged cross-gradient statistics too
             sat = ref.saturation(p)
             assert abs(logged["points"][p]["cross_frob2"] - sat.cross_frob2) <= 1e-9 * abs(sat.cross_frob2)
-            assert (
-                abs(logged["points"][p]["cross_frob2_se"] - sat.cross_frob2_se) <= 1e-9 * sat.cross_frob2_se
+            assert logged["points"][p]["cross_frob2_se"] == pytest.approx(
+                sat.cross_frob2_se, rel=1e-9, nan_ok=True
             )
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fused_stats as fs
-from fused_stats.api.report.document import Report, plot_sweep, sweep_rows
+from fused_stats.api.report.document import Report, fmt, plot_sweep, sweep_rows
 
 
 # ---------------------------------------------------------------------------- references
@@ -266,8 +266,12 @@ def test_plot_sweeps_and_rows(tmp_path):
     _read_png(plot_sweep(reports, "depth", tmp_path / "d.png", point="first"))
     with pytest.raises(fs.FusedStatsError, match="x must be"):
         plot_sweep(reports, "height", tmp_path / "x.png")
+    # without meta["width"] the config's hidden_size labels the run; without either it is refused
     del reports[0].data["meta"]["width"]
-    with pytest.raises(fs.FusedStatsError, match="meta\\['width'\\]"):
+    reports[0].data["model"]["config"]["hidden_size"] = 40
+    assert sweep_rows(reports, "width")[0]["x"] == 40
+    del reports[0].data["model"]["config"]["hidden_size"]
+    with pytest.raises(fs.FusedStatsError, match=r"meta\['width'\].*hidden_size"):
         plot_sweep(reports, "width", tmp_path / "x.png")
 
 
@@ -488,7 +492,7 @@ def test_png_files_get_the_permissions_of_the_json_and_markdown(tmp_path):
 @pytest.fixture
 def captured(monkeypatch):
     """The figures the plot functions save (the PNG is still written)."""
-    import fused_stats.api.report.document as report_mod
+    import fused_stats.api.report.plots as report_mod
 
     figures = []
     real = report_mod.save_figure
@@ -659,3 +663,92 @@ def test_bad_norm_histogram_is_rejected():
         Report(data)
     data["points"][0]["norm_histogram"] = good
     assert "| [0.1, 1) | 1 |" in Report(data).to_markdown()
+
+
+def test_markdown_says_when_the_saturation_se_is_not_estimable():
+    """A NaN standard error (negative variance estimate) is named as such, never shown as 0 or nan."""
+    data, _ = make_data(points=2)
+    data["points"][0]["saturation"] = {"cross_frob2": 3e-5, "cross_frob2_se": math.nan, "z": 0.9}
+    data["points"][1]["saturation"] = {"cross_frob2": 3e-5, "cross_frob2_se": 2.5e-5, "z": 0.9}
+    lines = [line for line in Report(data).to_markdown().splitlines() if line.startswith("- saturation")]
+    assert len(lines) == 2
+    assert "cross_frob2_se=SE not estimable at this n" in lines[0] and "nan" not in lines[0]
+    assert "cross_frob2_se=2.5e-05" in lines[1]
+
+
+def _transfer_colours(ax) -> dict:
+    """Legend label (up to its first comma or bracket) -> the colour of that curve."""
+    import matplotlib.colors as mcolors
+
+    handles, labels = ax.get_legend_handles_labels()
+    out = {}
+    for handle, label in zip(handles, labels):
+        line = handle.lines[0] if hasattr(handle, "lines") else handle  # an errorbar container
+        out[re.split(r"[,(]", label)[0].strip()] = mcolors.to_hex(line.get_color())
+    return out
+
+
+def test_transfer_curves_keep_their_colours_and_small_probabilities_show(tmp_path, captured):
+    """The per-point and the sweep figure draw B_align, B_exact and the misalignment in the same
+    colours, on an axis where a misalignment of 1e-3 sits well above 0 (a linear 0-1 axis would
+    put it within a pixel of the zero line)."""
+    reports = []
+    for i, width in enumerate((32, 64)):
+        data, _ = make_data(points=2, seed=i)
+        data["meta"] = {"width": width, "seed": 0}
+        for p in data["points"]:
+            p["misalignment"] = {**p["misalignment"], "probability": 1e-3, "stderr": 5e-4}
+        reports.append(Report(data))
+    reports[0].plot(tmp_path / "p.png")
+    plot_sweep(reports, "width", tmp_path / "w.png")
+    point_fig, sweep_fig = captured
+    point_ax = next(ax for ax in point_fig.axes if "misalignment" in ax.get_title())
+    sweep_ax = next(ax for ax in sweep_fig.axes if "misalignment" in ax.get_title())
+    a, b = _transfer_colours(point_ax), _transfer_colours(sweep_ax)
+    for name in ("B_exact", "B_align", "empirical Pr"):
+        ka = next(k for k in a if k.startswith(name))
+        kb = next(k for k in b if k.startswith(name))
+        assert a[ka] == b[kb], (name, a, b)
+    assert len(set(a.values())) == 3
+    for ax in (point_ax, sweep_ax):
+        assert ax.get_yscale() == "symlog"
+        to_axes = ax.transScale + ax.transLimits
+        y0, y1 = (to_axes.transform((0, v))[1] for v in (0.0, 1e-3))
+        assert y1 - y0 > 0.05, (y0, y1)  # 1e-3 is a visible distance above 0
+        _check_readable(ax.figure)
+
+
+def test_report_plot_has_a_saturation_panel_with_cross(tmp_path, captured):
+    data, _ = make_data(points=3)
+    ses = [2e-5, math.nan, 1e-5]
+    for p, se, sat in zip(data["points"], ses, (False, False, True)):
+        p["saturation"] = {"cross_frob2": 3e-5 * (p["index"] + 1), "cross_frob2_se": se, "saturated": sat}
+    Report(data).plot(tmp_path / "s.png")
+    (fig,) = captured
+    (ax,) = [ax for ax in fig.axes if "cross-gradient" in ax.get_title()]
+    labels = ax.get_legend_handles_labels()[1]
+    assert any("|C|_F^2" in t for t in labels) and any("SE not estimable" in t for t in labels)
+    assert any("saturated" in t for t in labels)
+    series = [list(line.get_ydata()) for line in ax.get_lines()]
+    assert [3e-5, 6e-5, 9e-5] in series  # the values themselves, one marker per point
+    assert [9e-5] in series  # the saturated point gets the open marker
+    _check_readable(fig)
+    for p in data["points"]:
+        p["saturation"] = None
+    Report(data).plot(tmp_path / "n.png")
+    assert not any("cross-gradient" in ax.get_title() for ax in captured[1].axes)
+
+
+def test_summary_table_names_the_stream_of_every_number():
+    """d_align is the train stream's, the bounds come from the pooled moments: the header says so,
+    and the d_align cell is the train value even where the test value differs."""
+    data, _ = make_data(points=2)
+    md = Report(data).to_markdown()
+    head = next(line for line in md.splitlines() if line.startswith("| point"))
+    for title in ("n (train)", "d_align (train)", "B_align (pooled)", "B_exact (pooled)",
+                  "misalignment (pooled splits)", "realized alignment (train · test)", "AG_max (train)"):  # fmt: skip
+        assert f"| {title} |" in head, (title, head)
+    summary = _table_after(md, "## Summary")
+    for p in data["points"]:
+        assert p["train"]["d_align"] != p["test"]["d_align"]
+        assert summary[f"`{p['name']}`"][3] == fmt(p["train"]["d_align"])

@@ -9,6 +9,7 @@ shard, a dense shard into a pool) exit with status 2, name the culprit and write
 
 from __future__ import annotations
 
+import itertools
 import math
 import subprocess
 import sys
@@ -151,33 +152,36 @@ def test_bad_merges_exit_2_and_write_nothing(tmp_path, capsys):
     assert fs.GradStats.load(out).n == 5
 
 
-class _Probe:
-    """What a probe checkpoint needs: ``stats`` / ``test_stats`` dicts of GradStats."""
-
-    def __init__(self):
-        self.stats, self.test_stats = {}, {}
+def _probe(dims: dict) -> fs.Probe:
+    """A real probe over a chain of linear layers ``h.0 -> h.1`` whose outputs have ``dims``
+    (its accumulators are filled directly below, as if its steps had produced these shards)."""
+    sizes = [3, *dims.values()]
+    model = torch.nn.Module()
+    model.h = torch.nn.Sequential(*(torch.nn.Linear(a, b) for a, b in itertools.pairwise(sizes)))
+    return fs.Probe(model, points=list(dims), second_moment="pool")
 
 
 def test_cli_merge_of_probe_checkpoint_directories(tmp_path, capsys):
     dims = {"h.0": 5, "h.1": 8}
-    ref = _Probe()
+    ref = _probe(dims)
     dirs = []
     for job in range(3):
-        probe = _Probe()
+        probe = _probe(dims)
         for i, (name, d) in enumerate(dims.items()):
             for stream, table, ref_table in (
                 ("train", probe.stats, ref.stats),
                 ("test", probe.test_stats, ref.test_stats),
             ):
                 data = shard(100 + 10 * job + 2 * i + (stream == "test"), [4, 3], d, 1.0 + job)
-                table[name] = feed(fs.GradStats(d, second_moment="pool"), data)
-                ref_table.setdefault(name, fs.GradStats(d, second_moment="pool"))
+                table[name] = feed(probe.new_accumulator("grad", stream, name, d), data)
+                if name not in ref_table:
+                    ref_table[name] = ref.new_accumulator("grad", stream, name, d)
                 feed(ref_table[name], data)
         save_probe_state(probe, tmp_path / f"job{job}")
         dirs.append(str(tmp_path / f"job{job}"))
     assert main(["merge", str(tmp_path / "all"), *dirs]) == 0
     assert "h.1" in capsys.readouterr().out
-    merged = _Probe()
+    merged = _probe(dims)
     load_probe_state(merged, tmp_path / "all")
     for name in dims:
         assert_same(merged.stats[name], ref.stats[name])

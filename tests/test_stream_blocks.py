@@ -559,7 +559,7 @@ def test_device_that_does_not_exist(device):
     model = tiny("llama")
     with pytest.raises(fs.FusedStatsError, match=device):
         fs.stream_blocks(model, device=device)
-    assert not any(isinstance(m, fs.api.streaming.StreamedBlock) for m in model.modules())
+    assert not any(isinstance(m, fs.api.streaming.streamer.StreamedBlock) for m in model.modules())
 
 
 def test_kv_cache_is_rejected():

@@ -74,7 +74,7 @@ class Saturation:
     n: int
     rank: int
     cross_frob2: float  # unbiased |C|_F^2
-    cross_frob2_se: float  # standard error (full Hoeffding variance, plug-in)
+    cross_frob2_se: float  # standard error (full Hoeffding variance, plug-in); NaN when that is < 0
     cross_frob2_se_null: float  # standard error under H0: C = 0
     z: float
     p_value: float
@@ -695,7 +695,8 @@ class CrossStats(Accumulator):
         e3 = float(self.u[1]) / self.p[1] if self.p[1] else m4
         zeta1, zeta2 = e3 - m4, e2 - m4
         var = (4 * (n - 2) * zeta1 + 2 * zeta2) / (n * (n - 1))
-        se = math.sqrt(max(var, 0.0))
+        # the plug-in variance can come out negative at small n: no standard error, not a zero one
+        se = math.sqrt(var) if var >= 0 else math.nan
         se0 = math.sqrt(max(2 * e2 / (n * (n - 1)), 0.0))
         z, p = null_tail(value, n, tr1=float(self.sq_norm_sum) / n, tr2=e2)
         return Saturation(

@@ -655,11 +655,13 @@ class GradStats(Accumulator):
         return self.pool + self.centre
 
     def _no_pool_message(self) -> str:
-        return (
-            f"accumulator{self._where()} holds no sample pool (mode={self.mode!r}, n={self.n}); "
-            "use second_moment='pool', or 'auto' with fewer samples than its switch point "
-            f"({self.pool_limit})"
-        )
+        head = f"accumulator{self._where()} holds no sample pool (mode={self.mode!r}, n={self.n}); "
+        if self.second_moment == "auto" and self.pool_limit is not None:
+            return (
+                head + f"'auto' folded its pool into the dense moment past {self.pool_limit} "
+                "samples: use second_moment='pool', or fewer samples"
+            )
+        return head + f"second_moment={self.second_moment!r} keeps none: use second_moment='pool'"
 
     # ------------------------------------------------------------------ protocol hooks
     def describe(self) -> dict:

@@ -47,6 +47,27 @@ def _umask() -> int:
     return current
 
 
+def fsync_dir(path) -> None:
+    """Flush a folder's entries: a rename (or a new file) in it is durable only after that."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. a platform without directory handles: the rename is done either way
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path, text: str) -> Path:
+    """:func:`write_atomic` of UTF-8 text (reports, markdown, summaries); returns the path."""
+    path = Path(path)
+    write_atomic(path, text.encode("utf-8"))
+    return path
+
+
 def write_atomic(path: Path, payload: bytes) -> None:
     """Write ``payload`` to ``path`` so that a reader sees the old file or the whole new one: a
     temporary file in the same folder, fsync'ed, given the permissions an ordinary new file would
@@ -66,16 +87,7 @@ def write_atomic(path: Path, payload: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    try:
-        folder = os.open(path.parent, os.O_RDONLY)
-    except OSError:  # e.g. a platform without directory handles: the rename is done either way
-        return
-    try:
-        os.fsync(folder)
-    except OSError:
-        pass
-    finally:
-        os.close(folder)
+    fsync_dir(path.parent)
 
 
 def save_checked(path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:

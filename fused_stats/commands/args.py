@@ -50,12 +50,23 @@ def int_list(low: int):
     return parse
 
 
-def refuse_existing(paths, force: bool, what: str = "output") -> None:
-    """Raise :class:`FusedStatsError` when any of ``paths`` exists and ``force`` is off."""
+def check_out_folder(out, force: bool, option: str = "--out") -> Path:
+    """The one output-folder rule of ``probe``, ``report`` and ``demo``: ``out`` may be missing or
+    an empty folder; a folder that holds anything is refused unless ``force`` (then files of the
+    same names are replaced, others kept); a file is always refused. Raises
+    :class:`FusedStatsError` before anything is written."""
     from ..errors import FusedStatsError
 
-    existing = [str(p) for p in paths if Path(p).exists()]
-    if existing and not force:
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FusedStatsError(f"{option} {str(out)!r} is a file; the command writes a folder")
+    if force or not out.is_dir():
+        return out
+    held = sorted(p.name for p in out.iterdir())
+    if held:
+        shown = ", ".join(repr(n) for n in held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
         raise FusedStatsError(
-            f"{what} {', '.join(repr(e) for e in existing)} already exists; pass --force to replace it"
+            f"{option} {str(out)!r} holds {shown} already; pass --force to write into it "
+            "(files of the same names are replaced) or choose an empty folder"
         )
+    return out

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .args import int_at_least, int_list, positive_float, positive_int
+from .args import check_out_folder, int_at_least, int_list, positive_float, positive_int
 
 
 def register(sub) -> None:
@@ -21,6 +21,9 @@ def register(sub) -> None:
         help="tiny sweep for a smoke test (30 s wall on a shared 2-core Intel Xeon VM)",
     )
     p.add_argument("--out", default="fused_stats_out", help="output folder (default: %(default)s)")
+    p.add_argument(
+        "--force", action="store_true", help="write into an --out folder that is not empty (default: refuse)"
+    )
     p.add_argument(
         "--seeds",
         type=int_list(0),
@@ -103,6 +106,7 @@ def cmd_demo(args) -> int:
             overrides[key] = value
     cfg = DemoConfig.quick(**overrides) if args.quick else DemoConfig(**overrides)
     cfg.validate()  # every bad value is reported before a thread count or a folder changes
+    check_out_folder(args.out, args.force)
     if args.threads is not None:
         import torch
 

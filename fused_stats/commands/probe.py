@@ -7,7 +7,7 @@ model with ``--seed``. Data, one of:
 
 * ``--text FILE``: tokenised with the model folder's tokenizer when it has one, else as bytes;
 * ``--tokens FILE``: ``.npy`` or ``.pt`` integer tokens, 1-D (cut into ``--seq-len`` windows) or
-  2-D (one sequence per row);
+  2-D (one sequence per row, cut to ``--seq-len`` tokens when longer, which it says on stderr);
 * neither: this Python's standard-library source as bytes, split by file
   (:class:`fused_stats.demo.corpus.StdlibCorpus`).
 
@@ -20,15 +20,16 @@ sequence). Writes ``report.json``, ``report.md`` and ``report.png`` to ``--out``
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ..contracts import ACTIVATIONS
 from ..errors import FusedStatsError
-from .args import int_at_least, nonnegative_int, positive_int, refuse_existing
+from .args import check_out_folder, int_at_least, nonnegative_int, positive_int
 
 HELD_OUT = 0.1
 MASKS = ("labels", "attention", "none")
-OUTPUTS = ("report.json", "report.md", "report.png")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 def register(sub) -> None:
@@ -63,7 +64,10 @@ def register(sub) -> None:
     )
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per batch")
     p.add_argument(
-        "--seq-len", type=int_at_least(2), default=128, help="tokens per sequence (windows cut from 1-D data)"
+        "--seq-len",
+        type=int_at_least(2),
+        default=128,
+        help="tokens per sequence (windows cut from 1-D data; longer 2-D rows are cut to it)",
     )
     p.add_argument(
         "--unit",
@@ -77,8 +81,9 @@ def register(sub) -> None:
         default=None,
         choices=list(MASKS),
         help="counted positions: 'labels' = positions that predict a next token (the "
-        "last one has an exactly zero gradient), 'attention' = every position of "
-        "the sequence, 'none' = every position (default: labels for --unit "
+        "last one has an exactly zero gradient), 'attention' = positions whose attention_mask "
+        "is nonzero (this command's batches are unpadded windows, so: every position), "
+        "'none' = every position, padding included (default: labels for --unit "
         "position, attention otherwise)",
     )
     p.add_argument(
@@ -92,9 +97,11 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--second-moment",
-        default="auto",
+        default=None,
         choices=["auto", "dense", "pool"],
-        help="second-moment mode of the accumulators",
+        help="second-moment mode of the accumulators (default: pool for --unit sample with "
+        "--trials > 0, since the empirical misalignment resamples the kept per-sample vectors; "
+        "auto otherwise)",
     )
     p.add_argument(
         "--trials",
@@ -126,7 +133,7 @@ def register(sub) -> None:
         "--out", default="fused_stats_out/probe", help="output folder for report.json, report.md, report.png"
     )
     p.add_argument(
-        "--force", action="store_true", help="replace report files already in --out (default: refuse)"
+        "--force", action="store_true", help="write into an --out folder that is not empty (default: refuse)"
     )
     p.add_argument(
         "--no-progress",
@@ -247,16 +254,7 @@ def load_model(spec: str, seed: int, dtype: str):
             )
         except (OSError, ValueError) as exc:
             raise FusedStatsError(f"cannot load a causal LM from folder {spec!r}: {exc}") from None
-        tokenizer = None
-        if any(
-            (path / f).exists()
-            for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-        ):
-            try:
-                tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-            except (OSError, ValueError):
-                tokenizer = None
-        return model, tokenizer, f"pretrained weights from {path}"
+        return model, find_tokenizer(path), f"pretrained weights from {path}"
     if path.is_file():
         try:
             raw = json.loads(path.read_text())
@@ -274,6 +272,20 @@ def load_model(spec: str, seed: int, dtype: str):
     raise FusedStatsError(f"--model {spec!r} is neither a folder nor a config .json file")
 
 
+def find_tokenizer(folder: Path):
+    """The folder's tokenizer (``AutoTokenizer``, local files only) when it holds one of
+    :data:`TOKENIZER_FILES`, else None (``--text`` is then read as bytes). The one rule for the
+    in-memory and the streamed model."""
+    if not any((folder / f).exists() for f in TOKENIZER_FILES):
+        return None
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
 def load_streamed(spec: str, device, dtype: str):
     """``(streamed model, tokenizer or None, description)``: :func:`fused_stats.stream_blocks` on
     a checkpoint folder (the streamer stays open until the process ends)."""
@@ -284,18 +296,10 @@ def load_streamed(spec: str, device, dtype: str):
     if not Path(spec).is_dir():
         raise FusedStatsError(f"--stream-blocks needs a checkpoint folder as --model, got {spec!r}")
     streamer = fs.stream_blocks(spec, device=device, dtype=getattr(torch, dtype))
-    tokenizer = None
     path = Path(spec)
-    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        import transformers
-
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError):
-            tokenizer = None
     return (
         streamer.model,
-        tokenizer,
+        find_tokenizer(path),
         (f"weights streamed block by block from {path} ({streamer.block_bytes:,} bytes a block)"),
     )
 
@@ -329,8 +333,17 @@ def load_tokens(args, tokenizer):
             raise FusedStatsError(f"token file {args.tokens!r} has dtype {arr.dtype}; expected integers")
         arr = arr.to(torch.int64)
         if arr.dim() == 2:
-            split = _split_rows(arr, f"{args.tokens} ({tuple(arr.shape)} sequences)")
-            return split
+            what = f"{args.tokens} ({tuple(arr.shape)} sequences)"
+            if arr.shape[1] > T:
+                # --seq-len applies to rows as to windows (a model's position limit is met by it)
+                print(
+                    f"(note: --tokens {args.tokens} holds {tuple(arr.shape)} sequences; using the first "
+                    f"--seq-len {T} tokens of each: {(arr.shape[0], T)})",
+                    file=sys.stderr,
+                )
+                arr = arr[:, :T]
+                what = f"{args.tokens} ({tuple(arr.shape)} sequences, rows cut to --seq-len {T})"
+            return _split_rows(arr, what)
         if arr.dim() != 1:
             raise FusedStatsError(
                 f"token file {args.tokens!r} has shape {tuple(arr.shape)}; expected 1-D or 2-D"
@@ -407,11 +420,7 @@ def check_arguments(args):
         )
     if device.type not in ("cpu", "cuda"):
         raise FusedStatsError(f"--device {args.device!r}: only cpu and cuda devices are supported")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise FusedStatsError(f"--out {args.out!r} is a file; the probe writes a folder of reports")
-    refuse_existing([out / name for name in OUTPUTS], args.force, what="--out holds")
-    return device, out
+    return device, check_out_folder(args.out, args.force)
 
 
 def check_data(args, model, train, test):
@@ -441,6 +450,13 @@ def check_data(args, model, train, test):
             )
 
 
+def default_second_moment(args) -> str:
+    """``pool`` when the empirical misalignment is asked for (``--trials`` > 0) on per-sequence
+    vectors: it resamples the kept vectors, which ``auto`` folds into the dense moment past its
+    switch point. Per-position or flattened vectors are too many to keep by default: ``auto``."""
+    return "pool" if args.trials > 0 and args.unit == "sample" else "auto"
+
+
 def cmd_probe(args) -> int:
     import fused_stats as fs
 
@@ -460,13 +476,14 @@ def cmd_probe(args) -> int:
     if not args.stream_blocks:
         model = model.to(device)
     mask = args.mask or ("labels" if args.unit == "position" else "attention")
+    second_moment = args.second_moment or default_second_moment(args)
     cross = (
         None
         if args.cross is None
         else fs.CrossSpec(rank=args.cross[0], activation=args.cross[1], seed=args.seed)
     )
     probe = fs.Probe(
-        model, points=args.points or "residual", unit=args.unit, second_moment=args.second_moment, cross=cross
+        model, points=args.points or "residual", unit=args.unit, second_moment=second_moment, cross=cross
     )
     test_count = args.test_batches or args.batches
     counts = {}
@@ -506,6 +523,14 @@ def cmd_probe(args) -> int:
                 f"computed at {', '.join(missing)}: too few samples for these sizes, or no pool "
                 "for the misalignment with --second-moment dense)"
             )
+    skipped = [p["name"] for p in report.points if args.trials and p["misalignment"] is None]
+    if skipped and not args.split:
+        print(
+            f"(note: no empirical misalignment at {', '.join(skipped)}: --second-moment "
+            f"{second_moment} kept no sample pool there (or too few samples); pass --second-moment "
+            "pool to compute it, or --trials 0 to skip it)",
+            file=sys.stderr,
+        )
     report.to_json(out / "report.json")
     report.to_markdown_file(out / "report.md")
     files = [out / "report.json", out / "report.md"]

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from ..errors import FusedStatsError
+from .args import check_out_folder
 
 
 def register(sub) -> None:
@@ -27,10 +28,14 @@ def register(sub) -> None:
     )
     p.add_argument("--out", default="fused_stats_out/report", help="output folder")
     p.add_argument(
+        "--force", action="store_true", help="write into an --out folder that is not empty (default: refuse)"
+    )
+    p.add_argument(
         "--sweep",
         choices=["width", "depth"],
         default=None,
-        help="also summarise the reports as a sweep over meta['width'] or meta['depth'] (default: no sweep)",
+        help="also summarise the reports as a sweep over width or depth: meta['width'] / meta['depth'], "
+        "else the model config's hidden_size / num_hidden_layers (default: no sweep)",
     )
     p.add_argument("--point", default="last", help="point used by --sweep: last, first, an index or a name")
     p.add_argument("--no-plots", action="store_true", help="write markdown only, no PNG plots")
@@ -84,19 +89,20 @@ def cmd_report(args) -> int:
     logs = [p for p in paths if p.suffix == ".jsonl" or _is_monitor_log(p)]
     if logs:
         return _report_monitor_logs(paths, logs, args)
-    from ..api.report.document import sweep_rows
+    from ..api.report.document import SWEEP_CONFIG_KEYS, sweep_rows, sweep_value
 
     reports = [Report.from_json(p) for p in paths]  # a bad file raises before anything is written
     point = int(args.point) if args.point.lstrip("-").isdigit() else args.point
     if args.sweep:
-        missing = [str(p) for p, r in zip(paths, reports) if args.sweep not in r.meta]
+        missing = [str(p) for p, r in zip(paths, reports) if sweep_value(r, args.sweep) is None]
         if missing:
             raise FusedStatsError(
-                f"--sweep {args.sweep} needs meta[{args.sweep!r}] in every report; missing in "
+                f"--sweep {args.sweep} needs meta[{args.sweep!r}] or a config "
+                f"{' / '.join(SWEEP_CONFIG_KEYS[args.sweep])} in every report; missing in "
                 f"{', '.join(missing)}"
             )
         sweep_rows(reports, args.sweep, point)  # a bad --point raises here, before any output
-    out = Path(args.out)
+    out = check_out_folder(args.out, args.force)
     written = []
     for stem, report in zip(_stems(paths), reports):
         written.append(report.to_markdown_file(out / f"{stem}.md"))
@@ -113,8 +119,8 @@ def cmd_report(args) -> int:
             last = report.points[-1]["train"] if report.points else None
             m = report.meta
             print(
-                f"{path.name:<28} {report.model['class']:<22} {fmt(m.get('width')):>5} "
-                f"{fmt(m.get('depth')):>5} {fmt(m.get('seed')):>4} {len(report.points):>6} "
+                f"{path.name:<28} {report.model['class']:<22} {fmt(sweep_value(report, 'width')):>5} "
+                f"{fmt(sweep_value(report, 'depth')):>5} {fmt(m.get('seed')):>4} {len(report.points):>6} "
                 f"{fmt(last and last['d_align']):>14} {fmt(last and last['ag_max']):>13}"
             )
     if args.sweep:
@@ -144,7 +150,7 @@ def _report_monitor_logs(paths: list[Path], logs: list[Path], args) -> int:
             f"{[str(p) for p in logs]}, reports {[str(p) for p in paths if p not in logs]}"
         )
     records = [read_monitor_log(p) for p in logs]  # a bad file raises before anything is written
-    out = Path(args.out)
+    out = check_out_folder(args.out, args.force)
     written = []
     for path, stem, recs in zip(logs, _stems(logs), records):
         runs = split_runs(recs)

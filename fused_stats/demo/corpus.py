@@ -68,10 +68,6 @@ class Split:
     files: list[Path]
     windows: np.ndarray  # (W, 2) int64: file index, byte offset
 
-    @property
-    def n_bytes(self) -> int:
-        return len(self.windows)
-
 
 class StdlibCorpus:
     """Byte windows of the standard library's source, split by file into train and held-out.

@@ -34,7 +34,6 @@ show, including "no clear trend", and never asserts the papers' results.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import json
 import os
@@ -112,20 +111,14 @@ class DemoConfig:
 
 
 def _saturation(probe, name: str):
-    """The depth probe's saturation signal at ``name`` as a dict, or None where the installed
-    Probe has no cross-gradient support (``Probe(cross=CrossSpec)`` and
-    ``probe.saturation(point)``)."""
-    if getattr(probe, "cross", None) is None or not hasattr(probe, "saturation"):
+    """The depth probe's saturation signal at ``name`` as a dict, or None without ``cross=`` or
+    with too few samples for it."""
+    if probe.cross is None:
         return None
     try:
-        sat = probe.saturation(name)
+        return probe.saturation(name).to_dict()
     except FusedStatsError:
         return None
-    if hasattr(sat, "to_dict"):
-        return sat.to_dict()
-    if dataclasses.is_dataclass(sat):
-        return dataclasses.asdict(sat)
-    return dict(sat) if isinstance(sat, dict) else None
 
 
 def _make_probe(model, cfg: DemoConfig):
@@ -252,11 +245,12 @@ def run_one(corpus, cfg: DemoConfig, width: int, depth: int, seed: int, bar=None
 def saturation_lines(reports, point: str | int = "last") -> list[str]:
     """One line per run (by depth, then seed): ``|C|_F²`` ± its standard error at ``point``, the
     saturation test's z and decision, AG_max and the held-out loss."""
-    from ..api.report.document import _pick
+    from ..api.report.schema import fmt_se
+    from ..api.report.sweeps import pick_point
 
     lines = []
     for r in sorted(reports, key=lambda r: (r.meta["depth"], r.meta["seed"])):
-        p = _pick(r, point)
+        p = pick_point(r, point)
         sat = p.get("saturation")
         head = f"depth {r.meta['depth']:<2} seed {r.meta['seed']}  {p['name']:<16}"
         ag = (p.get("train") or {}).get("ag_max")
@@ -266,7 +260,7 @@ def saturation_lines(reports, point: str | int = "last") -> list[str]:
             continue
         verdict = "saturated (C = 0 not rejected)" if sat["saturated"] else "not saturated"
         lines.append(
-            f"{head}  |C|_F^2 = {sat['cross_frob2']:.3g} ± {sat['cross_frob2_se']:.2g} "
+            f"{head}  |C|_F^2 = {sat['cross_frob2']:.3g} ± {fmt_se(sat['cross_frob2_se'], '.2g')} "
             f"(z = {sat['z']:.2f}, p = {sat['p_value']:.3g}: {verdict} at "
             f"alpha = {sat['alpha']:g})  {tail}"
         )
@@ -430,9 +424,9 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
             "(predicted = -eta mu_M.g_K for the bias, -eta <C_M, C_K>_F for the block; "
             "the ratio tends to 1 as eta shrinks when the first-order picture holds)"
         )
-        from ..api.report.document import _write_atomic as _write
+        from ..accumulators.persistence import write_text_atomic
 
-        _write(out / "interventions.json", json.dumps(dicts, indent=1) + "\n")
+        write_text_atomic(out / "interventions.json", json.dumps(dicts, indent=1) + "\n")
     files = [out / "interventions.json"] if kept is not None else []
     try:
         files.append(plot_sweep(width_runs, "width", out / "width_sweep.png", cfg.point))
@@ -461,9 +455,9 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
     for line in sections:
         echo(line)
     text = "\n".join(lines + sections) + "\n"
-    from ..api.report.document import _write_atomic
+    from ..accumulators.persistence import write_text_atomic
 
-    _write_atomic(out / "summary.md", "# fused-stats demo\n\n```\n" + text + "```\n")
+    write_text_atomic(out / "summary.md", "# fused-stats demo\n\n```\n" + text + "```\n")
     return {
         "reports": reports,
         "width_runs": width_runs,

@@ -85,7 +85,7 @@ from .feature_axis import resolve_feature_dim
 from .fold import REGISTRY, PointCapture, StepFold, fold_stacked  # noqa: F401  (PointCapture re-exported)
 from .fold import fold as fold_batch
 from .hooks import ActivationCapture, FrozenEval
-from .masks import IGNORE_INDEX, MASK_MODES, counted_positions  # noqa: F401  (re-exported)
+from .masks import MASK_MODES, counted_positions  # noqa: F401  (MASK_MODES re-exported)
 from .points import residual_points, resolve_points
 from .table import STREAMS, TableView
 
@@ -244,27 +244,27 @@ class Probe:
         self.check_stream(stream)
         if kind not in REGISTRY:
             raise FusedStatsError(f"kind must be one of {tuple(REGISTRY)}, got {kind!r}")
-        return TableView(self.table, kind, stream)
+        return TableView(self.table, kind, stream, self.points)
 
     @property
     def stats(self) -> TableView:
         """Train-stream GradStats per point (a view of :attr:`table`)."""
-        return TableView(self.table, "grad", "train")
+        return TableView(self.table, "grad", "train", self.points)
 
     @property
     def test_stats(self) -> TableView:
         """Test-stream GradStats per point."""
-        return TableView(self.table, "grad", "test")
+        return TableView(self.table, "grad", "test", self.points)
 
     @property
     def cross_stats(self) -> TableView:
         """Train-stream CrossStats per point (``cross=``)."""
-        return TableView(self.table, "cross", "train")
+        return TableView(self.table, "cross", "train", self.points)
 
     @property
     def test_cross_stats(self) -> TableView:
         """Test-stream CrossStats per point (``cross=``)."""
-        return TableView(self.table, "cross", "test")
+        return TableView(self.table, "cross", "test", self.points)
 
     def check_stream(self, stream: str) -> str:
         if stream not in STREAMS:

@@ -15,12 +15,22 @@ Calling style. HF models take keywords (``model(input_ids=..., attention_mask=..
 ``forward`` has no ``input_ids`` parameter and no ``**kwargs`` (TransformerLens'
 ``HookedTransformer.forward(input, ...)``, plain ``nn.Module`` LMs) get the tokens positionally,
 ``model(input_ids, **the other keys it accepts)``. A key such a model does not accept, or a call
-that fails on its arguments, raises :class:`FusedStatsError` naming the signature.
+that fails on its arguments, raises :class:`FusedStatsError` naming the signature. Hugging Face
+forwards take ``**kwargs`` and would ignore a misspelled key (an ``attention_masks`` would silently
+count the padding), so for a ``transformers.PreTrainedModel`` every batch key must be a named
+parameter of ``forward`` or of the ``TypedDict`` its ``**kwargs`` are annotated with
+(``Unpack[TransformersKwargs]``); a key that is neither raises, naming the closest parameter.
+
+:func:`causal_targets` is the one rule for which shifted targets count; :func:`causal_lm_loss`
+averages over them and ``Probe.step(..., mask="labels")`` counts the positions that predict them.
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import sys
+import typing
 from collections.abc import Mapping
 
 import torch
@@ -28,7 +38,23 @@ import torch.nn.functional as F
 
 from ...errors import FusedStatsError
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # the label of a position without a target (torch's and HF's convention)
+
+
+def causal_targets(labels: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``valid[..., t]`` (shape ``labels.shape[:-1] + (T - 1,)``): whether position ``t``'s
+    prediction of token ``t + 1`` counts — ``labels[..., t+1] ≠ IGNORE_INDEX`` and, with a mask,
+    both ``t`` and ``t + 1`` are real tokens (module docstring)."""
+    valid = labels[..., 1:] != IGNORE_INDEX
+    if attention_mask is not None:
+        real = attention_mask != 0
+        valid = valid & real[..., 1:] & real[..., :-1]
+    return valid
+
+
+def _check_integer(name: str, value: torch.Tensor) -> None:
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise FusedStatsError(f"{name} must hold integer ids (any integer dtype), got dtype {value.dtype}")
 
 
 def _logits(output) -> torch.Tensor:
@@ -58,6 +84,49 @@ def _forward_parameters(model):
     return list(params), var_kw
 
 
+def _typed_kwargs(model) -> set[str]:
+    """The keys of the ``TypedDict`` that ``model.forward``'s ``**kwargs`` are annotated with
+    (HF: ``**kwargs: Unpack[TransformersKwargs]``); empty when there is none."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    keys: set[str] = set()
+    for p in params:
+        if p.kind is not inspect.Parameter.VAR_KEYWORD:
+            continue
+        hint = p.annotation
+        for candidate in (hint, *typing.get_args(hint)):
+            keys |= set(getattr(candidate, "__required_keys__", ())) | set(
+                getattr(candidate, "__optional_keys__", ())
+            )
+    return keys
+
+
+def _is_hf_model(model) -> bool:
+    transformers = sys.modules.get("transformers")  # an HF model implies transformers is loaded
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def check_batch_keys(model, keys, names: list[str]) -> None:
+    """Raise for a key an HF model's forward would swallow into ``**kwargs`` unused (module
+    docstring); other models are left to their own signature."""
+    if not _is_hf_model(model):
+        return
+    accepted = set(names) | _typed_kwargs(model)
+    accepted.discard("kwargs")
+    for key in keys:
+        if key in accepted or key == "labels":
+            continue
+        close = difflib.get_close_matches(str(key), sorted(accepted), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise FusedStatsError(
+            f"batch key {key!r} is not a parameter of {type(model).__name__}.forward ({hint}"
+            f"its parameters: {', '.join(n for n in names if n != 'kwargs')}); HF forwards take "
+            "**kwargs and would ignore it silently"
+        )
+
+
 def call_lm(model, inputs: Mapping):
     """Call a language model on ``inputs`` (``input_ids`` and extras) in its own style (module
     docstring): keywords for HF-style models, the tokens positionally otherwise."""
@@ -74,6 +143,7 @@ def call_lm(model, inputs: Mapping):
             )
         args, kwargs = (ids,), extra
     else:
+        check_batch_keys(model, inputs, names or [])
         args, kwargs = (), dict(inputs)
     try:
         return model(*args, **kwargs)
@@ -110,6 +180,7 @@ def causal_lm_loss(model, batch) -> torch.Tensor:
         raise FusedStatsError(
             f"input_ids must be a (B, T) tensor, got {getattr(ids, 'shape', type(ids).__name__)}"
         )
+    _check_integer("input_ids", ids)
     B, T = ids.shape
     if T < 2:
         raise FusedStatsError(
@@ -123,15 +194,17 @@ def causal_lm_loss(model, batch) -> torch.Tensor:
                 f"{name} must be a tensor of shape {(B, T)} like input_ids, got "
                 f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
             )
+    if labels is not None:
+        _check_integer("labels", labels)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if ids.dtype != torch.int64:  # embeddings take int32/int64 only; uint8 or int16 ids are common
+        ids = inputs["input_ids"] = ids.long()
     logits = _logits(call_lm(model, inputs))
     if logits.dim() != 3 or tuple(logits.shape[:2]) != (B, T):
         raise FusedStatsError(f"logits have shape {tuple(logits.shape)}; expected ({B}, {T}, vocab)")
     if labels is None:
         labels = ids
-    valid = labels[:, 1:] != IGNORE_INDEX
-    if mask is not None:
-        valid = valid & (mask[:, 1:] != 0) & (mask[:, :-1] != 0)
+    valid = causal_targets(labels, mask)
     counts = valid.sum(dim=1)
     empty = (counts == 0).nonzero().flatten().tolist()
     if empty:
@@ -142,7 +215,7 @@ def causal_lm_loss(model, batch) -> torch.Tensor:
     pred = logits[:, :-1]
     if pred.dtype in (torch.float16, torch.bfloat16):
         pred = pred.float()  # a softmax over a large vocabulary in half precision loses digits
-    target = labels[:, 1:].masked_fill(~valid, 0)
+    target = labels[:, 1:].masked_fill(~valid, 0).long()  # cross_entropy takes int64 targets only
     token_loss = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="none").view(
         B, T - 1
     )
@@ -177,6 +250,7 @@ def classification_loss(model, batch) -> torch.Tensor:
             f"classification_loss: logits {tuple(logits.shape)} and targets {tuple(y.shape)}; "
             "expected (B, classes) and (B,)"
         )
+    _check_integer("classification_loss: targets", y)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return F.cross_entropy(logits, y, reduction="none")
+    return F.cross_entropy(logits, y.long(), reduction="none")

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 import torch
 
 from ...errors import FusedStatsError
+from .losses import causal_targets
 
 MASK_MODES = ("attention", "labels", "none")
-IGNORE_INDEX = -100
 
 
 def counted_positions(batch, mask) -> torch.Tensor | None:
@@ -41,16 +41,13 @@ def counted_positions(batch, mask) -> torch.Tensor | None:
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if labels is None:
         raise FusedStatsError("mask='labels' needs a mapping batch with 'labels' (B, T)")
-    # position t emits the prediction of token t+1 (the shift of causal_lm_loss)
+    if attn is not None and tuple(attn.shape) != tuple(labels.shape):
+        raise FusedStatsError(
+            f"attention_mask {tuple(attn.shape)} and labels {tuple(labels.shape)} differ in shape"
+        )
+    # position t emits the prediction of token t+1 (the shift of causal_lm_loss, one rule for both)
     keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
-    keep[..., :-1] = labels[..., 1:] != IGNORE_INDEX
-    if attn is not None:
-        if tuple(attn.shape) != tuple(labels.shape):
-            raise FusedStatsError(
-                f"attention_mask {tuple(attn.shape)} and labels {tuple(labels.shape)} differ in shape"
-            )
-        real = attn != 0
-        keep[..., :-1] &= real[..., :-1] & real[..., 1:]
+    keep[..., :-1] = causal_targets(labels, attn)
     return keep
 
 

@@ -8,20 +8,45 @@ point)``: ``kind`` one of :data:`KINDS` (``"grad"``: GradStats, ``"cross"``: Cro
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping, Sequence
+
+import torch
+
+from ...errors import FusedStatsError
 
 STREAMS: tuple[str, ...] = ("train", "test")
 KINDS: tuple[str, ...] = ("grad", "cross", "norm_hist")  # the accumulator kinds a probe can hold
 
 
-class TableView(MutableMapping):
-    """``point -> accumulator`` of one (kind, stream) of a probe's table (a live view)."""
+class MissingEntry(FusedStatsError, KeyError):
+    """A point a :class:`TableView` has no accumulator for. Also a ``KeyError``, so ``get``,
+    ``in`` and ``pop`` of the mapping protocol keep working."""
 
-    def __init__(self, table: dict, kind: str, stream: str):
-        self._table, self.kind, self.stream = table, kind, stream
+    __str__ = Exception.__str__  # KeyError's would print the message in quotes
+
+
+class TableView(MutableMapping):
+    """``point -> accumulator`` of one (kind, stream) of a probe's table (a live view).
+
+    ``points``: the probe's points, named in the error for a point without an entry."""
+
+    def __init__(self, table: dict, kind: str, stream: str, points: Sequence[str] = ()):
+        self._table, self.kind, self.stream, self.points = table, kind, stream, list(points)
 
     def __getitem__(self, point):
-        return self._table[(self.kind, self.stream, point)]
+        try:
+            return self._table[(self.kind, self.stream, point)]
+        except KeyError:
+            raise MissingEntry(self._missing(point)) from None
+
+    def _missing(self, point) -> str:
+        what = f"no {self.kind!r} accumulator for point {point!r} in the {self.stream} stream"
+        if self.points and point not in self.points:
+            return f"{what}: it is not a point of this probe; points: {self.points}"
+        present = list(self)
+        if not present:
+            return f"{what}: no step has folded a batch into the {self.stream} stream yet"
+        return f"{what}; points with one: {present}"
 
     def __setitem__(self, point, acc) -> None:
         self._table[(self.kind, self.stream, point)] = acc
@@ -37,3 +62,14 @@ class TableView(MutableMapping):
 
     def __repr__(self) -> str:
         return f"{{{', '.join(f'{p!r}: {a!r}' for p, a in self.items())}}}"
+
+
+def probe_device(probe) -> torch.device:
+    """Where a probe's new accumulators go (a resumed checkpoint's, an all-reduce's missing ones):
+    the device of those it holds, else its model's parameters, else the CPU."""
+    for acc in probe.table.values():
+        if acc.device is not None:
+            return torch.device(acc.device)
+    for param in probe.model.parameters():
+        return param.device
+    return torch.device("cpu")

@@ -43,93 +43,29 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import MutableMapping
 from pathlib import Path
 
 import torch
 
 from ...accumulators.base import IncompatibleStates, accumulator_class
 from ...accumulators.cross_stats import CrossStats
-from ...accumulators.persistence import write_atomic
+from ...accumulators.persistence import fsync_dir, write_atomic
 from ...errors import FusedStatsError
+from ..probe.table import probe_device
 
 FORMAT = "fused_stats.ProbeCheckpoint"
 VERSION = 1
 STREAMS = ("train", "test")
 LATEST = "LATEST"
 PREFIX = "ckpt-"
-# the dict attributes of a probe-like object without a table: (kind, stream) -> attribute
-LEGACY_ATTRS = {
-    ("grad", "train"): "stats",
-    ("grad", "test"): "test_stats",
-    ("cross", "train"): "cross_stats",
-    ("cross", "test"): "test_cross_stats",
-}
 
 
 # ---------------------------------------------------------------------------- helpers
-class _AttributeTable(MutableMapping):
-    """``(kind, stream, point) -> accumulator`` over an object holding plain dicts ``stats``,
-    ``test_stats`` (and ``cross_stats``, ``test_cross_stats``) instead of a probe table."""
-
-    def __init__(self, owner):
-        self.owner = owner
-
-    def _dicts(self):
-        for (kind, stream), attr in LEGACY_ATTRS.items():
-            table = getattr(self.owner, attr, None)
-            if table is None:
-                continue
-            if not isinstance(table, MutableMapping):
-                raise FusedStatsError(
-                    f"probe.{attr} must be a dict point -> accumulator, got {type(table).__name__}"
-                )
-            yield kind, stream, attr, table
-
-    def _dict(self, kind, stream):
-        for k, s, _, table in self._dicts():
-            if (k, s) == (kind, stream):
-                return table
-        raise FusedStatsError(
-            f"the probe has no {LEGACY_ATTRS.get((kind, stream), kind)!r} for stream {stream!r}"
-        )
-
-    def __getitem__(self, key):
-        kind, stream, name = key
-        try:
-            return self._dict(kind, stream)[name]
-        except FusedStatsError:
-            raise KeyError(key) from None
-
-    def __setitem__(self, key, acc) -> None:
-        self._dict(key[0], key[1])[key[2]] = acc
-
-    def __delitem__(self, key) -> None:
-        del self._dict(key[0], key[1])[key[2]]
-
-    def __iter__(self):
-        for kind, stream, _, table in list(self._dicts()):
-            for name in list(table):
-                yield (kind, stream, name)
-
-    def __len__(self) -> int:
-        return sum(len(table) for *_, table in self._dicts())
-
-
-def accumulator_table(probe) -> MutableMapping:
-    """The ``(kind, stream, point) -> accumulator`` table of ``probe`` (``probe.table``; for an
-    object with plain ``stats``/``test_stats`` dicts instead, a view over those)."""
-    table = getattr(probe, "table", None)
-    if isinstance(table, MutableMapping):
-        return table
-    return _AttributeTable(probe)
-
-
 def probe_state(probe) -> dict:
     """``{(kind, stream, point): accumulator}`` of everything a checkpoint holds (a copy of the
     table's mapping; the accumulators are the probe's own)."""
     out = {}
-    for key, acc in accumulator_table(probe).items():
+    for key, acc in probe.table.items():
         cls = accumulator_class(key[0])
         if not isinstance(acc, cls):
             raise FusedStatsError(
@@ -156,20 +92,6 @@ def _file_sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    # the rename of a file is durable only once its directory entry is flushed
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def latest_snapshot(directory) -> Path | None:
@@ -251,14 +173,14 @@ def write_snapshot(directory, accs: dict, consumed: dict | None = None, extra: d
         if extra:
             manifest.update(extra)
         write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.replace(tmp, final)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     write_atomic(directory / LATEST, final.name.encode())
-    _fsync_dir(directory)
+    fsync_dir(directory)
     # older snapshots and temp folders left by killed writers are no longer needed
     for entry in directory.iterdir():
         if (
@@ -277,8 +199,8 @@ PROBE_COUNTERS = ("steps", "skipped_steps", "dims", "feature_dims")
 def _probe_counters(probe) -> dict:
     out = {}
     for attr in PROBE_COUNTERS:
-        value = getattr(probe, attr, None)
-        if isinstance(value, dict) and all(
+        value = getattr(probe, attr)
+        if all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in value.items()
         ):
             out[attr] = dict(value)
@@ -293,7 +215,7 @@ def save_probe_state(probe, directory, consumed: dict | None = None) -> Path:
     """
     accs = probe_state(probe)
     counters = _probe_counters(probe)
-    points = list(getattr(probe, "points", None) or [])
+    points = list(probe.points)
     return write_snapshot(
         directory, accs, consumed=consumed, extra={"probe": counters, "probe_points": points}
     )
@@ -373,11 +295,7 @@ def _check_settings_fit(probe, key, loaded, mine) -> None:
     ``key``, or else of the one it would create there (:meth:`Accumulator.setting_differences`)."""
     kind, stream, name = key
     reference = mine
-    if (
-        reference is None
-        and kind in getattr(probe, "kinds", ())
-        and callable(getattr(probe, "new_accumulator", None))
-    ):
+    if reference is None and kind in probe.kinds:
         reference = probe.new_accumulator(kind, stream, name, loaded.dim)
     if reference is None:
         return
@@ -392,7 +310,7 @@ def _check_settings_fit(probe, key, loaded, mine) -> None:
 def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -> None:
     """The checkpoint's cross statistics must belong to the probe's own zero-output block."""
     _, stream, name = key
-    spec = getattr(probe, "cross", None)
+    spec = probe.cross
     if spec is None:
         raise FusedStatsError(
             f"checkpoint holds cross-gradient statistics at point {name!r} ({stream}), but this "
@@ -417,9 +335,8 @@ def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -
                 diffs.append(f"rank {loaded.rank} vs {w_in.shape[0]}")
             elif not torch.equal(w_in.cpu(), loaded.w_in.cpu()):
                 diffs.append("w_in values (another seed or w_in)")
-        unit = getattr(probe, "unit", None)
-        if loaded.unit is not None and unit is not None and loaded.unit != unit:
-            diffs.append(f"unit {loaded.unit!r} vs {unit!r}")
+        if loaded.unit is not None and loaded.unit != probe.unit:
+            diffs.append(f"unit {loaded.unit!r} vs {probe.unit!r}")
     if diffs:
         raise FusedStatsError(
             f"checkpoint cross statistics at point {name!r} ({stream}) are not those of this "
@@ -430,12 +347,12 @@ def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -
 def _install(probe, accs: dict, manifest: dict) -> None:
     """Put loaded accumulators into the probe, after checking all of them (all or nothing)."""
     accs = _keyed(accs)
-    table = accumulator_table(probe)
+    table = probe.table
     current = probe_state(probe)
-    points = getattr(probe, "points", None)
+    points = probe.points
     for key, loaded in accs.items():
         kind, stream, name = key
-        if points is not None and name not in points:
+        if name not in points:
             raise FusedStatsError(
                 f"checkpoint point {name!r} ({stream}) is not a point of this probe; its points: "
                 f"{list(points)}"
@@ -445,11 +362,9 @@ def _install(probe, accs: dict, manifest: dict) -> None:
         mine = current.get(key)
         if kind == "cross":
             _check_cross_fits(probe, key, loaded, mine)
-        if isinstance(table, _AttributeTable):
-            table._dict(kind, stream)  # raises when the object has no dict for this stream
         if kind != "cross":
             _check_settings_fit(probe, key, loaded, mine)
-    if getattr(probe, "cross", None) is not None:
+    if probe.cross is not None:
         # samples without their cross statistics: a resumed |C|^2 would miss those batches
         lacking = [
             f"{name} ({stream})"
@@ -462,29 +377,28 @@ def _install(probe, accs: dict, manifest: dict) -> None:
                 "(written by a probe without cross=?); this probe has cross= and would report "
                 "|C|_F^2 of only the batches after the resume"
             )
-    kept = getattr(probe, "kinds", None)
-    if kept is not None:
-        for kind, stream, name in accs:
-            if kind not in kept and kind != "cross":  # cross: refused above, naming cross=
-                raise FusedStatsError(
-                    f"checkpoint holds {kind} statistics at point {name!r} ({stream}), but this "
-                    f"probe does not keep {kind} statistics; build it as the checkpointed run was"
-                )
-        for kind in kept:
-            lacking = [
-                f"{name} ({stream})"
-                for k, stream, name in accs
-                if kind not in ("grad", "cross")
-                and k == "grad"
-                and accs[(k, stream, name)].n
-                and (kind, stream, name) not in accs
-            ]
-            if lacking:
-                raise FusedStatsError(
-                    f"the checkpoint holds samples at {lacking} but no {kind} statistics there; "
-                    f"this probe keeps {kind} statistics and would count only the batches after "
-                    "the resume"
-                )
+    kept = probe.kinds
+    for kind, stream, name in accs:
+        if kind not in kept and kind != "cross":  # cross: refused above, naming cross=
+            raise FusedStatsError(
+                f"checkpoint holds {kind} statistics at point {name!r} ({stream}), but this "
+                f"probe does not keep {kind} statistics; build it as the checkpointed run was"
+            )
+    for kind in kept:
+        lacking = [
+            f"{name} ({stream})"
+            for k, stream, name in accs
+            if kind not in ("grad", "cross")
+            and k == "grad"
+            and accs[(k, stream, name)].n
+            and (kind, stream, name) not in accs
+        ]
+        if lacking:
+            raise FusedStatsError(
+                f"the checkpoint holds samples at {lacking} but no {kind} statistics there; "
+                f"this probe keeps {kind} statistics and would count only the batches after "
+                "the resume"
+            )
     extra = sorted(set(current) - set(accs))
     if any(current[key].n for key in extra):
         raise FusedStatsError(
@@ -500,13 +414,11 @@ def _install(probe, accs: dict, manifest: dict) -> None:
     except (TypeError, ValueError) as exc:
         raise FusedStatsError(f"checkpoint manifest has a malformed 'probe' entry {raw!r}: {exc}") from exc
     # ---- commit: nothing below rejects the checkpoint
-    backend = getattr(probe, "backend", None)
     for key, loaded in accs.items():
         kind, stream, name = key
         mine = current.get(key)
         if mine is None:
-            if backend is not None:
-                loaded.backend = backend
+            loaded.backend = probe.backend
             table[key] = loaded
         else:
             # in place, so references the probe keeps to its accumulators stay valid
@@ -514,22 +426,9 @@ def _install(probe, accs: dict, manifest: dict) -> None:
     for key in extra:  # empty accumulators the checkpoint does not know
         del table[key]
     for attr, value in counters.items():
-        mine = getattr(probe, attr, None)
-        if isinstance(mine, dict):
-            mine.clear()
-            mine.update(value)
-
-
-def _probe_device(probe):
-    """Where a probe's new accumulators would live: ``probe.device`` or its model's parameters."""
-    device = getattr(probe, "device", None)
-    if device is not None:
-        return device
-    model = getattr(probe, "model", None)
-    if model is not None and hasattr(model, "parameters"):
-        for param in model.parameters():
-            return param.device
-    return None
+        mine = getattr(probe, attr)
+        mine.clear()
+        mine.update(value)
 
 
 def load_probe_state(probe, directory, device=None) -> dict:
@@ -542,7 +441,7 @@ def load_probe_state(probe, directory, device=None) -> dict:
     reads and checks correctly.
     """
     current = probe_state(probe)
-    fallback = device if device is not None else _probe_device(probe)
+    fallback = device if device is not None else probe_device(probe)
 
     def where(kind, stream, name):
         mine = current.get((kind, stream, name))

@@ -30,7 +30,7 @@ from ...accumulators.distributed import (
     require_initialised,
 )
 from ...errors import FusedStatsError
-from ..probe.table import KINDS, STREAMS
+from ..probe.table import KINDS, STREAMS, probe_device
 
 # dtype codes exchanged between ranks (0: no accumulator, or the kind's default)
 _DTYPES = {torch.float32: 1, torch.float64: 2}
@@ -109,23 +109,13 @@ def _fill_missing(probe, group, device) -> None:
             new.append((kind, stream, name, dims.pop(), dtype))
     # ---- every rank agreed: create the missing (empty) accumulators
     if new:
-        state_device = _probe_device(probe)
+        state_device = probe_device(probe)
     for kind, stream, name, dim, dtype in new:
         probe.table[(kind, stream, name)] = probe.new_accumulator(
             kind, stream, name, dim, dtype=dtype, device=state_device
         )
         if kind == "grad":
             probe.dims.setdefault(name, dim)
-
-
-def _probe_device(probe) -> torch.device:
-    """Where the probe's accumulators live: those it holds, else its model's parameters."""
-    for acc in probe.table.values():
-        if acc.device is not None:
-            return acc.device
-    for param in probe.model.parameters():
-        return param.device
-    return torch.device("cpu")
 
 
 def _sum_counters(probe, group, device) -> None:

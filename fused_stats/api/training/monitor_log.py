@@ -59,7 +59,7 @@ import weakref
 from pathlib import Path
 
 from ...errors import FusedStatsError
-from ..report.document import _decode, _encode
+from ..report.schema import decode, encode
 
 FORMAT = "fused_stats.monitor"
 VERSION = 1
@@ -203,7 +203,7 @@ class MonitorLog:
         }
         if self._is_writer():
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps(_encode(record), allow_nan=False)
+            text = json.dumps(encode(record), allow_nan=False)
             with open(self.path, "w" if self._replace else "a", encoding="utf-8") as handle:
                 handle.write(text + "\n")
                 handle.flush()
@@ -281,10 +281,9 @@ def point_record(probe, name: str, stream: str) -> dict:
         est = acc.estimate().to_dict()
         for key in FIELDS:
             out[key] = est.get(key)
-    saturation = getattr(probe, "saturation", None)
-    if getattr(probe, "cross", None) is not None and callable(saturation):
+    if probe.cross is not None:
         try:
-            sat = saturation(name, stream=stream).to_dict()
+            sat = probe.saturation(name, stream=stream).to_dict()
         except FusedStatsError:  # no cross samples yet, or too few
             sat = None
         for key in CROSS_FIELDS:
@@ -303,7 +302,7 @@ def read_monitor_log(path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                record = _decode(json.loads(line))
+                record = decode(json.loads(line))
             except json.JSONDecodeError as exc:
                 raise FusedStatsError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
             if not isinstance(record, dict) or record.get("format") != FORMAT:
@@ -408,6 +407,19 @@ def summary_markdown(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _plain_log_labels(ax) -> None:
+    """Log-axis tick labels as plain numbers ("2.6", "0.003", "1e-05") instead of matplotlib's
+    "2.6×10⁰"; which ticks get a label (minor ones only on a short range) stays matplotlib's."""
+    from matplotlib.ticker import LogFormatter
+
+    class Plain(LogFormatter):
+        def _num_to_string(self, x, vmin, vmax):
+            return f"{x:.2g}"
+
+    ax.yaxis.set_major_formatter(Plain(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+
+
 def plot_monitor_log(source, path, stream: str | None = None) -> Path:
     """PNG of d_align, AG_max and (when logged) |C|_F per point against the training step.
 
@@ -421,7 +433,7 @@ def plot_monitor_log(source, path, stream: str | None = None) -> Path:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    from ..report.document import save_figure
+    from ..report.plots import save_figure
 
     records = read_monitor_log(source) if isinstance(source, (str, os.PathLike)) else list(source)
     if not records:
@@ -470,6 +482,7 @@ def plot_monitor_log(source, path, stream: str | None = None) -> Path:
                 ax.plot(low, [floor] * len(low), linestyle="none", marker="v", color=colour, markersize=4)
         if floor is not None:
             ax.set_yscale("log")
+            _plain_log_labels(ax)
         ax.set_title(title + ("\n(v on the floor: value <= 0)" if marked else ""), fontsize=10)
         ax.set_ylabel(AXIS_LABELS[key] + (" (log scale)" if floor is not None else ""))
         ax.set_xlabel("training step")

@@ -79,9 +79,9 @@ from torch import nn
 from ...accumulators.base import NONFINITE_POLICIES, Nonfinite
 from ...errors import FusedStatsError
 from ..probe.hooks import _split
+from ..probe.losses import IGNORE_INDEX
 
 LOSS_REDUCTIONS = ("mean", "sum", "token_mean")
-IGNORE_INDEX = -100
 # "mean" with labels whose valid-target counts differ by this factor: a token mean was likely meant
 UNEQUAL_COUNTS = 2.0
 # relative disagreement between declared and implied scales that counts as a wrong declaration
