@@ -86,6 +86,7 @@ from ...errors import FusedStatsError
 from .feature_axis import resolve_feature_dim
 from .hooks import ActivationCapture, FrozenEval
 from .points import residual_points, resolve_points
+from .spec import PointKwargs, cross_w_in, is_feature_source, protocol_record, source_features
 from .table import KINDS, STREAMS, TableView
 
 MASK_MODES = ("attention", "labels", "none")
@@ -213,12 +214,9 @@ class Probe:
         if pool_capacity is not None and (not isinstance(pool_capacity, int) or pool_capacity < 1):
             raise FusedStatsError(f"pool_capacity must be a positive int or None, got {pool_capacity!r}")
         if cross is not None:
-            from .spec import CrossSpec
+            from .spec import resolve_cross
 
-            if not isinstance(cross, CrossSpec):
-                raise FusedStatsError(
-                    f"cross must be None or a fused_stats.CrossSpec, got {type(cross).__name__}"
-                )
+            cross = resolve_cross(cross, model)  # a CrossSpec, or a feature source (growth's block)
             if unit == "flat":
                 raise FusedStatsError(
                     "cross= needs unit='sample' or 'position' (a cross-gradient sums "
@@ -331,8 +329,8 @@ class Probe:
                 name=name,
             )
         if kind == "cross":
-            w_in = self.cross.projection(int(dim), dtype=dtype or torch.float32, device=device)
-            return CrossStats(int(dim), w_in, self.cross.activation, backend=self.backend, name=name)
+            w_in, activation = cross_w_in(self.cross, point, int(dim), dtype or torch.float32, device)
+            return CrossStats(int(dim), w_in, activation, backend=self.backend, name=name)
         if kind == "norm_hist":
             return NormHistogram(
                 int(dim),
@@ -382,9 +380,10 @@ class Probe:
             raise FusedStatsError(f"callback must be callable, got {type(fn).__name__}")
         self._callbacks.append(fn)
 
-    def _cross_inputs(self, act: torch.Tensor, grad: torch.Tensor, mask, fd: int):
+    def _cross_inputs(self, act: torch.Tensor, grad: torch.Tensor, mask, fd: int, name: str = ""):
         """Gradient, activation and mask of one point as the cross statistics take them:
-        features last, positions flattened to (B, P, d)."""
+        features last, positions flattened to (B, P, d); for a feature source the activation is
+        its features of the block run on ``z`` (:func:`fused_stats.api.probe.spec.source_features`)."""
         last = fd % grad.dim() == grad.dim() - 1  # features already last: no view to make
         g = grad if last else grad.movedim(fd, -1)
         z = act if last else act.movedim(fd, -1)
@@ -394,7 +393,7 @@ class Probe:
         m = mask
         if m is not None:
             m = m[:, None].expand(B, P) if m.dim() == 1 else m.reshape(B, P)
-        return g, z, m
+        return g, source_features(self, name, z, m), m
 
     def saturation(self, point: str, alpha: float = 0.05, stream: str = "train"):
         """The depth-saturation test at ``point`` (:class:`~fused_stats.Saturation`): unbiased
@@ -472,15 +471,20 @@ class Probe:
         positions_mask = self.mask_for(batch, mask)
         model = self.model
         capture = ActivationCapture(model, self.points)
+        calls = PointKwargs(model, self.points, self.cross)  # a feature source's block needs them
         # only what changes is recorded and restored
         with FrozenEval(model), torch.enable_grad():  # enable_grad: losses.sum() needs a graph
             try:
-                with capture:
+                with capture, calls:
                     losses = loss_fn(model, batch)
                 grads = self._activation_grads(losses, capture)
             finally:
                 capture.remove()
-        self.fold(stream, capture.captured, grads, positions_mask)
+        self._point_calls = calls.calls
+        try:
+            self.fold(stream, capture.captured, grads, positions_mask)
+        finally:
+            self._point_calls = None
 
     def observe(
         self, loss_reduction: str | None = None, scale=None, mask=None, stream: str = "train", **options
@@ -600,7 +604,7 @@ class Probe:
                 key = (kind, stream, name)
                 acc = self.table.get(key)
                 if kind == "cross":
-                    cg, z, cm = self._cross_inputs(act.detach(), g, m, fd)
+                    cg, z, cm = self._cross_inputs(act.detach(), g, m, fd, name)
                     if acc is None:  # kept only if the step commits
                         acc = self.new_accumulator(
                             kind,
@@ -675,7 +679,13 @@ class Probe:
         the general path's, bit for bit. Returns False with nothing changed where that does not
         apply or a batch is not finite: the general path then folds, refuses or skips it."""
         points, kinds = self.points, self.kinds
-        if self.unit != "sample" or self._callbacks or len(points) < 2 or not set(kinds) <= {"grad", "cross"}:
+        if (
+            self.unit != "sample"
+            or self._callbacks
+            or len(points) < 2
+            or not set(kinds) <= {"grad", "cross"}
+            or is_feature_source(self.cross)  # its features are not the point's output
+        ):
             return False
         gaccs = [self.table.get(("grad", stream, p)) for p in points]
         caccs = [self.table.get(("cross", stream, p)) for p in points] if "cross" in kinds else []
@@ -944,6 +954,7 @@ class Probe:
             "unit": self.unit,
             "second_moment": self.second_moment,
             "points": points,
+            **({"growth_protocol": record} if (record := protocol_record(self.cross)) else {}),
             "meta": dict(meta or {}),
         }
 
