@@ -16,8 +16,10 @@ from .accumulators import (
     realized_alignment,
 )
 from .accumulators.cross_stats import Saturation
+from .api.growth.grow import GrowthResult, grow
 from .api.growth.insert import insert_zero_block, remove_inserted_block
 from .api.growth.intervene import intervene
+from .api.growth.protocol import GrowthProtocol
 from .api.probe.driver import Probe
 from .api.probe.losses import causal_lm_loss, classification_loss
 from .api.probe.points import residual_points
@@ -36,6 +38,8 @@ __all__ = [
     "Estimate",
     "FusedStatsError",
     "GradStats",
+    "GrowthProtocol",
+    "GrowthResult",
     "Misalignment",
     "MonitorLog",
     "Probe",
@@ -44,6 +48,7 @@ __all__ = [
     "__version__",
     "causal_lm_loss",
     "classification_loss",
+    "grow",
     "insert_zero_block",
     "intervene",
     "misalignment_probability",

@@ -43,6 +43,11 @@ def candidate_seed(protocol: GrowthProtocol, point: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
+def cross_spec(protocol: GrowthProtocol, point: str) -> CrossSpec:
+    """The :class:`CrossSpec` of the ``cross_block`` family's block at ``point``."""
+    return CrossSpec(rank=protocol.width, seed=candidate_seed(protocol, point) % (2**31))
+
+
 def _dtype_device(module: nn.Module):
     param = next(module.parameters(), None)
     if param is None:
@@ -151,8 +156,13 @@ def new_block(model: nn.Module, protocol: GrowthProtocol, point: str, init: str 
     neighbour = model.get_submodule(b.neighbour)
     dtype, device = _dtype_device(neighbour)
     if protocol.family == "cross_block":
-        spec = CrossSpec(rank=protocol.width, seed=seed % (2**31))
-        return ZeroBlock(_stream_width(model, arch, neighbour), "block", spec, dtype=dtype, device=device)
+        return ZeroBlock(
+            _stream_width(model, arch, neighbour),
+            "block",
+            cross_spec(protocol, point),
+            dtype=dtype,
+            device=device,
+        )
     if protocol.family == "mlp_width":
         target = f"{b.container}.{b.position}"
         block = copy.deepcopy(model.get_submodule(target))
