@@ -16,6 +16,7 @@ from .accumulators import (
     realized_alignment,
 )
 from .accumulators.cross_stats import Saturation
+from .api.growth.advise import Advice, advise
 from .api.growth.grow import GrowthResult, grow
 from .api.growth.insert import insert_zero_block, remove_inserted_block
 from .api.growth.intervene import intervene
@@ -30,6 +31,7 @@ from .api.training.monitor_log import MonitorLog
 from .errors import FusedStatsError
 
 __all__ = [
+    "Advice",
     "Alignment",
     "Certificate",
     "CrossEstimate",
@@ -46,6 +48,7 @@ __all__ = [
     "Report",
     "Saturation",
     "__version__",
+    "advise",
     "causal_lm_loss",
     "classification_loss",
     "grow",

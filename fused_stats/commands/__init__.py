@@ -10,4 +10,5 @@ COMMANDS = (
     "demo",
     "probe",
     "report",
+    "advise",
 )
