@@ -11,4 +11,5 @@ COMMANDS = (
     "probe",
     "report",
     "advise",
+    "grow_demo",
 )

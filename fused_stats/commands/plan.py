@@ -58,6 +58,17 @@ def register(sub) -> None:
         help="also plan device and host memory of a weight-streamed probe step",
     )
     cmd.add_argument("--tokens", type=int, default=8192, help="tokens a batch (--stream-blocks)")
+    cmd.add_argument(
+        "--tangent",
+        type=positive_int,
+        metavar="F",
+        default=None,
+        help="also count the probe of a new layer's exact tangent (cross=GrowthProtocol) with MLP "
+        "width F: r = d + F features per candidate (default: not counted)",
+    )
+    cmd.add_argument(
+        "--projection", type=positive_int, default=None, help="with --tangent: rank k of the fixed projection"
+    )
     cmd.set_defaults(func=cmd_plan)
 
 
@@ -93,6 +104,17 @@ def cmd_plan(args) -> int:
                 format_stream_plan(
                     plan_streaming(spec, args.tokens, pool_size=args.pool, streams=args.streams)
                 )
+            )
+    if args.tangent is not None:
+        from ..api.streaming.plan import human_bytes, plan_tangent
+
+        for p in plans:
+            t = plan_tangent(p.dim, args.tangent, p.points, args.projection, args.streams)
+            print(
+                f"tangent of a new layer at {p.label}: r = {t['features']} features, C is {p.dim} x "
+                f"{t['rank']}; {human_bytes(t['per_accumulator'])} per accumulator (Sum c_i "
+                f"{human_bytes(t['c_sum_bytes'])}, w_in {human_bytes(t['w_in_bytes'])}), "
+                f"{human_bytes(t['total'])} for {p.points} candidates x {args.streams} streams"
             )
     print(
         "bytes of fp64 accumulator state (acc = one point, one stream; total = points x streams). "
