@@ -256,9 +256,24 @@ def test_zero_growth_of_resnets_is_bit_identical(kind, dtype, gen):
         assert torch.equal(model(x), before)
     stage = points[0].split(".")[0]
     assert len(model.get_submodule(stage)) == (4 if kind == "resnet20" else 2)
-    assert fs.residual_points(model).count(result.positions[points[0]]) == 1
-    # the new block's non-zero parts are live: its conv1 weight has a gradient path once bn is non-zero
-    assert all(n.split(".")[0] in {p.split(".")[0] for p in points} for n in result.new_parameters)
+    expected = {"layer1.2": "layer1.3", "layer2.0": "layer2.1", "layer3.2": "layer3.3", "layer1.0": "layer1.1",
+                "layer4.0": "layer4.1"}
+    assert result.positions == {p: expected[p] for p in points}
+    assert set(result.positions.values()) <= set(fs.residual_points(model))
+    last = "bn2" if kind == "resnet20" else "bn3"
+    named = dict(model.named_parameters())
+    for n in result.new_parameters:
+        if f".{last}." in n:
+            assert not named[n].any(), n
+        elif n.endswith("weight"):  # conv and the other BN scales are live (BN shifts start at 0 anyway)
+            assert named[n].abs().sum() > 0, n
+    # train mode (batch statistics): still the same outputs, and the old running statistics move alike
+    ref = build(kind, dtype)
+    ref.train()
+    model.train()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    assert torch.equal(model.bn1.running_mean, ref.bn1.running_mean)
 
 
 def test_protocol_record_and_digest():
@@ -628,3 +643,54 @@ def test_bad_input_names_it_and_changes_nothing(gen):
         with pytest.raises(fs.FusedStatsError, match=message):
             fs.grow(m, protocol, optimizer=o, **kw)
         check()
+
+
+def test_layer_types_follow_the_neighbour(gen, tmp_path):
+    """Qwen2 lists a window type per layer: the new layer takes its neighbour's, in the config and
+    in the module, and the reloaded model computes the same."""
+    torch.manual_seed(5)
+    config = transformers.Qwen2Config(
+        hidden_size=12, intermediate_size=20, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=VOCAB, use_sliding_window=True, sliding_window=3, max_window_layers=1, initializer_range=0.3,
+        pad_token_id=0,
+    )
+    model = transformers.Qwen2ForCausalLM(config).to(F64).eval()
+    assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    batch = lm_batch(gen, left=True)
+    before = decode_steps(model, batch)
+    zero = copy.deepcopy(model)
+    fs.grow(zero, fs.GrowthProtocol(candidates=["model.layers.0"]))
+    for a, b in zip(decode_steps(zero, batch), before):
+        assert torch.equal(a, b)
+    fs.grow(model, fs.GrowthProtocol(candidates=["model.layers.0", "model.layers.2"], init="random"))
+    assert model.config.layer_types == ["full_attention", "full_attention", "sliding_attention",
+                                        "sliding_attention", "sliding_attention"]
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, None, 3, 3, 3]
+    model.save_pretrained(tmp_path)
+    loaded = aligned(transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=F64).eval())
+    assert loaded.config.layer_types == model.config.layer_types
+    for a, b in zip(decode_steps(loaded, batch), decode_steps(model, batch)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["llama", "resnet20"])
+def test_cross_block_growth(kind, gen):
+    """family 'cross_block': the probe's W_out φ(W_in z) block hooked in, W_out = 0, the same W_in
+    as new_block builds; the function is unchanged until W_out moves."""
+    model = build(kind, F64)
+    point = "model.layers.0" if kind == "llama" else "layer2.1"
+    protocol = fs.GrowthProtocol(candidates=[point], family="cross_block", width=5, seed=9)
+    probed = new_block(model, protocol, point)
+    batch = lm_batch(gen) if kind == "llama" else {"x": torch.randn(2, 3, 16, 16, generator=gen, dtype=F64)}
+    run = (lambda m: logits(m, batch)) if kind == "llama" else (lambda m: m(batch["x"]).detach())
+    before = run(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = fs.grow(model, protocol, optimizer=opt)
+    assert result.new_parameters == [f"{point}.fused_stats_inserted.w_out"]
+    inserted = model.get_submodule(f"{point}.fused_stats_inserted")
+    assert torch.equal(inserted.w_in, probed.w_in) and inserted.w_in.shape[0] == 5
+    assert torch.equal(run(model), before)
+    assert any(p is inserted.w_out for p in opt.param_groups[0]["params"])
+    with torch.no_grad():
+        inserted.w_out.normal_()
+    assert not torch.allclose(run(model), before)

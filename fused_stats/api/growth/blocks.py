@@ -62,13 +62,27 @@ def _stream_width(model: nn.Module, arch: Architecture, neighbour: nn.Module) ->
     return int(last.num_features)
 
 
+def _config_after_insert(config, position: int, neighbour_index: int):
+    """The config a block at ``position`` is built from: a ``layer_types`` list gets the
+    neighbour's type there (blocks such as Qwen2's read their attention window from it)."""
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return config
+    config = copy.deepcopy(config)
+    types = list(types)
+    types.insert(position, types[neighbour_index])
+    config.num_hidden_layers = len(types)
+    config.layer_types = types
+    return config
+
+
 def _fresh_block(
-    model: nn.Module, arch: Architecture, neighbour: nn.Module, position: int, seed: int
+    model: nn.Module, arch: Architecture, neighbour: nn.Module, position: int, seed: int, neighbour_index: int
 ) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if arch.transformer:
-            block = type(neighbour)(model.config, position)
+            block = type(neighbour)(_config_after_insert(model.config, position, neighbour_index), position)
             init = getattr(model, "_init_weights", None)
             if init is not None:
                 # transformers' own initialisation (std = config.initializer_range, norms at 1)
@@ -171,7 +185,7 @@ def new_block(model: nn.Module, protocol: GrowthProtocol, point: str, init: str 
     if init == "copy":
         block = _copy_block(arch, neighbour, point)
     else:
-        block = _fresh_block(model, arch, neighbour, b.position, seed)
+        block = _fresh_block(model, arch, neighbour, b.position, seed, int(b.neighbour.rpartition(".")[2]))
         if init == "zero":
             with torch.no_grad():
                 for mod in zeroed_modules(block, "layer"):
