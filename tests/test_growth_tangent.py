@@ -198,3 +198,34 @@ def test_padding_positions_enter_nothing():
         sats.append(probe.saturation(points[0]))
     assert abs(sats[0].cross_frob2 - sats[1].cross_frob2) <= 1e-12 * abs(sats[0].cross_frob2)
     assert sats[0].n == sats[1].n == 5
+
+
+def test_cross_block_family_is_the_crossspec_probe():
+    """family='cross_block' probes the protocol's W_out φ(W_in z) block: the same statistics as
+    a CrossSpec probe given that block's W_in."""
+    model, stack = make_model("llama", seed=4)
+    points = [f"{stack}.0", f"{stack}.1"]
+    protocol = fs.GrowthProtocol(points, family="cross_block", width=5, seed=2)
+    probe = fs.Probe(model, points=points, cross=protocol)
+    batch = padded_batch(6, 7, seed=5)
+    probe.step(batch, per_sample_loss)
+    for point in points:
+        block = probe.cross.blocks[point]
+        spec = fs.CrossSpec(w_in=block.w_in.clone(), activation=block.activation)
+        ref = fs.Probe(model, points=[point], cross=spec)
+        ref.step(batch, per_sample_loss)
+        a, b = probe.saturation(point), ref.saturation(point)
+        assert a.rank == 5
+        assert abs(a.cross_frob2 - b.cross_frob2) <= 1e-12 * abs(
+            b.cross_frob2
+        ) and a.p_value == pytest.approx(b.p_value, abs=1e-12)
+
+
+def test_unsupported_family_and_bad_candidate():
+    model, stack = make_model("gpt2")
+    with pytest.raises(fs.FusedStatsError, match="mlp_width"):
+        fs.Probe(
+            model, points=[f"{stack}.0"], cross=fs.GrowthProtocol([f"{stack}.0"], family="mlp_width", width=4)
+        )
+    with pytest.raises(fs.FusedStatsError, match="not a residual point or block boundary"):
+        fs.Probe(model, points=["lm_head"], cross=fs.GrowthProtocol(["lm_head"]))

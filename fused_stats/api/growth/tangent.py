@@ -18,7 +18,10 @@ its unbiased ``|C|_F²`` and the saturation test unchanged (docs/design.md, sect
 The width is ``r = Σ in_features (+1 per bias)``, ``d + f`` for a LLaMA layer. With
 ``protocol.projection = k`` a fixed ``k × r`` Gaussian ``P`` (drawn from the protocol's seed)
 gives ``C Pᵀ`` instead: smaller state, and ``C ≠ 0 ⇒ C Pᵀ ≠ 0`` with probability 1 over ``P``
-(the boundary is kept, at some loss of power).
+(the boundary is kept, at some loss of power). ``family="cross_block"``: the protocol's
+``W_out φ(W_in z)`` block, whose features are ``φ(W_in z_t)``. Not handled: ``"mlp_width"``
+(its zero columns are read at the next block's MLP, not at the candidate) and ResNet blocks
+(their zero BatchNorm scale has a per-channel, not a ``q xᵀ``, gradient).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from torch import nn
 
 from ...errors import FusedStatsError
-from ...ops.cross_twin import seeded_w_in
+from ...ops.cross_twin import apply_activation, seeded_w_in
 from ..probe.spec import register_feature_source
 from . import blocks
 from .architecture import boundary
@@ -73,10 +76,12 @@ class GrowthTangent:
     """
 
     def __init__(self, protocol, model: nn.Module, new_block=None, zeroed_modules=None):
-        if getattr(protocol, "family", "layer") != "layer":
+        self.family = getattr(protocol, "family", "layer")
+        if self.family not in ("layer", "cross_block"):
             raise FusedStatsError(
-                f"the tangent probe supports family='layer' (a new block of the model's class); "
-                f"got family={protocol.family!r}. For 'cross_block' pass its fs.CrossSpec as cross="
+                f"the tangent probe supports family 'layer' (a new block of the model's class) and "
+                f"'cross_block'; got family={self.family!r} (its zero parameters are read at another "
+                "point than the candidate)"
             )
         self.protocol, self.model = protocol, model
         self._neighbours: dict[str, str] = {}
@@ -106,6 +111,9 @@ class GrowthTangent:
             if param is not None:
                 block = block.to(dtype=param.dtype, device=param.device)
             block.eval().requires_grad_(False)
+            if self.family == "cross_block":  # W_out φ(W_in z): the features are φ(W_in z) itself
+                self.blocks[point], self.maps[point] = block, [("w_out", int(block.w_in.shape[0]), False)]
+                return block
             names = list(self._zeroed(block, "layer"))
             if not names:
                 raise FusedStatsError(f"the new block at {point!r} has no zero-initialised module")
@@ -145,6 +153,8 @@ class GrowthTangent:
     def features(self, point: str, module: nn.Module, z: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """``x_t`` (B, T, r): the new block run on ``z`` (B, T, d), inputs of its zero maps."""
         block = self.block(point)
+        if self.family == "cross_block":
+            return apply_activation(z.to(block.w_in.dtype) @ block.w_in.T, block.activation)
         inputs: dict[str, torch.Tensor] = {}
         handles = []
         for name, _, _ in self.maps[point]:
