@@ -183,8 +183,10 @@ def test_tangent_probe_matches_per_sample_gradients(kind, projection):
         assert abs(cross2) > 1e-8  # the comparison is not between two zeros
 
 
-def test_padding_positions_enter_nothing():
-    """Changing the tokens under the padding leaves every statistic unchanged."""
+@pytest.mark.parametrize("unit", ["sample", "position"])
+def test_padding_positions_enter_nothing(unit):
+    """Changing the tokens under the padding leaves every statistic unchanged; with
+    unit="position" only the real positions are samples."""
     model, stack = make_model("llama", seed=1)
     points = [f"{stack}.1"]
     batch = padded_batch(5, 8, seed=2)
@@ -193,11 +195,11 @@ def test_padding_positions_enter_nothing():
     other["input_ids"][pad] = (other["input_ids"][pad] + 7) % 40
     sats = []
     for b in (batch, other):
-        probe = fs.Probe(model, points=points, cross=fs.GrowthProtocol(points))
+        probe = fs.Probe(model, points=points, cross=fs.GrowthProtocol(points), unit=unit)
         probe.step(b, per_sample_loss)
         sats.append(probe.saturation(points[0]))
     assert abs(sats[0].cross_frob2 - sats[1].cross_frob2) <= 1e-12 * abs(sats[0].cross_frob2)
-    assert sats[0].n == sats[1].n == 5
+    assert sats[0].n == sats[1].n == (5 if unit == "sample" else int(batch["attention_mask"].sum()))
 
 
 def test_cross_block_family_is_the_crossspec_probe():
