@@ -256,8 +256,13 @@ def test_zero_growth_of_resnets_is_bit_identical(kind, dtype, gen):
         assert torch.equal(model(x), before)
     stage = points[0].split(".")[0]
     assert len(model.get_submodule(stage)) == (4 if kind == "resnet20" else 2)
-    expected = {"layer1.2": "layer1.3", "layer2.0": "layer2.1", "layer3.2": "layer3.3", "layer1.0": "layer1.1",
-                "layer4.0": "layer4.1"}
+    expected = {
+        "layer1.2": "layer1.3",
+        "layer2.0": "layer2.1",
+        "layer3.2": "layer3.3",
+        "layer1.0": "layer1.1",
+        "layer4.0": "layer4.1",
+    }
     assert result.positions == {p: expected[p] for p in points}
     assert set(result.positions.values()) <= set(fs.residual_points(model))
     last = "bn2" if kind == "resnet20" else "bn3"
@@ -650,8 +655,16 @@ def test_layer_types_follow_the_neighbour(gen, tmp_path):
     in the module, and the reloaded model computes the same."""
     torch.manual_seed(5)
     config = transformers.Qwen2Config(
-        hidden_size=12, intermediate_size=20, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-        vocab_size=VOCAB, use_sliding_window=True, sliding_window=3, max_window_layers=1, initializer_range=0.3,
+        hidden_size=12,
+        intermediate_size=20,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=VOCAB,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=1,
+        initializer_range=0.3,
         pad_token_id=0,
     )
     model = transformers.Qwen2ForCausalLM(config).to(F64).eval()
@@ -663,8 +676,13 @@ def test_layer_types_follow_the_neighbour(gen, tmp_path):
     for a, b in zip(decode_steps(zero, batch), before):
         assert torch.equal(a, b)
     fs.grow(model, fs.GrowthProtocol(candidates=["model.layers.0", "model.layers.2"], init="random"))
-    assert model.config.layer_types == ["full_attention", "full_attention", "sliding_attention",
-                                        "sliding_attention", "sliding_attention"]
+    assert model.config.layer_types == [
+        "full_attention",
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "sliding_attention",
+    ]
     assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, None, 3, 3, 3]
     model.save_pretrained(tmp_path)
     loaded = aligned(transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=F64).eval())
@@ -678,7 +696,7 @@ def test_cross_block_growth(kind, gen):
     """family 'cross_block': the probe's W_out φ(W_in z) block hooked in, W_out = 0, the same W_in
     as new_block builds; the function is unchanged until W_out moves."""
     model = build(kind, F64)
-    point = "model.layers.0" if kind == "llama" else "layer2.1"
+    point = "model.layers.0" if kind == "llama" else "layer3.1"  # 16 channels on a 4x4 map
     protocol = fs.GrowthProtocol(candidates=[point], family="cross_block", width=5, seed=9)
     probed = new_block(model, protocol, point)
     batch = lm_batch(gen) if kind == "llama" else {"x": torch.randn(2, 3, 16, 16, generator=gen, dtype=F64)}
@@ -694,3 +712,23 @@ def test_cross_block_growth(kind, gen):
     with torch.no_grad():
         inserted.w_out.normal_()
     assert not torch.allclose(run(model), before)
+
+
+def test_grow_example_runs(tmp_path):
+    """examples/grow_llama.py (the README's growth example) end to end in a fresh interpreter."""
+    import os
+    import re
+
+    from example_scripts import run_script
+
+    proc = run_script("grow_llama.py", cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "logits bit-identical: True; cached greedy generation identical: True" in out
+    assert "reloaded: 6 layers, max |logit difference| 0.0e+00" in out
+    errors = [
+        float(e)
+        for e in re.findall(r"^[\d.]+\s+[-+][\d.e+-]+\s+[-+][\d.e+-]+\s+([\d.e+-]+)$", out, flags=re.M)
+    ]
+    assert len(errors) == 3 and errors[0] > errors[1] > errors[2], out
+    assert "MLP width 128 -> 160 in every block" in out
