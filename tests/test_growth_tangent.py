@@ -231,3 +231,29 @@ def test_unsupported_family_and_bad_candidate():
         )
     with pytest.raises(fs.FusedStatsError, match="not a residual point or block boundary"):
         fs.Probe(model, points=["lm_head"], cross=fs.GrowthProtocol(["lm_head"]))
+
+
+def test_checkpoint_round_trip_and_observe(tmp_path):
+    """A tangent probe's state saves and loads into a fresh probe of the same protocol (another
+    projection is refused); observe() cannot give the new layer its call arguments: refused,
+    nothing accumulated."""
+    model, stack = make_model("gpt2", seed=6)
+    points = [f"{stack}.0", f"{stack}.1"]
+    protocol = fs.GrowthProtocol(points, seed=1, projection=9)
+    probe = fs.Probe(model, points=points, cross=protocol)
+    batch = padded_batch(5, 6, seed=7)
+    probe.step(batch, per_sample_loss)
+    probe.save_state(tmp_path / "ckpt")
+    fresh = fs.Probe(model, points=points, cross=protocol)
+    fresh.load_state(tmp_path / "ckpt")
+    for point in points:
+        assert fresh.saturation(point) == probe.saturation(point)
+    other = fs.Probe(model, points=points, cross=fs.GrowthProtocol(points, seed=1, projection=8))
+    with pytest.raises(fs.FusedStatsError, match="rank"):
+        other.load_state(tmp_path / "ckpt")
+    assert not other.table
+    watcher = fs.Probe(model, points=points, cross=protocol)
+    with pytest.raises(fs.FusedStatsError, match=r"Probe\.step only"), watcher.observe(loss_reduction="sum"):
+        per_sample_loss(model, batch).sum().backward()
+    assert not watcher.table
+    model.zero_grad(set_to_none=True)
