@@ -177,6 +177,9 @@ def test_zero_depth_growth_is_bit_identical_with_and_without_cache(kind, dtype, 
     grown.save_pretrained(tmp_path)
     loaded = aligned(transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval())
     assert loaded.config.num_hidden_layers == 4
+    if kind == "gpt2":  # the tied embedding stays tied, in memory and after reloading
+        assert grown.lm_head.weight is grown.transformer.wte.weight
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
     assert_same_weights(loaded, grown)
     assert torch.equal(logits(loaded, right), before[0])
     for a, b in zip(decode_steps(loaded, left), before[1]):
@@ -279,6 +282,21 @@ def test_zero_growth_of_resnets_is_bit_identical(kind, dtype, gen):
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
     assert torch.equal(model.bn1.running_mean, ref.bn1.running_mean)
+
+
+def test_copy_growth_of_a_resnet_block(gen):
+    model = build("resnet20", F64)
+    x = torch.randn(2, 3, 16, 16, generator=gen, dtype=F64)
+    with torch.no_grad():
+        before = model(x)
+    neighbour = {k: v.clone() for k, v in model.layer1[2].state_dict().items()}
+    result = fs.grow(model, fs.GrowthProtocol(candidates=["layer1.2"], init="copy"))
+    assert result.positions == {"layer1.2": "layer1.3"} and len(model.layer1) == 4
+    for k, v in model.layer1[3].state_dict().items():
+        assert torch.equal(v, neighbour[k]), k
+    assert model.layer1[3] is not model.layer1[2]
+    with torch.no_grad():
+        assert not torch.allclose(model(x), before)  # a copy is not function preserving
 
 
 def test_protocol_record_and_digest():
