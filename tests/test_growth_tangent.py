@@ -257,3 +257,35 @@ def test_checkpoint_round_trip_and_observe(tmp_path):
         per_sample_loss(model, batch).sum().backward()
     assert not watcher.table
     model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_probed_block_is_the_block_fs_grow_inserts(kind):
+    """Reference model grown by fs.grow itself: per-sample gradients of its zero parameters
+    (those of ZEROED, found by name in the grown model) give the probe's |C|², z and p."""
+    model, stack = make_model(kind, seed=8)
+    point = f"{stack}.0"
+    protocol = fs.GrowthProtocol([point], seed=5)
+    probe = fs.Probe(model, points=[point], cross=protocol)
+    batch = padded_batch(6, 7, seed=9)
+    probe.step(batch, per_sample_loss)
+    grown = copy.deepcopy(model)
+    result = fs.grow(grown, protocol, at=[point])
+    block = result.positions[point]
+    names = [f"{block}.{m}.{p}" for m in ZEROED[kind] for p in ("weight", "bias")]
+    params = dict(grown.named_parameters())
+    zero = [params[n] for n in names if n in params]
+    assert zero and all(bool((p == 0).all()) for p in zero)
+    for p in grown.parameters():
+        p.requires_grad_(False)
+    for p in zero:
+        p.requires_grad_(True)
+    rows = []
+    for b in range(6):
+        loss = per_sample_loss(grown, {k: v[b : b + 1] for k, v in batch.items()})[0]
+        rows.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, zero)]))
+    cross2, se, z, p = brute_force(torch.stack(rows))
+    sat = probe.saturation(point)
+    assert abs(sat.cross_frob2 - cross2) <= 1e-10 * max(1.0, abs(cross2)) and abs(cross2) > 1e-8
+    assert abs(sat.z - z) <= 1e-10 * max(1.0, abs(z)) and abs(sat.p_value - p) <= 1e-10
+    assert abs(sat.cross_frob2_se - se) <= 1e-10 * max(1.0, se)
