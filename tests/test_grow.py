@@ -445,34 +445,46 @@ def test_optimizer_state_across_depth_growth(make, gen):
     assert any("o_proj" in n for n in moved) and any("down_proj" in n for n in moved)
 
 
-def test_optimizer_state_across_width_growth(gen):
-    model = build("gpt2", F64, layers=2)
+@pytest.mark.parametrize(
+    "kind, make, keys",
+    [
+        ("gpt2", lambda ps: torch.optim.AdamW(ps, lr=1e-3), ("exp_avg", "exp_avg_sq")),
+        ("llama", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), ("momentum_buffer",)),
+    ],
+)
+def test_optimizer_state_across_width_growth(kind, make, keys, gen):
+    model = build(kind, F64, layers=2)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = make(model.parameters())
     _train_steps(model, opt, gen)
     saved = {
         n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
         for n, p in model.named_parameters()
     }
-    protocol = fs.GrowthProtocol(
-        candidates=["transformer.drop", "transformer.h.0"], family="mlp_width", width=3
-    )
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    inp, stack = STACK[kind]
+    protocol = fs.GrowthProtocol(candidates=[inp, f"{stack}.0"], family="mlp_width", width=3)
     result = fs.grow(model, protocol, optimizer=opt)
     named = dict(model.named_parameters())
-    assert "transformer.h.0.mlp.c_fc.weight" in result.widened
+    assert (
+        len(result.widened) == 6
+    )  # three tensors per MLP (LLaMA gate, up, down; GPT-2 c_fc weight and bias, c_proj)
     for n in result.widened:
         p = named[n]
-        axis = 1 if n.endswith("c_fc.weight") else 0
+        (axis,) = [a for a in range(p.dim()) if p.shape[a] != shapes[n][a]]
+        assert p.shape[axis] == shapes[n][axis] + 3
         st = opt.state[p]
-        assert torch.equal(st["step"], saved[n]["step"])
-        for k in ("exp_avg", "exp_avg_sq"):
+        assert set(st) == set(saved[n])
+        if "step" in st:
+            assert torch.equal(st["step"], saved[n]["step"])
+        for k in keys:
             old_len = saved[n][k].shape[axis]
             assert torch.equal(st[k].narrow(axis, 0, old_len), saved[n][k])
             assert not st[k].narrow(axis, old_len, 3).any()
     for n, p in named.items():
         if n not in result.widened:
-            assert torch.equal(opt.state[p]["exp_avg"], saved[n]["exp_avg"])
-    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+            assert torch.equal(opt.state[p][keys[0]], saved[n][keys[0]])
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
     _train_steps(model, opt, gen, steps=1)  # training continues with the same optimizer
 
 
@@ -547,6 +559,7 @@ def _untouched(model, opt):
     config = model.config.to_dict() if hasattr(model, "config") else None
     params = [id(p) for p in model.parameters()]
     opt_state = copy.deepcopy(opt.state_dict()) if opt is not None else None
+    opt_params = [id(p) for g in opt.param_groups for p in g["params"]] if opt is not None else None
     text = repr(model)
 
     def check():
@@ -558,6 +571,7 @@ def _untouched(model, opt):
         if config is not None:
             assert model.config.to_dict() == config
         if opt is not None:
+            assert [id(p) for g in opt.param_groups for p in g["params"]] == opt_params
             now = opt.state_dict()
             assert now["param_groups"] == opt_state["param_groups"]
             for k, s in opt_state["state"].items():
