@@ -21,8 +21,18 @@ def register(sub) -> None:
     p.add_argument("reports", nargs="+", help="report .json files written under one growth protocol")
     p.add_argument("--out", default="fused_stats_out/advice", help="output folder")
     p.add_argument("--alpha", type=positive_float, default=0.05, help="family-wise level of the test")
-    p.add_argument("--M", type=positive_int, default=None, help="certificate train size (with --K)")
-    p.add_argument("--K", type=positive_int, default=None, help="certificate test size (with --M)")
+    p.add_argument(
+        "--M",
+        type=positive_int,
+        default=None,
+        help="certificate train size, with --K (default: the report's train n)",
+    )
+    p.add_argument(
+        "--K",
+        type=positive_int,
+        default=None,
+        help="certificate test size, with --M (default: the report's test n)",
+    )
     p.add_argument("--no-plot", action="store_true", help="write JSON and markdown only")
     p.set_defaults(func=cmd_advise)
 

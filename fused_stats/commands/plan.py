@@ -67,7 +67,10 @@ def register(sub) -> None:
         "width F: r = d + F features per candidate (default: not counted)",
     )
     cmd.add_argument(
-        "--projection", type=positive_int, default=None, help="with --tangent: rank k of the fixed projection"
+        "--projection",
+        type=positive_int,
+        default=None,
+        help="with --tangent: rank k of the fixed projection (default: none, the exact tangent)",
     )
     cmd.set_defaults(func=cmd_plan)
 
