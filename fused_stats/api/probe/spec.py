@@ -2,6 +2,12 @@
 ``h(z) = W_out φ(W_in z)`` whose cross-gradient ``C = E[Σ_t q_t φ(W_in z_t)ᵀ]`` the probe measures
 (depth paper; docs/design.md, section 2). It lives with the probe, which builds a CrossStats per
 point from it; growth (:mod:`fused_stats.api.growth`) inserts the same block.
+
+A :class:`FeatureSource` generalises the block: features ``x_t`` that a new block computes from
+the whole sample (a transformer layer run on ``z`` with the point's attention mask and rotary
+embeddings), so ``C = E[Σ_t q_t x_tᵀ]`` is the per-sample gradient of its zero maps
+(docs/design.md, section 2.10). Layers above the probe register theirs
+(:func:`register_feature_source`); the driver's hooks into them are the helpers at the end.
 """
 
 from __future__ import annotations
