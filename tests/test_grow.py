@@ -764,3 +764,38 @@ def test_grow_example_runs(tmp_path):
     ]
     assert len(errors) == 3 and errors[0] > errors[1] > errors[2], out
     assert "MLP width 128 -> 160 in every block" in out
+
+
+def test_gradmax_directions_from_measured_cross_gradient(gen):
+    """From a CrossStats (identity activation, a random full-column-rank w_in): the rows are the
+    top right singular vectors of C = mean_i Σ_t q zᵀ, computed here directly from the samples and
+    checked through eigh of CᵀC (another algorithm); they beat random orthonormal rows."""
+    from fused_stats.api.growth.grow import gradmax_directions
+
+    d, r, k = 6, 9, 3
+    q = torch.randn(20, 4, d, generator=gen, dtype=F64)
+    z = torch.randn(20, 4, d, generator=gen, dtype=F64) + 0.5 * q  # correlated: C far from 0
+    w_in = torch.randn(r, d, generator=gen, dtype=F64)
+    acc = fs.CrossStats(d, w_in, activation="identity")
+    acc.update(q, z)  # the accumulator applies w_in: c_i = Σ_t q_t (W_in z_t)ᵀ
+    c_ref = torch.einsum("btd,bte->de", q, z) / q.shape[0]
+    rows = gradmax_directions(acc, k)
+    assert rows.shape == (k, d)
+    torch.testing.assert_close(rows @ rows.T, torch.eye(k, dtype=F64), rtol=0, atol=1e-10)
+    evals, evecs = torch.linalg.eigh(c_ref.T @ c_ref)
+    top = evecs[:, -k:].flip(1).T
+    torch.testing.assert_close((rows * top).sum(1).abs(), torch.ones(k, dtype=F64), rtol=0, atol=1e-8)
+    gain = (c_ref @ rows.T).pow(2).sum()
+    torch.testing.assert_close(gain, evals[-k:].sum(), rtol=1e-10, atol=0)
+    for _ in range(5):
+        rand, _ = torch.linalg.qr(torch.randn(d, k, generator=gen, dtype=F64))
+        assert (c_ref @ rand).pow(2).sum() < gain
+    assert torch.equal(gradmax_directions(c_ref, k), gradmax_directions(c_ref.clone(), k))
+    with pytest.raises(fs.FusedStatsError, match="identity"):
+        gradmax_directions(fs.CrossStats(d, w_in, activation="gelu"), k)
+    with pytest.raises(fs.FusedStatsError, match="full column rank"):
+        low = fs.CrossStats(d, w_in[:4], activation="identity")
+        low.update(q, z)
+        gradmax_directions(low, k)
+    with pytest.raises(fs.FusedStatsError, match="k must be"):
+        gradmax_directions(c_ref, d + 1)
