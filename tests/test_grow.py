@@ -799,3 +799,38 @@ def test_gradmax_directions_from_measured_cross_gradient(gen):
         gradmax_directions(low, k)
     with pytest.raises(fs.FusedStatsError, match="k must be"):
         gradmax_directions(c_ref, d + 1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_bare_models_and_gradient_checkpointing(kind, gen):
+    """The bare *Model forms grow too; a new layer checkpoints like its neighbour, and a
+    checkpointed training step gives the same gradients as an unchecked one."""
+    full = build(kind, F64)
+    bare = full.model if kind == "llama" else full.transformer
+    inp = "embed_tokens" if kind == "llama" else "drop"
+    stack = "layers" if kind == "llama" else "h"
+    batch = lm_batch(gen)
+    with torch.no_grad():
+        before = bare(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    fs.grow(bare, fs.GrowthProtocol(candidates=[inp, f"{stack}.1"]))
+    assert len(bare.get_submodule(stack)) == 4 and full.config.num_hidden_layers == 4
+    with torch.no_grad():
+        after = bare(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    assert torch.equal(after, before)
+
+    model = build(kind, F64)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    fs.grow(model, fs.GrowthProtocol(candidates=[f"{STACK[kind][1]}.0"], init="random"))
+    layers = model.get_submodule(STACK[kind][1])
+    assert all(layer.gradient_checkpointing for layer in layers)
+    plain = copy.deepcopy(model)
+    plain.gradient_checkpointing_disable()
+    for m in (model, plain):
+        m.config.attn_pdrop = m.config.resid_pdrop = m.config.embd_pdrop = 0.0
+        for sub in m.modules():
+            if isinstance(sub, torch.nn.Dropout):
+                sub.p = 0.0
+        m(**batch).loss.backward()
+    for (n, a), b in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14, msg=n)

@@ -193,6 +193,12 @@ def new_block(model: nn.Module, protocol: GrowthProtocol, point: str, init: str 
                     for p in ("weight", "bias"):
                         if getattr(sub, p, None) is not None:
                             getattr(sub, p).zero_()
+    if arch.transformer:
+        # HF's gradient checkpointing is a per-layer flag set by gradient_checkpointing_enable():
+        # a new layer checkpoints like its neighbour, or it would silently keep its activations
+        for attr in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+            if attr in vars(neighbour):
+                setattr(block, attr, vars(neighbour)[attr])
     block = block.to(dtype=dtype, device=device)
     block.train(neighbour.training)
     return block
