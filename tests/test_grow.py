@@ -325,6 +325,8 @@ def test_protocol_record_and_digest():
         fs.GrowthProtocol(candidates=["a"], family="wide")
     with pytest.raises(fs.FusedStatsError, match="twice"):
         fs.GrowthProtocol(candidates=["a", "a"])
+    with pytest.raises(fs.FusedStatsError, match="needs family 'layer'"):
+        fs.GrowthProtocol(candidates=["a"], family="cross_block", init="random")
     with pytest.raises(fs.FusedStatsError, match="edited"):
         fs.GrowthProtocol.from_dict({**record, "zero_state_rule": "x"})
 
@@ -675,6 +677,14 @@ def test_bad_input_names_it_and_changes_nothing(gen):
         (resnet, resnet_opt, fs.GrowthProtocol(candidates=["fc"]), {}, "'fc' is not a residual point")
     )
     cases.append((model, opt, fs.GrowthProtocol(candidates=["model.layers.0"]), {"init": "ones"}, "ones"))
+    hooked = build("llama", F64)
+    fs.insert_zero_block(hooked, "model.layers.1")
+    cross = fs.GrowthProtocol(candidates=["model.layers.0", "model.layers.1"], family="cross_block")
+    cases.append((hooked, None, cross, {}, r"\['model.layers.1'\] already have"))
+    cases.append(
+        (model, opt, fs.GrowthProtocol(candidates=["model.layers.0"], family="mlp_width", width=2), {"init": "random"},
+         "needs family 'layer'")
+    )  # fmt: skip
     for m, o, protocol, kw, message in cases:
         check = _untouched(m, o)
         with pytest.raises(fs.FusedStatsError, match=message):

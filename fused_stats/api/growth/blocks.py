@@ -162,8 +162,10 @@ def new_block(model: nn.Module, protocol: GrowthProtocol, point: str, init: str 
     init = protocol.init if init is None else init
     if init not in ("zero", "copy", "random"):
         raise FusedStatsError(f"init must be 'zero', 'copy' or 'random', got {init!r}")
-    if init == "copy" and protocol.family != "layer":
-        raise FusedStatsError(f"init 'copy' needs family 'layer', not {protocol.family!r}")
+    if init != "zero" and protocol.family != "layer":
+        raise FusedStatsError(
+            f"init {init!r} needs family 'layer'; family {protocol.family!r} starts its outputs at zero"
+        )
     arch = protocol.check(model)
     b = boundary(arch, model, point)
     seed = candidate_seed(protocol, point)

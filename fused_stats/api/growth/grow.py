@@ -34,7 +34,7 @@ from ...accumulators import CrossStats
 from ...errors import FusedStatsError
 from .architecture import Architecture, Boundary, boundary
 from .blocks import _stream_width, cross_spec, new_block, new_units, widen_block
-from .insert import insert_zero_block
+from .insert import INSERTED_NAME, insert_zero_block
 from .protocol import INITS, GrowthProtocol, _intermediate_size
 
 
@@ -193,8 +193,10 @@ def grow(
     init = protocol.init if init is None else init
     if init not in INITS:
         raise FusedStatsError(f"init must be one of {INITS}, got {init!r}")
-    if init == "copy" and protocol.family != "layer":
-        raise FusedStatsError(f"init 'copy' needs family 'layer', not {protocol.family!r}")
+    if init != "zero" and protocol.family != "layer":
+        raise FusedStatsError(
+            f"init {init!r} needs family 'layer'; family {protocol.family!r} starts its outputs at zero"
+        )
     points = _normalise_at(protocol, at)
     arch = protocol.check(model)
     _check_optimizer(model, optimizer)
@@ -319,6 +321,9 @@ def _carry_state(optimizer, old: nn.Parameter, new: nn.Parameter, axis: int) -> 
 
 
 def _grow_cross(model, protocol, arch, bounds, optimizer, result) -> None:
+    taken = [b.point for b in bounds if hasattr(model.get_submodule(b.point), INSERTED_NAME)]
+    if taken:  # checked for all points first: no half-done insertion
+        raise FusedStatsError(f"points {taken} already have an inserted block; remove it first")
     for b in bounds:
         neighbour = model.get_submodule(b.neighbour)
         dim = _stream_width(model, arch, neighbour)

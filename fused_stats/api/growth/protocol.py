@@ -109,9 +109,10 @@ class GrowthProtocol:
             raise FusedStatsError(f"GrowthProtocol family must be one of {FAMILIES}, got {self.family!r}")
         if self.init not in INITS:
             raise FusedStatsError(f"GrowthProtocol init must be one of {INITS}, got {self.init!r}")
-        if self.family != "layer" and self.init == "copy":
+        if self.family != "layer" and self.init != "zero":
+            # new units and the cross block have zero outputs by definition: nothing to copy or draw
             raise FusedStatsError(
-                f"init 'copy' copies a neighbouring block: it needs family 'layer', not {self.family!r}"
+                f"init {self.init!r} needs family 'layer'; family {self.family!r} starts its outputs at zero"
             )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise FusedStatsError(f"GrowthProtocol seed must be an int, got {self.seed!r}")
