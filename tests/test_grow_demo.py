@@ -22,6 +22,7 @@ from fused_stats.demo.models import build_llama
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("grow_demo")
     assert main(["grow-demo", "--quick", "--out", str(out)]) == 0
+    assert (out / "growth_demo.png").stat().st_size > 1000
     return json.loads((out / "growth_demo.json").read_text()), (out / "growth_demo.md").read_text()
 
 

@@ -335,6 +335,45 @@ def _verdict(summary: dict, n: int) -> list[str]:
     return out
 
 
+def plot_growth_demo(runs: list[dict], path) -> Path:
+    """Left: held-out loss per arm, one line per seed. Right: measured |C|_F² against the
+    realised held-out drop per candidate (log x), one colour per seed."""
+    from ..api.report.document import _matplotlib, save_figure
+
+    Figure, Canvas = _matplotlib()
+    fig = Figure(figsize=(11, 4.2))
+    Canvas(fig)
+    a1, a2 = fig.subplots(1, 2)
+    xs = list(range(len(ARMS)))
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        a1.plot(
+            xs,
+            [run["arms"][a]["held_out_loss"] for a in ARMS],
+            "o-",
+            color=color,
+            label=f"seed {run['seed']}",
+        )
+        gains = [max(run["candidate_gain"][c], 1e-12) for c in run["candidates"]]
+        drops = [run["candidate_drop"][c] for c in run["candidates"]]
+        a2.scatter(gains, drops, color=color, label=f"seed {run['seed']}")
+        for c, g, d in zip(run["candidates"], gains, drops):
+            a2.annotate(c.rsplit(".", 1)[-1], (g, d), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    a1.set_xticks(xs)
+    a1.set_xticklabels(ARMS, rotation=30, ha="right", fontsize=8)
+    a1.set_ylabel("held-out loss (nats/byte)")
+    a1.set_title("after growth vs from scratch", fontsize=9)
+    a2.set_xscale("log")
+    a2.axhline(0.0, color="black", lw=0.8)
+    a2.set_xlabel("measured |C|_F² before growth")
+    a2.set_ylabel("held-out drop, new layer trained alone")
+    a2.set_title("first-order gain vs realised drop per candidate", fontsize=9)
+    for ax in (a1, a2):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
 def run_growth_demo(cfg: GrowthDemoConfig, out, echo=print) -> dict:
     """Run every seed, print the summary, write ``growth_demo.json`` and ``growth_demo.md``."""
     from ..api.report.document import _write_atomic
@@ -365,5 +404,11 @@ def run_growth_demo(cfg: GrowthDemoConfig, out, echo=print) -> dict:
         "cpu_seconds": cpu,
     }
     _write_atomic(out / "growth_demo.json", json.dumps(record, indent=1, default=float) + "\n")
+    try:
+        plot_growth_demo(runs, out / "growth_demo.png")
+        lines.append(f"wrote {out / 'growth_demo.json'}, {out / 'growth_demo.md'}, {out / 'growth_demo.png'}")
+    except FusedStatsError as exc:  # matplotlib missing: JSON and text still written
+        lines.append(f"(plot skipped: {exc})")
+    echo(lines[-1])
     _write_atomic(out / "growth_demo.md", "# fused-stats grow-demo\n\n```\n" + "\n".join(lines) + "\n```\n")
     return record
