@@ -16,8 +16,11 @@ from .accumulators import (
     realized_alignment,
 )
 from .accumulators.cross_stats import Saturation
+from .api.growth.advise import Advice, advise
+from .api.growth.grow import GrowthResult, grow
 from .api.growth.insert import insert_zero_block, remove_inserted_block
 from .api.growth.intervene import intervene
+from .api.growth.protocol import GrowthProtocol
 from .api.probe.driver import Probe
 from .api.probe.losses import causal_lm_loss, classification_loss
 from .api.probe.points import residual_points
@@ -28,6 +31,7 @@ from .api.training.monitor_log import MonitorLog
 from .errors import FusedStatsError
 
 __all__ = [
+    "Advice",
     "Alignment",
     "Certificate",
     "CrossEstimate",
@@ -36,14 +40,18 @@ __all__ = [
     "Estimate",
     "FusedStatsError",
     "GradStats",
+    "GrowthProtocol",
+    "GrowthResult",
     "Misalignment",
     "MonitorLog",
     "Probe",
     "Report",
     "Saturation",
     "__version__",
+    "advise",
     "causal_lm_loss",
     "classification_loss",
+    "grow",
     "insert_zero_block",
     "intervene",
     "misalignment_probability",

@@ -11,4 +11,6 @@ COMMANDS = (
     "probe",
     "report",
     "suite",
+    "advise",
+    "grow_demo",
 )

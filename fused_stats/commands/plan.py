@@ -67,6 +67,20 @@ def register(sub) -> None:
         default=None,
         help="rank of a cross= block, whose features a step keeps (--stream-blocks; default: none)",
     )
+    cmd.add_argument(
+        "--tangent",
+        type=positive_int,
+        metavar="F",
+        default=None,
+        help="also count the probe of a new layer's exact tangent (cross=GrowthProtocol) with MLP "
+        "width F: r = d + F features per candidate (default: not counted)",
+    )
+    cmd.add_argument(
+        "--projection",
+        type=positive_int,
+        default=None,
+        help="with --tangent: rank k of the fixed projection (default: none, the exact tangent)",
+    )
     cmd.set_defaults(func=cmd_plan)
 
 
@@ -109,6 +123,17 @@ def cmd_plan(args) -> int:
                         cross_rank=args.cross_rank,
                     )
                 )
+            )
+    if args.tangent is not None:
+        from ..api.streaming.plan import human_bytes, plan_tangent
+
+        for p in plans:
+            t = plan_tangent(p.dim, args.tangent, p.points, args.projection, args.streams)
+            print(
+                f"tangent of a new layer at {p.label}: r = {t['features']} features, C is {p.dim} x "
+                f"{t['rank']}; {human_bytes(t['per_accumulator'])} per accumulator (Sum c_i "
+                f"{human_bytes(t['c_sum_bytes'])}, w_in {human_bytes(t['w_in_bytes'])}), "
+                f"{human_bytes(t['total'])} for {p.points} candidates x {args.streams} streams"
             )
     print(
         "bytes of fp64 accumulator state (acc = one point, one stream; total = points x streams). "

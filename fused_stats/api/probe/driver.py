@@ -87,6 +87,7 @@ from .fold import fold as fold_batch
 from .hooks import ActivationCapture, FrozenEval
 from .masks import MASK_MODES, counted_positions  # noqa: F401  (MASK_MODES re-exported)
 from .points import residual_points, resolve_points
+from .spec import PointKwargs, is_feature_source, protocol_record
 from .table import STREAMS, TableView
 
 
@@ -192,12 +193,9 @@ class Probe:
         if pool_capacity is not None and (not isinstance(pool_capacity, int) or pool_capacity < 1):
             raise FusedStatsError(f"pool_capacity must be a positive int or None, got {pool_capacity!r}")
         if cross is not None:
-            from .spec import CrossSpec
+            from .spec import resolve_cross
 
-            if not isinstance(cross, CrossSpec):
-                raise FusedStatsError(
-                    f"cross must be None or a fused_stats.CrossSpec, got {type(cross).__name__}"
-                )
+            cross = resolve_cross(cross, model)  # a CrossSpec, or a feature source (growth's block)
             if unit == "flat":
                 raise FusedStatsError(
                     "cross= needs unit='sample' or 'position' (a cross-gradient sums "
@@ -392,23 +390,29 @@ class Probe:
         self.check_stream(stream)
         if torch.is_inference_mode_enabled():
             raise FusedStatsError("Probe.step cannot run inside torch.inference_mode(): it needs autograd")
-        if not atomic and self._callbacks:
+        if not atomic and (self._callbacks or is_feature_source(self.cross)):
             raise FusedStatsError(
-                "atomic=False commits each point in the backward; callbacks need the staged step"
+                "atomic=False commits each point in the backward; callbacks and a feature source "
+                "(e.g. cross=GrowthProtocol) need the staged step"
             )
         positions_mask = self.mask_for(batch, mask)
         model = self.model
         folding = StepFold(self, stream, positions_mask, atomic)
         capture = ActivationCapture(model, self.points, on_output=folding.on_output)
+        calls = PointKwargs(model, self.points, self.cross)  # a feature source's block needs them
         # only what changes is recorded and restored
         with FrozenEval(model), torch.enable_grad():  # enable_grad: losses.sum() needs a graph
             try:
-                with capture:
+                with capture, calls:
                     losses = loss_fn(model, batch)
                 self._backward(losses, capture, folding)
             finally:
                 capture.remove()
-        folding.finish()
+        self._point_calls = calls.calls
+        try:
+            folding.finish()
+        finally:
+            self._point_calls = None
 
     def observe(
         self, loss_reduction: str | None = None, scale=None, mask=None, stream: str = "train", **options
@@ -686,6 +690,7 @@ class Probe:
             "unit": self.unit,
             "second_moment": self.second_moment,
             "points": points,
+            **({"growth_protocol": record} if (record := protocol_record(self.cross)) else {}),
             "meta": dict(meta or {}),
         }
 

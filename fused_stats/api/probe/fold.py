@@ -32,6 +32,7 @@ import torch
 from ...accumulators import CrossStats, GradStats, NormHistogram
 from ...errors import FusedStatsError
 from .masks import flat_masked, point_mask
+from .spec import cross_w_in, is_feature_source, source_features
 
 
 @dataclass
@@ -108,8 +109,7 @@ register_kind(
         lambda probe: probe.cross is not None,
         lambda probe, name, dim, dtype, device: CrossStats(
             int(dim),
-            probe.cross.projection(int(dim), dtype=dtype or torch.float32, device=device),
-            probe.cross.activation,
+            *cross_w_in(probe.cross, point_of(name), int(dim), dtype or torch.float32, device),
             backend=probe.backend,
             name=name,
         ),
@@ -125,6 +125,12 @@ register_kind(
         ),
     )
 )
+
+
+def point_of(name: str) -> str:
+    """The point of an accumulator named by :meth:`fused_stats.Probe.new_accumulator` (the test
+    stream's carry a ``" [test]"`` suffix)."""
+    return name.removesuffix(" [test]")
 
 
 def cross_dtype(z: torch.Tensor) -> torch.dtype:
@@ -240,7 +246,9 @@ def fold(
                 z = cross_view(act.detach(), fd)
                 if acc is None:  # kept only if the step commits
                     acc = probe.new_accumulator(kind, stream, name, z.shape[-1], cross_dtype(z), z.device)
-                cross_args.append((acc, cross_view(g, fd), z, cross_mask(m, z.shape[0], z.shape[1])))
+                cm = cross_mask(m, z.shape[0], z.shape[1])
+                # a feature source's features of the block run on z; z itself for a CrossSpec
+                cross_args.append((acc, cross_view(g, fd), source_features(probe, name, z, cm), cm))
                 cross_keys.append(key)
             else:
                 if acc is None:
@@ -290,7 +298,13 @@ def fold_stacked(probe, stream: str, activations, grads) -> bool:
     the general path's, bit for bit. Returns False with nothing changed where that does not
     apply or a batch is not finite: the general path then folds, refuses or skips it."""
     points, kinds = probe.points, probe.kinds
-    if probe.unit != "sample" or probe._callbacks or len(points) < 2 or not set(kinds) <= {"grad", "cross"}:
+    if (
+        probe.unit != "sample"
+        or probe._callbacks
+        or len(points) < 2
+        or not set(kinds) <= {"grad", "cross"}
+        or is_feature_source(probe.cross)  # its features are not the point's output
+    ):
         return False
     gaccs = [probe.table.get(("grad", stream, p)) for p in points]
     caccs = [probe.table.get(("cross", stream, p)) for p in points] if "cross" in kinds else []
@@ -372,7 +386,9 @@ class StepFold:
     def __init__(self, probe, stream: str, positions_mask, atomic: bool = True):
         self.probe, self.stream, self.positions_mask, self.atomic = probe, stream, positions_mask, atomic
         self.kinds = probe.kinds
-        self.raw = bool(probe._callbacks)  # callbacks read z and the whole gradient
+        # callbacks read z and the whole gradient; a feature source's block reads the call
+        # arguments of modules that may run after the point (the staged fold computes its features)
+        self.raw = bool(probe._callbacks) or is_feature_source(probe.cross)
         self.points: dict[str, _Point] = {}
         self.staged = self.raw
         self.stopped = False  # per-point mode: a point was refused, later ones are not folded

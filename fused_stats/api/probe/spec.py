@@ -2,11 +2,19 @@
 ``h(z) = W_out φ(W_in z)`` whose cross-gradient ``C = E[Σ_t q_t φ(W_in z_t)ᵀ]`` the probe measures
 (depth paper; docs/design.md, section 2). It lives with the probe, which builds a CrossStats per
 point from it; growth (:mod:`fused_stats.api.growth`) inserts the same block.
+
+A :class:`FeatureSource` generalises the block: features ``x_t`` that a new block computes from
+the whole sample (a transformer layer run on ``z`` with the point's attention mask and rotary
+embeddings), so ``C = E[Σ_t q_t x_tᵀ]`` is the per-sample gradient of its zero maps
+(docs/design.md, section 2.10). Layers above the probe register theirs
+(:func:`register_feature_source`); the driver's hooks into them are the helpers at the end.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -71,3 +79,161 @@ class CrossSpec:
                 )
             return self.w_in.detach().to(dtype=dtype, device=device)
         return seeded_w_in(self.rank, dim, self.seed, dtype).to(device)
+
+
+# ---------------------------------------------------------------------------- feature sources
+@runtime_checkable
+class FeatureSource(Protocol):
+    """What ``fs.Probe(cross=...)`` needs of a block whose features are not ``φ(W_in z_t)``.
+
+    A zero-output block ``W_out x_t(z)`` (``W_out = 0``) whose inputs ``x_t`` may depend on the
+    whole sample (a transformer layer's attention output, its MLP hidden) has the cross-gradient
+    ``C = E[Σ_t q_t x_tᵀ]``; its per-sample terms are exactly the per-sample gradients of
+    ``W_out``. The probe hands the source each point's output ``z`` (B, P, d, features last) with
+    the forward arguments the point's module received, and feeds ``x`` to a CrossStats as its
+    "activation" with ``w_in = feature_w_in(point)`` and activation ``"identity"``: ``φ = w_in x``,
+    i.e. ``x`` itself for an identity ``w_in``, or a fixed random projection of it.
+
+    * ``features(point, module, z, kwargs) -> (B, P, r)``: ``x`` at every position (no grad);
+    * ``feature_rank(point) -> int``: ``r``, the width of ``x``;
+    * ``feature_w_in(point, dtype, device) -> (k, r)``: the identity (``k = r``) or a projection.
+    """
+
+    def features(self, point: str, module, z: torch.Tensor, kwargs: dict) -> torch.Tensor: ...
+
+    def feature_rank(self, point: str) -> int: ...
+
+    def feature_w_in(self, point: str, dtype=torch.float32, device=None) -> torch.Tensor: ...
+
+
+# type -> factory(obj, model) -> FeatureSource; layers above the probe register theirs
+# (growth: GrowthProtocol -> its exact tangent), so the probe never imports them
+SOURCE_FACTORIES: dict[type, object] = {}
+
+
+def register_feature_source(kind: type, factory) -> None:
+    """Let ``fs.Probe(cross=obj)`` take an ``obj`` of type ``kind``: ``factory(obj, model)``
+    gives its :class:`FeatureSource` bound to the model."""
+    SOURCE_FACTORIES[kind] = factory
+
+
+def resolve_cross(cross, model):
+    """The probe's ``cross=`` argument as it is kept: None, a :class:`CrossSpec`, or a
+    :class:`FeatureSource` (an object of a registered type, e.g. a growth protocol, is turned
+    into its source bound to ``model``; so is one with a ``feature_source(model)`` method)."""
+    if cross is None or isinstance(cross, CrossSpec):
+        return cross
+    factory = next((f for kind, f in SOURCE_FACTORIES.items() if isinstance(cross, kind)), None)
+    make = getattr(cross, "feature_source", None)
+    if factory is not None:
+        cross = factory(cross, model)
+    elif callable(make) and not isinstance(cross, FeatureSource):
+        cross = make(model)
+    if not isinstance(cross, FeatureSource):
+        raise FusedStatsError(
+            "cross must be None, a fused_stats.CrossSpec, a GrowthProtocol or a feature source "
+            f"(features, feature_rank, feature_w_in), got {type(cross).__name__}"
+        )
+    return cross
+
+
+def is_feature_source(cross) -> bool:
+    return cross is not None and not isinstance(cross, CrossSpec) and isinstance(cross, FeatureSource)
+
+
+class PointKwargs:
+    """Records, during one forward, the positional and keyword arguments each point's module was
+    called with (``register_forward_hook(with_kwargs=True)``), for a feature source that runs a
+    new block on the point's output: the block needs the same attention mask and rotary position
+    embeddings. Does nothing unless ``source`` is a :class:`FeatureSource`."""
+
+    def __init__(self, model, points, source):
+        self.model, self.points = model, list(points)
+        self.active, self.source = is_feature_source(source), source
+        self.calls: dict[str, tuple[tuple, dict]] = {}
+        self._handles: list = []
+
+    def __enter__(self):
+        if self.active:
+            where = getattr(self.source, "call_point", None)
+            for name in self.points:
+                # a source may read another module's call (an embedding's carries no mask)
+                module = self.model.get_submodule(where(name) if where else name)
+
+                def hook(mod, args, kwargs, out, name=name):
+                    self.calls[name] = (tuple(args), dict(kwargs))
+
+                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return False
+
+
+def source_features(probe, name: str, z: torch.Tensor, mask) -> torch.Tensor:
+    """The "activation" a probe's CrossStats gets at ``name``: ``z`` (B, P, d) itself for a
+    :class:`CrossSpec`; for a feature source, its features of the block run on ``z`` with the
+    arguments recorded by :class:`PointKwargs` at the last step, zero at uncounted positions
+    (padding enters nothing, also when the block gives non-finite values there)."""
+    source = probe.cross
+    if not is_feature_source(source):
+        return z
+    calls = getattr(probe, "_point_calls", None) or {}
+    if name not in calls:
+        raise FusedStatsError(
+            f"point {name!r}: the feature source needs the arguments the module was called with; "
+            "they are recorded by Probe.step only (not by observe or a bare fold)"
+        )
+    where = getattr(source, "call_point", None)
+    module = probe.model.get_submodule(where(name) if where else name)
+    with torch.no_grad():
+        x = source.features(name, module, z, call_kwargs(module, *calls[name]))
+    B, P = z.shape[:2]
+    rank = source.feature_rank(name)
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != (B, P, rank):
+        raise FusedStatsError(
+            f"feature source at point {name!r} returned "
+            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}, expected "
+            f"{(B, P, rank)}"
+        )
+    if mask is not None:
+        x = torch.where(mask.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x
+
+
+def call_kwargs(module, args: tuple, kwargs: dict) -> dict:
+    """A module call's arguments after the stream (``args[0]``) as keywords (positional ones
+    bound to ``module.forward``'s parameter names: GPT-2 blocks get the mask positionally)."""
+    if len(args) <= 1:
+        return dict(kwargs)
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    except TypeError as exc:
+        raise FusedStatsError(
+            f"cannot bind the arguments of {type(module).__name__}.forward to pass them to a new block: {exc}"
+        ) from exc
+    out = dict(bound.arguments)
+    first = next(iter(inspect.signature(module.forward).parameters))
+    out.pop(first, None)
+    extra = out.pop("kwargs", None)  # a **kwargs parameter collects the rest
+    if isinstance(extra, dict):
+        out.update(extra)
+    return out
+
+
+def cross_w_in(cross, point: str, dim: int, dtype, device) -> tuple[torch.Tensor, str]:
+    """``(w_in, activation)`` of the CrossStats a probe keeps at ``point``."""
+    if is_feature_source(cross):
+        return cross.feature_w_in(point, dtype=dtype, device=device), "identity"
+    return cross.projection(dim, dtype=dtype, device=device), cross.activation
+
+
+def protocol_record(cross) -> dict | None:
+    """The growth protocol behind a feature source, verbatim with its digest (for reports)."""
+    protocol = getattr(cross, "protocol", None)
+    if protocol is None or not hasattr(protocol, "to_dict"):
+        return None
+    return {"digest": protocol.digest, "protocol": protocol.to_dict()}

@@ -52,6 +52,7 @@ from ...accumulators.cross_stats import CrossStats
 from ...accumulators.persistence import fsync_dir, write_atomic
 from ...errors import FusedStatsError
 from ..probe.table import probe_device
+from ..probe.spec import cross_w_in
 
 FORMAT = "fused_stats.ProbeCheckpoint"
 VERSION = 1
@@ -324,13 +325,14 @@ def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -
             diffs = [d for d in exc.differences if not d.startswith("device")]
     else:  # compare with the block the probe would build at this point
         diffs = []
-        if loaded.activation != spec.activation:
-            diffs.append(f"activation {loaded.activation!r} vs {spec.activation!r}")
         try:
-            w_in = spec.projection(loaded.dim, dtype=loaded.w_in.dtype)
+            # a CrossSpec's W_in, or a feature source's (growth's tangent: identity or projection)
+            w_in, activation = cross_w_in(spec, name, loaded.dim, loaded.w_in.dtype, None)
         except FusedStatsError as exc:
             diffs.append(str(exc))
         else:
+            if loaded.activation != activation:
+                diffs.append(f"activation {loaded.activation!r} vs {activation!r}")
             if tuple(w_in.shape) != tuple(loaded.w_in.shape):
                 diffs.append(f"rank {loaded.rank} vs {w_in.shape[0]}")
             elif not torch.equal(w_in.cpu(), loaded.w_in.cpu()):

@@ -400,3 +400,47 @@ def format_stream_plan(p: StreamPlan) -> str:
             ),
         ]
     )
+
+
+def plan_tangent(
+    dim: int,
+    intermediate: int,
+    points: int,
+    projection: int | None = None,
+    streams: int = 2,
+    bias_maps: int = 0,
+    w_in_bytes: int = 4,
+) -> dict:
+    """Bytes of the CrossStats that probe the exact tangent of a new layer (``cross=protocol``).
+
+    The features are the inputs of the layer's zero maps, ``r = d + f`` (+1 per zero bias: GPT-2
+    and GPT-NeoX have 2), so each accumulator holds ``Σ c_i`` (d × r, fp64) and its ``w_in``: the
+    r × r identity, or the k × r projection with ``projection = k`` (``w_in_bytes`` a number: 4
+    for fp32 models, 8 for fp64), and then ``Σ c_i`` is d × k.
+    """
+    for name, value in (
+        ("dim", dim),
+        ("intermediate", intermediate),
+        ("points", points),
+        ("streams", streams),
+    ):
+        _positive(name, value)
+    _positive("bias_maps", bias_maps, allow_zero=True)
+    if projection is not None:
+        _positive("projection", projection)
+    r = dim + intermediate + bias_maps
+    k = r if projection is None else projection
+    per = 8 * (dim * k + 4) + w_in_bytes * k * r
+    return {
+        "dim": dim,
+        "features": r,
+        "rank": k,
+        "projection": projection,
+        "c_sum_bytes": 8 * dim * k,
+        "w_in_bytes": w_in_bytes * k * r,
+        "per_accumulator": per,
+        "per_point": per * streams,
+        "total": per * streams * points,
+        "points": points,
+        "streams": streams,
+    }

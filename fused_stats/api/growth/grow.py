@@ -1,0 +1,338 @@
+"""Growing the real architecture in place: :func:`grow` and its optimizer extension.
+
+Role: ``fs.grow(model, protocol, at=[points])`` inserts the blocks of
+:func:`~fused_stats.api.growth.blocks.new_block` after the given points (``family="layer"``),
+widens the MLPs of the blocks that follow them (``"mlp_width"``) or hooks the probe's zero block
+in (``"cross_block"``). Everything is built and checked before the model is touched, so a rejected
+call leaves model, config and optimizer as they were.
+
+After depth growth the block stack is renumbered (each attention module's ``layer_idx``, its
+KV-cache slot, becomes its new index) and the HF config follows (``num_hidden_layers``, a
+``layer_types`` list gets the neighbour's type), so ``generate`` with a cache and
+``save_pretrained`` -> ``from_pretrained`` work on the grown model. Width growth updates the
+config's intermediate size, which HF configs hold once: all blocks must grow alike.
+
+Optimizer (the zero-state update rule of :mod:`.protocol`): new parameters join the param group
+of their counterpart in the neighbouring block, with no state, which is how torch's SGD and
+Adam/AdamW start a parameter (SGD: the first momentum buffer is the first gradient; Adam: zero
+moments, step 0), so their first step after growth is a fresh optimizer's first step. Widened
+parameters are replaced: their state tensors are carried into the old slice of a zero tensor of
+the new shape, and the scalar ``step`` is kept, so the new slice has zero moments but shares the
+tensor's step count (Adam's bias correction then damps its first update by ``1 - β₁`` relative to
+a fresh start; exact zero-state slices would need per-element step counts).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ...accumulators import CrossStats
+from ...errors import FusedStatsError
+from .architecture import Architecture, Boundary, boundary
+from .blocks import _stream_width, cross_spec, new_block, new_units, widen_block
+from .insert import INSERTED_NAME, insert_zero_block
+from .protocol import INITS, GrowthProtocol, _intermediate_size
+
+
+@dataclass
+class GrowthResult:
+    """What :func:`grow` changed.
+
+    ``new_parameters``: full names (in the grown model) of the parameters that did not exist
+    before; ``widened``: full names of parameters replaced by wider ones; ``positions``: point ->
+    name of the block that now holds the growth (the inserted block, or the widened one);
+    ``optimizer_extended``: whether an optimizer was extended.
+    """
+
+    family: str
+    init: str
+    protocol_digest: str
+    positions: dict[str, str] = field(default_factory=dict)
+    new_parameters: list[str] = field(default_factory=list)
+    widened: list[str] = field(default_factory=list)
+    optimizer_extended: bool = False
+
+    def to_dict(self) -> dict:
+        return {
+            "family": self.family,
+            "init": self.init,
+            "protocol_digest": self.protocol_digest,
+            "positions": dict(self.positions),
+            "new_parameters": list(self.new_parameters),
+            "widened": list(self.widened),
+            "optimizer_extended": self.optimizer_extended,
+        }
+
+
+def gradmax_directions(source, k: int) -> torch.Tensor:
+    """The ``k`` input directions that maximise the first gradient of zero-output new units.
+
+    GradMax (Evci et al. 2022, "GradMax: growing neural networks using gradient information",
+    section 3): for a new unit with input row ``w`` (``|w| = 1``) and a zero output column, the
+    output column's gradient is ``E[Σ_t q_t σ(wᵀ x_t)]``, to first order in small ``w`` proportional
+    to ``C w`` with ``C = E[Σ_t q_t x_tᵀ]``; ``k`` orthonormal rows maximising ``Σ |C w_j|²`` are
+    ``C``'s top ``k`` right singular vectors. ``source``: ``C`` itself, a (d_out, d_in) tensor, or
+    a :class:`~fused_stats.CrossStats` measured with ``activation="identity"`` and a ``w_in`` of
+    full column rank (``C = (Σ c_i / n) (W_inᵀ)⁺``). Returns (k, d_in) fp64, each row's largest
+    entry positive (a fixed sign). Pass it to :func:`grow` as ``init_directions``.
+    """
+    if isinstance(source, CrossStats):
+        if source.activation != "identity":
+            raise FusedStatsError(
+                f"gradmax_directions needs a CrossStats with activation 'identity', got {source.activation!r}"
+            )
+        if source.n < 1:
+            raise FusedStatsError("gradmax_directions: the CrossStats has no samples")
+        w_in = source.w_in.to(torch.float64).cpu()
+        if source.rank < source.in_dim or torch.linalg.matrix_rank(w_in) < source.in_dim:
+            raise FusedStatsError(
+                f"gradmax_directions: w_in of shape {tuple(w_in.shape)} does not have full column rank, "
+                f"so C = E[q zᵀ] cannot be recovered from C W_inᵀ"
+            )
+        matrix = (source.c_sum.to(torch.float64).cpu() / source.n) @ torch.linalg.pinv(w_in.T)
+    elif isinstance(source, torch.Tensor) and source.dim() == 2:
+        matrix = source.detach().to(torch.float64).cpu()
+    else:
+        shape = tuple(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__
+        raise FusedStatsError(f"gradmax_directions needs a (d_out, d_in) tensor or a CrossStats, got {shape}")
+    if not torch.isfinite(matrix).all():
+        raise FusedStatsError("gradmax_directions: the cross-gradient has non-finite entries")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(matrix.shape):
+        raise FusedStatsError(f"gradmax_directions: k must be an int in 1..{min(matrix.shape)}, got {k!r}")
+    _, _, vh = torch.linalg.svd(matrix, full_matrices=False)
+    rows = vh[:k]
+    sign = torch.sign(rows.gather(1, rows.abs().argmax(dim=1, keepdim=True)))
+    return rows * sign
+
+
+def _check_optimizer(model: nn.Module, optimizer) -> None:
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise FusedStatsError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    own = {id(p) for p in model.parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) not in own:
+                raise FusedStatsError(
+                    f"optimizer param group {g}, parameter {i} (shape {tuple(p.shape)}, {p.dtype}) is not a "
+                    f"parameter of {type(model).__name__}: pass the optimizer built over this model"
+                )
+
+
+def _locate(optimizer, param) -> tuple[int, int] | None:
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p is param:
+                return g, i
+    return None
+
+
+def _normalise_at(protocol: GrowthProtocol, at) -> list[str]:
+    if at is None:
+        return list(protocol.candidates)
+    if isinstance(at, str):
+        at = [at]
+    try:
+        points = list(at)
+    except TypeError:
+        raise FusedStatsError(f"at must be a point name or a list of them, got {type(at).__name__}") from None
+    if not points:
+        raise FusedStatsError("at is empty: name at least one candidate point")
+    for p in points:
+        protocol.index(p)  # raises naming the point when it is not a candidate
+    dup = sorted({p for p in points if points.count(p) > 1})
+    if dup:
+        raise FusedStatsError(f"at lists points twice: {dup}")
+    return points
+
+
+def _insert(container: nn.Module, position: int, block: nn.Module) -> None:
+    if isinstance(container, nn.ModuleList):
+        container.insert(position, block)
+        return
+    # Sequential has no insert: re-key its children "0", "1", ... in the new order
+    children = list(container)
+    children.insert(position, block)
+    container._modules = OrderedDict((str(i), m) for i, m in enumerate(children))
+
+
+def _renumber(stack: nn.Module) -> None:
+    """Each block's ``layer_idx`` (its KV-cache slot) becomes its index in the stack."""
+    for i, block in enumerate(stack):
+        for sub in block.modules():
+            if isinstance(getattr(sub, "layer_idx", None), int):
+                sub.layer_idx = i
+
+
+def grow(
+    model: nn.Module,
+    protocol: GrowthProtocol,
+    at=None,
+    init: str | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    init_directions=None,
+) -> GrowthResult:
+    """Grow ``model`` in place at the points ``at`` (default: all candidates) under ``protocol``.
+
+    ``init`` overrides ``protocol.init`` (``"zero"``, ``"copy"``, ``"random"``); ``optimizer``
+    (built over ``model``) is extended by the new parameters (see the module docstring);
+    ``init_directions`` (``mlp_width`` only): a (k, d) tensor, or a dict point -> tensor, of
+    directions for the new input rows (:func:`~fused_stats.api.growth.blocks.new_units`).
+    Returns a :class:`GrowthResult`. Raises :class:`FusedStatsError`, with nothing changed, for
+    a point that is not a candidate / block boundary, an unsupported family or config, tied
+    parameters, partial width growth of a model whose config holds one intermediate size, or an
+    optimizer holding parameters that are not the model's.
+    """
+    if not isinstance(protocol, GrowthProtocol):
+        raise FusedStatsError(f"protocol must be a GrowthProtocol, got {type(protocol).__name__}")
+    init = protocol.init if init is None else init
+    if init not in INITS:
+        raise FusedStatsError(f"init must be one of {INITS}, got {init!r}")
+    if init != "zero" and protocol.family != "layer":
+        raise FusedStatsError(
+            f"init {init!r} needs family 'layer'; family {protocol.family!r} starts its outputs at zero"
+        )
+    points = _normalise_at(protocol, at)
+    arch = protocol.check(model)
+    _check_optimizer(model, optimizer)
+    if init_directions is not None and protocol.family != "mlp_width":
+        raise FusedStatsError(f"init_directions is for family 'mlp_width', not {protocol.family!r}")
+    bounds = [boundary(arch, model, p) for p in points]
+    result = GrowthResult(protocol.family, init, protocol.digest, optimizer_extended=optimizer is not None)
+    if protocol.family == "layer":
+        _grow_layers(model, protocol, arch, bounds, init, optimizer, result)
+    elif protocol.family == "mlp_width":
+        _grow_width(model, protocol, arch, bounds, optimizer, init_directions, result)
+    else:
+        _grow_cross(model, protocol, arch, bounds, optimizer, result)
+    return result
+
+
+def _grow_layers(
+    model, protocol, arch: Architecture, bounds: list[Boundary], init, optimizer, result
+) -> None:
+    # built first: a failure (e.g. "copy" after a downsampling block) changes nothing
+    blocks = {b.point: new_block(model, protocol, b.point, init=init) for b in bounds}
+    siblings = {}
+    for b in bounds:
+        neighbour = model.get_submodule(b.neighbour)
+        siblings[b.point] = dict(neighbour.named_parameters())
+    config = getattr(model, "config", None)
+    types = list(getattr(config, "layer_types", None) or []) if config is not None else []
+    # final index of each new block: its original position plus the new blocks before it
+    by_container: dict[str, list[Boundary]] = {}
+    for b in bounds:
+        by_container.setdefault(b.container, []).append(b)
+    final: dict[str, int] = {}
+    for items in by_container.values():
+        items.sort(key=lambda b: b.position)
+        for j, b in enumerate(items):
+            final[b.point] = b.position + j
+    for container, items in by_container.items():
+        stack = model.get_submodule(container)
+        for b in sorted(items, key=lambda b: b.position, reverse=True):
+            if types:
+                # the new layer attends like its neighbour (sliding / full window)
+                src = b.position - 1 if b.position > 0 else 0
+                types.insert(b.position, types[src])
+            _insert(stack, b.position, blocks[b.point])
+        if arch.transformer:
+            _renumber(stack)
+    if config is not None and arch.transformer:
+        config.num_hidden_layers = int(config.num_hidden_layers) + len(bounds)
+        if types:
+            config.layer_types = types
+    for b in bounds:
+        name = f"{b.container}.{final[b.point]}"
+        result.positions[b.point] = name
+        for rel, param in blocks[b.point].named_parameters():
+            result.new_parameters.append(f"{name}.{rel}")
+            if optimizer is not None:
+                _add_to_group(optimizer, param, siblings[b.point].get(rel))
+
+
+def _add_to_group(optimizer, param, sibling) -> None:
+    """``param`` joins its counterpart's group (same lr, weight decay); a frozen counterpart
+    (not in the optimizer) leaves it out too."""
+    where = _locate(optimizer, sibling) if sibling is not None else (0, None)
+    if where is not None:
+        optimizer.param_groups[where[0]]["params"].append(param)
+
+
+def _grow_width(model, protocol, arch, bounds, optimizer, init_directions, result) -> None:
+    config = getattr(model, "config", None)
+    stack = model.get_submodule(bounds[0].container)
+    grown = {b.position for b in bounds}
+    if config is not None and grown != set(range(len(stack))):
+        missing = [f"{bounds[0].container}.{i}" for i in range(len(stack)) if i not in grown]
+        raise FusedStatsError(
+            f"width growth of only some blocks: the config holds one intermediate size, and the blocks "
+            f"{missing} would keep the old one; grow every block alike (add the boundaries before them to at)"
+        )
+    if isinstance(init_directions, dict):
+        unknown = sorted(set(init_directions) - {b.point for b in bounds})
+        if unknown:
+            raise FusedStatsError(f"init_directions names points not grown here: {unknown}")
+        directions = {b.point: init_directions.get(b.point) for b in bounds}
+    else:
+        if init_directions is not None and len(bounds) > 1:
+            raise FusedStatsError("init_directions for several points must be a dict point -> (k, d) tensor")
+        directions = {b.point: init_directions for b in bounds}
+    units = {b.point: new_units(model, protocol, b.point, directions=directions[b.point]) for b in bounds}
+    for b in bounds:
+        block_name = units[b.point].block
+        replaced = widen_block(model.get_submodule(block_name), units[b.point])
+        result.positions[b.point] = block_name
+        for rel, (old, new) in replaced.items():
+            result.widened.append(f"{block_name}.{rel}")
+            if optimizer is not None:
+                _carry_state(optimizer, old, new, units[b.point].pieces[rel][0])
+    if config is not None:
+        size = _intermediate_size(config) + protocol.width
+        if hasattr(config, "intermediate_size"):
+            config.intermediate_size = size
+        else:
+            config.n_inner = size
+
+
+def _carry_state(optimizer, old: nn.Parameter, new: nn.Parameter, axis: int) -> None:
+    where = _locate(optimizer, old)
+    if where is None:
+        return
+    g, i = where
+    optimizer.param_groups[g]["params"][i] = new
+    state = optimizer.state.pop(old, None)
+    if not state:
+        return
+    carried = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.shape == old.shape:
+            wide = torch.zeros(new.shape, dtype=value.dtype, device=value.device)
+            wide.narrow(axis, 0, old.shape[axis]).copy_(value)
+            carried[key] = wide
+        else:
+            carried[key] = value
+    optimizer.state[new] = carried
+
+
+def _grow_cross(model, protocol, arch, bounds, optimizer, result) -> None:
+    taken = [b.point for b in bounds if hasattr(model.get_submodule(b.point), INSERTED_NAME)]
+    if taken:  # checked for all points first: no half-done insertion
+        raise FusedStatsError(f"points {taken} already have an inserted block; remove it first")
+    for b in bounds:
+        neighbour = model.get_submodule(b.neighbour)
+        dim = _stream_width(model, arch, neighbour)
+        feature_dim = None if arch.transformer else 1
+        block = insert_zero_block(
+            model, b.point, spec=cross_spec(protocol, b.point), feature_dim=feature_dim, dim=dim
+        )
+        name = f"{b.point}.fused_stats_inserted"
+        result.positions[b.point] = name
+        result.new_parameters.append(f"{name}.w_out")
+        if optimizer is not None:
+            optimizer.param_groups[0]["params"].append(block.w_out)

@@ -1,0 +1,253 @@
+"""The growth protocol: what may be grown where, declared before any gradient is seen.
+
+Role: a :class:`GrowthProtocol` fixes the finite set of insertion candidates (block boundaries:
+growing at point ``p`` inserts the new block right after module ``p``), the residual family, the
+function-preserving origin (which parameters start at zero), the seed of the non-zero parts and
+the zero-state update rule. Its :meth:`~GrowthProtocol.to_dict` and :attr:`~GrowthProtocol.digest`
+(SHA-256 of the canonical JSON) are recorded in reports, so a reader can check that the protocol
+was fixed before the statistics were measured. The block probed at a candidate and the block
+:func:`fused_stats.grow` inserts there are built by one function
+(:func:`fused_stats.api.growth.blocks.new_block`) from the protocol, hence identical.
+
+Families:
+
+* ``"layer"``: one new block of the model's own class after ``p``; ``init="zero"`` sets the
+  branch's last maps to zero (see :mod:`.architecture`), so the model's function is unchanged.
+* ``"mlp_width"``: ``width`` new hidden units in the MLP of the block that *follows* ``p`` (for
+  the input boundary, block 0): new input rows random, new output columns zero.
+* ``"cross_block"``: the probe's own ``W_out φ(W_in z)`` block (:class:`~fused_stats.CrossSpec`,
+  rank ``width`` or its default), ``W_out = 0``.
+
+Zero-state update rule: new parameters (and the new slices of widened ones) start with zero
+optimizer state, so the first step after growth is the first step of a fresh optimizer on them:
+for SGD the loss changes by ``-η |∇_new L|²`` to first order (the depth paper's gain
+``|C|_F²``); a zero gradient there (saturation) gives no change for SGD and Adam alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from torch import nn
+
+from ...errors import FusedStatsError
+from .architecture import MLP_PARTS, ZEROED_MODULES, Architecture, boundary, describe
+
+FAMILIES = ("layer", "mlp_width", "cross_block")
+INITS = ("zero", "copy", "random")
+PROTOCOL_VERSION = 1
+
+ZERO_STATE_RULE = (
+    "new parameters, and the new slices of widened parameters, start with zero optimizer state "
+    "(SGD: no momentum buffer; Adam/AdamW: zero first and second moments and their own step count "
+    "from 0); old parameters keep their state bit for bit"
+)
+
+
+def _zero_parameters_table(family: str, init: str) -> dict[str, list[str]]:
+    """Per architecture, the parameters of the grown part that start at zero under ``init``."""
+    if init != "zero":
+        # "copy" and "random" are not function preserving: nothing is forced to zero
+        return {}
+    if family == "layer":
+        return {
+            kind: [f"{m}.{p}" for m in mods for p in ("weight", "bias")]
+            for kind, mods in ZEROED_MODULES.items()
+        }
+    if family == "mlp_width":
+        out = {}
+        for kind, (_, down) in MLP_PARTS.items():
+            # Conv1D (GPT-2) stores (in, out): the new *rows* of c_proj.weight are its new inputs
+            where = "rows" if kind == "gpt2" else "columns"
+            out[kind] = [f"{down}.weight[new {where}]"]
+        return out
+    return {"any": ["w_out"]}
+
+
+@dataclass(frozen=True)
+class GrowthProtocol:
+    """Insertion candidates, residual family, initialisation and seed of a growth experiment.
+
+    ``candidates``: residual point names (module names whose output is the stream; for
+    transformers also the module producing the stream into block 0). ``family``: ``"layer"``,
+    ``"mlp_width"`` (needs ``width``, the number of new hidden units) or ``"cross_block"``.
+    ``init``: ``"zero"`` (function preserving), ``"copy"`` (a copy of the block before the
+    boundary, as G_stack) or ``"random"`` (the architecture's own initialisation). ``seed``: the
+    non-zero parts of the block at candidate ``i`` are drawn from ``(seed, i)``. ``projection``:
+    optional rank of a fixed random projection of the probed features, drawn from ``seed``.
+    """
+
+    candidates: tuple[str, ...]
+    family: str = "layer"
+    init: str = "zero"
+    seed: int = 0
+    width: int | None = None
+    projection: int | None = None
+
+    def __post_init__(self):
+        cands = self.candidates
+        if isinstance(cands, str):
+            cands = (cands,)
+        try:
+            cands = tuple(cands)
+        except TypeError:
+            raise FusedStatsError(
+                f"GrowthProtocol candidates must be a sequence of point names, got {type(cands).__name__}"
+            ) from None
+        if not cands:
+            raise FusedStatsError("GrowthProtocol needs at least one candidate point")
+        for c in cands:
+            if not isinstance(c, str) or not c:
+                raise FusedStatsError(f"GrowthProtocol candidate {c!r} is not a module name")
+        dup = sorted({c for c in cands if cands.count(c) > 1})
+        if dup:
+            raise FusedStatsError(f"GrowthProtocol candidates listed twice: {dup}")
+        object.__setattr__(self, "candidates", cands)
+        if self.family not in FAMILIES:
+            raise FusedStatsError(f"GrowthProtocol family must be one of {FAMILIES}, got {self.family!r}")
+        if self.init not in INITS:
+            raise FusedStatsError(f"GrowthProtocol init must be one of {INITS}, got {self.init!r}")
+        if self.family != "layer" and self.init != "zero":
+            # new units and the cross block have zero outputs by definition: nothing to copy or draw
+            raise FusedStatsError(
+                f"init {self.init!r} needs family 'layer'; family {self.family!r} starts its outputs at zero"
+            )
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise FusedStatsError(f"GrowthProtocol seed must be an int, got {self.seed!r}")
+        for name in ("width", "projection"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise FusedStatsError(f"GrowthProtocol {name} must be a positive int or None, got {value!r}")
+        if self.family == "mlp_width" and self.width is None:
+            raise FusedStatsError(
+                "GrowthProtocol family 'mlp_width' needs width= (the number of new hidden units)"
+            )
+
+    def index(self, point: str) -> int:
+        """Position of ``point`` among the candidates (it seeds that candidate's block)."""
+        if point not in self.candidates:
+            raise FusedStatsError(
+                f"point {point!r} is not a candidate of this growth protocol; candidates: {list(self.candidates)}"
+            )
+        return self.candidates.index(point)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able record: the fields, the zero-state rule and the zero parameters."""
+        return {
+            "version": PROTOCOL_VERSION,
+            "candidates": list(self.candidates),
+            "family": self.family,
+            "init": self.init,
+            "seed": self.seed,
+            "width": self.width,
+            "projection": self.projection,
+            "zero_parameters": _zero_parameters_table(self.family, self.init),
+            "zero_state_rule": ZERO_STATE_RULE,
+        }
+
+    @classmethod
+    def from_dict(cls, record: dict) -> GrowthProtocol:
+        """The protocol a :meth:`to_dict` record describes (the derived entries are checked)."""
+        try:
+            protocol = cls(
+                candidates=tuple(record["candidates"]),
+                family=record["family"],
+                init=record["init"],
+                seed=record["seed"],
+                width=record.get("width"),
+                projection=record.get("projection"),
+            )
+        except (KeyError, TypeError) as exc:
+            raise FusedStatsError(f"not a GrowthProtocol record: missing or bad entry {exc}") from None
+        if protocol.to_dict() != record:
+            raise FusedStatsError(
+                "GrowthProtocol record does not match the protocol it names (edited or other version)"
+            )
+        return protocol
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 hex digest of the canonical JSON of :meth:`to_dict` (sorted keys, no spaces)."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+    def check(self, model: nn.Module) -> Architecture:
+        """Raise :class:`FusedStatsError` unless every candidate can be grown in ``model``.
+
+        Rejected: candidates that are not block boundaries; a family the architecture does not
+        support (``mlp_width`` on a ResNet, ``mlp_width`` after the last block); parameters of an
+        affected block tied to another module (growth would untie them); configs growth cannot
+        keep consistent (GPT-2 ``scale_attn_by_inverse_layer_idx``, a ``layer_types`` list of the
+        wrong length, per-layer intermediate sizes). Returns the model's architecture.
+        """
+        arch = describe(model)
+        bounds = [boundary(arch, model, c) for c in self.candidates]
+        config = getattr(model, "config", None)
+        if self.family == "mlp_width":
+            if not arch.transformer:
+                raise FusedStatsError(
+                    f"family 'mlp_width' is not supported for {type(model).__name__} ({arch.kind}): "
+                    f"its blocks have no MLP; use family 'layer'"
+                )
+            for b in bounds:
+                stack = model.get_submodule(b.container)
+                if b.position >= len(stack):
+                    raise FusedStatsError(
+                        f"candidate {b.point!r}: family 'mlp_width' grows the MLP of the block that follows "
+                        f"the point, and {b.point!r} is the last block"
+                    )
+            size = _intermediate_size(config) if config is not None else None
+            if config is not None and not isinstance(size, int):
+                raise FusedStatsError(
+                    f"config of {type(model).__name__} has intermediate size {size!r}, not one int: "
+                    f"per-layer intermediate sizes are not supported by width growth"
+                )
+        if self.family == "layer" and config is not None:
+            if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+                raise FusedStatsError(
+                    "config.scale_attn_by_inverse_layer_idx=True: attention scales by 1/(layer_idx+1), so "
+                    "renumbering the layers after an insertion would change every later layer"
+                )
+            types = getattr(config, "layer_types", None)
+            layers = getattr(config, "num_hidden_layers", None)
+            if types is not None and layers is not None and len(types) != layers:
+                raise FusedStatsError(
+                    f"config.layer_types lists {len(types)} layers but num_hidden_layers is {layers}"
+                )
+        _check_untied(model, arch, bounds, self.family)
+        return arch
+
+
+def _intermediate_size(config):
+    for key in ("intermediate_size", "n_inner"):
+        if hasattr(config, key):
+            value = getattr(config, key)
+            if key == "n_inner" and value is None:
+                return 4 * int(config.hidden_size)
+            return value
+    return None
+
+
+def _check_untied(model: nn.Module, arch: Architecture, bounds, family: str) -> None:
+    """Refuse growth touching a block whose parameters are shared with another module."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    for b in bounds:
+        if family == "mlp_width":
+            block = f"{b.container}.{b.position}"
+        else:
+            block = b.neighbour
+        for name, param in model.get_submodule(block).named_parameters(prefix=block, remove_duplicate=False):
+            names = owners.get(id(param), [])
+            others = [n for n in names if not n.startswith(block + ".")]
+            if others:
+                raise FusedStatsError(
+                    f"candidate {b.point!r}: parameter {name!r} is tied to {others[0]!r}; growing there "
+                    f"would break the tie (a tied embedding or shared block)"
+                )
+
+
+__all__ = ["FAMILIES", "INITS", "ZERO_STATE_RULE", "GrowthProtocol"]

@@ -1,0 +1,186 @@
+"""The exact tangent space of the block growth would insert: a feature source for ``fs.Probe``.
+
+Role: at a candidate point ``p`` the protocol's new block ``h`` (exactly the block ``fs.grow``
+inserts after ``p``: same protocol, same seed, same weights) is function preserving because the
+parameters that write into the stream start at zero (LLaMA ``o_proj``/``down_proj``, GPT-2
+``attn.c_proj``/``mlp.c_proj``, GPT-NeoX ``attention.dense``/``mlp.dense_4h_to_h``). For a zero
+linear map ``y = W x (+ b)`` inside the block, the block's output gradient is the stream gradient
+``q_t`` at ``p`` (every other path through the block passes a zero map), so
+
+    ∂ℓ_i/∂W = Σ_t q_t x_tᵀ,   ∂ℓ_i/∂b = Σ_t q_t,
+
+and the per-sample gradient of all zero parameters together is ``c_i = Σ_t q_t x_tᵀ`` with
+``x_t = [x_t^(1), 1, x_t^(2), 1, ...]``: the inputs of the zero maps, computed by the new block
+run on ``z`` itself (with the attention mask and position embeddings the candidate received;
+no cache), and a constant feature per zero bias. ``C = E[c_i]`` is the depth paper's first-order
+signal for that layer, and ``CrossStats`` with ``w_in = I`` and activation ``identity`` gives
+its unbiased ``|C|_F²`` and the saturation test unchanged (docs/design.md, sections 2.7, 2.8).
+The width is ``r = Σ in_features (+1 per bias)``, ``d + f`` for a LLaMA layer. With
+``protocol.projection = k`` a fixed ``k × r`` Gaussian ``P`` (drawn from the protocol's seed)
+gives ``C Pᵀ`` instead: smaller state, and ``C ≠ 0 ⇒ C Pᵀ ≠ 0`` with probability 1 over ``P``
+(the boundary is kept, at some loss of power). ``family="cross_block"``: the protocol's
+``W_out φ(W_in z)`` block, whose features are ``φ(W_in z_t)``. Not handled: ``"mlp_width"``
+(its zero columns are read at the next block's MLP, not at the candidate) and ResNet blocks
+(their zero BatchNorm scale has a per-channel, not a ``q xᵀ``, gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...errors import FusedStatsError
+from ...ops.cross_twin import apply_activation, seeded_w_in
+from ..probe.spec import register_feature_source
+from . import blocks
+from .architecture import boundary
+from .protocol import GrowthProtocol
+
+CACHE_KEYS = ("past_key_values", "past_key_value", "layer_past", "cache")
+
+
+def zero_map_width(name: str, module: nn.Module) -> tuple[int, bool]:
+    """``(in_features, has_bias)`` of a zero-initialised linear map (nn.Linear or HF Conv1D,
+    whose weight is stored (in, out))."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.bias is not None
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return int(module.weight.shape[0]), getattr(module, "bias", None) is not None
+    raise FusedStatsError(
+        f"zero-initialised module {name!r} is a {type(module).__name__}; the tangent probe handles "
+        "linear maps (nn.Linear, transformers Conv1D) only"
+    )
+
+
+def block_call_kwargs(kwargs: dict) -> dict:
+    """The candidate's call arguments for the new block: caches dropped (the block is not part
+    of the model's cache; its attention must see this forward only), ``use_cache=False``."""
+    out = {}
+    for key, value in kwargs.items():
+        if key in CACHE_KEYS or type(value).__name__.endswith("Cache"):
+            out[key] = None
+        else:
+            out[key] = value
+    if "use_cache" in out:
+        out["use_cache"] = False
+    return out
+
+
+class GrowthTangent:
+    """The feature source (:class:`fused_stats.api.probe.spec.FeatureSource`) of a growth
+    protocol on ``model``: at each candidate, the inputs of the new block's zero maps.
+
+    ``new_block(model, protocol, point)`` and ``zeroed_modules(block, family)`` default to
+    :mod:`fused_stats.api.growth.blocks`, so the probed block is the one ``fs.grow`` inserts.
+    Blocks are built once per point, on the model's dtype and device, and kept in ``blocks``.
+    """
+
+    def __init__(self, protocol, model: nn.Module, new_block=None, zeroed_modules=None):
+        self.family = getattr(protocol, "family", "layer")
+        if self.family not in ("layer", "cross_block"):
+            raise FusedStatsError(
+                f"the tangent probe supports family 'layer' (a new block of the model's class) and "
+                f"'cross_block'; got family={self.family!r} (its zero parameters are read at another "
+                "point than the candidate)"
+            )
+        self.protocol, self.model = protocol, model
+        self._neighbours: dict[str, str] = {}
+        if new_block is None or zeroed_modules is None:
+            new_block = new_block or blocks.new_block
+            zeroed_modules = zeroed_modules or blocks.zeroed_modules
+            arch = protocol.check(model)
+            self._neighbours = {p: boundary(arch, model, p).neighbour for p in protocol.candidates}
+        self._new_block, self._zeroed = new_block, zeroed_modules
+        self.projection = getattr(protocol, "projection", None)
+        if self.projection is not None and (
+            not isinstance(self.projection, int) or isinstance(self.projection, bool) or self.projection < 1
+        ):
+            raise FusedStatsError(
+                f"protocol.projection must be None or a positive int, got {self.projection!r}"
+            )
+        self.seed = int(getattr(protocol, "seed", 0))
+        self.blocks: dict[str, nn.Module] = {}
+        self.maps: dict[str, list[tuple[str, int, bool]]] = {}
+
+    def block(self, point: str) -> nn.Module:
+        """The new block at ``point`` (built on first use), in eval mode, parameters frozen."""
+        block = self.blocks.get(point)
+        if block is None:
+            block = self._new_block(self.model, self.protocol, point)
+            param = next(self.model.parameters(), None)
+            if param is not None:
+                block = block.to(dtype=param.dtype, device=param.device)
+            block.eval().requires_grad_(False)
+            if self.family == "cross_block":  # W_out φ(W_in z): the features are φ(W_in z) itself
+                self.blocks[point], self.maps[point] = block, [("w_out", int(block.w_in.shape[0]), False)]
+                return block
+            names = list(self._zeroed(block, "layer"))
+            if not names:
+                raise FusedStatsError(f"the new block at {point!r} has no zero-initialised module")
+            maps = []
+            for name in names:
+                module = block.get_submodule(name)
+                nonzero = [k for k, p in module.named_parameters() if bool((p != 0).any())]
+                if nonzero:
+                    raise FusedStatsError(
+                        f"new block at {point!r}: {name!r} is listed as zero-initialised but its "
+                        f"{nonzero} are not zero; the block would not be function preserving"
+                    )
+                maps.append((name, *zero_map_width(name, module)))
+            self.blocks[point], self.maps[point] = block, maps
+        return block
+
+    def call_point(self, point: str) -> str:
+        """The module whose call arguments the new block gets: the block before the boundary,
+        or block 0 at the input boundary (an embedding is called without mask or rotary)."""
+        return self._neighbours.get(point, point)
+
+    def raw_rank(self, point: str) -> int:
+        """``r``: the columns of the full tangent ``C`` (inputs of the zero maps, +1 per bias)."""
+        self.block(point)
+        return sum(width + int(bias) for _, width, bias in self.maps[point])
+
+    def feature_rank(self, point: str) -> int:
+        return self.raw_rank(point)
+
+    def feature_w_in(self, point: str, dtype=torch.float32, device=None) -> torch.Tensor:
+        """The identity (the exact tangent) or the protocol's fixed ``k × r`` projection."""
+        r = self.raw_rank(point)
+        if self.projection is None:
+            return torch.eye(r, dtype=dtype, device=device)
+        return seeded_w_in(self.projection, r, self.seed, dtype).to(device)
+
+    def features(self, point: str, module: nn.Module, z: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """``x_t`` (B, T, r): the new block run on ``z`` (B, T, d), inputs of its zero maps."""
+        block = self.block(point)
+        if self.family == "cross_block":
+            return apply_activation(z.to(block.w_in.dtype) @ block.w_in.T, block.activation)
+        inputs: dict[str, torch.Tensor] = {}
+        handles = []
+        for name, _, _ in self.maps[point]:
+
+            def pre(mod, args, name=name):
+                inputs[name] = args[0]
+
+            handles.append(block.get_submodule(name).register_forward_pre_hook(pre))
+        try:
+            with torch.no_grad():
+                block(z, **block_call_kwargs(kwargs))
+        finally:
+            for handle in handles:
+                handle.remove()
+        parts = []
+        for name, width, bias in self.maps[point]:
+            x = inputs.get(name)
+            if x is None or tuple(x.shape[:-1]) != tuple(z.shape[:-1]) or x.shape[-1] != width:
+                raise FusedStatsError(
+                    f"new block at {point!r}: the input of {name!r} has shape "
+                    f"{None if x is None else tuple(x.shape)}, expected {(*z.shape[:-1], width)}"
+                )
+            parts.append(x)
+            if bias:
+                parts.append(torch.ones(*z.shape[:-1], 1, dtype=x.dtype, device=x.device))
+        return torch.cat(parts, dim=-1)
+
+
+register_feature_source(GrowthProtocol, GrowthTangent)

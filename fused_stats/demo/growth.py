@@ -1,0 +1,414 @@
+"""Grown vs scratch in miniature: does the advisor's choice of insertion point pay off?
+
+Role: the growth experiment of both source papers on the demo's corpus (:mod:`.corpus`) and
+models (:mod:`.models`), small enough for a few minutes on 2 CPU cores. Per seed:
+
+1. train a shallow byte-level LLaMA (``depth`` blocks) for ``steps1`` steps (AdamW, warm-up +
+   cosine over the *whole* run of ``steps1 + steps2`` steps);
+2. probe it (:class:`fused_stats.Probe` with ``cross=protocol``: the exact tangent of a new
+   layer at every block boundary) on the reserved train / held-out windows and rank the
+   boundaries with :func:`fused_stats.advise` (Holm–Bonferroni);
+3. grow one zero-output layer (:func:`fused_stats.grow`, optimizer carried: new parameters
+   start with zero Adam state) at the advisor's top candidate (``top``), at the candidate it
+   ranks last (``last``), at the middle boundary (``even``: evenly spaced growth of one block),
+   and a G_stack-style copy of the neighbour at the top candidate (``copy``); train each for
+   ``steps2`` more steps on the same text;
+4. train the final architecture (``depth + 1`` blocks) from scratch for ``steps1 + steps2``
+   steps (``scratch_steps``) and for the steps that cost the grown run's training FLOPs
+   (``scratch_flops``; FLOPs per token ``6 × (non-embedding parameters + LM head)``, Kaplan et
+   al. 2020, "Scaling laws for neural language models", section 2.1);
+5. per candidate, insert a zero layer, train only it for ``short_steps`` steps, and record the
+   held-out loss drop; Spearman's ρ between the measured ``|C|_F²`` and that drop, with the exact
+   permutation p-value (:func:`fused_stats.accumulators.trends.rank_correlation`).
+
+Held-out loss: mean next-byte cross-entropy on ``eval_batches`` batches of held-out files. Arms
+are compared across seeds by the paired difference to ``scratch_flops`` (mean, sd, range) and an
+exact sign-flip permutation test of the mean paired difference (2^seeds assignments). The text
+states what the runs show, whatever it is.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import FusedStatsError
+
+ARMS = ("top", "last", "even", "copy", "scratch_steps", "scratch_flops")
+
+
+@dataclass
+class GrowthDemoConfig:
+    width: int = 32
+    depth: int = 4
+    seeds: tuple = (0, 1, 2)
+    seq_len: int = 64
+    batch_size: int = 16
+    steps1: int = 96
+    steps2: int = 48
+    short_steps: int = 12
+    probe_batches: int = 6
+    eval_batches: int = 8
+    base_lr: float = 3e-3
+    alpha: float = 0.05
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def quick(cls, **overrides) -> GrowthDemoConfig:
+        base = dict(
+            width=16,
+            depth=2,
+            seeds=(0, 1),
+            steps1=8,
+            steps2=4,
+            short_steps=2,
+            probe_batches=2,
+            eval_batches=2,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    def validate(self) -> None:
+        if self.width < 16 or self.width % 16:
+            raise FusedStatsError(f"width must be a multiple of 16 (head size), got {self.width}")
+        if self.depth < 1:
+            raise FusedStatsError(f"depth must be >= 1, got {self.depth}")
+        if len(self.seeds) < 1 or len(set(self.seeds)) != len(self.seeds):
+            raise FusedStatsError(f"seeds must be distinct, got {self.seeds}")
+        for name in ("steps1", "steps2", "short_steps", "probe_batches", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise FusedStatsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.probe_batches * self.batch_size < 4:
+            raise FusedStatsError("the probe needs >= 4 samples per stream")
+
+
+def training_flops_per_token(model) -> float:
+    """``6 ×`` the parameters every token multiplies by (blocks and LM head; the input
+    embedding is a lookup)."""
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    return 6.0 * params
+
+
+def _schedule(total: int):
+    from .models import lr_factor
+
+    return lambda s: lr_factor(min(s, total - 1), total)
+
+
+def _optimizer(model, lr: float, total: int):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, _schedule(total))
+
+
+def _steps(model, opt, sched, batches) -> int:
+    model.train()
+    tokens = 0
+    for ids in batches:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += ids.numel()
+    model.eval()
+    return tokens
+
+
+def paired_test(diffs: list[float]) -> float:
+    """Two-sided exact sign-flip permutation p-value of the mean of paired differences."""
+    n = len(diffs)
+    if n == 0:
+        return math.nan
+    observed = abs(sum(diffs)) - 1e-12
+    hits = sum(
+        abs(sum(s * d for s, d in zip(signs, diffs))) >= observed
+        for signs in itertools.product((1, -1), repeat=n)
+    )
+    return hits / 2**n
+
+
+def _spread(values: list[float]) -> dict:
+    return {
+        "mean": statistics.fmean(values),
+        "sd": statistics.stdev(values) if len(values) > 1 else math.nan,
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def run_seed(corpus, cfg: GrowthDemoConfig, seed: int, echo=print) -> dict:
+    """One seed of the experiment (module docstring); returns a JSON-able dict."""
+    import fused_stats as fs
+
+    from ..api.growth.architecture import describe
+    from .models import build_llama, eval_loss, lr_for
+
+    B, lr = cfg.batch_size, lr_for(cfg.width, cfg.base_lr)
+    total = cfg.steps1 + cfg.steps2
+    held_out = list(corpus.batches("test", seed, B, cfg.eval_batches))
+
+    def text(start_step: int, count: int):
+        return corpus.batches("train", seed, B, count, start=start_step * B)
+
+    t0 = time.perf_counter()
+    shallow = build_llama(cfg.width, cfg.depth, cfg.seq_len, seed)
+    opt, sched = _optimizer(shallow, lr, total)
+    tokens1 = _steps(shallow, opt, sched, text(0, cfg.steps1))
+    base_loss = eval_loss(shallow, held_out)
+
+    # probe the shallow model at every block boundary with the protocol's own new layer
+    arch = describe(shallow)
+    candidates = [arch.input_point] + [f"model.layers.{i}" for i in range(cfg.depth)]
+    protocol = fs.GrowthProtocol(candidates, family="layer", init="zero", seed=seed)
+    probe = fs.Probe(shallow, points=candidates, cross=protocol, second_moment="dense")
+    for stream, split in (("train", "train"), ("test", "test")):
+        for ids in corpus.probe_batches(split, B, cfg.probe_batches):
+            probe.step({"input_ids": ids}, fs.causal_lm_loss, stream=stream)
+    advice = fs.advise(probe, protocol, alpha=cfg.alpha)
+    ranked = [c.point for c in advice.ranked]
+    even = candidates[len(candidates) // 2]
+    where = {"top": (ranked[0], "zero"), "last": (ranked[-1], "zero"), "even": (even, "zero")}
+    where["copy"] = (ranked[0], "copy")
+
+    arms: dict[str, dict] = {}
+    for arm, (point, init) in where.items():
+        model, o, s = copy.deepcopy((shallow, opt, sched))
+        fs.grow(model, protocol, at=[point], init=init, optimizer=o)
+        tokens2 = _steps(model, o, s, text(cfg.steps1, cfg.steps2))
+        arms[arm] = {
+            "point": point,
+            "init": init,
+            "held_out_loss": eval_loss(model, held_out),
+            "flops": training_flops_per_token(shallow) * tokens1 + training_flops_per_token(model) * tokens2,
+        }
+    grown_flops = arms["top"]["flops"]
+    deep = build_llama(cfg.width, cfg.depth + 1, cfg.seq_len, seed)
+    per_step = training_flops_per_token(deep) * B * cfg.seq_len
+    flop_steps = max(1, round(grown_flops / per_step))
+    for arm, steps in (("scratch_steps", total), ("scratch_flops", flop_steps)):
+        model = copy.deepcopy(deep)
+        o, s = _optimizer(model, lr, steps)
+        tokens = _steps(model, o, s, text(0, steps))
+        arms[arm] = {
+            "point": None,
+            "init": "scratch",
+            "steps": steps,
+            "held_out_loss": eval_loss(model, held_out),
+            "flops": training_flops_per_token(model) * tokens,
+        }
+
+    # realised gain per candidate: a zero layer there, only it trained for a few steps
+    drops = {}
+    for point in candidates:
+        model = copy.deepcopy(shallow)
+        result = fs.grow(model, protocol, at=[point])
+        names = set(result.new_parameters)
+        params = [p for n, p in model.named_parameters() if n in names]
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in names)
+        o = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        _steps(model, o, None, text(cfg.steps1, cfg.short_steps))
+        drops[point] = base_loss - eval_loss(model, held_out)
+    gains = {c.point: c.cross_frob2 for c in advice.ranked}
+    from ..accumulators.trends import rank_correlation
+
+    rho, p = rank_correlation([gains[c] for c in candidates], [drops[c] for c in candidates])
+    out = {
+        "seed": seed,
+        "shallow_held_out_loss": base_loss,
+        "candidates": candidates,
+        "advice": advice.to_dict(),
+        "arms": arms,
+        "candidate_gain": gains,
+        "candidate_drop": drops,
+        "rank_correlation": {"rho": rho, "p_value": p, "n": len(candidates)},
+        "seconds": time.perf_counter() - t0,
+    }
+    echo(
+        f"seed {seed}: shallow held-out {base_loss:.4f}; advisor top {ranked[0]}, last {ranked[-1]}; "
+        + ", ".join(f"{a} {v['held_out_loss']:.4f}" for a, v in arms.items())
+        + f"; rho(|C|², drop) = {rho:.2f} (p = {p:.2f}); {out['seconds']:.0f} s"
+    )
+    return out
+
+
+def summarize(cfg: GrowthDemoConfig, runs: list[dict]) -> tuple[dict, list[str]]:
+    """Spread over seeds per arm, paired differences to ``scratch_flops`` with the sign-flip
+    test, the rank correlations, and sentences saying what the runs show."""
+    from ..accumulators.trends import rank_correlation
+
+    table = {a: _spread([r["arms"][a]["held_out_loss"] for r in runs]) for a in ARMS}
+    paired = {}
+    for arm in ARMS:
+        if arm == "scratch_flops":
+            continue
+        diffs = [r["arms"][arm]["held_out_loss"] - r["arms"]["scratch_flops"]["held_out_loss"] for r in runs]
+        paired[arm] = {**_spread(diffs), "p_value": paired_test(diffs), "wins": sum(d < 0 for d in diffs)}
+    top_vs_last = [r["arms"]["top"]["held_out_loss"] - r["arms"]["last"]["held_out_loss"] for r in runs]
+    pooled = rank_correlation(
+        [r["candidate_gain"][c] for r in runs for c in r["candidates"]],
+        [r["candidate_drop"][c] for r in runs for c in r["candidates"]],
+    )
+    summary = {
+        "held_out_loss": table,
+        "paired_vs_scratch_flops": paired,
+        "top_minus_last": {**_spread(top_vs_last), "p_value": paired_test(top_vs_last)},
+        "rank_correlation_pooled": {"rho": pooled[0], "p_value": pooled[1]},
+        "rank_correlation_per_seed": [r["rank_correlation"] for r in runs],
+        "saturated_everywhere": [r["advice"]["saturated_everywhere"] for r in runs],
+    }
+    n = len(runs)
+    lines = [
+        f"Held-out loss (nats/byte) over {n} seeds, width {cfg.width}, depth {cfg.depth} -> {cfg.depth + 1}:",
+        f"{'arm':<14} {'mean':>8} {'sd':>8} {'min':>8} {'max':>8}   vs scratch_flops: mean diff, wins, p",
+    ]
+    for arm in ARMS:
+        t = table[arm]
+        row = f"{arm:<14} {t['mean']:8.4f} {t['sd']:8.4f} {t['min']:8.4f} {t['max']:8.4f}"
+        if arm in paired:
+            d = paired[arm]
+            row += f"   {d['mean']:+.4f}, {d['wins']}/{n}, p = {d['p_value']:.3f}"
+        lines.append(row)
+    t = summary["top_minus_last"]
+    lines.append(
+        f"advisor's top minus its last candidate: mean {t['mean']:+.4f} (range {t['min']:+.4f} .. "
+        f"{t['max']:+.4f}), sign-flip p = {t['p_value']:.3f}"
+    )
+    lines.append(
+        "rank correlation of measured |C|_F² with the realised held-out drop of a zero layer trained "
+        f"alone for {cfg.short_steps} steps: per seed "
+        + ", ".join(f"{c['rho']:.2f} (p {c['p_value']:.2f})" for c in summary["rank_correlation_per_seed"])
+        + f"; pooled over seeds {pooled[0]:.2f} (p {pooled[1]:.3f})"
+    )
+    sat = summary["saturated_everywhere"]
+    lines.append(
+        f"advisor verdict: saturated everywhere in {sum(sat)} of {n} seeds (Holm-Bonferroni, alpha {cfg.alpha})"
+    )
+    lines += _verdict(summary, n)
+    return summary, lines
+
+
+def _verdict(summary: dict, n: int) -> list[str]:
+    """What the runs show, in words (whatever they show)."""
+    out = []
+    p = summary["paired_vs_scratch_flops"]
+    min_p = 2 / 2**n
+    for arm, label in (
+        ("top", "grown at the advisor's top candidate"),
+        ("scratch_steps", "scratch at equal steps"),
+    ):
+        d = p[arm]
+        direction = "lower" if d["mean"] < 0 else "higher"
+        sig = "significant" if d["p_value"] <= 0.05 else "not significant"
+        out.append(
+            f"- {label}: held-out loss {direction} than scratch at equal FLOPs by {abs(d['mean']):.4f} on "
+            f"average ({d['wins']}/{n} seeds lower; paired sign-flip p = {d['p_value']:.3f}, {sig}"
+            + (f"; with {n} seeds the smallest attainable p is {min_p:.3f}" if min_p > 0.05 else "")
+            + ")."
+        )
+    t = summary["top_minus_last"]
+    out.append(
+        "- placing the block where |C|_F² is largest "
+        + ("helped" if t["mean"] < 0 else "did not help")
+        + f" against the last-ranked place (mean difference {t['mean']:+.4f}, sign-flip p = {t['p_value']:.3f})."
+    )
+    rho = summary["rank_correlation_pooled"]["rho"]
+    if math.isnan(rho):
+        out.append("- the rank correlation is undefined (constant gains or drops).")
+    else:
+        out.append(
+            f"- measured |C|_F² and the realised drop are {'positively' if rho > 0 else 'not positively'} "
+            f"rank-correlated across candidates (pooled rho = {rho:.2f})."
+        )
+    out.append(
+        "These are tiny models trained briefly, a few seeds: a description of these runs, not a test "
+        "of the papers' claims."
+    )
+    return out
+
+
+def plot_growth_demo(runs: list[dict], path) -> Path:
+    """Left: held-out loss per arm, one line per seed. Right: measured |C|_F² against the
+    realised held-out drop per candidate (log x), one colour per seed."""
+    from ..api.report.document import _matplotlib, save_figure
+
+    Figure, Canvas = _matplotlib()
+    fig = Figure(figsize=(11, 4.2))
+    Canvas(fig)
+    a1, a2 = fig.subplots(1, 2)
+    xs = list(range(len(ARMS)))
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        a1.plot(
+            xs,
+            [run["arms"][a]["held_out_loss"] for a in ARMS],
+            "o-",
+            color=color,
+            label=f"seed {run['seed']}",
+        )
+        gains = [max(run["candidate_gain"][c], 1e-12) for c in run["candidates"]]
+        drops = [run["candidate_drop"][c] for c in run["candidates"]]
+        a2.scatter(gains, drops, color=color, label=f"seed {run['seed']}")
+        for c, g, d in zip(run["candidates"], gains, drops):
+            a2.annotate(c.rsplit(".", 1)[-1], (g, d), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    a1.set_xticks(xs)
+    a1.set_xticklabels(ARMS, rotation=30, ha="right", fontsize=8)
+    a1.set_ylabel("held-out loss (nats/byte)")
+    a1.set_title("after growth vs from scratch", fontsize=9)
+    a2.set_xscale("log")
+    a2.axhline(0.0, color="black", lw=0.8)
+    a2.set_xlabel("measured |C|_F² before growth")
+    a2.set_ylabel("held-out drop, new layer trained alone")
+    a2.set_title("first-order gain vs realised drop per candidate", fontsize=9)
+    for ax in (a1, a2):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def run_growth_demo(cfg: GrowthDemoConfig, out, echo=print) -> dict:
+    """Run every seed, print the summary, write ``growth_demo.json`` and ``growth_demo.md``."""
+    from ..api.report.document import _write_atomic
+    from .corpus import StdlibCorpus
+
+    cfg.validate()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    out = Path(out)
+    corpus = StdlibCorpus(cfg.seq_len, probe_windows=cfg.probe_batches * cfg.batch_size)
+    need = (cfg.steps1 + cfg.steps2) * cfg.batch_size * 2
+    if need > len(corpus.order("train", 0)):
+        raise FusedStatsError(f"the growth demo needs about {need} training windows; the corpus is smaller")
+    echo(
+        f"grow-demo: width {cfg.width}, depth {cfg.depth} -> {cfg.depth + 1}, seeds {list(cfg.seeds)}, "
+        f"{cfg.steps1} + {cfg.steps2} steps of {cfg.batch_size} x {cfg.seq_len} bytes; {corpus.describe()}"
+    )
+    runs = [run_seed(corpus, cfg, seed, echo) for seed in cfg.seeds]
+    summary, lines = summarize(cfg, runs)
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    lines.append(f"total: {wall:.0f} s wall, {cpu:.0f} s CPU (process time)")
+    for line in lines:
+        echo(line)
+    record = {
+        "config": asdict(cfg),
+        "runs": runs,
+        "summary": summary,
+        "wall_seconds": wall,
+        "cpu_seconds": cpu,
+    }
+    _write_atomic(out / "growth_demo.json", json.dumps(record, indent=1, default=float) + "\n")
+    try:
+        plot_growth_demo(runs, out / "growth_demo.png")
+        lines.append(f"wrote {out / 'growth_demo.json'}, {out / 'growth_demo.md'}, {out / 'growth_demo.png'}")
+    except FusedStatsError as exc:  # matplotlib missing: JSON and text still written
+        lines.append(f"(plot skipped: {exc})")
+    echo(lines[-1])
+    _write_atomic(out / "growth_demo.md", "# fused-stats grow-demo\n\n```\n" + "\n".join(lines) + "\n```\n")
+    return record

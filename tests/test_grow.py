@@ -1,0 +1,846 @@
+"""Growing the real architecture: ``fs.GrowthProtocol`` and ``fs.grow``.
+
+* Zero depth growth of LLaMA / GPT-NeoX / GPT-2 (at the input boundary and after a block) and of
+  two ResNets leaves the logits bit-identical (``torch.equal``) to the ungrown model, fp32 and
+  fp64, on padded batches, without and with a KV cache (incremental decoding step by step and
+  greedy ``generate``); the grown HF model saves and reloads (``from_pretrained``, the
+  independent loader) with identical logits. Random growth: generation with the cache equals full
+  recomputation without it (the renumbered ``layer_idx`` slots are right).
+* Width growth: the config's intermediate size follows, reload is identical, the function is kept
+  (to rounding: a longer GEMM reduction may group the old terms differently), new rows lie along
+  the given directions.
+* Optimizer: old state bit for bit, new parameters without state; the first step on the new
+  parameters equals a freshly built optimizer's step on copies of them (the reference); old
+  parameters move exactly as in the ungrown model. One SGD step after zero growth matches
+  ``-η |∇_new L|²`` with a relative error shrinking like η (second-order term); Adam's first step
+  matches ``-η Σ g²/(|g| + ε)``; with a zero gradient (saturated) neither moves the loss.
+* Bad input: each rejected case names what is wrong and leaves model, config and optimizer as
+  they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+
+import pytest
+import torch
+
+import fused_stats as fs
+from fused_stats.api.growth.blocks import new_block, new_units, zero_parameters
+from fused_stats.networks.resnet import cifar_resnet20, tiny_resnet
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB = 40
+F64 = torch.float64
+
+# kind -> (input boundary, the stack path)
+STACK = {
+    "llama": ("model.embed_tokens", "model.layers"),
+    "neox": ("gpt_neox.emb_dropout", "gpt_neox.layers"),
+    "gpt2": ("transformer.drop", "transformer.h"),
+}
+
+
+def build(kind: str, dtype=torch.float32, layers: int = 2):
+    torch.manual_seed(11)
+    common = dict(vocab_size=VOCAB, initializer_range=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=12,
+            intermediate_size=20,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+            **common,
+        )
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "neox":
+        config = transformers.GPTNeoXConfig(
+            hidden_size=12,
+            intermediate_size=20,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            max_position_embeddings=32,
+            **common,
+        )
+        model = transformers.GPTNeoXForCausalLM(config)
+    elif kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=12, n_layer=layers, n_head=2, n_positions=32, **common)
+        model = transformers.GPT2LMHeadModel(config)
+    elif kind == "resnet20":
+        model = cifar_resnet20(width=4, seed=11, random_batchnorm=True)
+    else:
+        model = tiny_resnet(block="bottleneck", width=4, seed=11, random_batchnorm=True)
+    return model.to(dtype).eval()
+
+
+def lm_batch(gen, left=False):
+    ids = torch.randint(3, VOCAB, (3, 7), generator=gen)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    if left:
+        mask[1, :2] = 0
+        mask[2, :4] = 0
+    else:
+        mask[1, 5:] = 0
+        mask[2, 3:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def aligned(model):
+    """The model with every tensor in a fresh allocation: safetensors hands out views at the file's
+    byte offsets, and BLAS may round differently on unaligned operands (tests/misaligned_loading.py),
+    which is no property of growth."""
+    for t in [*model.parameters(), *model.buffers()]:
+        t.data = t.data.clone()
+    return model
+
+
+def assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for k, v in sa.items():
+        assert v.dtype == sb[k].dtype and torch.equal(v, sb[k]), k
+
+
+def logits(model, batch):
+    with torch.no_grad():
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+def decode_steps(model, batch, steps=3):
+    """Logits of a prefix pass and ``steps`` cached single-token steps (greedy tokens)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    out = []
+    with torch.no_grad():
+        res = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        cache = res.past_key_values
+        out.append(res.logits)
+        for _ in range(steps):
+            nxt = res.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            res = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+            cache = res.past_key_values
+            out.append(res.logits)
+    return out
+
+
+def generate(model, batch, use_cache):
+    with torch.no_grad():
+        return model.generate(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            max_new_tokens=4,
+            do_sample=False,
+            use_cache=use_cache,
+            pad_token_id=0,
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("kind", ["llama", "neox", "gpt2"])
+def test_zero_depth_growth_is_bit_identical_with_and_without_cache(kind, dtype, gen, tmp_path):
+    model = build(kind, dtype)
+    inp, stack = STACK[kind]
+    points = [inp, f"{stack}.0", f"{stack}.1"]
+    protocol = fs.GrowthProtocol(candidates=points, seed=5)
+    right, left = lm_batch(gen), lm_batch(gen, left=True)
+    before = (
+        logits(model, right),
+        decode_steps(model, left),
+        generate(model, left, True),
+        generate(model, left, False),
+    )
+    grown = copy.deepcopy(model)
+    result = fs.grow(grown, protocol, at=[inp, f"{stack}.1"])
+    assert result.positions == {inp: f"{stack}.0", f"{stack}.1": f"{stack}.3"}
+    assert len(grown.get_submodule(stack)) == 4 == grown.config.num_hidden_layers
+    # the zero output maps really are zero, and the other parts really are not
+    new = grown.get_submodule(f"{stack}.0")
+    for rel in zero_parameters(model, protocol, inp):
+        assert not new.get_parameter(rel).any(), rel
+    assert all(
+        p.abs().sum() > 0
+        for n, p in new.named_parameters()
+        if n.endswith("weight") and "norm" not in n and n not in zero_parameters(model, protocol, inp)
+    )
+    assert torch.equal(logits(grown, right), before[0])
+    for a, b in zip(decode_steps(grown, left), before[1]):
+        assert torch.equal(a, b)
+    assert torch.equal(generate(grown, left, True), before[2])
+    assert torch.equal(generate(grown, left, False), before[3])
+    grown.save_pretrained(tmp_path)
+    loaded = aligned(transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval())
+    assert loaded.config.num_hidden_layers == 4
+    if kind == "gpt2":  # the tied embedding stays tied, in memory and after reloading
+        assert grown.lm_head.weight is grown.transformer.wte.weight
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert_same_weights(loaded, grown)
+    assert torch.equal(logits(loaded, right), before[0])
+    for a, b in zip(decode_steps(loaded, left), before[1]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["llama", "neox", "gpt2"])
+def test_random_and_copy_growth_cache_matches_recomputation(kind, gen, tmp_path):
+    """A non-zero new layer: cached decoding must equal recomputing the whole sequence, which
+    fails if two layers share a KV-cache slot (layer_idx not renumbered)."""
+    inp, stack = STACK[kind]
+    for init in ("random", "copy"):
+        model = build(kind, F64)
+        protocol = fs.GrowthProtocol(candidates=[inp, f"{stack}.0"], init=init, seed=1)
+        right, left = lm_batch(gen), lm_batch(gen, left=True)
+        before = logits(model, right)
+        fs.grow(model, protocol)
+        assert not torch.allclose(logits(model, right), before)  # really changed the function
+        idx = [
+            blk.get_submodule({"llama": "self_attn", "neox": "attention", "gpt2": "attn"}[kind]).layer_idx
+            for blk in model.get_submodule(stack)
+        ]
+        assert idx == list(range(4))
+        cached = generate(model, left, True)
+        assert torch.equal(cached, generate(model, left, False))
+        steps = decode_steps(model, left, steps=3)
+        ids = torch.cat([left["input_ids"], *[s[:, -1].argmax(-1, keepdim=True) for s in steps[:-1]]], 1)
+        mask = torch.cat([left["attention_mask"], torch.ones(3, 3, dtype=torch.long)], 1)
+        with torch.no_grad():
+            full = model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(steps[-1][:, -1], full[:, -1], rtol=1e-10, atol=1e-10)
+        model.save_pretrained(tmp_path / init)
+        loaded = aligned(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / init, dtype=F64).eval())
+        assert_same_weights(loaded, model)
+        assert torch.equal(logits(loaded, right), logits(model, right))
+
+
+def test_copy_is_the_neighbour_and_blocks_are_what_grow_inserts():
+    model = build("llama", F64)
+    protocol = fs.GrowthProtocol(candidates=["model.layers.0", "model.layers.1"], seed=7)
+    probed = new_block(model, protocol, "model.layers.1")
+    again = new_block(model, protocol, "model.layers.1")
+    other = new_block(
+        model, fs.GrowthProtocol(candidates=["model.layers.0", "model.layers.1"], seed=8), "model.layers.1"
+    )
+    other_point = new_block(model, protocol, "model.layers.0")
+    fs.grow(model, protocol, at=["model.layers.1"])
+    inserted = model.model.layers[2]
+    for (n, a), b, c, d in zip(
+        probed.state_dict().items(),
+        again.state_dict().values(),
+        inserted.state_dict().values(),
+        other.state_dict().values(),
+    ):
+        assert torch.equal(a, b) and torch.equal(a, c), n
+        if n.endswith("q_proj.weight"):
+            assert not torch.equal(a, d)
+            assert not torch.equal(a, other_point.get_parameter(n))
+    copied = build("llama", F64)
+    neighbour = {k: v.clone() for k, v in copied.model.layers[0].state_dict().items()}
+    fs.grow(copied, fs.GrowthProtocol(candidates=["model.layers.0"], init="copy"))
+    for k, v in copied.model.layers[1].state_dict().items():
+        assert torch.equal(v, neighbour[k]), k
+    assert copied.model.layers[1].self_attn.layer_idx == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("kind", ["resnet20", "bottleneck"])
+def test_zero_growth_of_resnets_is_bit_identical(kind, dtype, gen):
+    model = build(kind, dtype)
+    x = torch.randn(4, 3, 16, 16, generator=gen).to(dtype)
+    points = ["layer1.2", "layer2.0", "layer3.2"] if kind == "resnet20" else ["layer1.0", "layer4.0"]
+    with torch.no_grad():
+        before = model(x)
+    result = fs.grow(model, fs.GrowthProtocol(candidates=points, seed=2))
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    stage = points[0].split(".")[0]
+    assert len(model.get_submodule(stage)) == (4 if kind == "resnet20" else 2)
+    expected = {
+        "layer1.2": "layer1.3",
+        "layer2.0": "layer2.1",
+        "layer3.2": "layer3.3",
+        "layer1.0": "layer1.1",
+        "layer4.0": "layer4.1",
+    }
+    assert result.positions == {p: expected[p] for p in points}
+    assert set(result.positions.values()) <= set(fs.residual_points(model))
+    last = "bn2" if kind == "resnet20" else "bn3"
+    named = dict(model.named_parameters())
+    for n in result.new_parameters:
+        if f".{last}." in n:
+            assert not named[n].any(), n
+        elif n.endswith("weight"):  # conv and the other BN scales are live (BN shifts start at 0 anyway)
+            assert named[n].abs().sum() > 0, n
+    # train mode (batch statistics): still the same outputs, and the old running statistics move alike
+    ref = build(kind, dtype)
+    ref.train()
+    model.train()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    assert torch.equal(model.bn1.running_mean, ref.bn1.running_mean)
+
+
+def test_copy_growth_of_a_resnet_block(gen):
+    model = build("resnet20", F64)
+    x = torch.randn(2, 3, 16, 16, generator=gen, dtype=F64)
+    with torch.no_grad():
+        before = model(x)
+    neighbour = {k: v.clone() for k, v in model.layer1[2].state_dict().items()}
+    result = fs.grow(model, fs.GrowthProtocol(candidates=["layer1.2"], init="copy"))
+    assert result.positions == {"layer1.2": "layer1.3"} and len(model.layer1) == 4
+    for k, v in model.layer1[3].state_dict().items():
+        assert torch.equal(v, neighbour[k]), k
+    assert model.layer1[3] is not model.layer1[2]
+    with torch.no_grad():
+        assert not torch.allclose(model(x), before)  # a copy is not function preserving
+
+
+def test_protocol_record_and_digest():
+    p = fs.GrowthProtocol(
+        candidates=["model.layers.0", "model.layers.1"], family="mlp_width", width=3, seed=4
+    )
+    record = p.to_dict()
+    text = json.dumps(record)  # plain JSON
+    assert json.loads(text) == record
+    assert record["zero_state_rule"] and record["zero_parameters"]["llama"] == [
+        "mlp.down_proj.weight[new columns]"
+    ]
+    canonical = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    assert p.digest == hashlib.sha256(canonical.encode()).hexdigest()
+    assert fs.GrowthProtocol.from_dict(record) == p
+    changed = fs.GrowthProtocol(
+        candidates=["model.layers.0", "model.layers.1"], family="mlp_width", width=3, seed=5
+    )
+    assert changed.digest != p.digest
+    layer = fs.GrowthProtocol(candidates=["a"]).to_dict()
+    assert layer["zero_parameters"]["llama"][0] == "self_attn.o_proj.weight"
+    assert fs.GrowthProtocol(candidates=["a"], init="random").to_dict()["zero_parameters"] == {}
+    with pytest.raises(fs.FusedStatsError, match="width"):
+        fs.GrowthProtocol(candidates=["a"], family="mlp_width")
+    with pytest.raises(fs.FusedStatsError, match="family"):
+        fs.GrowthProtocol(candidates=["a"], family="wide")
+    with pytest.raises(fs.FusedStatsError, match="twice"):
+        fs.GrowthProtocol(candidates=["a", "a"])
+    with pytest.raises(fs.FusedStatsError, match="needs family 'layer'"):
+        fs.GrowthProtocol(candidates=["a"], family="cross_block", init="random")
+    with pytest.raises(fs.FusedStatsError, match="edited"):
+        fs.GrowthProtocol.from_dict({**record, "zero_state_rule": "x"})
+
+
+# ------------------------------------------------------------------------------------------ width
+
+
+@pytest.mark.parametrize("kind", ["llama", "neox", "gpt2"])
+def test_width_growth_all_blocks(kind, gen, tmp_path):
+    model = build(kind, F64, layers=3)
+    inp, stack = STACK[kind]
+    points = [inp, f"{stack}.0", f"{stack}.1"]
+    protocol = fs.GrowthProtocol(candidates=points, family="mlp_width", width=4, seed=3)
+    batch = lm_batch(gen)
+    before = logits(model, batch)
+    size = model.config.intermediate_size if kind != "gpt2" else 4 * 12
+    d = 12
+    directions = torch.randn(5, d, generator=gen, dtype=F64)
+    result = fs.grow(model, protocol, init_directions={inp: directions})
+    new_size = model.config.intermediate_size if kind != "gpt2" else model.config.n_inner
+    assert new_size == size + 4
+    assert result.positions == {inp: f"{stack}.0", f"{stack}.0": f"{stack}.1", f"{stack}.1": f"{stack}.2"}
+    torch.testing.assert_close(logits(model, batch), before, rtol=0, atol=1e-12)
+    first = {"llama": "mlp.gate_proj", "neox": "mlp.dense_h_to_4h", "gpt2": "mlp.c_fc"}[kind]
+    w = model.get_submodule(f"{stack}.0.{first}").weight
+    rows = (w.T if kind == "gpt2" else w)[size:]
+    cos = torch.nn.functional.cosine_similarity(rows, directions[:4], dim=1)
+    torch.testing.assert_close(cos, torch.ones(4, dtype=F64))
+    out = {"llama": "mlp.down_proj", "neox": "mlp.dense_4h_to_h", "gpt2": "mlp.c_proj"}[kind]
+    wo = model.get_submodule(f"{stack}.1.{out}").weight
+    new_cols = wo[size:] if kind == "gpt2" else wo[:, size:]
+    assert new_cols.shape[-1 if kind != "gpt2" else 0] == 4 and not new_cols.any()
+    model.save_pretrained(tmp_path)
+    loaded = aligned(transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=F64).eval())
+    assert_same_weights(loaded, model)
+    assert torch.equal(logits(loaded, batch), logits(model, batch))
+    # a gradient step now moves the new units (the zero columns get gradient, GradMax's premise)
+    model.train()
+    loss = model(**batch).loss
+    loss.backward()
+    grad = model.get_submodule(f"{stack}.1.{out}").weight.grad
+    assert (grad[size:] if kind == "gpt2" else grad[:, size:]).abs().sum() > 0
+
+
+def test_new_units_are_deterministic_and_seeded():
+    model = build("llama", F64)
+    p = fs.GrowthProtocol(candidates=["model.embed_tokens", "model.layers.0"], family="mlp_width", width=3)
+    a = new_units(model, p, "model.embed_tokens")
+    b = new_units(model, p, "model.embed_tokens")
+    c = new_units(model, p, "model.layers.0")
+    assert a.block == "model.layers.0" and c.block == "model.layers.1"
+    for name, (axis, t) in a.pieces.items():
+        assert torch.equal(t, b.pieces[name][1]) and axis == b.pieces[name][0]
+    assert not torch.equal(a.pieces["mlp.gate_proj.weight"][1], c.pieces["mlp.gate_proj.weight"][1])
+
+
+# -------------------------------------------------------------------------------------- optimizer
+
+
+def _train_steps(model, opt, gen, steps=2):
+    for _ in range(steps):
+        opt.zero_grad()
+        model(**lm_batch(gen)).loss.backward()
+        opt.step()
+
+
+def _state_copy(opt):
+    return {
+        id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+        for p, s in opt.state.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    ],
+)
+def test_optimizer_state_across_depth_growth(make, gen):
+    model = build("llama", F64)
+    model.train()
+    opt = make(model.parameters())
+    _train_steps(model, opt, gen)
+    ref_model, ref_opt = copy.deepcopy((model, opt))
+    saved = _state_copy(opt)
+    old = list(model.parameters())
+    protocol = fs.GrowthProtocol(candidates=["model.layers.0"], seed=1)
+    result = fs.grow(model, protocol, optimizer=opt)
+    for p in old:  # old state, bit for bit
+        assert set(opt.state[p]) == set(saved[id(p)])
+        for k, v in saved[id(p)].items():
+            assert torch.equal(opt.state[p][k], v) if torch.is_tensor(v) else opt.state[p][k] == v
+    named = dict(model.named_parameters())
+    new = [named[n] for n in result.new_parameters]
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert all(id(p) in in_opt for p in new) and all(len(opt.state[p]) == 0 for p in new)
+    # one more step: old parameters move exactly as in the ungrown model, new ones as a fresh optimizer's
+    batch = lm_batch(gen)
+    opt.zero_grad()
+    model(**batch).loss.backward()
+    grads = [p.grad.clone() for p in new]
+    fresh_params = [p.detach().clone().requires_grad_(True) for p in new]
+    fresh = make(fresh_params)
+    for fp, g in zip(fresh_params, grads):
+        fp.grad = g
+    opt.step()
+    fresh.step()
+    ref_opt.zero_grad()
+    ref_model(**batch).loss.backward()
+    ref_opt.step()
+    for p, q in zip(old, ref_model.parameters()):
+        assert torch.equal(p, q)
+    for p, fp in zip(new, fresh_params):
+        assert torch.equal(p, fp)
+    moved = [n for n, p, g in zip(result.new_parameters, new, grads) if g.abs().sum() > 0]
+    assert any("o_proj" in n for n in moved) and any("down_proj" in n for n in moved)
+
+
+@pytest.mark.parametrize(
+    "kind, make, keys",
+    [
+        ("gpt2", lambda ps: torch.optim.AdamW(ps, lr=1e-3), ("exp_avg", "exp_avg_sq")),
+        ("llama", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), ("momentum_buffer",)),
+    ],
+)
+def test_optimizer_state_across_width_growth(kind, make, keys, gen):
+    model = build(kind, F64, layers=2)
+    model.train()
+    opt = make(model.parameters())
+    _train_steps(model, opt, gen)
+    saved = {
+        n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+        for n, p in model.named_parameters()
+    }
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    inp, stack = STACK[kind]
+    protocol = fs.GrowthProtocol(candidates=[inp, f"{stack}.0"], family="mlp_width", width=3)
+    result = fs.grow(model, protocol, optimizer=opt)
+    named = dict(model.named_parameters())
+    assert (
+        len(result.widened) == 6
+    )  # three tensors per MLP (LLaMA gate, up, down; GPT-2 c_fc weight and bias, c_proj)
+    for n in result.widened:
+        p = named[n]
+        (axis,) = [a for a in range(p.dim()) if p.shape[a] != shapes[n][a]]
+        assert p.shape[axis] == shapes[n][axis] + 3
+        st = opt.state[p]
+        assert set(st) == set(saved[n])
+        if "step" in st:
+            assert torch.equal(st["step"], saved[n]["step"])
+        for k in keys:
+            old_len = saved[n][k].shape[axis]
+            assert torch.equal(st[k].narrow(axis, 0, old_len), saved[n][k])
+            assert not st[k].narrow(axis, old_len, 3).any()
+    for n, p in named.items():
+        if n not in result.widened:
+            assert torch.equal(opt.state[p][keys[0]], saved[n][keys[0]])
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
+    _train_steps(model, opt, gen, steps=1)  # training continues with the same optimizer
+
+
+def _first_step_change(kind_opt, eta, gen_seed, saturate=False):
+    """Loss change of one step on the new parameters only, and the first-order prediction."""
+    g = torch.Generator().manual_seed(gen_seed)
+    model = build("llama", F64)
+    batch = lm_batch(g)
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=eta, momentum=0.9)
+        if kind_opt == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=eta)
+    )
+    result = fs.grow(model, fs.GrowthProtocol(candidates=["model.layers.0"], seed=3), optimizer=opt)
+    named = dict(model.named_parameters())
+    new = {id(named[n]) for n in result.new_parameters}
+
+    def loss_fn():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        if saturate:  # loss at its minimum in the logits: q = 0 everywhere
+            return ((out - target) ** 2).sum()
+        return torch.nn.functional.cross_entropy(
+            out[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1)
+        )
+
+    with torch.no_grad():
+        target = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.clone()
+    opt.zero_grad()
+    loss0 = loss_fn()
+    loss0.backward()
+    gnew = []
+    for p in model.parameters():
+        if id(p) in new:
+            gnew.append(p.grad.clone())
+        else:
+            p.grad = None  # only the new parameters step
+    opt.step()
+    with torch.no_grad():
+        loss1 = loss_fn()
+    gn = torch.cat([x.flatten() for x in gnew])
+    if kind_opt == "sgd":
+        pred = -eta * (gn**2).sum()
+    else:
+        pred = -eta * (gn**2 / (gn.abs() + 1e-8)).sum()
+    return (loss1 - loss0).item(), pred.item(), gn
+
+
+@pytest.mark.parametrize("opt_kind, etas", [("sgd", (1.0, 0.1, 0.01)), ("adam", (1e-2, 1e-3, 1e-4))])
+def test_first_step_after_zero_growth_matches_first_order(opt_kind, etas):
+    errs = []
+    for eta in etas:
+        change, pred, gn = _first_step_change(opt_kind, eta, 123)
+        assert gn.abs().sum() > 0 and pred < 0
+        errs.append(abs(change - pred) / abs(pred))
+    # the remainder is second order: the relative error shrinks about tenfold per tenfold smaller step
+    assert errs[0] > errs[1] > errs[2], errs
+    assert errs[2] < 0.02, errs
+    assert errs[1] / errs[2] > 5, errs
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd", "adam"])
+def test_saturated_boundary_is_the_same_for_sgd_and_adam(opt_kind):
+    change, pred, gn = _first_step_change(opt_kind, 1e-2, 7, saturate=True)
+    assert not gn.any() and pred == 0 and change == 0
+
+
+# -------------------------------------------------------------------------------------- bad input
+
+
+def _untouched(model, opt):
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    config = model.config.to_dict() if hasattr(model, "config") else None
+    params = [id(p) for p in model.parameters()]
+    opt_state = copy.deepcopy(opt.state_dict()) if opt is not None else None
+    opt_params = [id(p) for g in opt.param_groups for p in g["params"]] if opt is not None else None
+    text = repr(model)
+
+    def check():
+        after = model.state_dict()
+        assert list(after) == list(state)
+        assert all(torch.equal(after[k], v) for k, v in state.items())
+        assert [id(p) for p in model.parameters()] == params
+        assert repr(model) == text
+        if config is not None:
+            assert model.config.to_dict() == config
+        if opt is not None:
+            assert [id(p) for g in opt.param_groups for p in g["params"]] == opt_params
+            now = opt.state_dict()
+            assert now["param_groups"] == opt_state["param_groups"]
+            for k, s in opt_state["state"].items():
+                assert all(torch.equal(now["state"][k][n], v) for n, v in s.items())
+
+    return check
+
+
+def _trained_llama(gen, **over):
+    model = build("llama", F64)
+    for k, v in over.items():
+        # past the strict validator: a config that really lists one size per layer (as the NAS
+        # variants of LLaMA do) is what is simulated
+        object.__setattr__(model.config, k, v)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train_steps(model, opt, gen, steps=1)
+    return model, opt
+
+
+def test_bad_input_names_it_and_changes_nothing(gen):
+    cases = []
+    model, opt = _trained_llama(gen)
+    cases.append((model, opt, fs.GrowthProtocol(candidates=["model.layers.0.mlp"]), {}, "model.layers.0.mlp"))
+    cases.append(
+        (
+            model,
+            opt,
+            fs.GrowthProtocol(candidates=["model.layers.0"]),
+            {"at": ["model.layers.1"]},
+            "not a candidate",
+        )
+    )
+    cases.append(
+        (
+            model,
+            opt,
+            fs.GrowthProtocol(candidates=["model.layers.1"], family="mlp_width", width=2),
+            {},
+            "last block",
+        )
+    )
+    cases.append(
+        (
+            model,
+            opt,
+            fs.GrowthProtocol(candidates=["model.layers.0"], family="mlp_width", width=2),
+            {},
+            r"model\.layers\.0'\] would keep",
+        )
+    )
+    foreign = torch.optim.SGD([*model.parameters(), torch.nn.Parameter(torch.randn(3, 5, dtype=F64))], lr=0.1)
+    cases.append((model, foreign, fs.GrowthProtocol(candidates=["model.layers.0"]), {}, r"shape \(3, 5\)"))
+    tied, tied_opt = _trained_llama(gen)
+    tied.model.layers[1].mlp.up_proj.weight = tied.model.layers[0].mlp.up_proj.weight
+    cases.append((tied, tied_opt, fs.GrowthProtocol(candidates=["model.layers.0"]), {}, "tied"))
+    cases.append(
+        (
+            tied,
+            None,
+            fs.GrowthProtocol(candidates=["model.embed_tokens"], family="mlp_width", width=2),
+            {},
+            "tied",
+        )
+    )
+    per_layer, pl_opt = _trained_llama(gen, intermediate_size=[20, 20])
+    cases.append(
+        (
+            per_layer,
+            pl_opt,
+            fs.GrowthProtocol(
+                candidates=["model.embed_tokens", "model.layers.0"], family="mlp_width", width=2
+            ),
+            {},
+            "per-layer",
+        )
+    )
+    gpt2 = build("gpt2", F64)
+    gpt2.config.scale_attn_by_inverse_layer_idx = True
+    cases.append((gpt2, None, fs.GrowthProtocol(candidates=["transformer.h.0"]), {}, "scale_attn_by_inverse"))
+    resnet = build("resnet20", F64)
+    resnet_opt = torch.optim.SGD(resnet.parameters(), lr=0.1, momentum=0.9)
+    cases.append(
+        (
+            resnet,
+            resnet_opt,
+            fs.GrowthProtocol(candidates=["layer1.0"], family="mlp_width", width=2),
+            {},
+            "not supported",
+        )
+    )
+    cases.append(
+        (
+            resnet,
+            resnet_opt,
+            fs.GrowthProtocol(candidates=["layer1.2", "layer2.0"], init="copy"),
+            {},
+            "layer2.0",
+        )
+    )
+    cases.append(
+        (resnet, resnet_opt, fs.GrowthProtocol(candidates=["fc"]), {}, "'fc' is not a residual point")
+    )
+    cases.append((model, opt, fs.GrowthProtocol(candidates=["model.layers.0"]), {"init": "ones"}, "ones"))
+    hooked = build("llama", F64)
+    fs.insert_zero_block(hooked, "model.layers.1")
+    cross = fs.GrowthProtocol(candidates=["model.layers.0", "model.layers.1"], family="cross_block")
+    cases.append((hooked, None, cross, {}, r"\['model.layers.1'\] already have"))
+    cases.append(
+        (model, opt, fs.GrowthProtocol(candidates=["model.layers.0"], family="mlp_width", width=2), {"init": "random"},
+         "needs family 'layer'")
+    )  # fmt: skip
+    for m, o, protocol, kw, message in cases:
+        check = _untouched(m, o)
+        with pytest.raises(fs.FusedStatsError, match=message):
+            fs.grow(m, protocol, optimizer=o, **kw)
+        check()
+
+
+def test_layer_types_follow_the_neighbour(gen, tmp_path):
+    """Qwen2 lists a window type per layer: the new layer takes its neighbour's, in the config and
+    in the module, and the reloaded model computes the same."""
+    torch.manual_seed(5)
+    config = transformers.Qwen2Config(
+        hidden_size=12,
+        intermediate_size=20,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=VOCAB,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=1,
+        initializer_range=0.3,
+        pad_token_id=0,
+    )
+    model = transformers.Qwen2ForCausalLM(config).to(F64).eval()
+    assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    batch = lm_batch(gen, left=True)
+    before = decode_steps(model, batch)
+    zero = copy.deepcopy(model)
+    fs.grow(zero, fs.GrowthProtocol(candidates=["model.layers.0"]))
+    for a, b in zip(decode_steps(zero, batch), before):
+        assert torch.equal(a, b)
+    fs.grow(model, fs.GrowthProtocol(candidates=["model.layers.0", "model.layers.2"], init="random"))
+    assert model.config.layer_types == [
+        "full_attention",
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "sliding_attention",
+    ]
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, None, 3, 3, 3]
+    model.save_pretrained(tmp_path)
+    loaded = aligned(transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=F64).eval())
+    assert loaded.config.layer_types == model.config.layer_types
+    for a, b in zip(decode_steps(loaded, batch), decode_steps(model, batch)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["llama", "resnet20"])
+def test_cross_block_growth(kind, gen):
+    """family 'cross_block': the probe's W_out φ(W_in z) block hooked in, W_out = 0, the same W_in
+    as new_block builds; the function is unchanged until W_out moves."""
+    model = build(kind, F64)
+    point = "model.layers.0" if kind == "llama" else "layer3.1"  # 16 channels on a 4x4 map
+    protocol = fs.GrowthProtocol(candidates=[point], family="cross_block", width=5, seed=9)
+    probed = new_block(model, protocol, point)
+    batch = lm_batch(gen) if kind == "llama" else {"x": torch.randn(2, 3, 16, 16, generator=gen, dtype=F64)}
+    run = (lambda m: logits(m, batch)) if kind == "llama" else (lambda m: m(batch["x"]).detach())
+    before = run(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = fs.grow(model, protocol, optimizer=opt)
+    assert result.new_parameters == [f"{point}.fused_stats_inserted.w_out"]
+    inserted = model.get_submodule(f"{point}.fused_stats_inserted")
+    assert torch.equal(inserted.w_in, probed.w_in) and inserted.w_in.shape[0] == 5
+    assert torch.equal(run(model), before)
+    assert any(p is inserted.w_out for p in opt.param_groups[0]["params"])
+    with torch.no_grad():
+        inserted.w_out.normal_()
+    assert not torch.allclose(run(model), before)
+
+
+def test_grow_example_runs(tmp_path):
+    """examples/grow_llama.py (the README's growth example) end to end in a fresh interpreter."""
+    import os
+    import re
+
+    from example_scripts import run_script
+
+    proc = run_script("grow_llama.py", cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "logits bit-identical: True; cached greedy generation identical: True" in out
+    assert "reloaded: 6 layers, max |logit difference| 0.0e+00" in out
+    errors = [
+        float(e)
+        for e in re.findall(r"^[\d.]+\s+[-+][\d.e+-]+\s+[-+][\d.e+-]+\s+([\d.e+-]+)$", out, flags=re.M)
+    ]
+    assert len(errors) == 3 and errors[0] > errors[1] > errors[2], out
+    assert "MLP width 128 -> 160 in every block" in out
+
+
+def test_gradmax_directions_from_measured_cross_gradient(gen):
+    """From a CrossStats (identity activation, a random full-column-rank w_in): the rows are the
+    top right singular vectors of C = mean_i Σ_t q zᵀ, computed here directly from the samples and
+    checked through eigh of CᵀC (another algorithm); they beat random orthonormal rows."""
+    from fused_stats.api.growth.grow import gradmax_directions
+
+    d, r, k = 6, 9, 3
+    q = torch.randn(20, 4, d, generator=gen, dtype=F64)
+    z = torch.randn(20, 4, d, generator=gen, dtype=F64) + 0.5 * q  # correlated: C far from 0
+    w_in = torch.randn(r, d, generator=gen, dtype=F64)
+    acc = fs.CrossStats(d, w_in, activation="identity")
+    acc.update(q, z)  # the accumulator applies w_in: c_i = Σ_t q_t (W_in z_t)ᵀ
+    c_ref = torch.einsum("btd,bte->de", q, z) / q.shape[0]
+    rows = gradmax_directions(acc, k)
+    assert rows.shape == (k, d)
+    torch.testing.assert_close(rows @ rows.T, torch.eye(k, dtype=F64), rtol=0, atol=1e-10)
+    evals, evecs = torch.linalg.eigh(c_ref.T @ c_ref)
+    top = evecs[:, -k:].flip(1).T
+    torch.testing.assert_close((rows * top).sum(1).abs(), torch.ones(k, dtype=F64), rtol=0, atol=1e-8)
+    gain = (c_ref @ rows.T).pow(2).sum()
+    torch.testing.assert_close(gain, evals[-k:].sum(), rtol=1e-10, atol=0)
+    for _ in range(5):
+        rand, _ = torch.linalg.qr(torch.randn(d, k, generator=gen, dtype=F64))
+        assert (c_ref @ rand).pow(2).sum() < gain
+    assert torch.equal(gradmax_directions(c_ref, k), gradmax_directions(c_ref.clone(), k))
+    with pytest.raises(fs.FusedStatsError, match="identity"):
+        gradmax_directions(fs.CrossStats(d, w_in, activation="gelu"), k)
+    with pytest.raises(fs.FusedStatsError, match="full column rank"):
+        low = fs.CrossStats(d, w_in[:4], activation="identity")
+        low.update(q, z)
+        gradmax_directions(low, k)
+    with pytest.raises(fs.FusedStatsError, match="k must be"):
+        gradmax_directions(c_ref, d + 1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_bare_models_and_gradient_checkpointing(kind, gen):
+    """The bare *Model forms grow too; a new layer checkpoints like its neighbour, and a
+    checkpointed training step gives the same gradients as an unchecked one."""
+    full = build(kind, F64)
+    bare = full.model if kind == "llama" else full.transformer
+    inp = "embed_tokens" if kind == "llama" else "drop"
+    stack = "layers" if kind == "llama" else "h"
+    batch = lm_batch(gen)
+    with torch.no_grad():
+        before = bare(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    fs.grow(bare, fs.GrowthProtocol(candidates=[inp, f"{stack}.1"]))
+    assert len(bare.get_submodule(stack)) == 4 and full.config.num_hidden_layers == 4
+    with torch.no_grad():
+        after = bare(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    assert torch.equal(after, before)
+
+    model = build(kind, F64)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    fs.grow(model, fs.GrowthProtocol(candidates=[f"{STACK[kind][1]}.0"], init="random"))
+    layers = model.get_submodule(STACK[kind][1])
+    assert all(layer.gradient_checkpointing for layer in layers)
+    plain = copy.deepcopy(model)
+    plain.gradient_checkpointing_disable()
+    for m in (model, plain):
+        m.config.attn_pdrop = m.config.resid_pdrop = m.config.embd_pdrop = 0.0
+        for sub in m.modules():
+            if isinstance(sub, torch.nn.Dropout):
+                sub.p = 0.0
+        m(**batch).loss.backward()
+    for (n, a), b in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14, msg=n)

@@ -1,0 +1,93 @@
+"""fused-stats grow-demo --quick end to end, its statistics against independent references, and
+the tangent line of fused-stats plan."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import scipy.stats
+import torch
+import transformers
+
+import fused_stats as fs
+from fused_stats.api.streaming.plan import plan_tangent
+from fused_stats.cli import main
+from fused_stats.demo.growth import paired_test, training_flops_per_token
+from fused_stats.demo.models import build_llama
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grow_demo")
+    assert main(["grow-demo", "--quick", "--out", str(out)]) == 0
+    assert (out / "growth_demo.png").stat().st_size > 1000
+    return json.loads((out / "growth_demo.json").read_text()), (out / "growth_demo.md").read_text()
+
+
+def test_quick_run_end_to_end(quick_run):
+    record, text = quick_run
+    cfg = record["config"]
+    assert len(record["runs"]) == len(cfg["seeds"]) == 2
+    for run in record["runs"]:
+        ranked = [c["point"] for c in run["advice"]["ranked"]]
+        assert sorted(ranked) == sorted(run["candidates"]) and len(ranked) == cfg["depth"] + 1
+        arms = run["arms"]
+        assert arms["top"]["point"] == arms["copy"]["point"] == ranked[0]
+        assert arms["last"]["point"] == ranked[-1]
+        assert arms["scratch_steps"]["steps"] == cfg["steps1"] + cfg["steps2"]
+        # equal FLOPs: within one scratch step of the grown run's training FLOPs
+        step = arms["scratch_flops"]["flops"] / arms["scratch_flops"]["steps"]
+        assert abs(arms["scratch_flops"]["flops"] - arms["top"]["flops"]) <= step / 2 + 1e-6 * step
+        gains = [run["candidate_gain"][c] for c in run["candidates"]]
+        drops = [run["candidate_drop"][c] for c in run["candidates"]]
+        assert run["rank_correlation"]["rho"] == pytest.approx(
+            scipy.stats.spearmanr(gains, drops)[0], abs=1e-12
+        )
+        assert all(torch.isfinite(torch.tensor(v["held_out_loss"])) for v in arms.values())
+    losses = [r["arms"]["top"]["held_out_loss"] for r in record["runs"]]
+    summary = record["summary"]["held_out_loss"]["top"]
+    assert summary["mean"] == pytest.approx(sum(losses) / 2, rel=1e-12)
+    assert "Held-out loss" in text and "rank correlation" in text and "not a test" in text
+
+
+def test_paired_sign_flip_test():
+    assert paired_test([1.0, 2.0, 3.0]) == 0.25  # only all + and all - reach |sum| = 6
+    diffs = [0.3, -0.1, 0.2, 0.05]
+    sums = [abs(sum(s * d for s, d in zip(signs, diffs))) for signs in itertools.product((1, -1), repeat=4)]
+    assert paired_test(diffs) == sum(v >= abs(sum(diffs)) - 1e-12 for v in sums) / 16
+
+
+def test_flops_per_token_counts_blocks_and_head():
+    width, depth = 32, 3
+    model = build_llama(width, depth, 64, seed=0)
+    d, f, V = width, 4 * width, 256
+    per_layer = 4 * d * d + 3 * d * f + 2 * d  # q, k, v, o; gate, up, down; two RMSNorms
+    assert training_flops_per_token(model) == 6 * (depth * per_layer + d + V * d)
+
+
+def test_plan_counts_the_tangent(capsys):
+    assert main(["plan", "--dim", "4096", "--points", "32", "--tangent", "11008"]) == 0
+    text = capsys.readouterr().out
+    assert "r = 15104 features" in text and "C is 4096 x 15104" in text
+    # against the state of a live tangent probe (fp32 tiny LLaMA, with and without projection)
+    cfg = transformers.LlamaConfig(
+        vocab_size=30,
+        hidden_size=12,
+        intermediate_size=20,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    for projection in (None, 7):
+        protocol = fs.GrowthProtocol(["model.layers.0"], projection=projection)
+        probe = fs.Probe(model, points=["model.layers.0"], cross=protocol)
+        probe.step({"input_ids": torch.randint(0, 30, (3, 6))}, fs.causal_lm_loss)
+        acc = probe.cross_stats["model.layers.0"]
+        t = plan_tangent(12, 20, 1, projection=projection, streams=1)
+        assert t["rank"] == acc.rank and t["features"] == acc.in_dim == 32
+        assert t["c_sum_bytes"] == acc.c_sum.numel() * acc.c_sum.element_size()
+        assert t["w_in_bytes"] == acc.w_in.numel() * acc.w_in.element_size()

@@ -1,0 +1,139 @@
+"""fs.advise: ranking, Holm–Bonferroni, certificate at the same point, reports and the CLI."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers
+
+import fused_stats as fs
+from fused_stats.api.growth.advise import advise, holm
+from fused_stats.cli import main
+
+CANDIDATES = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2"]
+
+
+@pytest.fixture(scope="module")
+def probed():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    model = transformers.LlamaForCausalLM(cfg).double().eval()
+    protocol = fs.GrowthProtocol(CANDIDATES, seed=1)
+    probe = fs.Probe(model, points=CANDIDATES, cross=protocol)
+    g = torch.Generator().manual_seed(0)
+    for stream in ("train", "test", "train", "test"):
+        start = torch.randint(0, 5, (12, 1), generator=g)  # shifted counting: a learnable signal
+        probe.step({"input_ids": (start + torch.arange(10)) % 7}, fs.causal_lm_loss, stream=stream)
+    return probe, protocol
+
+
+def step_down(p, alpha):
+    """Holm's procedure as a sequence of decisions: reject while p_(j) <= alpha/(m-j+1)."""
+    m = len(p)
+    rejected = [False] * m
+    for j, i in enumerate(sorted(range(m), key=lambda i: p[i])):
+        if p[i] > alpha / (m - j):
+            break
+        rejected[i] = True
+    return rejected
+
+
+def test_advice_reads_the_probe_and_its_saved_report(probed, tmp_path):
+    probe, protocol = probed
+    live = advise(probe, protocol)
+    path = probe.report(misalignment_trials=0).to_json(tmp_path / "r.json")
+    saved = advise(str(path))
+    assert live.ranked == saved.ranked and live.digest == saved.digest == protocol.digest
+    values = [c.cross_frob2 for c in live.ranked]
+    assert values == sorted(values, reverse=True)
+    for c in live.ranked:
+        sat = probe.saturation(c.point)
+        assert (c.cross_frob2, c.se, c.p_value, c.n) == (
+            sat.cross_frob2,
+            sat.cross_frob2_se,
+            sat.p_value,
+            sat.n,
+        )
+        assert c.predicted_change == -sat.cross_frob2
+        assert c.d_align == probe.estimate(c.point).d_align
+        assert c.b_exact == probe.certificate(c.point).b_exact
+    at = advise(probe, protocol, M=8, K=8)
+    for c in at.ranked:
+        assert c.b_exact == pytest.approx(probe.certificate(c.point, 8, 8, stream="train").b_exact, rel=1e-12)
+    assert not live.saturated_everywhere  # the counting task leaves a signal at every layer
+
+
+def test_report_records_the_protocol_verbatim(probed, tmp_path):
+    probe, protocol = probed
+    data = json.loads(probe.report(misalignment_trials=0).to_json(tmp_path / "r.json").read_text())
+    assert data["growth_protocol"] == {"digest": protocol.digest, "protocol": protocol.to_dict()}
+
+
+def _with_p(probe, p_values):
+    data = copy.deepcopy(probe.report(misalignment_trials=0).data)
+    for point, p in zip(data["points"], p_values):
+        point["saturation"]["p_value"] = p
+    return data
+
+
+@pytest.mark.parametrize(
+    "p_values", [[0.01, 0.04, 0.03, 0.2], [0.011, 0.012, 0.5, 0.013], [0.001, 0.002, 0.003, 0.004]]
+)
+def test_holm_bonferroni_across_candidates(probed, p_values):
+    probe, protocol = probed
+    advice = advise(_with_p(probe, p_values), protocol, alpha=0.05)
+    by_point = {c.point: c for c in advice.ranked}
+    rejected = step_down(p_values, 0.05)
+    for name, p, rej in zip(CANDIDATES, p_values, rejected):
+        assert by_point[name].p_value == p
+        assert by_point[name].saturated == (not rej)
+    assert holm([0.01, 0.04, 0.03, 0.2]) == pytest.approx([0.04, 0.09, 0.09, 0.2])
+    assert advice.correction == "Holm-Bonferroni" and "Holm-Bonferroni" in advice.to_markdown()
+
+
+def test_saturated_everywhere_is_said_plainly(probed):
+    probe, protocol = probed
+    advice = advise(_with_p(probe, [0.2, 0.5, 0.02, 0.9]), protocol)  # 4 × 0.02 > 0.05
+    assert advice.saturated_everywhere
+    assert advice.to_markdown().count("Saturated everywhere") == 1
+
+
+def test_bad_input(probed, tmp_path):
+    probe, _ = probed
+    other = fs.GrowthProtocol(CANDIDATES, seed=2)
+    with pytest.raises(fs.FusedStatsError, match="digest"):
+        advise(probe, other)
+    data = copy.deepcopy(probe.report(misalignment_trials=0).data)
+    del data["growth_protocol"]
+    with pytest.raises(fs.FusedStatsError, match="no growth protocol"):
+        advise(data)
+    data = copy.deepcopy(probe.report(misalignment_trials=0).data)
+    data["points"] = data["points"][:2]
+    with pytest.raises(fs.FusedStatsError, match="without a saturation result"):
+        advise(data)
+    with pytest.raises(fs.FusedStatsError, match="alpha"):
+        advise(probe, alpha=1.5)
+
+
+def test_cli_advise(probed, tmp_path, capsys):
+    probe, protocol = probed
+    path = probe.report(misalignment_trials=0).to_json(tmp_path / "r.json")
+    out = tmp_path / "advice"
+    assert main(["advise", str(path), "--out", str(out)]) == 0
+    record = json.loads((out / "advice.json").read_text())
+    assert record["digest"] == protocol.digest and record["protocol"] == protocol.to_dict()
+    assert [r["point"] for r in record["ranked"]] == [c.point for c in advise(probe).ranked]
+    assert (out / "advice.png").stat().st_size > 1000 and "Growth advice" in capsys.readouterr().out
+    assert main(["advise", str(tmp_path / "missing.json"), "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()

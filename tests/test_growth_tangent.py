@@ -1,0 +1,291 @@
+"""The probe of the block growth would insert, against per-sample gradients of that block.
+
+Reference: the real layer (zero output maps) inserted into an fp64 copy of the model by hand, one
+backward per sample, the gradients of every zero parameter flattened into ``c_i``; then the
+unbiased ``|C|²``, its Hoeffding standard error and the Satterthwaite / Wilson–Hilferty ``z``, ``p``
+of docs/design.md 2.8 by brute force over distinct index tuples. The probe sees none of this.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import fused_stats as fs
+import fused_stats.api.growth.tangent  # registers GrowthProtocol as a feature source
+from fused_stats.api.growth.architecture import describe
+
+ZEROED = {
+    "llama": ["self_attn.o_proj", "mlp.down_proj"],
+    "gpt2": ["attn.c_proj", "mlp.c_proj"],
+    "neox": ["attention.dense", "mlp.dense_4h_to_h"],
+}
+
+
+def make_model(kind, seed=0):
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=40,
+            hidden_size=12,
+            intermediate_size=20,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+        model, stack = transformers.LlamaForCausalLM(cfg), "model.layers"
+    elif kind == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=40,
+            n_embd=12,
+            n_layer=2,
+            n_head=2,
+            n_positions=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        model, stack = transformers.GPT2LMHeadModel(cfg), "transformer.h"
+    else:
+        cfg = transformers.GPTNeoXConfig(
+            vocab_size=40,
+            hidden_size=12,
+            intermediate_size=20,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=32,
+        )
+        model, stack = transformers.GPTNeoXForCausalLM(cfg), "gpt_neox.layers"
+    return model.double().eval(), stack
+
+
+def per_sample_loss(model, batch):
+    """Mean shifted cross-entropy over each sequence's real targets, shape (B,)."""
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits
+    valid = (am[:, 1:] * am[:, :-1]).to(logits.dtype)
+    ce = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    return (ce * valid).sum(1) / valid.sum(1)
+
+
+def padded_batch(n, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 40, (n, T), generator=g)
+    am = torch.ones(n, T, dtype=torch.long)
+    for b in range(n):
+        pad = int(torch.randint(0, 3, (1,), generator=g))
+        if b % 2:
+            am[b, :pad] = 0  # left padding: the new block's attention must get the mask
+        else:
+            am[b, T - pad :] = 0
+    am[0, T - 2 :] = 0
+    am[1, :2] = 0
+    return {"input_ids": ids, "attention_mask": am}
+
+
+def reference_grads(model, stack, point, block, batch, projection=None):
+    """c_i: per-sample gradients of the zero parameters of ``block`` inserted after ``point``."""
+    grown = copy.deepcopy(model)
+    layers = grown.get_submodule(stack)
+    index = int(point.rsplit(".", 1)[1]) + 1 if point.startswith(stack + ".") else 0
+    layers.insert(index, copy.deepcopy(block))
+    if hasattr(grown.config, "num_hidden_layers"):
+        grown.config.num_hidden_layers += 1
+    new = layers[index]
+    zero_names = ZEROED[kind_of(model)]
+    assert all(bool((p == 0).all()) for name in zero_names for p in new.get_submodule(name).parameters())
+    params = [p for name in zero_names for p in new.get_submodule(name).parameters()]
+    for p in grown.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    rows = []
+    for b in range(batch["input_ids"].shape[0]):
+        one = {k: v[b : b + 1] for k, v in batch.items()}
+        loss = per_sample_loss(grown, one)[0]
+        grads = torch.autograd.grad(loss, params)
+        # each zero map's per-sample gradient as (d_out, d_in [+1 for the bias]), maps side by side
+        blocks, pieces = [], list(grads)
+        for name in zero_names:
+            module = new.get_submodule(name)
+            w = pieces.pop(0)
+            w = w if isinstance(module, torch.nn.Linear) else w.T  # Conv1D stores (in, out)
+            if module.bias is not None:
+                w = torch.cat([w, pieces.pop(0)[:, None]], dim=1)
+            blocks.append(w)
+        c = torch.cat(blocks, dim=1)
+        if projection is not None:
+            c = c @ projection.T
+        rows.append(c.flatten())
+    return torch.stack(rows)
+
+
+def kind_of(model):
+    return {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2", "GPTNeoXForCausalLM": "neox"}[
+        type(model).__name__
+    ]
+
+
+def brute_force(c):
+    """|C|², se and (z, p) of docs/design.md 2.8 over distinct tuples of the rows of c."""
+    n = c.shape[0]
+    k = c @ c.T
+    idx = range(n)
+    pairs = [(i, j) for i, j in itertools.permutations(idx, 2)]
+    cross2 = sum(float(k[i, j]) for i, j in pairs) / len(pairs)
+    e2 = sum(float(k[i, j]) ** 2 for i, j in pairs) / len(pairs)
+    trip = list(itertools.permutations(idx, 3))
+    e3 = sum(float(k[i, j] * k[j, h]) for i, j, h in trip) / len(trip)
+    quad = list(itertools.permutations(idx, 4))
+    m4 = sum(float(k[i, j] * k[h, m]) for i, j, h, m in quad) / len(quad)
+    var = (4 * (n - 2) * (e3 - m4) + 2 * (e2 - m4)) / (n * (n - 1))
+    tr1 = float(torch.diagonal(k).sum()) / n
+    scale, dof = e2 / tr1, tr1 * tr1 / e2
+    x = ((n - 1) * cross2 + tr1) / scale
+    z = ((x / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return cross2, math.sqrt(max(var, 0.0)), z, 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "neox"])
+@pytest.mark.parametrize("projection", [None, 7])
+def test_tangent_probe_matches_per_sample_gradients(kind, projection):
+    model, stack = make_model(kind)
+    points = [describe(model).input_point, f"{stack}.0", f"{stack}.1"]
+    protocol = fs.GrowthProtocol(points, family="layer", seed=3, projection=projection)
+    probe = fs.Probe(model, points=points, cross=protocol, second_moment="dense")
+    batch = padded_batch(6, 7, seed=11)
+    before = [p.detach().clone() for p in model.parameters()]
+    probe.step(batch, per_sample_loss)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    for point in points:
+        block = probe.cross.blocks[point]
+        P = None if projection is None else probe.cross.feature_w_in(point, dtype=torch.float64)
+        c = reference_grads(model, stack, point, block, batch, P)
+        cross2, se, z, p = brute_force(c)
+        sat = probe.saturation(point)
+        d, f = 12, (20 if kind != "gpt2" else 48)
+        r = d + f + (2 if kind != "llama" else 0)  # GPT-2 and NeoX maps carry a zero bias each
+        assert probe.cross_stats[point].rank == (r if projection is None else projection)
+        assert sat.n == 6
+        assert abs(sat.cross_frob2 - cross2) <= 1e-10 * max(1.0, abs(cross2)), (sat.cross_frob2, cross2)
+        assert abs(sat.cross_frob2_se - se) <= 1e-10 * max(1.0, se)
+        assert abs(sat.z - z) <= 1e-10 * max(1.0, abs(z))
+        assert abs(sat.p_value - p) <= 1e-10
+        assert abs(cross2) > 1e-8  # the comparison is not between two zeros
+
+
+@pytest.mark.parametrize("unit", ["sample", "position"])
+def test_padding_positions_enter_nothing(unit):
+    """Changing the tokens under the padding leaves every statistic unchanged; with
+    unit="position" only the real positions are samples."""
+    model, stack = make_model("llama", seed=1)
+    points = [f"{stack}.1"]
+    batch = padded_batch(5, 8, seed=2)
+    other = {k: v.clone() for k, v in batch.items()}
+    pad = other["attention_mask"] == 0
+    other["input_ids"][pad] = (other["input_ids"][pad] + 7) % 40
+    sats = []
+    for b in (batch, other):
+        probe = fs.Probe(model, points=points, cross=fs.GrowthProtocol(points), unit=unit)
+        probe.step(b, per_sample_loss)
+        sats.append(probe.saturation(points[0]))
+    assert abs(sats[0].cross_frob2 - sats[1].cross_frob2) <= 1e-12 * abs(sats[0].cross_frob2)
+    assert sats[0].n == sats[1].n == (5 if unit == "sample" else int(batch["attention_mask"].sum()))
+
+
+def test_cross_block_family_is_the_crossspec_probe():
+    """family='cross_block' probes the protocol's W_out φ(W_in z) block: the same statistics as
+    a CrossSpec probe given that block's W_in."""
+    model, stack = make_model("llama", seed=4)
+    points = [f"{stack}.0", f"{stack}.1"]
+    protocol = fs.GrowthProtocol(points, family="cross_block", width=5, seed=2)
+    probe = fs.Probe(model, points=points, cross=protocol)
+    batch = padded_batch(6, 7, seed=5)
+    probe.step(batch, per_sample_loss)
+    for point in points:
+        block = probe.cross.blocks[point]
+        spec = fs.CrossSpec(w_in=block.w_in.clone(), activation=block.activation)
+        ref = fs.Probe(model, points=[point], cross=spec)
+        ref.step(batch, per_sample_loss)
+        a, b = probe.saturation(point), ref.saturation(point)
+        assert a.rank == 5
+        assert abs(a.cross_frob2 - b.cross_frob2) <= 1e-12 * abs(
+            b.cross_frob2
+        ) and a.p_value == pytest.approx(b.p_value, abs=1e-12)
+
+
+def test_unsupported_family_and_bad_candidate():
+    model, stack = make_model("gpt2")
+    with pytest.raises(fs.FusedStatsError, match="mlp_width"):
+        fs.Probe(
+            model, points=[f"{stack}.0"], cross=fs.GrowthProtocol([f"{stack}.0"], family="mlp_width", width=4)
+        )
+    with pytest.raises(fs.FusedStatsError, match="not a residual point or block boundary"):
+        fs.Probe(model, points=["lm_head"], cross=fs.GrowthProtocol(["lm_head"]))
+
+
+def test_checkpoint_round_trip_and_observe(tmp_path):
+    """A tangent probe's state saves and loads into a fresh probe of the same protocol (another
+    projection is refused); observe() cannot give the new layer its call arguments: refused,
+    nothing accumulated."""
+    model, stack = make_model("gpt2", seed=6)
+    points = [f"{stack}.0", f"{stack}.1"]
+    protocol = fs.GrowthProtocol(points, seed=1, projection=9)
+    probe = fs.Probe(model, points=points, cross=protocol)
+    batch = padded_batch(5, 6, seed=7)
+    probe.step(batch, per_sample_loss)
+    probe.save_state(tmp_path / "ckpt")
+    fresh = fs.Probe(model, points=points, cross=protocol)
+    fresh.load_state(tmp_path / "ckpt")
+    for point in points:
+        assert fresh.saturation(point) == probe.saturation(point)
+    other = fs.Probe(model, points=points, cross=fs.GrowthProtocol(points, seed=1, projection=8))
+    with pytest.raises(fs.FusedStatsError, match="rank"):
+        other.load_state(tmp_path / "ckpt")
+    assert not other.table
+    watcher = fs.Probe(model, points=points, cross=protocol)
+    with pytest.raises(fs.FusedStatsError, match=r"Probe\.step only"), watcher.observe(loss_reduction="sum"):
+        per_sample_loss(model, batch).sum().backward()
+    assert not watcher.table
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_probed_block_is_the_block_fs_grow_inserts(kind):
+    """Reference model grown by fs.grow itself: per-sample gradients of its zero parameters
+    (those of ZEROED, found by name in the grown model) give the probe's |C|², z and p."""
+    model, stack = make_model(kind, seed=8)
+    point = f"{stack}.0"
+    protocol = fs.GrowthProtocol([point], seed=5)
+    probe = fs.Probe(model, points=[point], cross=protocol)
+    batch = padded_batch(6, 7, seed=9)
+    probe.step(batch, per_sample_loss)
+    grown = copy.deepcopy(model)
+    result = fs.grow(grown, protocol, at=[point])
+    block = result.positions[point]
+    names = [f"{block}.{m}.{p}" for m in ZEROED[kind] for p in ("weight", "bias")]
+    params = dict(grown.named_parameters())
+    zero = [params[n] for n in names if n in params]
+    assert zero and all(bool((p == 0).all()) for p in zero)
+    for p in grown.parameters():
+        p.requires_grad_(False)
+    for p in zero:
+        p.requires_grad_(True)
+    rows = []
+    for b in range(6):
+        loss = per_sample_loss(grown, {k: v[b : b + 1] for k, v in batch.items()})[0]
+        rows.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, zero)]))
+    cross2, se, z, p = brute_force(torch.stack(rows))
+    sat = probe.saturation(point)
+    assert abs(sat.cross_frob2 - cross2) <= 1e-10 * max(1.0, abs(cross2)) and abs(cross2) > 1e-8
+    assert abs(sat.z - z) <= 1e-10 * max(1.0, abs(z)) and abs(sat.p_value - p) <= 1e-10
+    assert abs(sat.cross_frob2_se - se) <= 1e-10 * max(1.0, se)
