@@ -23,7 +23,7 @@ import suite_models
 import torch
 
 import fused_stats as fs
-from fused_stats.api.report.document import _encode
+from fused_stats.api.report.schema import encode
 from fused_stats.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +127,7 @@ def test_every_run_equals_a_separate_probe(family, reference):
                 probe.step(
                     {"input_ids": ids, "labels": ids}, fs.causal_lm_loss, stream=stream, mask="attention"
                 )
-        want = json.loads(json.dumps(_encode(probe.report(misalignment_trials=0).data)))
+        want = json.loads(json.dumps(encode(probe.report(misalignment_trials=0).data)))
         got = entry["report"]
         assert [p["name"] for p in got["points"]] == list(probe.points)
         for mine, theirs in zip(got["points"], want["points"]):
@@ -138,7 +138,7 @@ def test_every_run_equals_a_separate_probe(family, reference):
             for point in probe.points:
                 cert = probe.certificate(point, M=M, K=K).to_dict()
                 mis = probe.misalignment(point, M, K, trials=200, seed=3).to_dict()
-                assert budget["points"][point]["certificate"] == json.loads(json.dumps(_encode(cert)))
+                assert budget["points"][point]["certificate"] == json.loads(json.dumps(encode(cert)))
                 assert budget["points"][point]["misalignment"] == mis
     md = (reference / "suite.md").read_text()
     assert "| width | depth=2, model_type=llama | d_align (train) | 3 |" in md

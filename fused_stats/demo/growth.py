@@ -338,9 +338,9 @@ def _verdict(summary: dict, n: int) -> list[str]:
 def plot_growth_demo(runs: list[dict], path) -> Path:
     """Left: held-out loss per arm, one line per seed. Right: measured |C|_F² against the
     realised held-out drop per candidate (log x), one colour per seed."""
-    from ..api.report.document import _matplotlib, save_figure
+    from ..api.report.plots import figure_classes, save_figure
 
-    Figure, Canvas = _matplotlib()
+    Figure, Canvas = figure_classes()
     fig = Figure(figsize=(11, 4.2))
     Canvas(fig)
     a1, a2 = fig.subplots(1, 2)
@@ -376,7 +376,7 @@ def plot_growth_demo(runs: list[dict], path) -> Path:
 
 def run_growth_demo(cfg: GrowthDemoConfig, out, echo=print) -> dict:
     """Run every seed, print the summary, write ``growth_demo.json`` and ``growth_demo.md``."""
-    from ..api.report.document import _write_atomic
+    from ..accumulators.persistence import write_text_atomic
     from .corpus import StdlibCorpus
 
     cfg.validate()
@@ -403,12 +403,14 @@ def run_growth_demo(cfg: GrowthDemoConfig, out, echo=print) -> dict:
         "wall_seconds": wall,
         "cpu_seconds": cpu,
     }
-    _write_atomic(out / "growth_demo.json", json.dumps(record, indent=1, default=float) + "\n")
+    write_text_atomic(out / "growth_demo.json", json.dumps(record, indent=1, default=float) + "\n")
     try:
         plot_growth_demo(runs, out / "growth_demo.png")
         lines.append(f"wrote {out / 'growth_demo.json'}, {out / 'growth_demo.md'}, {out / 'growth_demo.png'}")
     except FusedStatsError as exc:  # matplotlib missing: JSON and text still written
         lines.append(f"(plot skipped: {exc})")
     echo(lines[-1])
-    _write_atomic(out / "growth_demo.md", "# fused-stats grow-demo\n\n```\n" + "\n".join(lines) + "\n```\n")
+    write_text_atomic(
+        out / "growth_demo.md", "# fused-stats grow-demo\n\n```\n" + "\n".join(lines) + "\n```\n"
+    )
     return record

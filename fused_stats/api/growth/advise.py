@@ -136,9 +136,9 @@ class Advice:
 
     def plot(self, path) -> Path:
         """|C|_F² ± se per candidate (filled: not saturated) and the Holm-adjusted p-values."""
-        from ..report.document import _matplotlib
+        from ..report.plots import figure_classes
 
-        Figure, Canvas = _matplotlib()
+        Figure, Canvas = figure_classes()
         names = [c.point for c in self.ranked]
         ys = [c.cross_frob2 for c in self.ranked]
         es = [c.se for c in self.ranked]

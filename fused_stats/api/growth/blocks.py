@@ -55,7 +55,7 @@ def _dtype_device(module: nn.Module):
     return param.dtype, param.device
 
 
-def _stream_width(model: nn.Module, arch: Architecture, neighbour: nn.Module) -> int:
+def stream_width(model: nn.Module, arch: Architecture, neighbour: nn.Module) -> int:
     if arch.transformer:
         return int(model.config.hidden_size)
     last = neighbour.bn2 if arch.block_kind == "resnet_basic" else neighbour.bn3
@@ -89,7 +89,7 @@ def _fresh_block(
                 for sub in block.modules():
                     init(sub)
         else:
-            ch = _stream_width(model, arch, neighbour)
+            ch = stream_width(model, arch, neighbour)
             if arch.block_kind == "resnet_basic":
                 block = type(neighbour)(ch, ch)
             else:
@@ -173,7 +173,7 @@ def new_block(model: nn.Module, protocol: GrowthProtocol, point: str, init: str 
     dtype, device = _dtype_device(neighbour)
     if protocol.family == "cross_block":
         return ZeroBlock(
-            _stream_width(model, arch, neighbour),
+            stream_width(model, arch, neighbour),
             "block",
             cross_spec(protocol, point),
             dtype=dtype,

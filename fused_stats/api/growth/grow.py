@@ -33,7 +33,7 @@ from torch import nn
 from ...accumulators import CrossStats
 from ...errors import FusedStatsError
 from .architecture import Architecture, Boundary, boundary
-from .blocks import _stream_width, cross_spec, new_block, new_units, widen_block
+from .blocks import cross_spec, new_block, new_units, stream_width, widen_block
 from .insert import INSERTED_NAME, insert_zero_block
 from .protocol import INITS, GrowthProtocol, _intermediate_size
 
@@ -326,7 +326,7 @@ def _grow_cross(model, protocol, arch, bounds, optimizer, result) -> None:
         raise FusedStatsError(f"points {taken} already have an inserted block; remove it first")
     for b in bounds:
         neighbour = model.get_submodule(b.neighbour)
-        dim = _stream_width(model, arch, neighbour)
+        dim = stream_width(model, arch, neighbour)
         feature_dim = None if arch.transformer else 1
         block = insert_zero_block(
             model, b.point, spec=cross_spec(protocol, b.point), feature_dim=feature_dim, dim=dim

@@ -37,7 +37,7 @@ from torch import nn
 from ...errors import FusedStatsError
 
 
-def _split(output):
+def split_output(output):
     """``(tensor, rebuild)``: the captured tensor and a function re-emitting the structure."""
     if isinstance(output, torch.Tensor):
         return output, lambda t: t
@@ -156,7 +156,7 @@ class ActivationCapture:
                     "pass; a reused module has no single per-sample gradient. Probe a module that "
                     "runs once instead"
                 )
-            tensor, rebuild = _split(output)
+            tensor, rebuild = split_output(output)
             if tensor is None:
                 raise FusedStatsError(
                     f"point {name!r} ({type(module).__name__}) returned {type(output).__name__}; "

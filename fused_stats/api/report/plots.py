@@ -38,7 +38,7 @@ def plot_report(report, path) -> Path:
     cross-gradient |C|_F² with its standard error where the probe had ``cross=``; the per-sample
     norm histograms (train) where the points carry them. A panel whose numbers were not computed
     is left out."""
-    Figure, FigureCanvasAgg = _matplotlib()
+    Figure, FigureCanvasAgg = figure_classes()
     pts = report.points
     xs = [p["index"] for p in pts]
     labels = [p["name"] for p in pts]
@@ -140,7 +140,7 @@ def plot_sweep(reports: Iterable, x: str, path, point: str | int = "last") -> Pa
     if not reports:
         raise FusedStatsError("plot_sweep needs at least one report")
     rows = sweep_rows(reports, x, point)
-    Figure, FigureCanvasAgg = _matplotlib()
+    Figure, FigureCanvasAgg = figure_classes()
 
     def has(*keys):
         return any(r.get(k) is not None for r in rows for k in keys)
@@ -221,7 +221,8 @@ def plot_sweep(reports: Iterable, x: str, path, point: str | int = "last") -> Pa
     return save_figure(fig, path)
 
 
-def _matplotlib():
+def figure_classes():
+    """matplotlib's ``Figure`` and Agg canvas, imported on first use (plots are an optional extra)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

@@ -51,8 +51,8 @@ from ...accumulators.base import IncompatibleStates, accumulator_class
 from ...accumulators.cross_stats import CrossStats
 from ...accumulators.persistence import fsync_dir, write_atomic
 from ...errors import FusedStatsError
-from ..probe.table import probe_device
 from ..probe.spec import cross_w_in
+from ..probe.table import probe_device
 
 FORMAT = "fused_stats.ProbeCheckpoint"
 VERSION = 1

@@ -246,9 +246,9 @@ def render_markdown(suite: dict) -> str:
 
 # ---------------------------------------------------------------------------- plots
 def _figure(panels: int):
-    from ..report.document import _matplotlib
+    from ..report.plots import figure_classes
 
-    Figure, FigureCanvasAgg = _matplotlib()
+    Figure, FigureCanvasAgg = figure_classes()
     fig = Figure(figsize=(4.6 * panels, 3.8), layout="constrained")
     FigureCanvasAgg(fig)
     return fig, [fig.add_subplot(1, panels, i + 1) for i in range(panels)]
@@ -402,9 +402,9 @@ def plot_saturation(suite, path) -> Path | None:
                 marks.append((i, j, verdict))
     if not marks:
         return None
-    from ..report.document import _matplotlib
+    from ..report.plots import figure_classes
 
-    Figure, FigureCanvasAgg = _matplotlib()
+    Figure, FigureCanvasAgg = figure_classes()
     fig = Figure(figsize=(1.2 + 0.7 * len(depths), 1.4 + 0.32 * len(names)), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)

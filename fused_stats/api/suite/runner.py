@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ...accumulators.persistence import write_atomic
 from ...errors import FusedStatsError
-from ..report.document import _decode, _encode
+from ..report.schema import decode, encode
 from .data import Windows
 from .spec import RunSpec, SuiteSpec
 
@@ -105,12 +105,12 @@ def my_runs(runs: list[RunSpec], shard: Shard) -> list[RunSpec]:
 
 # ---------------------------------------------------------------------------- files
 def _dump(path: Path, obj) -> None:
-    write_atomic(path, (json.dumps(_encode(obj), indent=1, allow_nan=False) + "\n").encode("utf-8"))
+    write_atomic(path, (json.dumps(encode(obj), indent=1, allow_nan=False) + "\n").encode("utf-8"))
 
 
 def _load(path: Path):
     try:
-        return _decode(json.loads(path.read_text(encoding="utf-8")))
+        return decode(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError) as exc:
         raise FusedStatsError(f"cannot read {str(path)!r}: {exc}") from None
 
@@ -180,8 +180,8 @@ def finished(out: Path, name: str, sha: str) -> dict | None:
 # ---------------------------------------------------------------------------- one run
 def stream_decision(spec: SuiteSpec, run: RunSpec, device) -> tuple[bool, str]:
     """``stream_blocks``: as the file says, or for "auto" whether the memory plan of the whole
-    model (weights, every block's activations, point outputs and gradients, accumulators) fits
-    the device's free memory."""
+    model (weights, every block's activations, the gradients in flight and the reduced rows,
+    accumulators) fits the device's free memory."""
     setting = spec.probe["stream_blocks"]
     if setting is not True and setting is not False:
         from ..streaming.plan import plan_streaming
@@ -190,13 +190,15 @@ def stream_decision(spec: SuiteSpec, run: RunSpec, device) -> tuple[bool, str]:
         plan = plan_streaming(
             run.model,
             tokens=spec.data["batch_size"] * spec.data["seq_len"],
+            samples=spec.data["batch_size"],
             dtype_bytes=size,
             pool_size=2 * spec.data["sequences"],
         )
         whole = (
             plan.model_bytes
             + plan.blocks * plan.block_activation_bytes
-            + plan.point_bytes
+            + plan.gradient_bytes
+            + plan.reduced_bytes
             + plan.accumulator_bytes
         )
         free = _free_bytes(device)

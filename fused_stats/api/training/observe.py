@@ -78,7 +78,7 @@ from torch import nn
 
 from ...accumulators.base import NONFINITE_POLICIES, Nonfinite
 from ...errors import FusedStatsError
-from ..probe.hooks import _split
+from ..probe.hooks import split_output
 from ..probe.losses import IGNORE_INDEX
 
 LOSS_REDUCTIONS = ("mean", "sum", "token_mean")
@@ -335,7 +335,7 @@ class Observation:
 
     def _point_hook(self, name: str):
         def hook(module, args, output):
-            tensor, _ = _split(output)
+            tensor, _ = split_output(output)
             if tensor is None or not tensor.is_floating_point():
                 self._problems.append(
                     f"point {name!r} ({type(module).__name__}) returned "
