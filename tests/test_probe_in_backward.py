@@ -27,6 +27,7 @@ from fused_stats.networks.resnet import cifar_resnet20
 from fused_stats.ops import cross_twin
 
 from tiny_models import padded_lm_batch
+from tiny_models import tiny_lm_config as lm_config
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -142,29 +143,6 @@ def run_both(old, make_model, batches, loss_fn, tmp_path=None, step_kw=None, **o
 
 
 # ----------------------------------------------------------------------------- models
-def lm_config(arch: str, layers: int = 3, d: int = 16):
-    if arch == "llama":
-        return transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=d,
-            intermediate_size=24,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-        )
-    if arch == "neox":
-        return transformers.GPTNeoXConfig(
-            vocab_size=VOCAB,
-            hidden_size=d,
-            intermediate_size=24,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            max_position_embeddings=32,
-        )
-    return transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=d, n_layer=layers, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0
-    )
 
 
 def tiny_lm(arch: str, dtype):

@@ -28,37 +28,13 @@ import torch
 import fused_stats as fs
 
 from tiny_models import TanhBlock, padded_lm_batch
+from tiny_models import tiny_lm_config as config
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 F64 = torch.float64
 VOCAB = 40
 REL = 1e-10
-
-
-def config(arch: str, layers: int = 3, d: int = 16):
-    if arch == "llama":
-        return transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=d,
-            intermediate_size=24,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-        )
-    if arch == "neox":
-        return transformers.GPTNeoXConfig(
-            vocab_size=VOCAB,
-            hidden_size=d,
-            intermediate_size=24,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            max_position_embeddings=32,
-        )
-    return transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=d, n_layer=layers, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0
-    )
 
 
 def tiny(arch: str, layers: int = 3, seed: int = 0):
@@ -559,7 +535,7 @@ def test_device_that_does_not_exist(device):
     model = tiny("llama")
     with pytest.raises(fs.FusedStatsError, match=device):
         fs.stream_blocks(model, device=device)
-    assert not any(isinstance(m, fs.api.streaming.streamer.StreamedBlock) for m in model.modules())
+    assert not any(isinstance(m, fs.api.streaming.StreamedBlock) for m in model.modules())
 
 
 def test_kv_cache_is_rejected():

@@ -97,3 +97,32 @@ def masked_seq_batches(seed: int, count: int, size: int, T: int):
             }
         )
     return out
+
+
+def tiny_lm_config(arch: str, layers: int = 3, d: int = 16, vocab: int = 40):
+    """A tiny HF config of ``arch`` ("llama", "neox" or "gpt2"): 4 heads, MLP width 24 (GPT-2: 4 d),
+    32 positions, a ``vocab``-token vocabulary."""
+    import transformers
+
+    if arch == "llama":
+        return transformers.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=d,
+            intermediate_size=24,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    if arch == "neox":
+        return transformers.GPTNeoXConfig(
+            vocab_size=vocab,
+            hidden_size=d,
+            intermediate_size=24,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            max_position_embeddings=32,
+        )
+    return transformers.GPT2Config(
+        vocab_size=vocab, n_embd=d, n_layer=layers, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
