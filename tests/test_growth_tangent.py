@@ -226,11 +226,64 @@ def test_cross_block_family_is_the_crossspec_probe():
         ) and a.p_value == pytest.approx(b.p_value, abs=1e-12)
 
 
+def reference_width_grads(model, protocol, point, batch, projection=None):
+    """c_i: per-sample gradients of the zero new output columns of the MLP that fs.grow widens
+    for ``point`` (all candidates grown at once, as a config with one intermediate size needs:
+    every new column is zero, so the other candidates' units change nothing at first order)."""
+    grown = copy.deepcopy(model)
+    result = fs.grow(grown, protocol)
+    kind = kind_of(model)
+    stack = {"llama": "model.layers", "gpt2": "transformer.h", "neox": "gpt_neox.layers"}[kind]
+    index = int(point.rsplit(".", 1)[1]) + 1 if point.startswith(stack + ".") else 0
+    down = grown.get_submodule(stack)[index].get_submodule(
+        {"llama": "mlp.down_proj", "gpt2": "mlp.c_proj", "neox": "mlp.dense_4h_to_h"}[kind]
+    )
+    assert result is not None
+    k = protocol.width
+    for p in grown.parameters():
+        p.requires_grad_(False)
+    down.weight.requires_grad_(True)
+    rows = []
+    for b in range(batch["input_ids"].shape[0]):
+        one = {key: v[b : b + 1] for key, v in batch.items()}
+        (g,) = torch.autograd.grad(per_sample_loss(grown, one)[0], [down.weight])
+        c = g[-k:].T if kind == "gpt2" else g[:, -k:]  # Conv1D stores (in, out): new rows
+        assert bool((down.weight[-k:] == 0).all() if kind == "gpt2" else (down.weight[:, -k:] == 0).all())
+        if projection is not None:
+            c = c @ projection.T
+        rows.append(c.flatten())
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "neox"])
+@pytest.mark.parametrize("projection", [None, 3])
+def test_mlp_width_probe_matches_per_sample_gradients(kind, projection):
+    model, stack = make_model(kind, seed=2)
+    points = [describe(model).input_point, f"{stack}.0"]
+    protocol = fs.GrowthProtocol(points, family="mlp_width", width=5, seed=3, projection=projection)
+    probe = fs.Probe(model, points=points, cross=protocol, second_moment="dense")
+    batch = padded_batch(6, 7, seed=13)
+    probe.step(batch, per_sample_loss)
+    for point in points:
+        P = None if projection is None else probe.cross.feature_w_in(point, dtype=torch.float64)
+        c = reference_width_grads(model, protocol, point, batch, P)
+        cross2, se, z, p = brute_force(c)
+        sat = probe.saturation(point)
+        assert sat.n == 6 and sat.rank == (5 if projection is None else projection)
+        assert abs(sat.cross_frob2 - cross2) <= 1e-10 * max(1.0, abs(cross2)), (sat.cross_frob2, cross2)
+        assert (math.isnan(sat.cross_frob2_se) and math.isnan(se)) or abs(
+            sat.cross_frob2_se - se
+        ) <= 1e-10 * max(1.0, se)
+        assert abs(sat.z - z) <= 1e-10 * max(1.0, abs(z))
+        assert abs(sat.p_value - p) <= 1e-10
+        assert abs(cross2) > 1e-12  # the comparison is not between two zeros
+
+
 def test_unsupported_family_and_bad_candidate():
     model, stack = make_model("gpt2")
-    with pytest.raises(fs.FusedStatsError, match="mlp_width"):
+    with pytest.raises(fs.FusedStatsError, match="last block"):
         fs.Probe(
-            model, points=[f"{stack}.0"], cross=fs.GrowthProtocol([f"{stack}.0"], family="mlp_width", width=4)
+            model, points=[f"{stack}.1"], cross=fs.GrowthProtocol([f"{stack}.1"], family="mlp_width", width=4)
         )
     with pytest.raises(fs.FusedStatsError, match="not a residual point or block boundary"):
         fs.Probe(model, points=["lm_head"], cross=fs.GrowthProtocol(["lm_head"]))
