@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import pathlib
 
 import pytest
 import torch
@@ -347,3 +348,44 @@ def test_probed_block_is_the_block_fs_grow_inserts(kind):
     assert (math.isnan(sat.cross_frob2_se) and math.isnan(se)) or abs(sat.cross_frob2_se - se) <= 1e-10 * max(
         1.0, se
     )
+
+
+def test_exact_tangent_stores_no_identity_and_reads_identity_checkpoints(tmp_path):
+    """Without a projection the features enter CrossStats as they are (no r × r w_in); a
+    checkpoint written by the earlier identity-w_in form (tests/data, saved by that code after one
+    train and one test batch) loads and resumes to the statistics of one uninterrupted run."""
+    model, stack = make_model("llama", seed=6)
+    points = [f"{stack}.0", f"{stack}.1"]
+    protocol = fs.GrowthProtocol(points, seed=1)
+    batches = [(padded_batch(5, 6, seed=7), "train"), (padded_batch(4, 6, seed=8), "test")]
+    batches.append((padded_batch(6, 6, seed=9), "train"))
+    whole = fs.Probe(model, points=points, cross=protocol)
+    for batch, stream in batches:
+        whole.step(batch, per_sample_loss, stream=stream)
+    for point in points:
+        acc = whole.cross_stats[point]
+        assert acc.w_in is None and acc.rank == 12 + 20
+        assert acc.state_nbytes() == (12 * 32 + 4) * 8
+    old = pathlib.Path(__file__).parent / "data" / "tangent_identity_checkpoint"
+    resumed = fs.Probe(model, points=points, cross=protocol)
+    resumed.load_state(old)
+    assert all(torch.equal(resumed.cross_stats[p].w_in, torch.eye(32)) for p in points)
+    resumed.step(*batches[2][:1], per_sample_loss, stream="train")
+    for point in points:
+        for stream in ("train", "test"):
+            a, b = resumed.saturation(point, stream=stream), whole.saturation(point, stream=stream)
+            assert a.n == b.n and abs(a.cross_frob2 - b.cross_frob2) <= 1e-12 * abs(b.cross_frob2)
+            assert abs(a.p_value - b.p_value) <= 1e-12
+    # a new checkpoint is features-given and round-trips exactly
+    whole.save_state(tmp_path / "ckpt")
+    fresh = fs.Probe(model, points=points, cross=protocol)
+    fresh.load_state(tmp_path / "ckpt")
+    assert fresh.cross_stats[points[0]].w_in is None
+    assert all(fresh.saturation(p) == whole.saturation(p) for p in points)
+    for bad in [{}, {"rank": 0}, {"rank": True}]:
+        with pytest.raises(fs.FusedStatsError, match="features given"):
+            fs.CrossStats(4, None, "identity", **bad)
+    with pytest.raises(fs.FusedStatsError, match="activation 'identity'"):
+        fs.CrossStats(4, None, "gelu", rank=3)
+    with pytest.raises(fs.FusedStatsError, match="w_in=None only"):
+        fs.CrossStats(4, torch.eye(3), "identity", rank=3)

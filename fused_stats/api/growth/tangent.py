@@ -192,11 +192,12 @@ class GrowthTangent:
     def feature_rank(self, point: str) -> int:
         return self.raw_rank(point)
 
-    def feature_w_in(self, point: str, dtype=torch.float32, device=None) -> torch.Tensor:
-        """The identity (the exact tangent) or the protocol's fixed ``k × r`` projection."""
+    def feature_w_in(self, point: str, dtype=torch.float32, device=None) -> torch.Tensor | None:
+        """None (the exact tangent: the features are given to CrossStats as they are, no r × r
+        identity stored) or the protocol's fixed ``k × r`` projection."""
         r = self.raw_rank(point)
         if self.projection is None:
-            return torch.eye(r, dtype=dtype, device=device)
+            return None
         return seeded_w_in(self.projection, r, self.seed, dtype).to(device)
 
     def features(self, point: str, module: nn.Module, z: torch.Tensor, kwargs: dict) -> torch.Tensor:

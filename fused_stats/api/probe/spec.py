@@ -96,7 +96,8 @@ class FeatureSource(Protocol):
 
     * ``features(point, module, z, kwargs) -> (B, P, r)``: ``x`` at every position (no grad);
     * ``feature_rank(point) -> int``: ``r``, the width of ``x``;
-    * ``feature_w_in(point, dtype, device) -> (k, r)``: the identity (``k = r``) or a projection.
+    * ``feature_w_in(point, dtype, device) -> (k, r) or None``: a projection, or None: the
+      features enter as they are (CrossStats in features-given mode, no ``r × r`` identity).
 
     Optional: ``call_point(point)``, the module whose call arguments are recorded (default the
     point); ``gradient_point(point)``, the module whose output carries ``q`` and ``z`` for the
@@ -249,8 +250,9 @@ def call_kwargs(module, args: tuple, kwargs: dict) -> dict:
     return out
 
 
-def cross_w_in(cross, point: str, dim: int, dtype, device) -> tuple[torch.Tensor, str]:
-    """``(w_in, activation)`` of the CrossStats a probe keeps at ``point``."""
+def cross_w_in(cross, point: str, dim: int, dtype, device) -> tuple[torch.Tensor | None, str]:
+    """``(w_in, activation)`` of the CrossStats a probe keeps at ``point``; ``w_in`` None: a
+    feature source's features taken as they are (``feature_rank(point)`` of them)."""
     if is_feature_source(cross):
         return cross.feature_w_in(point, dtype=dtype, device=device), "identity"
     return cross.projection(dim, dtype=dtype, device=device), cross.activation
