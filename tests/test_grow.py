@@ -801,6 +801,9 @@ def test_gradmax_directions_from_measured_cross_gradient(gen):
         rand, _ = torch.linalg.qr(torch.randn(d, k, generator=gen, dtype=F64))
         assert (c_ref @ rand).pow(2).sum() < gain
     assert torch.equal(gradmax_directions(c_ref, k), gradmax_directions(c_ref.clone(), k))
+    given = fs.CrossStats(d, None, activation="identity", rank=d, dtype=F64)  # features-given mode
+    given.update(q, z)  # c_i = Σ_t q_t z_tᵀ with the features taken as they are
+    torch.testing.assert_close(gradmax_directions(given, k), rows, rtol=0, atol=1e-8)
     with pytest.raises(fs.FusedStatsError, match="identity"):
         gradmax_directions(fs.CrossStats(d, w_in, activation="gelu"), k)
     with pytest.raises(fs.FusedStatsError, match="full column rank"):

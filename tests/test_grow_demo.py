@@ -90,4 +90,6 @@ def test_plan_counts_the_tangent(capsys):
         t = plan_tangent(12, 20, 1, projection=projection, streams=1)
         assert t["rank"] == acc.rank and t["features"] == acc.in_dim == 32
         assert t["c_sum_bytes"] == acc.c_sum.numel() * acc.c_sum.element_size()
-        assert t["w_in_bytes"] == acc.w_in.numel() * acc.w_in.element_size()
+        held = 0 if acc.w_in is None else acc.w_in.numel() * acc.w_in.element_size()
+        assert t["w_in_bytes"] == held and (acc.w_in is None) == (projection is None)
+        assert t["per_accumulator"] == 8 * (acc.c_sum.numel() + 4) + held

@@ -137,3 +137,57 @@ def test_cli_advise(probed, tmp_path, capsys):
     assert (out / "advice.png").stat().st_size > 1000 and "Growth advice" in capsys.readouterr().out
     assert main(["advise", str(tmp_path / "missing.json"), "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_budget_of_the_protocol_sets_the_certificate(probed):
+    probe, protocol = probed
+    # stored digests of budget-less protocols, computed by the code before the budget field existed
+    assert protocol.digest == "ac10e9a881ce363c69527ed22ff762176ca06648254e7f80a35fb15fbebfff87"
+    assert "budget" not in protocol.to_dict()
+    budgeted = fs.GrowthProtocol(CANDIDATES, seed=1, budget=(9, 5))
+    record = budgeted.to_dict()
+    assert record["budget"] == [9, 5] and budgeted.digest != protocol.digest
+    assert fs.GrowthProtocol.from_dict(json.loads(json.dumps(record))) == budgeted
+    # the budget does not enter the measurement: the same statistics recorded under the new protocol
+    data = copy.deepcopy(probe.report(misalignment_trials=0).data)
+    data["growth_protocol"] = {"digest": budgeted.digest, "protocol": record}
+    advice = advise(data)
+    assert (advice.M, advice.K) == (9, 5)
+    for c in advice.ranked:
+        reference = probe.certificate(c.point, 9, 5, stream="train").b_exact
+        assert c.b_exact == pytest.approx(reference, rel=1e-12)
+        assert c.b_exact != pytest.approx(probe.certificate(c.point).b_exact, rel=1e-6)
+    given = advise(data, M=8, K=8)  # explicit sizes win over the declared budget
+    for c in given.ranked:
+        assert c.b_exact == pytest.approx(probe.certificate(c.point, 8, 8, stream="train").b_exact, rel=1e-12)
+    for bad in [(0, 5), (9,), (9, 5.0), "95", (True, 5)]:
+        with pytest.raises(fs.FusedStatsError, match="budget"):
+            fs.GrowthProtocol(CANDIDATES, budget=bad)
+
+
+def test_advice_for_mlp_width(probed, tmp_path):
+    """mlp_width candidates (not the last block): the saved report's advice carries the probe's
+    saturation of the new units, and the width certificate is read where q was measured."""
+    probe, _ = probed
+    protocol = fs.GrowthProtocol(CANDIDATES[:-1], family="mlp_width", width=4, seed=2)
+    wide = fs.Probe(probe.model, points=protocol.candidates, cross=protocol)
+    g = torch.Generator().manual_seed(3)
+    for stream in ("train", "test", "train", "test"):
+        start = torch.randint(0, 5, (12, 1), generator=g)
+        wide.step({"input_ids": (start + torch.arange(10)) % 7}, fs.causal_lm_loss, stream=stream)
+    path = wide.report(misalignment_trials=0).to_json(tmp_path / "wide.json")
+    advice = advise(str(path))
+    assert advice.protocol["family"] == "mlp_width"
+    for c in advice.ranked:
+        sat = wide.saturation(c.point)
+        assert (c.cross_frob2, c.p_value, c.rank) == (sat.cross_frob2, sat.p_value, 4)
+    # q at the block whose MLP grows: the GradStats of embed_tokens' candidate are layers.0's output
+    reference = fs.Probe(probe.model, points=["model.layers.0"])
+    g = torch.Generator().manual_seed(3)
+    for stream in ("train", "test", "train", "test"):
+        start = torch.randint(0, 5, (12, 1), generator=g)
+        reference.step({"input_ids": (start + torch.arange(10)) % 7}, fs.causal_lm_loss, stream=stream)
+    by_point = {c.point: c for c in advice.ranked}
+    assert by_point["model.embed_tokens"].d_align == pytest.approx(
+        reference.estimate("model.layers.0").d_align, rel=1e-12
+    )

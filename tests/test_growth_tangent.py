@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import pathlib
 
 import pytest
 import torch
@@ -226,11 +227,64 @@ def test_cross_block_family_is_the_crossspec_probe():
         ) and a.p_value == pytest.approx(b.p_value, abs=1e-12)
 
 
+def reference_width_grads(model, protocol, point, batch, projection=None):
+    """c_i: per-sample gradients of the zero new output columns of the MLP that fs.grow widens
+    for ``point`` (all candidates grown at once, as a config with one intermediate size needs:
+    every new column is zero, so the other candidates' units change nothing at first order)."""
+    grown = copy.deepcopy(model)
+    result = fs.grow(grown, protocol)
+    kind = kind_of(model)
+    stack = {"llama": "model.layers", "gpt2": "transformer.h", "neox": "gpt_neox.layers"}[kind]
+    index = int(point.rsplit(".", 1)[1]) + 1 if point.startswith(stack + ".") else 0
+    down = grown.get_submodule(stack)[index].get_submodule(
+        {"llama": "mlp.down_proj", "gpt2": "mlp.c_proj", "neox": "mlp.dense_4h_to_h"}[kind]
+    )
+    assert result is not None
+    k = protocol.width
+    for p in grown.parameters():
+        p.requires_grad_(False)
+    down.weight.requires_grad_(True)
+    rows = []
+    for b in range(batch["input_ids"].shape[0]):
+        one = {key: v[b : b + 1] for key, v in batch.items()}
+        (g,) = torch.autograd.grad(per_sample_loss(grown, one)[0], [down.weight])
+        c = g[-k:].T if kind == "gpt2" else g[:, -k:]  # Conv1D stores (in, out): new rows
+        assert bool((down.weight[-k:] == 0).all() if kind == "gpt2" else (down.weight[:, -k:] == 0).all())
+        if projection is not None:
+            c = c @ projection.T
+        rows.append(c.flatten())
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "neox"])
+@pytest.mark.parametrize("projection", [None, 3])
+def test_mlp_width_probe_matches_per_sample_gradients(kind, projection):
+    model, stack = make_model(kind, seed=2)
+    points = [describe(model).input_point, f"{stack}.0"]
+    protocol = fs.GrowthProtocol(points, family="mlp_width", width=5, seed=3, projection=projection)
+    probe = fs.Probe(model, points=points, cross=protocol, second_moment="dense")
+    batch = padded_batch(6, 7, seed=13)
+    probe.step(batch, per_sample_loss)
+    for point in points:
+        P = None if projection is None else probe.cross.feature_w_in(point, dtype=torch.float64)
+        c = reference_width_grads(model, protocol, point, batch, P)
+        cross2, se, z, p = brute_force(c)
+        sat = probe.saturation(point)
+        assert sat.n == 6 and sat.rank == (5 if projection is None else projection)
+        assert abs(sat.cross_frob2 - cross2) <= 1e-10 * max(1.0, abs(cross2)), (sat.cross_frob2, cross2)
+        assert (math.isnan(sat.cross_frob2_se) and math.isnan(se)) or abs(
+            sat.cross_frob2_se - se
+        ) <= 1e-10 * max(1.0, se)
+        assert abs(sat.z - z) <= 1e-10 * max(1.0, abs(z))
+        assert abs(sat.p_value - p) <= 1e-10
+        assert abs(cross2) > 1e-12  # the comparison is not between two zeros
+
+
 def test_unsupported_family_and_bad_candidate():
     model, stack = make_model("gpt2")
-    with pytest.raises(fs.FusedStatsError, match="mlp_width"):
+    with pytest.raises(fs.FusedStatsError, match="last block"):
         fs.Probe(
-            model, points=[f"{stack}.0"], cross=fs.GrowthProtocol([f"{stack}.0"], family="mlp_width", width=4)
+            model, points=[f"{stack}.1"], cross=fs.GrowthProtocol([f"{stack}.1"], family="mlp_width", width=4)
         )
     with pytest.raises(fs.FusedStatsError, match="not a residual point or block boundary"):
         fs.Probe(model, points=["lm_head"], cross=fs.GrowthProtocol(["lm_head"]))
@@ -294,3 +348,44 @@ def test_probed_block_is_the_block_fs_grow_inserts(kind):
     assert (math.isnan(sat.cross_frob2_se) and math.isnan(se)) or abs(sat.cross_frob2_se - se) <= 1e-10 * max(
         1.0, se
     )
+
+
+def test_exact_tangent_stores_no_identity_and_reads_identity_checkpoints(tmp_path):
+    """Without a projection the features enter CrossStats as they are (no r × r w_in); a
+    checkpoint written by the earlier identity-w_in form (tests/data, saved by that code after one
+    train and one test batch) loads and resumes to the statistics of one uninterrupted run."""
+    model, stack = make_model("llama", seed=6)
+    points = [f"{stack}.0", f"{stack}.1"]
+    protocol = fs.GrowthProtocol(points, seed=1)
+    batches = [(padded_batch(5, 6, seed=7), "train"), (padded_batch(4, 6, seed=8), "test")]
+    batches.append((padded_batch(6, 6, seed=9), "train"))
+    whole = fs.Probe(model, points=points, cross=protocol)
+    for batch, stream in batches:
+        whole.step(batch, per_sample_loss, stream=stream)
+    for point in points:
+        acc = whole.cross_stats[point]
+        assert acc.w_in is None and acc.rank == 12 + 20
+        assert acc.state_nbytes() == (12 * 32 + 4) * 8
+    old = pathlib.Path(__file__).parent / "data" / "tangent_identity_checkpoint"
+    resumed = fs.Probe(model, points=points, cross=protocol)
+    resumed.load_state(old)
+    assert all(torch.equal(resumed.cross_stats[p].w_in, torch.eye(32)) for p in points)
+    resumed.step(*batches[2][:1], per_sample_loss, stream="train")
+    for point in points:
+        for stream in ("train", "test"):
+            a, b = resumed.saturation(point, stream=stream), whole.saturation(point, stream=stream)
+            assert a.n == b.n and abs(a.cross_frob2 - b.cross_frob2) <= 1e-12 * abs(b.cross_frob2)
+            assert abs(a.p_value - b.p_value) <= 1e-12
+    # a new checkpoint is features-given and round-trips exactly
+    whole.save_state(tmp_path / "ckpt")
+    fresh = fs.Probe(model, points=points, cross=protocol)
+    fresh.load_state(tmp_path / "ckpt")
+    assert fresh.cross_stats[points[0]].w_in is None
+    assert all(fresh.saturation(p) == whole.saturation(p) for p in points)
+    for bad in [{}, {"rank": 0}, {"rank": True}]:
+        with pytest.raises(fs.FusedStatsError, match="features given"):
+            fs.CrossStats(4, None, "identity", **bad)
+    with pytest.raises(fs.FusedStatsError, match="activation 'identity'"):
+        fs.CrossStats(4, None, "gelu", rank=3)
+    with pytest.raises(fs.FusedStatsError, match="w_in=None only"):
+        fs.CrossStats(4, torch.eye(3), "identity", rank=3)

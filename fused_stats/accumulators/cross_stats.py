@@ -146,8 +146,13 @@ class CrossStats(Accumulator):
     ----------
     dim : int
         Size of the gradient ``q_t`` (the residual stream).
-    w_in : torch.Tensor
-        (rank, d_in) projection; the block's features are ``φ(w_in z_t)``.
+    w_in : torch.Tensor or None
+        (rank, d_in) projection; the block's features are ``φ(w_in z_t)``. ``None``: features
+        given (``rank`` of them, the caller's ``x_t`` used as is, activation ``identity``): no
+        projection is stored, which for a feature source of width ``r`` saves the ``r × r``
+        identity that ``w_in = I_r`` would hold, with the same sums (``I x = x`` exactly).
+    rank : int, optional
+        With ``w_in=None`` only: the number of features.
     activation : str
         One of ``gelu, relu, silu, tanh, identity, constant`` (``constant``: φ ≡ 1, a bias).
     device, backend, name, group_size
@@ -160,7 +165,8 @@ class CrossStats(Accumulator):
     FORMAT = "fused_stats.CrossStats"
     VERSION = 1
     FIELDS = (
-        Field("w_in", lambda acc, c: (acc.rank, acc.in_dim), "same", dtype=None),
+        # absent in features-given mode (w_in None)
+        Field("w_in", lambda acc, c: (acc.rank, acc.in_dim), "same", dtype=None, optional=True),
         Field("c_sum", _block, "sum"),
         Field("sq_norm_sum", lambda acc, c: (), "sum"),
         Field("u", lambda acc, c: (3,), "sum"),  # Σ k², Σ k k', Σ k k''
@@ -186,22 +192,34 @@ class CrossStats(Accumulator):
         name: str | None = None,
         group_size: int = 256,
         nonfinite: Nonfinite = "raise",
+        rank: int | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
         if activation not in ACTIVATIONS:
             raise FusedStatsError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if w_in.dim() != 2:
+        if w_in is None:
+            if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1 or activation != "identity":
+                raise FusedStatsError(
+                    f"w_in=None (features given) needs rank=, a positive int, and activation 'identity'; "
+                    f"got rank={rank!r}, activation={activation!r}"
+                )
+        elif rank is not None:
+            raise FusedStatsError("rank= is for w_in=None only; with a w_in the rank is its row count")
+        elif w_in.dim() != 2:
             raise FusedStatsError(f"w_in must be (rank, d_in), got shape {tuple(w_in.shape)}")
         if nonfinite not in NONFINITE_POLICIES:
             raise FusedStatsError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         self.dim = dim
-        self.rank, self.in_dim = w_in.shape
+        self.rank, self.in_dim = (rank, rank) if w_in is None else tuple(w_in.shape)
         self.activation = activation
         self.backend = backend
         self.name = name
         self.group_size = group_size
         self.nonfinite = nonfinite
-        self.device = torch.device(device) if device is not None else w_in.device
-        self.w_in = w_in.detach().to(self.device)
+        default = torch.device("cpu") if w_in is None else w_in.device
+        self.device = torch.device(device) if device is not None else default
+        self.w_in = None if w_in is None else w_in.detach().to(self.device)
+        self._dtype = dtype if w_in is None else w_in.dtype
         self.n = 0
         self.batches = 0
         self.skipped_batches = 0
@@ -225,6 +243,8 @@ class CrossStats(Accumulator):
 
         Raises :class:`FusedStatsError` for bad shapes, devices, masks or units; a batch with
         non-finite sums comes back with ``finite=False`` (``commit`` applies ``nonfinite``)."""
+        if self.w_in is None:  # features given: act holds them
+            return self.prepare_features(grad, act, mask, unit)
         grad, act = self._checked(grad, act, mask, unit)
         batch = ops.cross_reduce(
             grad, act, mask, self.w_in, self.activation, unit, self.group_size, self.backend
@@ -252,6 +272,8 @@ class CrossStats(Accumulator):
                 f"cross gradient{self._where()}: mask has shape {tuple(mask.shape)}, expected "
                 f"{tuple(act.shape[:2])}"
             )
+        if self.w_in is None:
+            return act if mask is None else act * mask.unsqueeze(-1).to(act.dtype)
         return ops.cross_features(act, mask, self.w_in, self.activation, self.backend)
 
     def prepare_features(
@@ -320,6 +342,8 @@ class CrossStats(Accumulator):
         :meth:`prepare_stacked` where it applies; any other mix is prepared one accumulator at a
         time."""
         accs = list(accumulators)
+        if any(acc.w_in is None for acc in accs):
+            return [acc.prepare(g, a, m, unit=unit) for acc, g, a, m in zip(accs, grads, acts, masks)]
         checked = [acc._checked(g, a, m, unit) for acc, g, a, m in zip(accs, grads, acts, masks)]
         if len(accs) > 1 and all(m is None for m in masks):
             g0, a0 = checked[0]
@@ -336,7 +360,7 @@ class CrossStats(Accumulator):
 
     def _stack_key(self) -> tuple:
         """What must agree for the batches of several accumulators to share batched calls."""
-        return (self.w_in.dtype, self.activation, self.group_size, self.rank, self.backend, self.device)
+        return (self._dtype, self.activation, self.group_size, self.rank, self.backend, self.device)
 
     @classmethod
     def prepare_stacked(
@@ -348,6 +372,8 @@ class CrossStats(Accumulator):
         group, torch path) with one finiteness read for all; nothing changes. None where that
         does not apply (or for a batch :meth:`prepare` would refuse: it then says why)."""
         accs = list(accumulators)
+        if any(acc.w_in is None for acc in accs):
+            return None
         if unit != "sample" or grads.dim() != 4 or acts.dim() != 4 or grads.shape[0] != len(accs) or not accs:
             return None
         _, B, T, d = grads.shape
@@ -516,7 +542,16 @@ class CrossStats(Accumulator):
             for attr in ("dim", "rank", "in_dim", "activation")
             if getattr(self, attr) != getattr(other, attr)
         ]
-        if self.w_in.dtype != other.w_in.dtype:
+        if (self.w_in is None) != (other.w_in is None):
+            out.append(
+                "w_in "
+                + " vs ".join(
+                    "features given" if w is None else "projection" for w in (self.w_in, other.w_in)
+                )
+            )
+        elif self.w_in is None:
+            pass
+        elif self.w_in.dtype != other.w_in.dtype:
             out.append(f"w_in dtype {self.w_in.dtype} vs {other.w_in.dtype}")
         elif self.w_in.shape == other.w_in.shape and not torch.equal(self.w_in.cpu(), other.w_in.cpu()):
             gap = float((self.w_in.cpu().double() - other.w_in.cpu().double()).abs().max())
@@ -546,13 +581,14 @@ class CrossStats(Accumulator):
     def block_digest(self) -> int:
         from .distributed import names_digest, tensor_digest
 
-        return names_digest([self.activation, str(tensor_digest(self.w_in))])
+        w = "features given" if self.w_in is None else str(tensor_digest(self.w_in))
+        return names_digest([self.activation, w])
 
     def factory_dtype(self) -> torch.dtype:
-        return self.w_in.dtype
+        return self._dtype
 
     def config(self) -> dict:
-        return {
+        out = {
             "dim": self.dim,
             "rank": self.rank,
             "in_dim": self.in_dim,
@@ -561,12 +597,37 @@ class CrossStats(Accumulator):
             "name": self.name,
             "nonfinite": self.nonfinite,
         }
+        if self.w_in is None:  # only then: files with a w_in keep the config they had
+            out["features_given"] = True
+            out["feature_dtype"] = str(self._dtype).removeprefix("torch.")
+        return out
 
     @classmethod
     def from_config(cls, config, tensors, device=None, backend="auto") -> CrossStats:
         dim, rank, in_dim = int(config["dim"]), int(config["rank"]), int(config["in_dim"])
         activation, group_size = config["activation"], int(config["group_size"])
         w_in = tensors.get("w_in")
+        if config.get("features_given"):
+            if w_in is not None or in_dim != rank or min(dim, rank, group_size) < 1:
+                raise FusedStatsError(
+                    f"features-given cross state with dim={dim}, rank={rank}, in_dim={in_dim} "
+                    f"{'holds a w_in' if w_in is not None else ''}: inconsistent"
+                )
+            dtype = getattr(torch, str(config.get("feature_dtype", "float32")), None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise FusedStatsError(f"feature_dtype {config.get('feature_dtype')!r} is not a float dtype")
+            return cls(
+                dim,
+                None,
+                activation,
+                device,
+                backend,
+                config["name"],
+                group_size,
+                config.get("nonfinite", "raise"),
+                rank=rank,
+                dtype=dtype,
+            )
         if min(dim, rank, in_dim, group_size) < 1 or activation not in ACTIVATIONS:
             raise FusedStatsError(
                 f"dim={dim}, rank={rank}, in_dim={in_dim}, activation={activation!r}, "
@@ -629,7 +690,7 @@ class CrossStats(Accumulator):
             self.n,
             self.batches,
             *self.p,
-            tensor_digest(self.w_in),
+            0 if self.w_in is None else tensor_digest(self.w_in),
             self.skipped_batches,
         ]
 
@@ -728,7 +789,7 @@ class CrossStats(Accumulator):
         )
 
     def state_nbytes(self) -> int:
-        return (self.c_sum.numel() + self.w_in.numel() + 4) * 8
+        return (self.c_sum.numel() + (0 if self.w_in is None else self.w_in.numel()) + 4) * 8
 
     def __repr__(self) -> str:
         return (

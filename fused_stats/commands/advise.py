@@ -25,13 +25,13 @@ def register(sub) -> None:
         "--M",
         type=positive_int,
         default=None,
-        help="certificate train size, with --K (default: the report's train n)",
+        help="certificate train size, with --K (default: the protocol's budget, else the report's train n)",
     )
     p.add_argument(
         "--K",
         type=positive_int,
         default=None,
-        help="certificate test size, with --M (default: the report's test n)",
+        help="certificate test size, with --M (default: the protocol's budget, else the report's test n)",
     )
     p.add_argument("--no-plot", action="store_true", help="write JSON and markdown only")
     p.set_defaults(func=cmd_advise)

@@ -10,8 +10,9 @@ point, and ranks the candidates by ``|C|_F²`` (docs/design.md, sections 2.4, 2.
   ``p_(1) ≤ … ≤ p_(m)``, ``p̃_(i) = max_{j≤i} min(1, (m − j + 1) p_(j))``; a candidate is
   ``saturated`` unless ``p̃ ≤ alpha``. This controls the family-wise error rate (the chance of
   calling any saturated candidate unsaturated) at ``alpha`` under any dependence between points.
-* ``d_align`` (train stream) and ``b_exact``: the certificate at ``(M, K)`` (default: the report's
-  own, pooled moments at train n, test n; given ``M, K``: from the train estimate).
+* ``d_align`` (train stream) and ``b_exact``: the certificate at ``(M, K)``: the ``M, K`` given to
+  :func:`advise`, else the protocol's declared ``budget``, both from the train estimate; with
+  neither, the report's own (pooled moments at train n, test n).
 * ``predicted_change = −|C|_F²``: the first-order change of the mean loss per unit SGD step on
   the zero parameters (``ΔL ≈ −η |∇L|²`` with ``∇L = C`` at the zero block).
 
@@ -209,7 +210,7 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
     ``source``: a Probe built with ``cross=protocol``, a Report / report path, or a list of them
     (e.g. the candidates probed in separate runs; each candidate once). ``protocol``: checked
     against the digest recorded in the reports (None: the recorded one). ``M, K``: the certificate's
-    sizes (None: the report's). Every candidate of the protocol must have a saturation result.
+    sizes (None: the protocol's ``budget``, else the report's). Every candidate of the protocol must have a saturation result.
     """
     if not 0 < alpha < 1:
         raise FusedStatsError(f"alpha must be in (0, 1), got {alpha!r}")
@@ -239,6 +240,8 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
             f"protocol digest {protocol.digest[:12]}… differs from the one recorded in the reports "
             f"({digest[:12]}…): the statistics were measured under another protocol"
         )
+    if M is None and protocol.budget is not None:
+        M, K = protocol.budget
     found: dict[str, dict] = {}
     for data in reports:
         for point in data["points"]:

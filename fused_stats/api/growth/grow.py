@@ -77,7 +77,8 @@ def gradmax_directions(source, k: int) -> torch.Tensor:
     to ``C w`` with ``C = E[Σ_t q_t x_tᵀ]``; ``k`` orthonormal rows maximising ``Σ |C w_j|²`` are
     ``C``'s top ``k`` right singular vectors. ``source``: ``C`` itself, a (d_out, d_in) tensor, or
     a :class:`~fused_stats.CrossStats` measured with ``activation="identity"`` and a ``w_in`` of
-    full column rank (``C = (Σ c_i / n) (W_inᵀ)⁺``). Returns (k, d_in) fp64, each row's largest
+    full column rank (``C = (Σ c_i / n) (W_inᵀ)⁺``) or in features-given mode (``C = Σ c_i / n``,
+    e.g. an ``mlp_width`` or exact-tangent probe's). Returns (k, d_in) fp64, each row's largest
     entry positive (a fixed sign). Pass it to :func:`grow` as ``init_directions``.
     """
     if isinstance(source, CrossStats):
@@ -87,6 +88,9 @@ def gradmax_directions(source, k: int) -> torch.Tensor:
             )
         if source.n < 1:
             raise FusedStatsError("gradmax_directions: the CrossStats has no samples")
+        if source.w_in is None:  # features given: Σ c_i / n is C itself
+            matrix = source.c_sum.to(torch.float64).cpu() / source.n
+            return _top_directions(matrix, k)
         w_in = source.w_in.to(torch.float64).cpu()
         if source.rank < source.in_dim or torch.linalg.matrix_rank(w_in) < source.in_dim:
             raise FusedStatsError(
@@ -99,6 +103,10 @@ def gradmax_directions(source, k: int) -> torch.Tensor:
     else:
         shape = tuple(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__
         raise FusedStatsError(f"gradmax_directions needs a (d_out, d_in) tensor or a CrossStats, got {shape}")
+    return _top_directions(matrix, k)
+
+
+def _top_directions(matrix: torch.Tensor, k) -> torch.Tensor:
     if not torch.isfinite(matrix).all():
         raise FusedStatsError("gradmax_directions: the cross-gradient has non-finite entries")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(matrix.shape):

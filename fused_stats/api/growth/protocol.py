@@ -77,6 +77,10 @@ class GrowthProtocol:
     boundary, as G_stack) or ``"random"`` (the architecture's own initialisation). ``seed``: the
     non-zero parts of the block at candidate ``i`` are drawn from ``(seed, i)``. ``projection``:
     optional rank of a fixed random projection of the probed features, drawn from ``seed``.
+    ``budget``: optional ``(M, K)``, the train and test sample sizes at which the advisor evaluates
+    the width certificate (declared with the protocol, like everything the verdict depends on;
+    None: the report's own sizes). Only a set budget enters :meth:`to_dict`, so protocols without
+    one keep the record and digest they had before the field existed.
     """
 
     candidates: tuple[str, ...]
@@ -85,6 +89,7 @@ class GrowthProtocol:
     seed: int = 0
     width: int | None = None
     projection: int | None = None
+    budget: tuple[int, int] | None = None
 
     def __post_init__(self):
         cands = self.candidates
@@ -120,6 +125,18 @@ class GrowthProtocol:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise FusedStatsError(f"GrowthProtocol {name} must be a positive int or None, got {value!r}")
+        if self.budget is not None:
+            try:
+                budget = tuple(self.budget)
+            except TypeError:
+                budget = ()
+            if len(budget) != 2 or any(
+                not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in budget
+            ):
+                raise FusedStatsError(
+                    f"GrowthProtocol budget must be None or (M, K), two positive ints, got {self.budget!r}"
+                )
+            object.__setattr__(self, "budget", budget)
         if self.family == "mlp_width" and self.width is None:
             raise FusedStatsError(
                 "GrowthProtocol family 'mlp_width' needs width= (the number of new hidden units)"
@@ -135,7 +152,7 @@ class GrowthProtocol:
 
     def to_dict(self) -> dict:
         """Plain JSON-able record: the fields, the zero-state rule and the zero parameters."""
-        return {
+        record = {
             "version": PROTOCOL_VERSION,
             "candidates": list(self.candidates),
             "family": self.family,
@@ -146,6 +163,10 @@ class GrowthProtocol:
             "zero_parameters": _zero_parameters_table(self.family, self.init),
             "zero_state_rule": ZERO_STATE_RULE,
         }
+        if self.budget is not None:
+            # absent, not null, when unset: digests of protocols recorded before stay valid
+            record["budget"] = list(self.budget)
+        return record
 
     @classmethod
     def from_dict(cls, record: dict) -> GrowthProtocol:
@@ -158,6 +179,7 @@ class GrowthProtocol:
                 seed=record["seed"],
                 width=record.get("width"),
                 projection=record.get("projection"),
+                budget=record.get("budget"),
             )
         except (KeyError, TypeError) as exc:
             raise FusedStatsError(f"not a GrowthProtocol record: missing or bad entry {exc}") from None

@@ -19,9 +19,14 @@ The width is ``r = Σ in_features (+1 per bias)``, ``d + f`` for a LLaMA layer. 
 ``protocol.projection = k`` a fixed ``k × r`` Gaussian ``P`` (drawn from the protocol's seed)
 gives ``C Pᵀ`` instead: smaller state, and ``C ≠ 0 ⇒ C Pᵀ ≠ 0`` with probability 1 over ``P``
 (the boundary is kept, at some loss of power). ``family="cross_block"``: the protocol's
-``W_out φ(W_in z)`` block, whose features are ``φ(W_in z_t)``. Not handled: ``"mlp_width"``
-(its zero columns are read at the next block's MLP, not at the candidate) and ResNet blocks
-(their zero BatchNorm scale has a per-channel, not a ``q xᵀ``, gradient).
+``W_out φ(W_in z)`` block, whose features are ``φ(W_in z_t)``. ``family="mlp_width"``: the
+``width`` new hidden units of the MLP of the block that follows the candidate have zero output
+columns, whose per-sample gradient is ``Σ_t q'_t h_tᵀ`` with ``q'`` the gradient at that block's
+output (the MLP output is added to the stream there) and ``h_t`` the new units on the MLP's own
+input ``u_t`` (LLaMA ``silu(W_gate u) ⊙ (W_up u)``, GPT-2 / NeoX ``act(W_fc u)``; the new rows of
+``blocks.new_units``, i.e. those ``fs.grow`` appends); so the probe reads ``q`` at
+``gradient_point`` and ``u`` as the input of ``call_point`` (the MLP). Not handled: ResNet
+blocks (their zero BatchNorm scale has a per-channel, not a ``q xᵀ``, gradient).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from ...errors import FusedStatsError
 from ...ops.cross_twin import apply_activation, seeded_w_in
 from ..probe.spec import register_feature_source
 from . import blocks
-from .architecture import boundary
+from .architecture import MLP_PARTS, boundary
 from .protocol import GrowthProtocol
 
 CACHE_KEYS = ("past_key_values", "past_key_value", "layer_past", "cache")
@@ -77,15 +82,24 @@ class GrowthTangent:
 
     def __init__(self, protocol, model: nn.Module, new_block=None, zeroed_modules=None):
         self.family = getattr(protocol, "family", "layer")
-        if self.family not in ("layer", "cross_block"):
+        if self.family not in ("layer", "cross_block", "mlp_width"):
             raise FusedStatsError(
-                f"the tangent probe supports family 'layer' (a new block of the model's class) and "
-                f"'cross_block'; got family={self.family!r} (its zero parameters are read at another "
-                "point than the candidate)"
+                f"the tangent probe supports families 'layer', 'mlp_width' and 'cross_block'; got "
+                f"family={self.family!r}"
             )
         self.protocol, self.model = protocol, model
         self._neighbours: dict[str, str] = {}
-        if new_block is None or zeroed_modules is None:
+        self._grown: dict[str, str] = {}  # mlp_width: candidate -> the block whose MLP grows
+        self.units: dict[str, blocks.NewUnits] = {}
+        if self.family == "mlp_width":
+            arch = protocol.check(model)
+            self._mlp_inputs = MLP_PARTS[arch.kind][0]
+            # the probe reads the features from the MLP's input (spec.source_features)
+            self.input_features = self.unit_features
+            for p in protocol.candidates:
+                b = boundary(arch, model, p)
+                self._grown[p] = f"{b.container}.{b.position}"
+        elif new_block is None or zeroed_modules is None:
             new_block = new_block or blocks.new_block
             zeroed_modules = zeroed_modules or blocks.zeroed_modules
             arch = protocol.check(model)
@@ -132,22 +146,58 @@ class GrowthTangent:
 
     def call_point(self, point: str) -> str:
         """The module whose call arguments the new block gets: the block before the boundary,
-        or block 0 at the input boundary (an embedding is called without mask or rotary)."""
+        or block 0 at the input boundary (an embedding is called without mask or rotary);
+        for ``mlp_width`` the MLP that grows (its input ``u`` gives the new units)."""
+        if self.family == "mlp_width":
+            return f"{self._grown[point]}.mlp"
         return self._neighbours.get(point, point)
+
+    def gradient_point(self, point: str) -> str:
+        """The module whose output gradient multiplies the features: the candidate itself, or for
+        ``mlp_width`` the block whose MLP grows (its MLP output is added to the stream there)."""
+        return self._grown.get(point, point)
+
+    def new_units(self, point: str) -> blocks.NewUnits:
+        """The new MLP units at ``point`` (``mlp_width``), the ones ``fs.grow`` appends."""
+        units = self.units.get(point)
+        if units is None:
+            units = self.units[point] = blocks.new_units(self.model, self.protocol, point)
+        return units
+
+    def unit_features(self, point: str, module: nn.Module, u: torch.Tensor) -> torch.Tensor:
+        """``h_t`` (B, T, width): the new hidden units of the MLP ``module`` on its input ``u``."""
+        units = self.new_units(point)
+        pre = []
+        for name in self._mlp_inputs:
+            axis, w = units.pieces[f"{name}.weight"]
+            w = w.to(dtype=u.dtype, device=u.device)
+            y = u @ (w if axis == 1 else w.T)  # Conv1D pieces are (in, new) columns, Linear (new, in)
+            bias = units.pieces.get(f"{name}.bias")
+            if bias is not None:
+                y = y + bias[1].to(dtype=u.dtype, device=u.device)
+            pre.append(y)
+        act = getattr(module, "act_fn", None) or getattr(module, "act", None)
+        if act is None:
+            raise FusedStatsError(f"MLP {type(module).__name__} at {point!r} has no act_fn / act")
+        # gated (LLaMA): act(gate) ⊙ up, the input of down_proj; else act(fc)
+        return act(pre[0]) * pre[1] if len(pre) == 2 else act(pre[0])
 
     def raw_rank(self, point: str) -> int:
         """``r``: the columns of the full tangent ``C`` (inputs of the zero maps, +1 per bias)."""
+        if self.family == "mlp_width":
+            return int(self.protocol.width)
         self.block(point)
         return sum(width + int(bias) for _, width, bias in self.maps[point])
 
     def feature_rank(self, point: str) -> int:
         return self.raw_rank(point)
 
-    def feature_w_in(self, point: str, dtype=torch.float32, device=None) -> torch.Tensor:
-        """The identity (the exact tangent) or the protocol's fixed ``k × r`` projection."""
+    def feature_w_in(self, point: str, dtype=torch.float32, device=None) -> torch.Tensor | None:
+        """None (the exact tangent: the features are given to CrossStats as they are, no r × r
+        identity stored) or the protocol's fixed ``k × r`` projection."""
         r = self.raw_rank(point)
         if self.projection is None:
-            return torch.eye(r, dtype=dtype, device=device)
+            return None
         return seeded_w_in(self.projection, r, self.seed, dtype).to(device)
 
     def features(self, point: str, module: nn.Module, z: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -87,7 +87,7 @@ from .fold import fold as fold_batch
 from .hooks import ActivationCapture, FrozenEval
 from .masks import MASK_MODES, counted_positions  # noqa: F401  (MASK_MODES re-exported)
 from .points import residual_points, resolve_points
-from .spec import PointKwargs, is_feature_source, protocol_record
+from .spec import PointKwargs, gradient_points, is_feature_source, protocol_record
 from .table import STREAMS, TableView
 
 
@@ -322,7 +322,7 @@ class Probe:
         arg = self._feature_dim_arg
         fd = arg.get(name) if isinstance(arg, dict) else arg
         return resolve_feature_dim(
-            self.model.get_submodule(name),
+            self.model.get_submodule(gradient_points(self.cross, [name]).get(name, name)),
             activation,
             name,
             fd,
@@ -398,7 +398,9 @@ class Probe:
         positions_mask = self.mask_for(batch, mask)
         model = self.model
         folding = StepFold(self, stream, positions_mask, atomic)
-        capture = ActivationCapture(model, self.points, on_output=folding.on_output)
+        capture = ActivationCapture(
+            model, self.points, on_output=folding.on_output, modules=gradient_points(self.cross, self.points)
+        )
         calls = PointKwargs(model, self.points, self.cross)  # a feature source's block needs them
         # only what changes is recorded and restored
         with FrozenEval(model), torch.enable_grad():  # enable_grad: losses.sum() needs a graph

@@ -103,16 +103,23 @@ register_kind(
         ),
     )
 )
+
+
+def cross_accumulator(probe, name: str, dim, dtype, device) -> CrossStats:
+    """The CrossStats of ``name``: the CrossSpec's or the source's projection, or, for a feature
+    source without one, features given (its ``feature_rank`` features, nothing stored for w_in)."""
+    point = point_of(name)
+    dtype = dtype or torch.float32
+    w_in, activation = cross_w_in(probe.cross, point, int(dim), dtype, device)
+    rank = probe.cross.feature_rank(point) if w_in is None else None
+    return CrossStats(int(dim), w_in, activation, device, probe.backend, name, rank=rank, dtype=dtype)
+
+
 register_kind(
     Kind(
         "cross",
         lambda probe: probe.cross is not None,
-        lambda probe, name, dim, dtype, device: CrossStats(
-            int(dim),
-            *cross_w_in(probe.cross, point_of(name), int(dim), dtype or torch.float32, device),
-            backend=probe.backend,
-            name=name,
-        ),
+        lambda probe, name, dim, dtype, device: cross_accumulator(probe, name, dim, dtype, device),
         reads="cross",
     )
 )

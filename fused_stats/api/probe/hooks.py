@@ -119,9 +119,13 @@ class ActivationCapture:
     ``__exit__`` and by :meth:`remove` (idempotent), whatever happened in between.
     """
 
-    def __init__(self, model: nn.Module, names: list[str], cut_graph: bool = True, on_output=None):
+    def __init__(
+        self, model: nn.Module, names: list[str], cut_graph: bool = True, on_output=None, modules=None
+    ):
         self.model = model
         self.names = list(names)
+        # point name -> the module whose output is captured under that name (default: itself)
+        self.modules = dict(modules or {})
         self.cut_graph = cut_graph
         self.on_output = on_output
         self.captured: dict[str, torch.Tensor] = {}  # with on_output: the leaves only
@@ -134,7 +138,7 @@ class ActivationCapture:
     def __enter__(self) -> ActivationCapture:
         try:
             for name in self.names:
-                module = submodule(self.model, name)
+                module = submodule(self.model, self.modules.get(name, name))
                 self._handles.append(module.register_forward_hook(self._make_hook(name), with_kwargs=True))
         except BaseException:
             self.remove()

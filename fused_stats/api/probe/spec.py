@@ -96,7 +96,15 @@ class FeatureSource(Protocol):
 
     * ``features(point, module, z, kwargs) -> (B, P, r)``: ``x`` at every position (no grad);
     * ``feature_rank(point) -> int``: ``r``, the width of ``x``;
-    * ``feature_w_in(point, dtype, device) -> (k, r)``: the identity (``k = r``) or a projection.
+    * ``feature_w_in(point, dtype, device) -> (k, r) or None``: a projection, or None: the
+      features enter as they are (CrossStats in features-given mode, no ``r × r`` identity).
+
+    Optional: ``call_point(point)``, the module whose call arguments are recorded (default the
+    point); ``gradient_point(point)``, the module whose output carries ``q`` and ``z`` for the
+    point (default the point: a zero map read elsewhere, e.g. new MLP units of the next block,
+    whose output columns write into that block's output); ``input_features(point, module, u)``,
+    used instead of ``features`` when the features are a function of the first positional input
+    ``u`` of the ``call_point`` module (e.g. the MLP's normalised input).
     """
 
     def features(self, point: str, module, z: torch.Tensor, kwargs: dict) -> torch.Tensor: ...
@@ -135,6 +143,14 @@ def resolve_cross(cross, model):
             f"(features, feature_rank, feature_w_in), got {type(cross).__name__}"
         )
     return cross
+
+
+def gradient_points(cross, points) -> dict[str, str]:
+    """Point name -> the module whose output is captured for it, where a feature source moves it."""
+    where = getattr(cross, "gradient_point", None) if is_feature_source(cross) else None
+    if where is None:
+        return {}
+    return {name: where(name) for name in points}
 
 
 def is_feature_source(cross) -> bool:
@@ -189,8 +205,18 @@ def source_features(probe, name: str, z: torch.Tensor, mask) -> torch.Tensor:
         )
     where = getattr(source, "call_point", None)
     module = probe.model.get_submodule(where(name) if where else name)
+    from_input = getattr(source, "input_features", None)
     with torch.no_grad():
-        x = source.features(name, module, z, call_kwargs(module, *calls[name]))
+        if from_input is not None:
+            args, _ = calls[name]
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise FusedStatsError(
+                    f"point {name!r}: {type(module).__name__} was called without a positional tensor "
+                    "input; the feature source reads its features from that input"
+                )
+            x = from_input(name, module, args[0])
+        else:
+            x = source.features(name, module, z, call_kwargs(module, *calls[name]))
     B, P = z.shape[:2]
     rank = source.feature_rank(name)
     if not isinstance(x, torch.Tensor) or tuple(x.shape) != (B, P, rank):
@@ -224,8 +250,9 @@ def call_kwargs(module, args: tuple, kwargs: dict) -> dict:
     return out
 
 
-def cross_w_in(cross, point: str, dim: int, dtype, device) -> tuple[torch.Tensor, str]:
-    """``(w_in, activation)`` of the CrossStats a probe keeps at ``point``."""
+def cross_w_in(cross, point: str, dim: int, dtype, device) -> tuple[torch.Tensor | None, str]:
+    """``(w_in, activation)`` of the CrossStats a probe keeps at ``point``; ``w_in`` None: a
+    feature source's features taken as they are (``feature_rank(point)`` of them)."""
     if is_feature_source(cross):
         return cross.feature_w_in(point, dtype=dtype, device=device), "identity"
     return cross.projection(dim, dtype=dtype, device=device), cross.activation

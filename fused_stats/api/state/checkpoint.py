@@ -327,13 +327,24 @@ def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -
         diffs = []
         try:
             # a CrossSpec's W_in, or a feature source's (growth's tangent: identity or projection)
-            w_in, activation = cross_w_in(spec, name, loaded.dim, loaded.w_in.dtype, None)
+            w_in, activation = cross_w_in(spec, name, loaded.dim, loaded.factory_dtype(), None)
+            if w_in is None:
+                rank = spec.feature_rank(name)
+                # features given; a file written with the identity w_in of the same rank (before
+                # features-given mode) holds the same statistics and loads as it was written
+                if loaded.w_in is not None and loaded.rank == rank:
+                    w_in = torch.eye(rank, dtype=loaded.w_in.dtype)
         except FusedStatsError as exc:
             diffs.append(str(exc))
         else:
             if loaded.activation != activation:
                 diffs.append(f"activation {loaded.activation!r} vs {activation!r}")
-            if tuple(w_in.shape) != tuple(loaded.w_in.shape):
+            if w_in is None or loaded.w_in is None:
+                if (w_in is None) != (loaded.w_in is None):
+                    diffs.append("w_in (features given vs a projection)")
+                elif loaded.rank != rank:
+                    diffs.append(f"rank {loaded.rank} vs {rank}")
+            elif tuple(w_in.shape) != tuple(loaded.w_in.shape):
                 diffs.append(f"rank {loaded.rank} vs {w_in.shape[0]}")
             elif not torch.equal(w_in.cpu(), loaded.w_in.cpu()):
                 diffs.append("w_in values (another seed or w_in)")

@@ -414,9 +414,9 @@ def plan_tangent(
     """Bytes of the CrossStats that probe the exact tangent of a new layer (``cross=protocol``).
 
     The features are the inputs of the layer's zero maps, ``r = d + f`` (+1 per zero bias: GPT-2
-    and GPT-NeoX have 2), so each accumulator holds ``Σ c_i`` (d × r, fp64) and its ``w_in``: the
-    r × r identity, or the k × r projection with ``projection = k`` (``w_in_bytes`` a number: 4
-    for fp32 models, 8 for fp64), and then ``Σ c_i`` is d × k.
+    and GPT-NeoX have 2), so each accumulator holds ``Σ c_i`` (d × r, fp64) and no ``w_in`` (the
+    features enter CrossStats as they are), or, with ``projection = k``, the k × r projection
+    (``w_in_bytes`` a number: 4 for fp32 models, 8 for fp64) and then ``Σ c_i`` is d × k.
     """
     for name, value in (
         ("dim", dim),
@@ -430,14 +430,15 @@ def plan_tangent(
         _positive("projection", projection)
     r = dim + intermediate + bias_maps
     k = r if projection is None else projection
-    per = 8 * (dim * k + 4) + w_in_bytes * k * r
+    w_in = 0 if projection is None else w_in_bytes * k * r
+    per = 8 * (dim * k + 4) + w_in
     return {
         "dim": dim,
         "features": r,
         "rank": k,
         "projection": projection,
         "c_sum_bytes": 8 * dim * k,
-        "w_in_bytes": w_in_bytes * k * r,
+        "w_in_bytes": w_in,
         "per_accumulator": per,
         "per_point": per * streams,
         "total": per * streams * points,
