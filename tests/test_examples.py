@@ -112,3 +112,14 @@ def test_missing_peer_library_names_the_install_command(name, module, tmp_path):
     assert proc.returncode != 0
     assert "bash .ci/install-peers" in proc.stderr and repr(module) in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_grow_resnet_tiny(tmp_path):
+    out = run_example(
+        "grow_resnet.py", "--steps", "6", "--width", "4", "--out", str(tmp_path / "g"), tmp_path=tmp_path
+    )
+    assert "eval logits bit-identical: True" in out
+    assert (tmp_path / "g" / "advice.md").read_text().count("| layer") == 9
+    assert (tmp_path / "g" / "advice.png").stat().st_size > 0
+    errors = [float(m) for m in re.findall(r"^0\.0*1 .* (\S+)$", out, flags=re.M)]
+    assert len(errors) == 4 and max(errors) < 0.05, out  # within the one-sided floor at ReLU zeros

@@ -389,3 +389,118 @@ def test_exact_tangent_stores_no_identity_and_reads_identity_checkpoints(tmp_pat
         fs.CrossStats(4, None, "gelu", rank=3)
     with pytest.raises(fs.FusedStatsError, match="w_in=None only"):
         fs.CrossStats(4, torch.eye(3), "identity", rank=3)
+
+
+def resnet_model(kind):
+    from fused_stats.networks.resnet import cifar_resnet20, tiny_resnet
+
+    if kind == "basic":
+        model = cifar_resnet20(width=4, seed=3, random_batchnorm=True)
+        return model.double(), ["layer1.2", "layer2.0", "layer3.2"], (8, 8), "bn2"
+    model = tiny_resnet(block="bottleneck", width=2, seed=3, random_batchnorm=True)
+    return model.double(), ["layer1.0", "layer3.0"], (32, 32), "bn3"
+
+
+def reference_bn_grads(model, protocol, point, x, y, last, projection=None):
+    """c_i = [∂ℓ_i/∂γ ; ∂ℓ_i/∂β] of the zero last BatchNorm of the block fs.grow inserts after
+    ``point``, the grown fp64 model in eval mode, one backward per sample."""
+    grown = copy.deepcopy(model).eval()
+    result = fs.grow(grown, protocol, at=[point])
+    bn = grown.get_submodule(f"{result.positions[point]}.{last}")
+    assert bool((bn.weight == 0).all()) and bool((bn.bias == 0).all())
+    for p in grown.parameters():
+        p.requires_grad_(False)
+    params = [bn.weight, bn.bias]
+    for p in params:
+        p.requires_grad_(True)
+    rows = []
+    for b in range(x.shape[0]):
+        loss = F.cross_entropy(grown(x[b : b + 1]), y[b : b + 1])
+        c = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+        rows.append(c if projection is None else projection @ c)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("kind", ["basic", "bottleneck"])
+@pytest.mark.parametrize("projection", [None, 5])
+def test_resnet_tangent_matches_per_sample_gradients_of_the_zero_batchnorm(kind, projection):
+    """ResNet blocks: the zero parameters are the last BatchNorm's scale and shift, whose per-sample
+    gradients are per channel; the probe (model in train mode: it probes in eval mode) agrees with
+    them on an fs.grow-grown fp64 model to 1e-10, and leaves the model as it was."""
+    model, points, side, last = resnet_model(kind)
+    model.train()
+    protocol = fs.GrowthProtocol(points, family="layer", seed=4, projection=projection)
+    probe = fs.Probe(model, points=points, cross=protocol, second_moment="dense")
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(6, 3, *side, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (6,), generator=g)
+    before = copy.deepcopy(model.state_dict())
+    probe.step((x, y), fs.classification_loss)
+    assert model.training and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    for point in points:
+        channels = model.get_submodule(point).get_submodule(last).num_features
+        P = None if projection is None else probe.cross.feature_w_in(point, dtype=torch.float64)
+        c = reference_bn_grads(model, protocol, point, x, y, last, P)
+        cross2, se, z, p = brute_force(c)
+        sat = probe.saturation(point)
+        assert sat.n == 6 and sat.rank == (2 * channels if projection is None else projection)
+        assert abs(sat.cross_frob2 - cross2) <= 1e-10 * max(1.0, abs(cross2)), (sat.cross_frob2, cross2)
+        assert (math.isnan(sat.cross_frob2_se) and math.isnan(se)) or abs(
+            sat.cross_frob2_se - se
+        ) <= 1e-10 * max(1.0, se)
+        assert abs(sat.z - z) <= 1e-10 * max(1.0, abs(z))
+        assert abs(sat.p_value - p) <= 1e-10
+        assert abs(cross2) > 1e-12  # the comparison is not between two zeros
+
+
+def test_resnet_tangent_advice_and_refusals():
+    """The advisor ranks ResNet candidates from a tangent probe; a protocol whose block is not zero
+    at its last BatchNorm ("random") is refused, naming the point."""
+    model, points, side, _ = resnet_model("basic")
+    protocol = fs.GrowthProtocol(points, seed=1)
+    probe = fs.Probe(model, points=points, cross=protocol)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        probe.step(
+            (
+                torch.randn(5, 3, *side, generator=g, dtype=torch.float64),
+                torch.randint(0, 10, (5,), generator=g),
+            ),
+            fs.classification_loss,
+        )
+    advice = fs.advise(probe, protocol)
+    assert sorted(e.point for e in advice.ranked) == sorted(points)
+    assert all(e.cross_frob2 == probe.saturation(e.point).cross_frob2 for e in advice.ranked)
+    bad = fs.Probe(model, points=points[:1], cross=fs.GrowthProtocol(points[:1], init="random"))
+    with pytest.raises(fs.FusedStatsError, match=r"layer1\.2.*not zero"):
+        bad.step(
+            (torch.randn(2, 3, *side, dtype=torch.float64), torch.tensor([1, 2])), fs.classification_loss
+        )
+    assert not bad.table
+
+
+def test_resnet_tangent_by_pixel_sums_to_the_per_sample_gradients():
+    """unit="position": every pixel of every sample is a sample (n = B·H·W) and the pixels' terms
+    sum to the per-sample gradients of the zero BatchNorm (Σ c of the reference)."""
+    model, points, side, last = resnet_model("basic")
+    protocol = fs.GrowthProtocol(points, seed=2)
+    probe = fs.Probe(model, points=points, cross=protocol, unit="position")
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 3, *side, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (4,), generator=g)
+    probe.step((x, y), fs.classification_loss)
+    shapes = {}
+    handles = [
+        model.get_submodule(p).register_forward_hook(lambda m, a, out, p=p: shapes.__setitem__(p, out.shape))
+        for p in points
+    ]
+    with torch.no_grad():
+        model.eval()(x)
+    for h in handles:
+        h.remove()
+    for point in points:
+        c = reference_bn_grads(model, protocol, point, x, y, last)
+        acc = probe.cross_stats[point]
+        assert acc.unit == "position" and acc.dim == 1 and acc.n == 4 * math.prod(shapes[point][2:])
+        assert torch.allclose(acc.c_sum.flatten(), c.sum(0), rtol=1e-10, atol=1e-14)
+        assert c.abs().max() > 1e-8

@@ -25,8 +25,19 @@ columns, whose per-sample gradient is ``Σ_t q'_t h_tᵀ`` with ``q'`` the gradi
 output (the MLP output is added to the stream there) and ``h_t`` the new units on the MLP's own
 input ``u_t`` (LLaMA ``silu(W_gate u) ⊙ (W_up u)``, GPT-2 / NeoX ``act(W_fc u)``; the new rows of
 ``blocks.new_units``, i.e. those ``fs.grow`` appends); so the probe reads ``q`` at
-``gradient_point`` and ``u`` as the input of ``call_point`` (the MLP). Not handled: ResNet
-blocks (their zero BatchNorm scale has a per-channel, not a ``q xᵀ``, gradient).
+``gradient_point`` and ``u`` as the input of ``call_point`` (the MLP).
+
+ResNet blocks (``family="layer"``): the zero parameters are the last BatchNorm's scale ``γ`` and
+shift ``β``; the branch ``γ ⊙ x̂ + β`` is added to the stream ``z`` (the candidate's output) before
+the block's ReLU, so with ``q'_t = q_t ⊙ 1[z_t > 0]`` (the ReLU's gradient at ``z + 0``)
+
+    ∂ℓ_i/∂γ = Σ_t q'_t ⊙ x̂_t,   ∂ℓ_i/∂β = Σ_t q'_t,
+
+per channel, ``t`` the pixels and ``x̂`` the new block's normalised conv output (its BatchNorm in
+eval mode: running statistics, mean 0 and variance 1 at birth, so samples stay independent; the
+probe runs the model in eval mode too). The features are ``x_t = [x̂_t ; 1]`` (2C) and
+``cross_terms`` turns ``(q, x)`` into ``(1, x ⊙ [q' ; q'])``: a CrossStats of width 1 whose
+``c_i`` is the 2C-vector of those gradients.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from torch import nn
 
 from ...errors import FusedStatsError
 from ...ops.cross_twin import apply_activation, seeded_w_in
+from ..probe.fold import cross_view
 from ..probe.spec import register_feature_source
 from . import blocks
 from .architecture import MLP_PARTS, boundary
@@ -89,6 +101,7 @@ class GrowthTangent:
             )
         self.protocol, self.model = protocol, model
         self._neighbours: dict[str, str] = {}
+        self.channelwise = False
         self._grown: dict[str, str] = {}  # mlp_width: candidate -> the block whose MLP grows
         self.units: dict[str, blocks.NewUnits] = {}
         if self.family == "mlp_width":
@@ -104,6 +117,10 @@ class GrowthTangent:
             zeroed_modules = zeroed_modules or blocks.zeroed_modules
             arch = protocol.check(model)
             self._neighbours = {p: boundary(arch, model, p).neighbour for p in protocol.candidates}
+            if not arch.transformer and self.family == "layer":
+                # a zero BatchNorm scale and shift: per-channel terms from the point's conv map
+                self.channelwise = True
+                self.output_features, self.cross_terms = self.map_features, self.channel_terms
         self._new_block, self._zeroed = new_block, zeroed_modules
         self.projection = getattr(protocol, "projection", None)
         if self.projection is not None and (
@@ -140,7 +157,10 @@ class GrowthTangent:
                         f"new block at {point!r}: {name!r} is listed as zero-initialised but its "
                         f"{nonzero} are not zero; the block would not be function preserving"
                     )
-                maps.append((name, *zero_map_width(name, module)))
+                if isinstance(module, nn.BatchNorm2d):  # width C; its scale and shift: 2C terms
+                    maps.append((name, int(module.num_features), True))
+                else:
+                    maps.append((name, *zero_map_width(name, module)))
             self.blocks[point], self.maps[point] = block, maps
         return block
 
@@ -187,6 +207,8 @@ class GrowthTangent:
         if self.family == "mlp_width":
             return int(self.protocol.width)
         self.block(point)
+        if self.channelwise:  # a BatchNorm's scale and shift: two terms per channel
+            return sum(2 * width for _, width, _ in self.maps[point])
         return sum(width + int(bias) for _, width, bias in self.maps[point])
 
     def feature_rank(self, point: str) -> int:
@@ -199,6 +221,43 @@ class GrowthTangent:
         if self.projection is None:
             return None
         return seeded_w_in(self.projection, r, self.seed, dtype).to(device)
+
+    def map_features(self, point: str, act: torch.Tensor) -> torch.Tensor:
+        """ResNet: ``[x̂_t ; 1]`` (B, H·W, 2C), ``x̂`` the new block's last BatchNorm input,
+        normalised with its running statistics, the block run on the candidate's output ``act``
+        (B, C, H, W)."""
+        block = self.block(point)
+        ((name, channels, _),) = self.maps[point]
+        bn = block.get_submodule(name)
+        if act.dim() != 4 or act.shape[1] != channels:
+            raise FusedStatsError(
+                f"new block at {point!r}: the point's output has shape {tuple(act.shape)}, expected "
+                f"(B, {channels}, H, W)"
+            )
+        seen: list[torch.Tensor] = []
+        handle = bn.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+        try:
+            with torch.no_grad():
+                out = block(act.to(bn.weight.dtype))
+        finally:
+            handle.remove()
+        if tuple(out.shape) != tuple(act.shape):
+            raise FusedStatsError(
+                f"new block at {point!r} maps {tuple(act.shape)} to {tuple(out.shape)}; it must keep the shape"
+            )
+        # x̂ = (x − running_mean) / sqrt(running_var + eps): BatchNorm2d in eval mode, no affine
+        xhat = nn.functional.batch_norm(
+            seen[0], bn.running_mean, bn.running_var, None, None, False, 0.0, bn.eps
+        )
+        return cross_view(torch.cat([xhat, torch.ones_like(xhat)], dim=1), 1)
+
+    def channel_terms(self, point: str, q: torch.Tensor, z: torch.Tensor, x: torch.Tensor):
+        """ResNet: ``(1, x ⊙ [q' ; q'])`` with ``q' = q ⊙ 1[z > 0]``; ``q``, ``z`` (B, P, C),
+        ``x`` (B, P, 2C) from :meth:`map_features`: ``Σ_t`` of the pair is ``[∂ℓ/∂γ ; ∂ℓ/∂β]``."""
+        gated = q.to(x.dtype) * (z > 0).to(x.dtype)
+        return torch.ones(*q.shape[:2], 1, dtype=x.dtype, device=x.device), x * torch.cat(
+            [gated, gated], dim=-1
+        )
 
     def features(self, point: str, module: nn.Module, z: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """``x_t`` (B, T, r): the new block run on ``z`` (B, T, d), inputs of its zero maps."""

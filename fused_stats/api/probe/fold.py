@@ -32,7 +32,7 @@ import torch
 from ...accumulators import CrossStats, GradStats, NormHistogram
 from ...errors import FusedStatsError
 from .masks import flat_masked, point_mask
-from .spec import cross_w_in, is_feature_source, source_features
+from .spec import cross_w_in, is_feature_source, source_features, source_terms
 
 
 @dataclass
@@ -251,11 +251,13 @@ def fold(
             acc = probe.table.get(key)
             if REGISTRY[kind].reads == "cross":
                 z = cross_view(act.detach(), fd)
-                if acc is None:  # kept only if the step commits
-                    acc = probe.new_accumulator(kind, stream, name, z.shape[-1], cross_dtype(z), z.device)
                 cm = cross_mask(m, z.shape[0], z.shape[1])
                 # a feature source's features of the block run on z; z itself for a CrossSpec
-                cross_args.append((acc, cross_view(g, fd), source_features(probe, name, z, cm), cm))
+                x = source_features(probe, name, z, cm, act.detach())
+                cg, x = source_terms(probe.cross, name, cross_view(g, fd), z, x)
+                if acc is None:  # kept only if the step commits
+                    acc = probe.new_accumulator(kind, stream, name, cg.shape[-1], cross_dtype(z), z.device)
+                cross_args.append((acc, cg, x, cm))
                 cross_keys.append(key)
             else:
                 if acc is None:

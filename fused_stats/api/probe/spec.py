@@ -104,7 +104,12 @@ class FeatureSource(Protocol):
     point (default the point: a zero map read elsewhere, e.g. new MLP units of the next block,
     whose output columns write into that block's output); ``input_features(point, module, u)``,
     used instead of ``features`` when the features are a function of the first positional input
-    ``u`` of the ``call_point`` module (e.g. the MLP's normalised input).
+    ``u`` of the ``call_point`` module (e.g. the MLP's normalised input);
+    ``output_features(point, act)``, used instead of ``features`` when they need the point's
+    output ``act`` in its own layout (a conv map (B, C, H, W)), returning (B, P, r) in the order of
+    the probe's (B, P, d) view; ``cross_terms(point, q, z, x) -> (q', x')``, for zero parameters
+    that are not a linear map's weight (a BatchNorm scale: per channel), the pair whose
+    ``Σ_t q'_t x'_tᵀ`` is the per-sample gradient (the accumulator's width is ``q'``'s).
     """
 
     def features(self, point: str, module, z: torch.Tensor, kwargs: dict) -> torch.Tensor: ...
@@ -189,9 +194,10 @@ class PointKwargs:
         return False
 
 
-def source_features(probe, name: str, z: torch.Tensor, mask) -> torch.Tensor:
+def source_features(probe, name: str, z: torch.Tensor, mask, act: torch.Tensor | None = None) -> torch.Tensor:
     """The "activation" a probe's CrossStats gets at ``name``: ``z`` (B, P, d) itself for a
-    :class:`CrossSpec`; for a feature source, its features of the block run on ``z`` with the
+    :class:`CrossSpec`; for a feature source, its features of the block run on ``z`` (or on
+    ``act``, the point's output in its own layout, for a source with ``output_features``) with the
     arguments recorded by :class:`PointKwargs` at the last step, zero at uncounted positions
     (padding enters nothing, also when the block gives non-finite values there)."""
     source = probe.cross
@@ -206,8 +212,11 @@ def source_features(probe, name: str, z: torch.Tensor, mask) -> torch.Tensor:
     where = getattr(source, "call_point", None)
     module = probe.model.get_submodule(where(name) if where else name)
     from_input = getattr(source, "input_features", None)
+    from_output = getattr(source, "output_features", None)
     with torch.no_grad():
-        if from_input is not None:
+        if from_output is not None:
+            x = from_output(name, z if act is None else act)
+        elif from_input is not None:
             args, _ = calls[name]
             if not args or not isinstance(args[0], torch.Tensor):
                 raise FusedStatsError(
@@ -228,6 +237,29 @@ def source_features(probe, name: str, z: torch.Tensor, mask) -> torch.Tensor:
     if mask is not None:
         x = torch.where(mask.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))
     return x
+
+
+def source_terms(source, name: str, q: torch.Tensor, z: torch.Tensor, x: torch.Tensor):
+    """``(q, x)`` as a probe's CrossStats at ``name`` takes them: as they are, or the pair of a
+    source's ``cross_terms`` (checked: same positions as ``q``)."""
+    terms = getattr(source, "cross_terms", None) if is_feature_source(source) else None
+    if terms is None:
+        return q, x
+    q2, x2 = terms(name, q, z, x)
+    if (
+        not isinstance(q2, torch.Tensor)
+        or not isinstance(x2, torch.Tensor)
+        or q2.dim() != 3
+        or x2.dim() != 3
+        or tuple(q2.shape[:2]) != tuple(q.shape[:2])
+        or tuple(x2.shape[:2]) != tuple(q.shape[:2])
+    ):
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (q2, x2)]
+        raise FusedStatsError(
+            f"feature source at point {name!r}: cross_terms returned {shapes}, expected "
+            f"({q.shape[0]}, {q.shape[1]}, ·) each"
+        )
+    return q2, x2
 
 
 def call_kwargs(module, args: tuple, kwargs: dict) -> dict:
