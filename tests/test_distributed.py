@@ -179,6 +179,23 @@ def run_probe(probe, train, test):
     return probe
 
 
+def dense_kind(name="grad_dense"):
+    """A kind added through the registry: a second GradStats, dense, beside the probe's pool."""
+    from fused_stats.api.probe.fold import Kind
+
+    return Kind(
+        name,
+        lambda probe: getattr(probe, "keep_dense", False),
+        lambda probe, name, dim, dtype, device: fs.GradStats(int(dim), "dense", device=device, name=name),
+    )
+
+
+def dense_probe():
+    probe = fs.Probe(TinyNet(), points=PROBE_POINTS, second_moment="pool")
+    probe.keep_dense = True
+    return probe
+
+
 # ----------------------------------------------------------------------------- worker
 def _worker(rank: int, world: int, outdir: str) -> None:
     import torch.distributed as dist
@@ -247,6 +264,30 @@ def _worker(rank: int, world: int, outdir: str) -> None:
             for (kind, stream, name), acc in hist.table.items()
             if kind == "norm_hist"
         }
+        # a kind added with register_kind is reduced too (rank 1's test one created by the reduce);
+        # ranks that registered different kinds: an error on both, not a hang
+        from fused_stats.api.probe.fold import register_kind, unregister_kind
+
+        register_kind(dense_kind())
+        try:
+            custom = run_probe(dense_probe(), *probe_data(rank))
+            all_reduce_probe(custom)
+            results["custom_kind"] = {
+                f"{stream}/{name}": summary(custom.accumulators("grad_dense", stream)[name])
+                for stream in ("train", "test")
+                for name in PROBE_POINTS
+            }
+            if rank == 1:
+                register_kind(dense_kind("grad_extra"))
+            other = run_probe(dense_probe(), *probe_data(rank))
+            try:
+                all_reduce_probe(other)
+                results["kinds_mismatch"] = None
+            except fs.FusedStatsError as exc:
+                results["kinds_mismatch"] = str(exc)
+        finally:
+            unregister_kind("grad_dense")
+            unregister_kind("grad_extra")
         # ranks probing different points (also different numbers of them): an error on both
         # ranks, not a hang
         mismatch = []
@@ -404,6 +445,27 @@ def test_probe_all_reduce(ranks):
             assert message is not None and "different points" in message, message
         assert "different sets of accumulators" in ranks[rank]["many_mismatch"]
         assert "different sets of accumulators" in ranks[rank]["kind_mismatch"]
+
+
+def test_probe_all_reduce_of_a_registered_kind(ranks):
+    from fused_stats.api.probe.fold import register_kind, unregister_kind
+
+    (train0, test0), (train1, test1) = probe_data(0), probe_data(1)
+    register_kind(dense_kind())
+    try:
+        ref = run_probe(dense_probe(), train0 + train1, test0 + test1)
+        want = {
+            f"{stream}/{name}": summary(ref.accumulators("grad_dense", stream)[name])
+            for stream in ("train", "test")
+            for name in PROBE_POINTS
+        }
+    finally:
+        unregister_kind("grad_dense")
+    for rank in range(2):
+        for key, value in want.items():
+            assert value["mode"] == "dense" and value["n"] > 0
+            assert_same(ranks[rank]["custom_kind"][key], value)
+        assert "different accumulator kinds registered" in ranks[rank]["kinds_mismatch"]
 
 
 # ----------------------------------------------------------------------------- NCCL (GPU only)

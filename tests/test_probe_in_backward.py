@@ -522,6 +522,47 @@ def test_a_kind_added_through_the_registry_is_folded_at_every_point(gen):
     assert "grad_dense" not in fs.Probe(tiny_lm("gpt2", torch.float64)).kinds
 
 
+def test_a_registered_kind_checkpoints_and_resumes(gen, tmp_path):
+    """A kind added with ``register_kind`` whose accumulator is an existing class (GradStats) is
+    saved with that class named in the manifest, loads back into a fresh probe and resumes to the
+    state of one uninterrupted run."""
+    import json
+
+    from fused_stats.api.probe.fold import Kind, register_kind, unregister_kind
+
+    register_kind(
+        Kind(
+            "grad_dense",
+            lambda probe: True,
+            lambda probe, name, dim, dtype, device: fs.GradStats(int(dim), "dense", device=device, name=name),
+        )
+    )
+    try:
+        model = tiny_lm("gpt2", torch.float64)
+        batches = lm_batches(gen, 3)
+        whole, part = fs.Probe(model, second_moment="pool"), fs.Probe(model, second_moment="pool")
+        for batch in batches:
+            whole.step(batch, fs.causal_lm_loss)
+        for batch in batches[:2]:
+            part.step(batch, fs.causal_lm_loss)
+        part.save_state(tmp_path / "ckpt")
+        snap = (tmp_path / "ckpt" / (tmp_path / "ckpt" / "LATEST").read_text().strip()) / "manifest.json"
+        entries = json.loads(snap.read_text())["points"]
+        assert {e.get("class") for e in entries if e["kind"] == "grad_dense"} == {"grad"}
+        assert all("class" not in e for e in entries if e["kind"] == "grad")
+        resumed = fs.Probe(model, second_moment="pool")
+        resumed.load_state(tmp_path / "ckpt")
+        resumed.step(batches[2], fs.causal_lm_loss)
+        for point in whole.points:
+            a, b = resumed.accumulators("grad_dense")[point], whole.accumulators("grad_dense")[point]
+            assert a.mode == "dense" and a.n == b.n > 0
+            for key, value in b.estimate().to_dict().items():
+                if isinstance(value, float):
+                    assert math.isclose(a.estimate().to_dict()[key], value, rel_tol=1e-12, abs_tol=1e-15)
+    finally:
+        unregister_kind("grad_dense")
+
+
 def test_few_position_cross_step_agrees_with_the_old_shared_product(old, gen, monkeypatch):
     """The one case that is not bit for bit: ``cross=`` on (B, T, d) points with so few positions
     that the old fold shared one batched product across points (``CrossStats.prepare_stacked``,

@@ -1,8 +1,9 @@
 """The probe's accumulator table: ``(kind, stream, point) -> accumulator``, and its views.
 
 A :class:`~fused_stats.Probe` keeps every accumulator in one dict keyed by ``(kind, stream,
-point)``: ``kind`` one of :data:`KINDS` (``"grad"``: GradStats, ``"cross"``: CrossStats,
-``"norm_hist"``: NormHistogram), ``stream`` one of :data:`STREAMS`. :class:`TableView` is the live
+point)``: ``kind`` a name of the kind registry (:mod:`fused_stats.api.probe.fold`; built in:
+``"grad"``: GradStats, ``"cross"``: CrossStats, ``"norm_hist"``: NormHistogram), ``stream`` one of
+:data:`STREAMS`. :class:`TableView` is the live
 ``point -> accumulator`` mapping of one (kind, stream), which ``probe.stats`` and its siblings are.
 """
 
@@ -15,7 +16,6 @@ import torch
 from ...errors import FusedStatsError
 
 STREAMS: tuple[str, ...] = ("train", "test")
-KINDS: tuple[str, ...] = ("grad", "cross", "norm_hist")  # the accumulator kinds a probe can hold
 
 
 class MissingEntry(FusedStatsError, KeyError):

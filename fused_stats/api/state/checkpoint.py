@@ -14,7 +14,8 @@ directory holds complete *snapshots* and a pointer to the newest::
 
 Every manifest entry names its ``kind`` (an entry without one is ``"grad"``), so the format stays
 version 1: a reader that does not know a kind meets its file as a state of the wrong format and
-refuses it.
+refuses it. A kind added with ``register_kind`` whose accumulator is an existing class (a second,
+dense GradStats) also names that class's kind (``"class"``), by which its file is read.
 
 A snapshot is written into a temporary folder beside it, every file fsync'ed, the manifest last;
 the folder is then renamed to its final name and only then is ``LATEST`` replaced (temp file +
@@ -47,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from ...accumulators.base import REGISTRY as ACCUMULATOR_CLASSES
 from ...accumulators.base import IncompatibleStates, accumulator_class
 from ...accumulators.cross_stats import CrossStats
 from ...accumulators.persistence import fsync_dir, write_atomic
@@ -67,7 +69,8 @@ def probe_state(probe) -> dict:
     table's mapping; the accumulators are the probe's own)."""
     out = {}
     for key, acc in probe.table.items():
-        cls = accumulator_class(key[0])
+        # a kind added with register_kind may reuse an accumulator class (saved as "class")
+        cls = accumulator_class(key[0] if key[0] in ACCUMULATOR_CLASSES else getattr(acc, "KIND", key[0]))
         if not isinstance(acc, cls):
             raise FusedStatsError(
                 f"the probe's {key[0]} accumulator at {key[2]!r} ({key[1]}) is a "
@@ -152,6 +155,8 @@ def write_snapshot(directory, accs: dict, consumed: dict | None = None, extra: d
             acc.save(tmp / filename)
             entry = {
                 "kind": kind,
+                # the accumulator class, where a kind added with register_kind reuses one
+                **({} if kind == acc.KIND else {"class": acc.KIND}),
                 "stream": stream,
                 "name": name,
                 "file": filename,
@@ -262,7 +267,7 @@ def read_snapshot(directory, device=None, backend: str = "auto"):
         except (KeyError, TypeError, AttributeError) as exc:
             raise FusedStatsError(f"checkpoint {str(snap)!r}: bad point entry {entry!r}") from exc
         try:
-            cls = accumulator_class(kind)
+            cls = accumulator_class(entry.get("class", kind))
         except FusedStatsError as exc:
             raise FusedStatsError(
                 f"checkpoint {str(snap)!r}: point {name!r} ({stream}) has kind {kind!r}: {exc}"

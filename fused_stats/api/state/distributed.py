@@ -30,33 +30,45 @@ from ...accumulators.distributed import (
     require_initialised,
 )
 from ...errors import FusedStatsError
-from ..probe.table import KINDS, STREAMS, probe_device
+from ..probe.fold import REGISTRY
+from ..probe.table import STREAMS, probe_device
 
 # dtype codes exchanged between ranks (0: no accumulator, or the kind's default)
 _DTYPES = {torch.float32: 1, torch.float64: 2}
 
 
-def _check_points(points: list[str], group, device) -> None:
-    # before any collective whose size depends on the points: unequal sizes would hang, not fail
-    table = gather_rows([names_digest(points), len(points)], group, device)
-    if bool((table != table[0]).any()):
+def registered_kinds() -> tuple[str, ...]:
+    """Every accumulator kind a probe can hold (the built-in ones and those added with
+    ``register_kind``), in an order every rank agrees on."""
+    return tuple(sorted(REGISTRY))
+
+
+def _check_points(points: list[str], kinds: tuple[str, ...], group, device) -> None:
+    # before any collective whose size depends on the points or kinds: unequal sizes would hang
+    table = gather_rows([names_digest(points), len(points), names_digest(list(kinds))], group, device)
+    if bool((table[:, :2] != table[0, :2]).any()):
         raise FusedStatsError(
             f"all_reduce_probe: ranks probe different points (counts by rank {table[:, 1].tolist()}); "
             f"this rank has different sets of accumulators at points {points}"
         )
+    if bool((table[:, 2] != table[0, 2]).any()):
+        raise FusedStatsError(
+            "all_reduce_probe: ranks have different accumulator kinds registered (register_kind); "
+            f"this rank has {list(kinds)}"
+        )
 
 
 def _fill_missing(probe, group, device) -> None:
-    points = list(probe.points)
-    _check_points(points, group, device)
+    points, kinds = list(probe.points), registered_kinds()
+    _check_points(points, kinds, group, device)
     if not points:
         return
-    keys = [(kind, stream, name) for kind in KINDS for stream in STREAMS for name in points]
+    keys = [(kind, stream, name) for kind in kinds for stream in STREAMS for name in points]
     held = probe.kinds
     # one row per rank: [kinds the probe keeps (bits)], then per key: dim, dtype code, block
     # digest. The blocks are compared here, before any accumulator is reduced, so a mismatch at
     # a later point cannot leave earlier points already reduced
-    row = [sum(1 << i for i, kind in enumerate(KINDS) if kind in held)]
+    row = [sum(1 << i for i, kind in enumerate(kinds) if kind in held)]
     for key in keys:
         acc = probe.table.get(key)
         dtype = None if acc is None else acc.factory_dtype()
@@ -78,7 +90,7 @@ def _fill_missing(probe, group, device) -> None:
         dims = {int(v) for v in dim_col if v > 0}
         if not dims:
             continue
-        bit = 1 << KINDS.index(kind)
+        bit = 1 << kinds.index(kind)
         codes = {int(v) for v in dtype_col if v > 0}
         blocks = [int(v) for v, d in zip(block_col, dim_col) if d > 0]
         if kind == "grad" and len(dims) > 1:
