@@ -157,6 +157,19 @@ def brute_force(c):
     return cross2, (math.sqrt(var) if var >= 0 else math.nan), z, 0.5 * math.erfc(z / math.sqrt(2))
 
 
+def assert_matches(sat, c, floor):
+    """``probe.saturation(point)`` against the brute force over the per-sample rows ``c``: |C|²,
+    SE, z and p to 1e-10; ``floor``: |C|² must exceed it (not a comparison of two zeros)."""
+    cross2, se, z, p = brute_force(c)
+    assert abs(sat.cross_frob2 - cross2) <= 1e-10 * max(1.0, abs(cross2)), (sat.cross_frob2, cross2)
+    assert (math.isnan(sat.cross_frob2_se) and math.isnan(se)) or abs(sat.cross_frob2_se - se) <= 1e-10 * max(
+        1.0, se
+    )
+    assert abs(sat.z - z) <= 1e-10 * max(1.0, abs(z))
+    assert abs(sat.p_value - p) <= 1e-10
+    assert abs(cross2) > floor
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "neox"])
 @pytest.mark.parametrize("projection", [None, 7])
 def test_tangent_probe_matches_per_sample_gradients(kind, projection):
@@ -172,19 +185,12 @@ def test_tangent_probe_matches_per_sample_gradients(kind, projection):
         block = probe.cross.blocks[point]
         P = None if projection is None else probe.cross.feature_w_in(point, dtype=torch.float64)
         c = reference_grads(model, stack, point, block, batch, P)
-        cross2, se, z, p = brute_force(c)
         sat = probe.saturation(point)
         d, f = 12, (20 if kind != "gpt2" else 48)
         r = d + f + (2 if kind != "llama" else 0)  # GPT-2 and NeoX maps carry a zero bias each
         assert probe.cross_stats[point].rank == (r if projection is None else projection)
         assert sat.n == 6
-        assert abs(sat.cross_frob2 - cross2) <= 1e-10 * max(1.0, abs(cross2)), (sat.cross_frob2, cross2)
-        assert (math.isnan(sat.cross_frob2_se) and math.isnan(se)) or abs(
-            sat.cross_frob2_se - se
-        ) <= 1e-10 * max(1.0, se)
-        assert abs(sat.z - z) <= 1e-10 * max(1.0, abs(z))
-        assert abs(sat.p_value - p) <= 1e-10
-        assert abs(cross2) > 1e-8  # the comparison is not between two zeros
+        assert_matches(sat, c, 1e-8)
 
 
 @pytest.mark.parametrize("unit", ["sample", "position"])
@@ -268,16 +274,9 @@ def test_mlp_width_probe_matches_per_sample_gradients(kind, projection):
     for point in points:
         P = None if projection is None else probe.cross.feature_w_in(point, dtype=torch.float64)
         c = reference_width_grads(model, protocol, point, batch, P)
-        cross2, se, z, p = brute_force(c)
         sat = probe.saturation(point)
         assert sat.n == 6 and sat.rank == (5 if projection is None else projection)
-        assert abs(sat.cross_frob2 - cross2) <= 1e-10 * max(1.0, abs(cross2)), (sat.cross_frob2, cross2)
-        assert (math.isnan(sat.cross_frob2_se) and math.isnan(se)) or abs(
-            sat.cross_frob2_se - se
-        ) <= 1e-10 * max(1.0, se)
-        assert abs(sat.z - z) <= 1e-10 * max(1.0, abs(z))
-        assert abs(sat.p_value - p) <= 1e-10
-        assert abs(cross2) > 1e-12  # the comparison is not between two zeros
+        assert_matches(sat, c, 1e-12)
 
 
 def test_unsupported_family_and_bad_candidate():
@@ -341,13 +340,7 @@ def test_probed_block_is_the_block_fs_grow_inserts(kind):
     for b in range(6):
         loss = per_sample_loss(grown, {k: v[b : b + 1] for k, v in batch.items()})[0]
         rows.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, zero)]))
-    cross2, se, z, p = brute_force(torch.stack(rows))
-    sat = probe.saturation(point)
-    assert abs(sat.cross_frob2 - cross2) <= 1e-10 * max(1.0, abs(cross2)) and abs(cross2) > 1e-8
-    assert abs(sat.z - z) <= 1e-10 * max(1.0, abs(z)) and abs(sat.p_value - p) <= 1e-10
-    assert (math.isnan(sat.cross_frob2_se) and math.isnan(se)) or abs(sat.cross_frob2_se - se) <= 1e-10 * max(
-        1.0, se
-    )
+    assert_matches(probe.saturation(point), torch.stack(rows), 1e-8)
 
 
 def test_exact_tangent_stores_no_identity_and_reads_identity_checkpoints(tmp_path):
@@ -441,16 +434,9 @@ def test_resnet_tangent_matches_per_sample_gradients_of_the_zero_batchnorm(kind,
         channels = model.get_submodule(point).get_submodule(last).num_features
         P = None if projection is None else probe.cross.feature_w_in(point, dtype=torch.float64)
         c = reference_bn_grads(model, protocol, point, x, y, last, P)
-        cross2, se, z, p = brute_force(c)
         sat = probe.saturation(point)
         assert sat.n == 6 and sat.rank == (2 * channels if projection is None else projection)
-        assert abs(sat.cross_frob2 - cross2) <= 1e-10 * max(1.0, abs(cross2)), (sat.cross_frob2, cross2)
-        assert (math.isnan(sat.cross_frob2_se) and math.isnan(se)) or abs(
-            sat.cross_frob2_se - se
-        ) <= 1e-10 * max(1.0, se)
-        assert abs(sat.z - z) <= 1e-10 * max(1.0, abs(z))
-        assert abs(sat.p_value - p) <= 1e-10
-        assert abs(cross2) > 1e-12  # the comparison is not between two zeros
+        assert_matches(sat, c, 1e-12)
 
 
 def test_resnet_tangent_advice_and_refusals():
