@@ -266,7 +266,7 @@ def _worker(rank: int, world: int, outdir: str) -> None:
         }
         # a kind added with register_kind is reduced too (rank 1's test one created by the reduce);
         # ranks that registered different kinds: an error on both, not a hang
-        from fused_stats.api.probe.fold import register_kind, unregister_kind
+        from fused_stats.api.probe.fold import Kind, register_kind, unregister_kind
 
         register_kind(dense_kind())
         try:
@@ -277,6 +277,12 @@ def _worker(rank: int, world: int, outdir: str) -> None:
                 for stream in ("train", "test")
                 for name in PROBE_POINTS
             }
+            # a kind registered on one rank only, which no probe keeps, changes nothing
+            if rank == 1:
+                register_kind(Kind("grad_unused", lambda probe: False, dense_kind().make))
+            unused = run_probe(dense_probe(), *probe_data(rank))
+            all_reduce_probe(unused)
+            results["unused_kind"] = summary(unused.accumulators("grad_dense", "train")[PROBE_POINTS[0]])
             if rank == 1:
                 register_kind(dense_kind("grad_extra"))
             other = run_probe(dense_probe(), *probe_data(rank))
@@ -288,6 +294,7 @@ def _worker(rank: int, world: int, outdir: str) -> None:
         finally:
             unregister_kind("grad_dense")
             unregister_kind("grad_extra")
+            unregister_kind("grad_unused")
         # ranks probing different points (also different numbers of them): an error on both
         # ranks, not a hang
         mismatch = []
@@ -465,7 +472,8 @@ def test_probe_all_reduce_of_a_registered_kind(ranks):
         for key, value in want.items():
             assert value["mode"] == "dense" and value["n"] > 0
             assert_same(ranks[rank]["custom_kind"][key], value)
-        assert "different accumulator kinds registered" in ranks[rank]["kinds_mismatch"]
+        assert ranks[rank]["unused_kind"] == ranks[rank]["custom_kind"][f"train/{PROBE_POINTS[0]}"]
+        assert "keep different accumulator kinds" in ranks[rank]["kinds_mismatch"]
 
 
 # ----------------------------------------------------------------------------- NCCL (GPU only)

@@ -490,3 +490,81 @@ def test_resnet_tangent_by_pixel_sums_to_the_per_sample_gradients():
         assert acc.unit == "position" and acc.dim == 1 and acc.n == 4 * math.prod(shapes[point][2:])
         assert torch.allclose(acc.c_sum.flatten(), c.sum(0), rtol=1e-10, atol=1e-14)
         assert c.abs().max() > 1e-8
+
+
+def test_resnet_tangent_with_calibrated_batchnorm_statistics():
+    """A new block whose BatchNorms carry non-trivial running statistics (a caller's new_block):
+    x̂ = (x − mean) / sqrt(var + eps) per channel, checked against per-sample gradients of the
+    zero last BatchNorm with that very block inserted by hand into an fp64 copy."""
+    from fused_stats.api.growth import blocks
+    from fused_stats.api.growth.tangent import GrowthTangent
+
+    model, points, side, _ = resnet_model("basic")
+    point = points[1]
+    protocol = fs.GrowthProtocol([point], seed=6)
+    gen = torch.Generator().manual_seed(17)
+
+    def calibrated(model, protocol, point):
+        block = blocks.new_block(model, protocol, point)
+        for bn in (block.bn1, block.bn2):
+            bn.running_mean.copy_(0.3 * torch.randn(bn.num_features, generator=gen))
+            bn.running_var.copy_(0.2 + torch.rand(bn.num_features, generator=gen))
+        return block
+
+    source = GrowthTangent(protocol, model, new_block=calibrated)
+    probe = fs.Probe(model, points=[point], cross=source)
+    x = torch.randn(6, 3, *side, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 10, (6,), generator=gen)
+    probe.step((x, y), fs.classification_loss)
+    block = copy.deepcopy(source.blocks[point])
+    grown = copy.deepcopy(model).eval()
+    stage_name, index = point.split(".")
+    stage = grown.get_submodule(stage_name)
+    setattr(grown, stage_name, torch.nn.Sequential(*stage[: int(index) + 1], block, *stage[int(index) + 1 :]))
+    with torch.no_grad():
+        assert torch.equal(grown(x), model.eval()(x))  # still function preserving
+    for p in grown.parameters():
+        p.requires_grad_(False)
+    params = [block.bn2.weight, block.bn2.bias]
+    for p in params:
+        p.requires_grad_(True)
+    rows = []
+    for b in range(6):
+        loss = F.cross_entropy(grown(x[b : b + 1]), y[b : b + 1])
+        rows.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]))
+    assert_matches(probe.saturation(point), torch.stack(rows), 1e-12)
+
+
+def test_resnet_tangent_streams_checkpoint_and_feature_axis(tmp_path):
+    """Train and test streams save and resume exactly; a probe reading another axis of the conv
+    map as features is refused, naming the point, with nothing accumulated."""
+    model, points, side, _ = resnet_model("basic")
+    protocol = fs.GrowthProtocol(points, seed=3, projection=6)
+    gen = torch.Generator().manual_seed(9)
+    batches = [
+        (
+            torch.randn(4, 3, *side, generator=gen, dtype=torch.float64),
+            torch.randint(0, 10, (4,), generator=gen),
+        )
+        for _ in range(3)
+    ]
+    whole, part = (
+        fs.Probe(model, points=points, cross=protocol),
+        fs.Probe(model, points=points, cross=protocol),
+    )
+    for probe in (whole, part):
+        probe.step(batches[0], fs.classification_loss)
+        probe.step(batches[1], fs.classification_loss, stream="test")
+    part.save_state(tmp_path / "ckpt")
+    resumed = fs.Probe(model, points=points, cross=protocol)
+    resumed.load_state(tmp_path / "ckpt")
+    for probe in (whole, resumed):
+        probe.step(batches[2], fs.classification_loss)
+    for point in points:
+        for stream in ("train", "test"):
+            a, b = resumed.saturation(point, stream=stream), whole.saturation(point, stream=stream)
+            assert a == b and a.n > 0 and a.rank == 6
+    sideways = fs.Probe(model, points=points[:1], cross=protocol, feature_dim=-1)
+    with pytest.raises(fs.FusedStatsError, match=r"'layer1\.2'.*per channel"):
+        sideways.step(batches[0], fs.classification_loss)
+    assert not sideways.table

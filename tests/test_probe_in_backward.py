@@ -62,8 +62,14 @@ def _load(name: str, source: str):
 def old():
     """``(OldProbe, old_cross_reduce)``: the driver and the cross twin of commit 18b8335."""
     _load("fused_stats.api.probe._old_hooks", _git_show("fused_stats/api/probe/hooks.py"))
-    driver = _git_show("fused_stats/api/probe/driver.py").replace(
-        "from .hooks import", "from ._old_hooks import"
+    driver = (
+        _git_show("fused_stats/api/probe/driver.py")
+        .replace("from .hooks import", "from ._old_hooks import")
+        # table.KINDS is gone (the kinds are the registry's); that commit's value of it
+        .replace(
+            "from .table import KINDS, STREAMS,",
+            "KINDS = ('grad', 'cross', 'norm_hist')\nfrom .table import STREAMS,",
+        )
     )
     module = _load("fused_stats.api.probe._old_driver", driver)
     twin = _load("fused_stats.ops._old_cross_twin", _git_show("fused_stats/ops/cross_twin.py"))

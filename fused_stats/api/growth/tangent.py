@@ -146,8 +146,11 @@ class GrowthTangent:
                 self.blocks[point], self.maps[point] = block, [("w_out", int(block.w_in.shape[0]), False)]
                 return block
             names = list(self._zeroed(block, "layer"))
-            if not names:
-                raise FusedStatsError(f"the new block at {point!r} has no zero-initialised module")
+            if not names or (self.channelwise and len(names) != 1):
+                raise FusedStatsError(
+                    f"the new block at {point!r} has zero-initialised modules {names}; expected "
+                    + ("its last BatchNorm only" if self.channelwise else "at least one")
+                )
             maps = []
             for name in names:
                 module = block.get_submodule(name)
@@ -158,6 +161,12 @@ class GrowthTangent:
                         f"{nonzero} are not zero; the block would not be function preserving"
                     )
                 if isinstance(module, nn.BatchNorm2d):  # width C; its scale and shift: 2C terms
+                    if not self.channelwise:
+                        raise FusedStatsError(
+                            f"new block at {point!r}: zero-initialised {name!r} is a BatchNorm2d; its "
+                            "per-channel tangent is measured for the ResNets growth knows, with the "
+                            "default new_block and zeroed_modules"
+                        )
                     maps.append((name, int(module.num_features), True))
                 else:
                     maps.append((name, *zero_map_width(name, module)))
@@ -222,17 +231,23 @@ class GrowthTangent:
             return None
         return seeded_w_in(self.projection, r, self.seed, dtype).to(device)
 
-    def map_features(self, point: str, act: torch.Tensor) -> torch.Tensor:
+    def map_features(self, point: str, act: torch.Tensor, feature_dim: int = 1) -> torch.Tensor:
         """ResNet: ``[x̂_t ; 1]`` (B, H·W, 2C), ``x̂`` the new block's last BatchNorm input,
         normalised with its running statistics, the block run on the candidate's output ``act``
-        (B, C, H, W)."""
+        (B, C, H, W), whose channels (axis 1) the probe must read as its features."""
         block = self.block(point)
-        ((name, channels, _),) = self.maps[point]
+        name, channels, _ = self.maps[point][0]
         bn = block.get_submodule(name)
         if act.dim() != 4 or act.shape[1] != channels:
             raise FusedStatsError(
                 f"new block at {point!r}: the point's output has shape {tuple(act.shape)}, expected "
                 f"(B, {channels}, H, W)"
+            )
+        if feature_dim % 4 != 1:
+            raise FusedStatsError(
+                f"point {point!r}: the tangent of a new ResNet block is per channel (axis 1 of "
+                f"{tuple(act.shape)}), but the probe reads axis {feature_dim} as the features; "
+                "leave feature_dim at its default for this point"
             )
         seen: list[torch.Tensor] = []
         handle = bn.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
@@ -254,7 +269,9 @@ class GrowthTangent:
     def channel_terms(self, point: str, q: torch.Tensor, z: torch.Tensor, x: torch.Tensor):
         """ResNet: ``(1, x ⊙ [q' ; q'])`` with ``q' = q ⊙ 1[z > 0]``; ``q``, ``z`` (B, P, C),
         ``x`` (B, P, 2C) from :meth:`map_features`: ``Σ_t`` of the pair is ``[∂ℓ/∂γ ; ∂ℓ/∂β]``."""
-        gated = q.to(x.dtype) * (z > 0).to(x.dtype)
+        # in fp64, as the probe keeps cross features: a bf16 product would round every term
+        x = x.to(torch.float64)
+        gated = q.to(torch.float64) * (z > 0).to(torch.float64)
         return torch.ones(*q.shape[:2], 1, dtype=x.dtype, device=x.device), x * torch.cat(
             [gated, gated], dim=-1
         )

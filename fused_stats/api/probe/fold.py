@@ -71,6 +71,7 @@ class Kind:
 
 
 REGISTRY: dict[str, Kind] = {}
+BUILTIN_KINDS: tuple[str, ...] = ("grad", "cross", "norm_hist")
 
 
 def register_kind(kind: Kind) -> None:
@@ -83,7 +84,7 @@ def register_kind(kind: Kind) -> None:
 
 def unregister_kind(name: str) -> None:
     """Remove a kind added by :func:`register_kind` (the built-in ones stay)."""
-    if name in ("grad", "cross", "norm_hist"):
+    if name in BUILTIN_KINDS:
         raise FusedStatsError(f"the built-in kind {name!r} cannot be removed")
     REGISTRY.pop(name, None)
 
@@ -253,7 +254,7 @@ def fold(
                 z = cross_view(act.detach(), fd)
                 cm = cross_mask(m, z.shape[0], z.shape[1])
                 # a feature source's features of the block run on z; z itself for a CrossSpec
-                x = source_features(probe, name, z, cm, act.detach())
+                x = source_features(probe, name, z, cm, act.detach(), fd)
                 cg, x = source_terms(probe.cross, name, cross_view(g, fd), z, x)
                 if acc is None:  # kept only if the step commits
                     acc = probe.new_accumulator(kind, stream, name, cg.shape[-1], cross_dtype(z), z.device)
@@ -428,7 +429,8 @@ class StepFold:
         check_dim(probe, self.stream, name, z.shape, pt.dim)
         for kind in self.kinds:
             acc = probe.table.get((kind, self.stream, name))
-            if acc is None and REGISTRY[kind].reads == "cross":
+            # a raw step's staged fold makes its own (a feature source's width may not be z's)
+            if acc is None and not self.raw and REGISTRY[kind].reads == "cross":
                 acc = probe.new_accumulator(kind, self.stream, name, z.shape[fd], cross_dtype(z), z.device)
             pt.accs[kind] = acc
 

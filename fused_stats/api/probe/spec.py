@@ -105,9 +105,9 @@ class FeatureSource(Protocol):
     whose output columns write into that block's output); ``input_features(point, module, u)``,
     used instead of ``features`` when the features are a function of the first positional input
     ``u`` of the ``call_point`` module (e.g. the MLP's normalised input);
-    ``output_features(point, act)``, used instead of ``features`` when they need the point's
-    output ``act`` in its own layout (a conv map (B, C, H, W)), returning (B, P, r) in the order of
-    the probe's (B, P, d) view; ``cross_terms(point, q, z, x) -> (q', x')``, for zero parameters
+    ``output_features(point, act, feature_dim)``, used instead of ``features`` when they need the
+    point's output ``act`` in its own layout (a conv map (B, C, H, W); ``feature_dim``: the axis
+    the probe reads as features), returning (B, P, r) in the order of the probe's (B, P, d) view; ``cross_terms(point, q, z, x) -> (q', x')``, for zero parameters
     that are not a linear map's weight (a BatchNorm scale: per channel), the pair whose
     ``Σ_t q'_t x'_tᵀ`` is the per-sample gradient (the accumulator's width is ``q'``'s).
     """
@@ -194,7 +194,9 @@ class PointKwargs:
         return False
 
 
-def source_features(probe, name: str, z: torch.Tensor, mask, act: torch.Tensor | None = None) -> torch.Tensor:
+def source_features(
+    probe, name: str, z: torch.Tensor, mask, act: torch.Tensor | None = None, feature_dim: int = -1
+) -> torch.Tensor:
     """The "activation" a probe's CrossStats gets at ``name``: ``z`` (B, P, d) itself for a
     :class:`CrossSpec`; for a feature source, its features of the block run on ``z`` (or on
     ``act``, the point's output in its own layout, for a source with ``output_features``) with the
@@ -215,7 +217,7 @@ def source_features(probe, name: str, z: torch.Tensor, mask, act: torch.Tensor |
     from_output = getattr(source, "output_features", None)
     with torch.no_grad():
         if from_output is not None:
-            x = from_output(name, z if act is None else act)
+            x = from_output(name, z if act is None else act, -1 if act is None else feature_dim)
         elif from_input is not None:
             args, _ = calls[name]
             if not args or not isinstance(args[0], torch.Tensor):

@@ -30,17 +30,20 @@ from ...accumulators.distributed import (
     require_initialised,
 )
 from ...errors import FusedStatsError
-from ..probe.fold import REGISTRY
+from ..probe.fold import BUILTIN_KINDS, REGISTRY
 from ..probe.table import STREAMS, probe_device
 
 # dtype codes exchanged between ranks (0: no accumulator, or the kind's default)
 _DTYPES = {torch.float32: 1, torch.float64: 2}
 
 
-def registered_kinds() -> tuple[str, ...]:
-    """Every accumulator kind a probe can hold (the built-in ones and those added with
-    ``register_kind``), in an order every rank agrees on."""
-    return tuple(sorted(REGISTRY))
+def exchanged_kinds(probe) -> tuple[str, ...]:
+    """The kinds whose accumulators the ranks compare: the built-in ones (a rank that does not
+    keep one another rank holds is named in the error) and those added with ``register_kind``
+    that this probe keeps or holds (a registered kind no probe uses does not matter), in an
+    order every rank agrees on."""
+    used = set(probe.kinds) | {kind for kind, _, _ in probe.table}
+    return (*BUILTIN_KINDS, *sorted(k for k in used if k in REGISTRY and k not in BUILTIN_KINDS))
 
 
 def _check_points(points: list[str], kinds: tuple[str, ...], group, device) -> None:
@@ -53,13 +56,13 @@ def _check_points(points: list[str], kinds: tuple[str, ...], group, device) -> N
         )
     if bool((table[:, 2] != table[0, 2]).any()):
         raise FusedStatsError(
-            "all_reduce_probe: ranks have different accumulator kinds registered (register_kind); "
-            f"this rank has {list(kinds)}"
+            "all_reduce_probe: ranks keep different accumulator kinds added with register_kind; "
+            f"this rank keeps {list(kinds[len(BUILTIN_KINDS) :])}"
         )
 
 
 def _fill_missing(probe, group, device) -> None:
-    points, kinds = list(probe.points), registered_kinds()
+    points, kinds = list(probe.points), exchanged_kinds(probe)
     _check_points(points, kinds, group, device)
     if not points:
         return
