@@ -77,7 +77,51 @@ def test_advice_reads_the_probe_and_its_saved_report(probed, tmp_path):
 def test_report_records_the_protocol_verbatim(probed, tmp_path):
     probe, protocol = probed
     data = json.loads(probe.report(misalignment_trials=0).to_json(tmp_path / "r.json").read_text())
-    assert data["growth_protocol"] == {"digest": protocol.digest, "protocol": protocol.to_dict()}
+    # and the width r = d + f of the full tangent at each candidate (LLaMA: no zero biases)
+    ranks = dict.fromkeys(CANDIDATES, 16 + 24)
+    assert data["growth_protocol"] == {
+        "digest": protocol.digest,
+        "protocol": protocol.to_dict(),
+        "feature_ranks": ranks,
+    }
+
+
+def test_projected_gain_is_rescaled_to_one_scale():
+    """With projection=k the probe measures |C Pᵀ|², of mean (k/r)|C|² over P; the advisor
+    rescales by r/k per candidate (ResNet stages have r = 2C = 8, 16, 32): over many seeds of P the
+    rescaled value averages to the unprojected |C|² of the same data, and p is untouched."""
+    from fused_stats.networks.resnet import cifar_resnet20
+
+    model = cifar_resnet20(width=4, seed=2, random_batchnorm=True).double()
+    points = ["layer1.1", "layer2.1", "layer3.1"]
+    g = torch.Generator().manual_seed(4)
+    batch = (
+        torch.randn(8, 3, 8, 8, generator=g, dtype=torch.float64),
+        torch.randint(0, 10, (8,), generator=g),
+    )
+    exact = fs.Probe(model, points=points, cross=fs.GrowthProtocol(points, seed=0))
+    exact.step(batch, fs.classification_loss)
+    k, draws = 5, []
+    for seed in range(48):
+        protocol = fs.GrowthProtocol(points, seed=seed, projection=k)
+        probe = fs.Probe(model, points=points, cross=protocol)
+        probe.step(batch, fs.classification_loss)
+        advice = {c.point: c for c in advise(probe, protocol).ranked}
+        for point in points:
+            r = 2 * model.get_submodule(point).bn2.num_features
+            sat = probe.saturation(point)
+            c = advice[point]
+            assert c.features == r and c.rank == k and c.p_value == sat.p_value
+            assert c.cross_frob2 == pytest.approx(r / k * sat.cross_frob2, rel=1e-14)
+            assert c.predicted_change == -c.cross_frob2
+        draws.append([advice[p].cross_frob2 for p in points])
+    draws = torch.tensor(draws, dtype=torch.float64)
+    mean, se = draws.mean(0), draws.std(0) / len(draws) ** 0.5
+    for i, point in enumerate(points):
+        want = exact.saturation(point).cross_frob2
+        assert abs(float(mean[i]) - want) <= 4 * float(se[i]), (point, float(mean[i]), want, float(se[i]))
+        assert abs(want) > 4 * float(se[i]) / 10  # the check is not between two zeros
+    assert "(r/k)|C Pᵀ|_F²" in advise(probe, protocol).to_markdown()
 
 
 def _with_p(probe, p_values):
@@ -191,3 +235,19 @@ def test_advice_for_mlp_width(probed, tmp_path):
     assert by_point["model.embed_tokens"].d_align == pytest.approx(
         reference.estimate("model.layers.0").d_align, rel=1e-12
     )
+
+
+def test_advice_names_why_a_candidate_has_no_test_result():
+    """A candidate probed with one sample has no saturation test (it needs two): the error says
+    so, and a candidate in no report is named as unprobed."""
+    from fused_stats.networks.resnet import cifar_resnet20
+
+    model = cifar_resnet20(width=2, seed=0).double()
+    points = ["layer1.0", "layer2.0"]
+    protocol = fs.GrowthProtocol(points)
+    probe = fs.Probe(model, points=points[:1], cross=protocol)
+    probe.step((torch.randn(1, 3, 8, 8, dtype=torch.float64), torch.tensor([3])), fs.classification_loss)
+    with pytest.raises(
+        fs.FusedStatsError, match=r"\['layer2\.0'\] not in any report.*\['layer1\.0'\] probed, but"
+    ):
+        advise(probe, protocol)

@@ -316,17 +316,21 @@ def _verdict(summary: dict, n: int) -> list[str]:
         )
     t = summary["top_minus_last"]
     out.append(
-        "- placing the block where |C|_F² is largest "
-        + ("helped" if t["mean"] < 0 else "did not help")
-        + f" against the last-ranked place (mean difference {t['mean']:+.4f}, sign-flip p = {t['p_value']:.3f})."
+        "- the block placed where |C|_F² is largest ended "
+        + ("lower" if t["mean"] < 0 else "not lower")
+        + f" than at the last-ranked place (mean difference {t['mean']:+.4f}, sign-flip p = {t['p_value']:.3f}, "
+        + ("significant" if t["p_value"] <= 0.05 else "not significant")
+        + ")."
     )
-    rho = summary["rank_correlation_pooled"]["rho"]
+    rho, rho_p = summary["rank_correlation_pooled"]["rho"], summary["rank_correlation_pooled"]["p_value"]
     if math.isnan(rho):
         out.append("- the rank correlation is undefined (constant gains or drops).")
     else:
         out.append(
-            f"- measured |C|_F² and the realised drop are {'positively' if rho > 0 else 'not positively'} "
-            f"rank-correlated across candidates (pooled rho = {rho:.2f})."
+            f"- measured |C|_F² and the realised drop: pooled rank correlation rho = {rho:.2f} across "
+            f"candidates (permutation p = {rho_p:.3f}, "
+            + ("significant" if rho_p <= 0.05 else "not significant: no evidence of a relation either way")
+            + ")."
         )
     out.append(
         "These are tiny models trained briefly, a few seeds: a description of these runs, not a test "

@@ -15,6 +15,10 @@ point, and ranks the candidates by ``|C|_F²`` (docs/design.md, sections 2.4, 2.
   neither, the report's own (pooled moments at train n, test n).
 * ``predicted_change = −|C|_F²``: the first-order change of the mean loss per unit SGD step on
   the zero parameters (``ΔL ≈ −η |∇L|²`` with ``∇L = C`` at the zero block).
+* With ``protocol.projection = k`` the probe measures ``|C Pᵀ|_F²``, whose mean over the
+  ``N(0, 1/r)`` Gaussian ``P`` is ``(k/r)|C|_F²``; ``cross_frob2``, ``se`` and the predicted
+  change are rescaled by ``r/k`` (``r``: the point's tangent width, recorded in the report), so
+  candidates of different ``r`` rank on one scale; ``p`` is scale-free and unchanged.
 
 Everything is computed from report dicts, so advice from a live probe and from its saved report
 are the same; the protocol's digest must match the one recorded in every report.
@@ -52,6 +56,7 @@ class Candidate:
     predicted_change: float
     n: int
     rank: int
+    features: int | None = None  # r, the full tangent's width (rank: k under a projection)
 
 
 @dataclass(frozen=True)
@@ -120,15 +125,22 @@ class Advice:
             f"Saturation test of H0: C = 0 per candidate at family-wise level {self.alpha:g}, "
             f"{self.correction} over {len(self.ranked)} candidates; certificate at "
             + (f"M = {self.M}, K = {self.K}" if self.M else "the report's M = train n, K = test n")
-            + "; predicted change = −|C|_F² per unit SGD step on the new zero parameters.",
+            + "; predicted change = −|C|_F² per unit SGD step on the new zero parameters."
+            + (
+                ""
+                if self.protocol.get("projection") is None
+                else f" Measured through a fixed random projection to k = {self.protocol['projection']} "
+                "features: |C|_F² and se are (r/k)|C Pᵀ|_F², unbiased over P; p is unchanged."
+            ),
             "",
-            "| rank | point | n | r | abs(C)_F² | se | z | p | p (Holm) | saturated | d_align | B_exact "
+            "| rank | point | n | r | ‖C‖_F² | se | z | p | p (Holm) | saturated | d_align | B_exact "
             "| predicted ΔL per unit step |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
         ]
         for i, c in enumerate(self.ranked, 1):
             lines.append(
-                f"| {i} | {c.point} | {c.n} | {c.rank} | {fmt(c.cross_frob2)} | {fmt(c.se)} | {fmt(c.z)} "
+                f"| {i} | {c.point} | {c.n} | {c.features or c.rank} | {fmt(c.cross_frob2)} | {fmt(c.se)} "
+                f"| {fmt(c.z)} "
                 f"| {fmt(c.p_value)} | {fmt(c.p_adjusted)} | {'yes' if c.saturated else 'no'} "
                 f"| {fmt(c.d_align)} | {fmt(c.b_exact)} | {fmt(c.predicted_change)} |"
             )
@@ -251,7 +263,28 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
                 found[point["name"]] = point
     missing = [c for c in protocol.candidates if c not in found or not found[c].get("saturation")]
     if missing:
-        raise FusedStatsError(f"candidates without a saturation result (probe them first): {missing}")
+        unprobed = [c for c in missing if c not in found]
+        raise FusedStatsError(
+            "candidates without a saturation result: "
+            + (f"{unprobed} not in any report (probe them first)" if unprobed else "")
+            + ("; " if unprobed and len(unprobed) < len(missing) else "")
+            + (
+                f"{[c for c in missing if c in found]} probed, but the test needs at least 2 samples "
+                "in the train stream"
+                if len(unprobed) < len(missing)
+                else ""
+            )
+        )
+    ranks: dict[str, int] = {}
+    for rec in records:
+        ranks.update(rec.get("feature_ranks") or {})
+    if protocol.projection is not None:
+        unknown = [c for c in protocol.candidates if c not in ranks]
+        if unknown:
+            raise FusedStatsError(
+                f"the reports do not record the tangent width r at {unknown}, needed to rescale the "
+                f"projected |C P^T|^2 (projection={protocol.projection}) to |C|^2; re-run the probe"
+            )
     rows = []
     for name in protocol.candidates:
         point = found[name]
@@ -265,23 +298,27 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
             b_exact = None if cert is None else cert.get("b_exact")
         rows.append((name, sat, d_align, b_exact))
     adjusted = holm([float(r[1]["p_value"]) for r in rows])
-    ranked = [
-        Candidate(
-            point=name,
-            cross_frob2=float(sat["cross_frob2"]),
-            se=float(sat["cross_frob2_se"]),
-            z=float(sat["z"]),
-            p_value=float(sat["p_value"]),
-            p_adjusted=p_adj,
-            saturated=p_adj > alpha,
-            d_align=d_align,
-            b_exact=b_exact,
-            predicted_change=-float(sat["cross_frob2"]),
-            n=int(sat["n"]),
-            rank=int(sat["rank"]),
+    ranked = []
+    for (name, sat, d_align, b_exact), p_adj in zip(rows, adjusted):
+        # E_P |C Pᵀ|² = (k/r)|C|² (module docstring): one scale for candidates of different r
+        scale = 1.0 if protocol.projection is None else ranks[name] / protocol.projection
+        ranked.append(
+            Candidate(
+                point=name,
+                cross_frob2=scale * float(sat["cross_frob2"]),
+                se=scale * float(sat["cross_frob2_se"]),
+                z=float(sat["z"]),
+                p_value=float(sat["p_value"]),
+                p_adjusted=p_adj,
+                saturated=p_adj > alpha,
+                d_align=d_align,
+                b_exact=b_exact,
+                predicted_change=-scale * float(sat["cross_frob2"]),
+                n=int(sat["n"]),
+                rank=int(sat["rank"]),
+                features=ranks.get(name),
+            )
         )
-        for (name, sat, d_align, b_exact), p_adj in zip(rows, adjusted)
-    ]
     ranked.sort(key=lambda c: -c.cross_frob2)
     return Advice(tuple(ranked), protocol.to_dict(), digest, alpha, CORRECTION, M, K)
 

@@ -99,6 +99,13 @@ class GrowthTangent:
                 f"the tangent probe supports families 'layer', 'mlp_width' and 'cross_block'; got "
                 f"family={self.family!r}"
             )
+        init = getattr(protocol, "init", "zero")
+        if init != "zero":
+            raise FusedStatsError(
+                f"the tangent probe measures the first-order gain of a function-preserving block: it "
+                f"needs init='zero', the protocol has init={init!r} (probe a zero protocol, then "
+                f"grow with fs.grow(..., init={init!r}) if wanted)"
+            )
         self.protocol, self.model = protocol, model
         self._neighbours: dict[str, str] = {}
         self.channelwise = False
@@ -222,6 +229,12 @@ class GrowthTangent:
 
     def feature_rank(self, point: str) -> int:
         return self.raw_rank(point)
+
+    def feature_ranks(self) -> dict[str, int]:
+        """``r`` at every candidate whose block is built (all of them for ``mlp_width``); no
+        block is built here."""
+        built = self.protocol.candidates if self.family == "mlp_width" else list(self.maps)
+        return {point: self.raw_rank(point) for point in built}
 
     def feature_w_in(self, point: str, dtype=torch.float32, device=None) -> torch.Tensor | None:
         """None (the exact tangent: the features are given to CrossStats as they are, no r × r

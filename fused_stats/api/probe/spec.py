@@ -293,8 +293,14 @@ def cross_w_in(cross, point: str, dim: int, dtype, device) -> tuple[torch.Tensor
 
 
 def protocol_record(cross) -> dict | None:
-    """The growth protocol behind a feature source, verbatim with its digest (for reports)."""
+    """The growth protocol behind a feature source, verbatim with its digest (for reports), and
+    the width ``r`` of the full tangent at each point the source has measured (``feature_ranks``:
+    a projected ``|C Pᵀ|²`` is rescaled by ``r / k`` from it)."""
     protocol = getattr(cross, "protocol", None)
     if protocol is None or not hasattr(protocol, "to_dict"):
         return None
-    return {"digest": protocol.digest, "protocol": protocol.to_dict()}
+    record = {"digest": protocol.digest, "protocol": protocol.to_dict()}
+    ranks = getattr(cross, "feature_ranks", None)
+    if callable(ranks):
+        record["feature_ranks"] = dict(ranks())
+    return record
