@@ -71,6 +71,9 @@ def test_plan_counts_the_tangent(capsys):
     assert main(["plan", "--dim", "4096", "--points", "32", "--tangent", "11008"]) == 0
     text = capsys.readouterr().out
     assert "r = 15104 features" in text and "C is 4096 x 15104" in text
+    # the new layers the probe keeps: LLaMA-7B's 202,383,360 parameters a layer (6.74e9 total,
+    # minus 2 x 32000 x 4096 embeddings and the final norm, over 32 layers), 12.06 GiB in bf16 for 32
+    assert "202.4M parameters each" in text and "12.06 GiB in bf16" in text
     # against the state of a live tangent probe (fp32 tiny LLaMA, with and without projection)
     cfg = transformers.LlamaConfig(
         vocab_size=30,
@@ -93,3 +96,6 @@ def test_plan_counts_the_tangent(capsys):
         held = 0 if acc.w_in is None else acc.w_in.numel() * acc.w_in.element_size()
         assert t["w_in_bytes"] == held and (acc.w_in is None) == (projection is None)
         assert t["per_accumulator"] == 8 * (acc.c_sum.numel() + 4) + held
+        # the kept new layer: fewer parameters than the bound with one KV head of two
+        kept = sum(p.numel() for p in probe.cross.blocks["model.layers.0"].parameters())
+        assert kept == t["block_params"] - 2 * 12 * 6  # k_proj, v_proj are 12 x 6, not 12 x 12

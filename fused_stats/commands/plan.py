@@ -133,7 +133,9 @@ def cmd_plan(args) -> int:
                 f"tangent of a new layer at {p.label}: r = {t['features']} features, C is {p.dim} x "
                 f"{t['rank']}; {human_bytes(t['per_accumulator'])} per accumulator (Sum c_i "
                 f"{human_bytes(t['c_sum_bytes'])}, w_in {human_bytes(t['w_in_bytes'])}), "
-                f"{human_bytes(t['total'])} for {p.points} candidates x {args.streams} streams"
+                f"{human_bytes(t['total'])} for {p.points} candidates x {args.streams} streams; "
+                f"plus the {p.points} new layers it keeps, {t['block_params'] / 1e6:.1f}M parameters "
+                f"each (LLaMA, full KV heads): {human_bytes(2 * t['block_params'] * p.points)} in bf16"
             )
     print(
         "bytes of fp64 accumulator state (acc = one point, one stream; total = points x streams). "

@@ -417,6 +417,9 @@ def plan_tangent(
     and GPT-NeoX have 2), so each accumulator holds ``Σ c_i`` (d × r, fp64) and no ``w_in`` (the
     features enter CrossStats as they are), or, with ``projection = k``, the k × r projection
     (``w_in_bytes`` a number: 4 for fp32 models, 8 for fp64) and then ``Σ c_i`` is d × k.
+    ``block_params``: the probe also keeps each candidate's new layer (built once, on the model's
+    device and dtype), ``4 d² + 3 d f + 2 d`` parameters for a LLaMA layer with as many KV heads
+    as heads (fewer with grouped KV heads).
     """
     for name, value in (
         ("dim", dim),
@@ -444,4 +447,5 @@ def plan_tangent(
         "total": per * streams * points,
         "points": points,
         "streams": streams,
+        "block_params": 4 * dim * dim + 3 * dim * intermediate + 2 * dim,
     }
