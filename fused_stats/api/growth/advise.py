@@ -264,17 +264,11 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
     missing = [c for c in protocol.candidates if c not in found or not found[c].get("saturation")]
     if missing:
         unprobed = [c for c in missing if c not in found]
-        raise FusedStatsError(
-            "candidates without a saturation result: "
-            + (f"{unprobed} not in any report (probe them first)" if unprobed else "")
-            + ("; " if unprobed and len(unprobed) < len(missing) else "")
-            + (
-                f"{[c for c in missing if c in found]} probed, but the test needs at least 2 samples "
-                "in the train stream"
-                if len(unprobed) < len(missing)
-                else ""
-            )
-        )
+        short = [c for c in missing if c in found]
+        reasons = [f"{unprobed} not in any report (probe them first)"] if unprobed else []
+        if short:
+            reasons.append(f"{short} probed, but the test needs at least 2 samples in the train stream")
+        raise FusedStatsError("candidates without a saturation result: " + "; ".join(reasons))
     ranks: dict[str, int] = {}
     for rec in records:
         ranks.update(rec.get("feature_ranks") or {})

@@ -107,9 +107,10 @@ class FeatureSource(Protocol):
     ``u`` of the ``call_point`` module (e.g. the MLP's normalised input);
     ``output_features(point, act, feature_dim)``, used instead of ``features`` when they need the
     point's output ``act`` in its own layout (a conv map (B, C, H, W); ``feature_dim``: the axis
-    the probe reads as features), returning (B, P, r) in the order of the probe's (B, P, d) view; ``cross_terms(point, q, z, x) -> (q', x')``, for zero parameters
-    that are not a linear map's weight (a BatchNorm scale: per channel), the pair whose
-    ``Σ_t q'_t x'_tᵀ`` is the per-sample gradient (the accumulator's width is ``q'``'s).
+    the probe reads as features), returning (B, P, r) in the order of the probe's (B, P, d)
+    view; ``cross_terms(point, q, z, x) -> (q', x')``, for zero parameters that are not a linear
+    map's weight (a BatchNorm scale: per channel), the pair whose ``Σ_t q'_t x'_tᵀ`` is the
+    per-sample gradient (the accumulator's width is ``q'``'s).
     """
 
     def features(self, point: str, module, z: torch.Tensor, kwargs: dict) -> torch.Tensor: ...

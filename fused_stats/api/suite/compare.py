@@ -265,6 +265,17 @@ def _group_by(suite, names, keys):
     return dict(sorted(groups.items(), key=lambda g: str(g[0])))
 
 
+def _sweeps(suite, axis: str, fixed: tuple[str, ...]) -> dict:
+    """The done runs with an int label ``axis``, grouped by the labels ``fixed``; only groups in
+    which ``axis`` takes more than one value (a sweep along it)."""
+    names = [n for n in _done(suite) if isinstance(suite["runs"][n]["labels"].get(axis), int)]
+    return {
+        g: ns
+        for g, ns in _group_by(suite, names, fixed).items()
+        if len({suite["runs"][n]["labels"][axis] for n in ns}) > 1
+    }
+
+
 def _plain_ticks(axis) -> None:
     from matplotlib.ticker import FuncFormatter
 
@@ -280,12 +291,7 @@ def _logy(ax, values):
 
 
 def plot_width(suite, path) -> Path | None:
-    names = [n for n in _done(suite) if isinstance(suite["runs"][n]["labels"].get("width"), int)]
-    groups = {
-        g: ns
-        for g, ns in _group_by(suite, names, ("model_type", "depth", "step")).items()
-        if len({suite["runs"][n]["labels"]["width"] for n in ns}) > 1
-    }
+    groups = _sweeps(suite, "width", ("model_type", "depth", "step"))
     if not groups:
         return None
     fig, axes = _figure(len(groups))
@@ -344,12 +350,7 @@ def plot_budgets(suite, path) -> Path | None:
 
 
 def plot_depth(suite, path) -> Path | None:
-    names = [n for n in _done(suite) if isinstance(suite["runs"][n]["labels"].get("depth"), int)]
-    groups = {
-        g: ns
-        for g, ns in _group_by(suite, names, ("model_type", "width", "step")).items()
-        if len({suite["runs"][n]["labels"]["depth"] for n in ns}) > 1
-    }
+    groups = _sweeps(suite, "depth", ("model_type", "width", "step"))
     if not groups:
         return None
     fig, (ax,) = _figure(1)
