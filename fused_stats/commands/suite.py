@@ -38,7 +38,11 @@ def register(sub) -> None:
         help="take runs I, I+N, I+2N, ... of the suite (default: from torchrun's RANK/WORLD_SIZE "
         "and a SLURM array's SLURM_ARRAY_TASK_*, else every run)",
     )
-    p.add_argument("--force", action="store_true", help="redo a --out started with a different suite file")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="probe every run again (also in a --out started with a different suite file or other data)",
+    )
     p.add_argument("--no-plots", action="store_true", help="no PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (and no HF loading bar)")
     p.set_defaults(func=cmd_suite)
@@ -156,7 +160,19 @@ def loader(seed: int = 0):
 
 
 def cmd_suite(args) -> int:
-    from ..api.suite.runner import collect, execute, open_dir, plan_document, shard_from_env, write_suite
+    from ..api.suite.runner import (
+        check_points,
+        collect,
+        execute,
+        finished,
+        my_runs,
+        open_dir,
+        plan_document,
+        plan_keys,
+        reuse_loaded,
+        shard_from_env,
+        write_suite,
+    )
     from ..api.suite.spec import read_suite
     from ..progress import quiet_hf_progress, stderr_is_terminal
 
@@ -166,17 +182,27 @@ def cmd_suite(args) -> int:
     windows, identity = prepare(spec)
     check_runs(spec, windows, identity)
     out = Path(args.out)
-    open_dir(out, plan_document(spec, windows, identity), args.force)
+    plan = plan_document(spec, windows, identity)
+    keys = plan_keys(plan)
     progress = not args.no_progress
     if not (progress and stderr_is_terminal()):
         quiet_hf_progress()
-    mine = [r.name for k, r in enumerate(spec.runs) if k % shard.count == shard.index]
+    mine = my_runs(spec.runs, shard)
+    load = loader(spec.probe["seed"])
+    todo = [
+        r for r in mine if args.force or (finished(out, r.name, keys[r.name]) or {}).get("status") != "done"
+    ]
+    if todo:  # a misspelt point name is found on one model, before the folder is touched
+        first = check_points(spec, todo[0], device, load)
+        if first is not None:
+            load = reuse_loaded(load, todo[0].model, first)
+    open_dir(out, plan, args.force)
     print(
         f"suite {spec.path.name}: {len(spec.runs)} runs; shard {shard.index}/{shard.count} ({shard.how}) takes "
         f"{len(mine)} on {device}"
     )
     done, skipped, failed = execute(
-        spec, out, windows, identity, shard, device, loader(spec.probe["seed"]), progress
+        spec, out, windows, identity, shard, device, load, progress, keys, force=args.force
     )
     print(
         f"this shard: {len(done)} probed, {len(skipped)} finished earlier (skipped), {len(failed)} failed"

@@ -1,7 +1,9 @@
 """The suite's comparison: tables over runs × points, trends against the labels, plots.
 
-Points are aligned across depths by relative depth ``(j + 1) / P`` (point ``j`` of ``P``, in the
-report's order: the residual stream after block ``j + 1`` of ``P``). A trend of a statistic against
+Points are aligned across depths by relative depth ``(j + 1) / P``, where ``j`` is the point's index
+among the model's own residual points (:func:`fused_stats.residual_points`, recorded in the run
+file) and ``P`` their number: the residual stream after block ``j + 1`` of ``P``, whichever points
+the suite file lists. A point off the residual stream has no relative depth; its column is its name. A trend of a statistic against
 a label is measured within each group of runs that hold the other design labels (width, depth,
 step, model_type and hand-set labels) fixed; ``parameters`` follows from width and depth, so its
 groups hold only the rest fixed. Each trend is Spearman's ρ with the two-sided permutation p-value
@@ -23,9 +25,25 @@ NOT_DESIGN = ("parameters",)
 
 
 # ---------------------------------------------------------------------------- cells
-def relative_depths(report: dict) -> list[tuple[float, dict]]:
-    points = report["points"]
-    return [(round((j + 1) / len(points), 4), p) for j, p in enumerate(points)]
+def relative_depths(entry: dict) -> list[tuple[float | str, dict]]:
+    """``(column, point)`` for each point of a run's report: its relative depth, or its name for a
+    point that is not one of the model's residual points."""
+    residual = entry.get("residual_points") or []
+    index = {name: j for j, name in enumerate(residual)}
+    out = []
+    for point in entry["report"]["points"]:
+        j = index.get(point["name"])
+        out.append((point["name"] if j is None else round((j + 1) / len(residual), 4), point))
+    return out
+
+
+def columns(keys) -> list:
+    """Relative depths in order, then the off-stream point names."""
+    return sorted(set(keys), key=lambda r: (1, 0.0, r) if isinstance(r, str) else (0, r, ""))
+
+
+def column_text(r) -> str:
+    return r if isinstance(r, str) else f"{r:g}"
 
 
 def _budget_point(entry, b: int, name: str) -> dict:
@@ -81,8 +99,10 @@ def _order(suite: dict) -> list[str]:
     return sorted(suite["runs"], key=key)
 
 
-def _pick_point(report: dict, where: str):
-    points = relative_depths(report)
+def _pick_point(entry: dict, where: str):
+    points = sorted(
+        ((r, p) for r, p in relative_depths(entry) if not isinstance(r, str)), key=lambda rp: rp[0]
+    )
     if not points:
         return None
     if where == "last":
@@ -126,7 +146,7 @@ def trend_rows(suite: dict) -> list[dict]:
             for title, cell in statistics(suite):
                 ys = []
                 for n in names:
-                    point = _pick_point(done[n]["report"], where)
+                    point = _pick_point(done[n], where)
                     ys.append(None if point is None else cell(done[n], point))
                 pairs = [(a, b) for a, b in zip(xs, ys) if isinstance(b, (int, float)) and math.isfinite(b)]
                 if len(pairs) < 3:
@@ -159,7 +179,7 @@ def _cell(text: str) -> str:
 def render_markdown(suite: dict) -> str:
     names = _order(suite)
     done = [n for n in names if suite["runs"][n]["status"] == "done"]
-    depths = sorted({r for n in done for r, _ in relative_depths(suite["runs"][n]["report"])})
+    depths = columns(r for n in done for r, _ in relative_depths(suite["runs"][n]))
     label_keys = ["model_type", "width", "depth", "step", "parameters"]
     label_keys += [k for k in design_labels(suite) if k not in label_keys]
     out = [f"# Suite: {Path(suite['suite']['file']).name}", ""]
@@ -204,16 +224,19 @@ def render_markdown(suite: dict) -> str:
         )
     if suite["failed"]:
         out += ["", f"**{len(suite['failed'])} failed run(s)**: {', '.join(suite['failed'])}"]
-    header = "| run | " + " | ".join(f"{r:g}" for r in depths) + " |"
+    header = "| run | " + " | ".join(_cell(column_text(r)) for r in depths) + " |"
     rule = "|---" * (len(depths) + 1) + "|"
     for title, cell in statistics(suite):
-        note = "Columns: relative depth of the point (block j of P: j/P)."
+        note = (
+            "Columns: relative depth of the point, (j + 1)/P for the model's residual point j of P "
+            "(the stream after block j + 1); a point off the residual stream by its name."
+        )
         if title.startswith("misalignment"):
             note += ' "—": no sample pool (it needs second_moment = "pool", or "auto" below its switch size).'
         out += ["", f"## {title}", "", note, "", header, rule]
         for n in done:
             entry = suite["runs"][n]
-            at = dict(relative_depths(entry["report"]))
+            at = dict(relative_depths(entry))
             cells = []
             for r in depths:
                 point = at.get(r)
@@ -298,14 +321,16 @@ def plot_width(suite, path) -> Path | None:
     for ax, (group, ns) in zip(axes, groups.items()):
         series = defaultdict(list)
         for n in ns:
-            for r, p in relative_depths(suite["runs"][n]["report"]):
+            for r, p in relative_depths(suite["runs"][n]):
                 v = _sub(p, "train", "d_align")
                 if isinstance(v, float) and math.isfinite(v):
                     series[r].append((suite["runs"][n]["labels"]["width"], v))
         values = []
-        for r, pts in sorted(series.items()):
+        for r, pts in ((r, series[r]) for r in columns(series)):
             pts.sort()
-            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=f"rel. depth {r:g}")
+            ax.plot(
+                [a for a, _ in pts], [b for _, b in pts], marker="o", label=f"rel. depth {column_text(r)}"
+            )
             values += [b for _, b in pts]
         _logy(ax, values)
         ax.set_xscale("log", base=2)
@@ -331,7 +356,7 @@ def plot_budgets(suite, path) -> Path | None:
     where = suite.get("point", "last")
     for n in names:
         entry = suite["runs"][n]
-        point = _pick_point(entry["report"], where)
+        point = _pick_point(entry, where)
         if point is None:
             continue
         xs = [M * K / (M + K + 1) for M, K in splits]
@@ -360,7 +385,7 @@ def plot_depth(suite, path) -> Path | None:
         pts = sorted(
             (
                 suite["runs"][n]["labels"]["depth"],
-                _sub(_pick_point(suite["runs"][n]["report"], where), "train", "ag_max"),
+                _sub(_pick_point(suite["runs"][n], where), "train", "ag_max"),
             )
             for n in ns
         )
@@ -385,13 +410,13 @@ def plot_saturation(suite, path) -> Path | None:
     if not suite["settings"].get("cross"):
         return None
     names = _done(suite)
-    depths = sorted({r for n in names for r, _ in relative_depths(suite["runs"][n]["report"])})
+    depths = columns(r for n in names for r, _ in relative_depths(suite["runs"][n]))
     import numpy as np
 
     grid = np.full((len(names), len(depths)), np.nan)
     marks = []
     for i, n in enumerate(names):
-        for r, p in relative_depths(suite["runs"][n]["report"]):
+        for r, p in relative_depths(suite["runs"][n]):
             sat = p.get("saturation")
             if sat and isinstance(sat.get("cross_frob2"), float):
                 j = depths.index(r)
@@ -413,7 +438,7 @@ def plot_saturation(suite, path) -> Path | None:
     for i, j, text in marks:
         blank = math.isnan(grid[i, j])  # no colour under it: dark text on the white background
         ax.text(j, i, text, ha="center", va="center", color="black" if blank else "white", fontsize=8)
-    ax.set_xticks(range(len(depths)), [f"{r:g}" for r in depths], fontsize=7)
+    ax.set_xticks(range(len(depths)), [column_text(r) for r in depths], fontsize=7)
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xlabel("relative depth")
     ax.set_title("log10 |C|²_F  (S: saturated, ×: not;\n≤0: estimate ≤ 0, no colour)", fontsize=9)
@@ -436,7 +461,7 @@ def plot_steps(suite, path) -> Path | None:
             series = defaultdict(list)
             for n in ns:
                 entry = suite["runs"][n]
-                for r, p in relative_depths(entry["report"]):
+                for r, p in relative_depths(entry):
                     v = cell(entry, p)
                     if isinstance(v, float) and math.isfinite(v):
                         series[r].append((entry["labels"]["step"], v))
@@ -445,9 +470,10 @@ def plot_steps(suite, path) -> Path | None:
                 for k, v in zip(fixed, group)
                 if v is not None and k in ("model_type", "width", "depth")
             )
-            for r, pts in sorted(series.items()):
+            for r, pts in ((r, series[r]) for r in columns(series)):
                 pts.sort()
-                label = f"{tag}, rel. depth {r:g}" if len(groups) > 1 else f"rel. depth {r:g}"
+                where_text = f"rel. depth {column_text(r)}"
+                label = f"{tag}, {where_text}" if len(groups) > 1 else where_text
                 ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=label)
         ax.set_xlabel("training step")
         ax.set_title(title if len(groups) > 1 else f"{title}\n{tag}", fontsize=8)

@@ -1,11 +1,13 @@
 """Running a suite: shards, resumable per-run files, and ``suite.json`` from every finished run.
 
 Files under ``DIR``: ``plan.json`` (the suite file's SHA-256, the windows' SHA-256 per tokenizer
-and the run list; written atomically by whichever process starts first, identical from every
-shard), ``runs/<name>.json`` (one finished run, ``status`` done or failed, with the suite hash it
-ran under), and, once every run of the plan has a file with the plan's hash, ``suite.json``,
-``suite.md`` and the plots. A run file with another hash is stale and the run is done again;
-a plan with another hash is refused unless ``force``.
+and the run list with each run's key, :mod:`.identity`; written atomically, identical from every
+shard), ``runs/<name>.json`` (one finished run, ``status`` done or failed, with the key it ran
+under), and, once every run of the plan has a file with the plan's key, ``suite.json``,
+``suite.md`` and the plots. A run file with another key (suite file, windows, checkpoint files or
+package version changed) is stale and the run is probed again; ``force`` probes every run again.
+A plan from another suite file or other windows is refused unless ``force``, or unless none of
+its runs finished (a file that failed validation leaves nothing to protect).
 
 Sharding: run ``k`` (runs sorted by name) belongs to shard ``k mod n``. The shard comes from
 ``--shard i/n``, else from torchrun's ``RANK``/``WORLD_SIZE`` and a SLURM array's
@@ -28,6 +30,7 @@ from ...accumulators.persistence import write_atomic
 from ...errors import FusedStatsError
 from ..report.schema import decode, encode
 from .data import Windows
+from .identity import run_key, stale_because
 from .spec import RunSpec, SuiteSpec
 
 FORMAT = "fused_stats.suite"
@@ -131,10 +134,24 @@ def plan_document(spec: SuiteSpec, windows: dict[str, Windows], run_tokenizer: d
         "trends": spec.trends,
         "point": spec.point,
         "runs": [
-            {"name": r.name, "model": str(r.model), "labels": r.labels, "tokenizer": run_tokenizer[r.name]}
+            {
+                "name": r.name,
+                "model": str(r.model),
+                "labels": r.labels,
+                "tokenizer": run_tokenizer[r.name],
+                "key": run_key(
+                    spec.sha256,
+                    {s: windows[run_tokenizer[r.name]].sha256(s) for s in ("train", "test")},
+                    r.model,
+                ),
+            }
             for r in spec.runs
         ],
     }
+
+
+def plan_keys(plan: dict) -> dict[str, dict]:
+    return {item["name"]: item.get("key") for item in plan["runs"]}
 
 
 def open_dir(out: Path, plan: dict, force: bool) -> None:
@@ -144,7 +161,7 @@ def open_dir(out: Path, plan: dict, force: bool) -> None:
         raise FusedStatsError(f"--out {str(out)!r} is a file; a suite writes a folder")
     if existing.is_file():
         old = _load(existing)
-        if not force:
+        if not force and _any_done(out, old):
             if old.get("suite", {}).get("sha256") != plan["suite"]["sha256"]:
                 raise FusedStatsError(
                     f"{str(out)!r} holds a suite run from a different suite file (sha256 "
@@ -161,12 +178,18 @@ def open_dir(out: Path, plan: dict, force: bool) -> None:
     _dump(existing, plan)
 
 
+def _any_done(out: Path, plan: dict) -> bool:
+    """Whether any run of ``plan`` finished (status done) under the plan's key."""
+    keys = plan_keys(plan) if isinstance(plan.get("runs"), list) else {}
+    return any((finished(out, name, key) or {}).get("status") == "done" for name, key in keys.items())
+
+
 def run_file(out: Path, name: str) -> Path:
     return out / "runs" / f"{name}.json"
 
 
-def finished(out: Path, name: str, sha: str) -> dict | None:
-    """The run's file when it was finished under suite hash ``sha`` (a torn or stale file: None)."""
+def read_run(out: Path, name: str) -> dict | None:
+    """The run's file (None when missing or torn)."""
     path = run_file(out, name)
     if not path.is_file():
         return None
@@ -174,7 +197,15 @@ def finished(out: Path, name: str, sha: str) -> dict | None:
         entry = _load(path)
     except FusedStatsError:
         return None
-    return entry if entry.get("suite_sha256") == sha and entry.get("status") in ("done", "failed") else None
+    return entry if isinstance(entry, dict) else None
+
+
+def finished(out: Path, name: str, key: dict | None) -> dict | None:
+    """The run's file when it was finished under ``key`` (a torn or stale file: None)."""
+    entry = read_run(out, name)
+    if entry is None or key is None:
+        return None
+    return entry if entry.get("key") == key and entry.get("status") in ("done", "failed") else None
 
 
 # ---------------------------------------------------------------------------- one run
@@ -184,7 +215,7 @@ def stream_decision(spec: SuiteSpec, run: RunSpec, device) -> tuple[bool, str]:
     accumulators) fits the device's free memory."""
     setting = spec.probe["stream_blocks"]
     if setting is not True and setting is not False:
-        from ..streaming.plan import plan_streaming
+        from ..streaming.plan import human_bytes, plan_streaming
 
         size = {"float32": 4, "float64": 8, "bfloat16": 2}[spec.probe["dtype"]]
         plan = plan_streaming(
@@ -205,7 +236,8 @@ def stream_decision(spec: SuiteSpec, run: RunSpec, device) -> tuple[bool, str]:
         stream = free is not None and whole > 0.9 * free
         return (
             stream,
-            f"auto: whole model needs ~{whole:,} bytes, {free if free is None else f'{free:,}'} free",
+            f"auto: whole model needs ~{human_bytes(whole)}, "
+            f"{'unknown' if free is None else human_bytes(free)} free",
         )
     return bool(setting), "set in the suite file"
 
@@ -292,18 +324,57 @@ def run_meta(spec: SuiteSpec, run: RunSpec, windows: Windows, device) -> dict:
     }
 
 
-def execute_run(spec, run, windows, device, loader, progress, echo) -> dict:
+def check_points(spec: SuiteSpec, run: RunSpec, device, loader):
+    """Load ``run`` (the first this process probes) and check the file's ``[probe] points``
+    against it, before any other model loads or any file is written; returns the model so that
+    the run does not load it twice (None when the points are "residual": nothing to check)."""
+    from ..probe.points import resolve_points
+
+    if spec.probe["points"] == "residual":
+        return None
+    try:
+        stream, _ = stream_decision(spec, run, device)
+        model = loader(run.model, spec.probe["dtype"], device, stream)
+    except Exception:  # a torn shard, OOM: the run itself fails and records why, the suite goes on
+        return None
+    try:
+        resolve_points(model, spec.probe["points"])
+    except FusedStatsError as exc:
+        raise FusedStatsError(
+            f"suite file {str(spec.path)!r}: [probe] points, checked on run {run.name} "
+            f"({str(run.model)!r}) before any other model loads: {exc}"
+        ) from None
+    return model
+
+
+def reuse_loaded(loader, path: Path, model):
+    """``loader``, except that the first request for ``path`` returns the already loaded ``model``."""
+    held = {"model": model}
+
+    def load(folder, dtype, device, stream):
+        if held["model"] is not None and Path(folder) == Path(path):
+            model, held["model"] = held["model"], None
+            return model
+        return loader(folder, dtype, device, stream)
+
+    return load
+
+
+def execute_run(spec, run, windows, device, loader, progress, echo, key: dict) -> dict:
     """Load and probe one run; any exception is recorded in the entry (the suite goes on)."""
     import torch
+
+    from ..probe.points import residual_points
 
     entry = {
         "name": run.name,
         "model": str(run.model),
         "labels": dict(run.labels),
-        "suite_sha256": spec.sha256,
+        "key": key,
         "tokenizer": windows.tokenizer,
         "status": "failed",
         "error": None,
+        "residual_points": None,
         "report": None,
         "budgets": None,
         "timing": {},
@@ -316,6 +387,10 @@ def execute_run(spec, run, windows, device, loader, progress, echo) -> dict:
         t1 = time.perf_counter()
         entry["timing"]["load_s"] = t1 - t0
         entry["labels"]["parameters"] = int(sum(p.numel() for p in model.parameters()))
+        try:  # the relative depth of a point is its place among these (compare.relative_depths)
+            entry["residual_points"] = residual_points(model)
+        except FusedStatsError:
+            entry["residual_points"] = None
         if hasattr(model, "eval"):
             model.eval()  # dropout off: the gradients are the deterministic function's
         report, budgets = probe_windows(
@@ -345,26 +420,40 @@ def execute(
     device,
     loader,
     progress: bool,
+    keys: dict[str, dict],
+    force: bool = False,
     echo=print,
 ):
-    """Run this shard's unfinished runs; returns ``(done, skipped, failed)`` name lists."""
+    """Run this shard's runs that have no done-file under their key (every one under ``force``);
+    returns ``(done, skipped, failed)`` name lists."""
     from ...progress import Progress
 
     mine = my_runs(spec.runs, shard)
     done, skipped, failed = [], [], []
     with Progress(len(mine), "suite", enabled=progress, unit="runs") as bar:
         for k, run in enumerate(mine, 1):
-            old = finished(out, run.name, spec.sha256)
-            if old is not None and old["status"] == "done":
-                skipped.append(run.name)
-                bar.update()
-                continue
+            key = keys[run.name]
+            old = read_run(out, run.name)
+            if old is not None and not force:
+                why = stale_because(old.get("key"), key)
+                if why is None and old.get("status") == "done":
+                    skipped.append(run.name)
+                    bar.update()
+                    continue
+                bar.write(f"{run.name}: probed again: " + (why or "its last try failed"))
             step = run.labels.get("step")
             bar.set_description(
                 f"suite {k}/{len(mine)}: {run.name}" + (f" (step {step})" if step is not None else "")
             )
             entry = execute_run(
-                spec, run, windows[run_tokenizer[run.name]], device, loader, progress, lambda m: bar.write(m)
+                spec,
+                run,
+                windows[run_tokenizer[run.name]],
+                device,
+                loader,
+                progress,
+                lambda m: bar.write(m),
+                key,
             )
             _dump(run_file(out, run.name), entry)
             (done if entry["status"] == "done" else failed).append(run.name)
@@ -380,10 +469,9 @@ def collect(out: Path, partial: bool = False) -> tuple[dict | None, list[str]]:
     if not plan_file.is_file():
         raise FusedStatsError(f"{str(out)!r} is not a suite folder (no plan.json)")
     plan = _load(plan_file)
-    sha = plan["suite"]["sha256"]
     runs, pending = {}, []
     for item in plan["runs"]:
-        entry = finished(out, item["name"], sha)
+        entry = finished(out, item["name"], item.get("key"))
         if entry is None:
             pending.append(item["name"])
             continue
@@ -393,6 +481,7 @@ def collect(out: Path, partial: bool = False) -> tuple[dict | None, list[str]]:
             "tokenizer": entry["tokenizer"],
             "status": entry["status"],
             "error": entry["error"],
+            "residual_points": entry.get("residual_points"),
             "report": entry["report"],
             "budgets": entry["budgets"],
         }
