@@ -414,8 +414,19 @@ def test_data_sources_give_the_expected_windows(family, tmp_path):
     rows = rng.integers(0, 100, size=(30, 16), dtype=np.int64)
     np.save(tmp_path / "rows.npy", rows)
     assert np.array_equal(stream_windows(tmp_path / "rows.npy", None, 16, 20, "text", "test"), rows[:20])
-    with pytest.raises(FusedStatsError, match="length 16, \\[data\\] seq_len = 8"):
-        stream_windows(tmp_path / "rows.npy", None, 8, 4, "text", "test")
+    # rows longer than seq_len: their first seq_len tokens, as `fused-stats probe --tokens` cuts them
+    notes = []
+    assert np.array_equal(
+        stream_windows(tmp_path / "rows.npy", None, 8, 4, "text", "test", notes), rows[:4, :8]
+    )
+    assert notes == [
+        f"[data] test = {str(tmp_path / 'rows.npy')!r} holds (4, 16) sequences; using the first "
+        "[data] seq_len 8 tokens of each: (4, 8)"
+    ]
+    with pytest.raises(
+        FusedStatsError, match="shorter than \\[data\\] seq_len = 20; set seq_len = 16 or less"
+    ):
+        stream_windows(tmp_path / "rows.npy", None, 20, 4, "text", "test")
     with pytest.raises(FusedStatsError, match="too short: 30 windows"):
         stream_windows(tmp_path / "rows.npy", None, 16, 31, "text", "test")
     np.save(tmp_path / "float.npy", rng.random(100))

@@ -333,15 +333,14 @@ def load_tokens(args, tokenizer):
             raise FusedStatsError(f"token file {args.tokens!r} has dtype {arr.dtype}; expected integers")
         arr = arr.to(torch.int64)
         if arr.dim() == 2:
+            from ..api.suite.data import cut_rows
+
             what = f"{args.tokens} ({tuple(arr.shape)} sequences)"
-            if arr.shape[1] > T:
-                # --seq-len applies to rows as to windows (a model's position limit is met by it)
-                print(
-                    f"(note: --tokens {args.tokens} holds {tuple(arr.shape)} sequences; using the first "
-                    f"--seq-len {T} tokens of each: {(arr.shape[0], T)})",
-                    file=sys.stderr,
-                )
-                arr = arr[:, :T]
+            # --seq-len applies to rows as to windows (a model's position limit is met by it); the
+            # suite's [data] seq_len follows the same rule
+            arr, note = cut_rows(arr, T, f"--tokens {args.tokens}", "--seq-len")
+            if note:
+                print(f"(note: {note})", file=sys.stderr)
                 what = f"{args.tokens} ({tuple(arr.shape)} sequences, rows cut to --seq-len {T})"
             return _split_rows(arr, what)
         if arr.dim() != 1:

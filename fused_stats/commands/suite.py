@@ -11,6 +11,7 @@ loaded as ``fused-stats probe`` loads them (:func:`fused_stats.commands.probe.lo
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ..errors import FusedStatsError
@@ -183,6 +184,8 @@ def cmd_suite(args) -> int:
     check_runs(spec, windows, identity)
     out = Path(args.out)
     plan = plan_document(spec, windows, identity)
+    for note in [n for w in windows.values() for n in w.notes] + plan["warnings"]:
+        print(f"fused-stats: {'warning' if note in plan['warnings'] else 'note'}: {note}", file=sys.stderr)
     keys = plan_keys(plan)
     progress = not args.no_progress
     if not (progress and stderr_is_terminal()):

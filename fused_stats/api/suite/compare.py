@@ -121,8 +121,9 @@ def design_labels(suite: dict) -> list[str]:
     return sorted(keys - set(NOT_DESIGN))
 
 
-def trend_rows(suite: dict) -> list[dict]:
-    """One row per (label, group, statistic) with at least 3 runs at 2+ label values."""
+def trend_groups(suite: dict) -> list[tuple[str, str, list[str]]]:
+    """``(label, group text, done run names)`` for every group a trend of a label is taken in: the
+    done runs with a numeric value of the label, grouped by every other design label."""
     done = {n: r for n, r in suite["runs"].items() if r["status"] == "done"}
     asked = suite.get("trends")
     labels = (
@@ -131,8 +132,7 @@ def trend_rows(suite: dict) -> list[dict]:
         else [x for x in TREND_LABELS if any(r["labels"].get(x) is not None for r in done.values())]
     )
     design = design_labels(suite)
-    where = suite.get("point", "last")
-    rows = []
+    out = []
     for x in labels:
         fixed = [k for k in design if k != x and not (x == "parameters" and k in ("width", "depth"))]
         groups = defaultdict(list)
@@ -140,34 +140,43 @@ def trend_rows(suite: dict) -> list[dict]:
             if isinstance(run["labels"].get(x), (int, float)) and not isinstance(run["labels"].get(x), bool):
                 groups[tuple((k, run["labels"].get(k)) for k in fixed)].append(name)
         for group, names in sorted(groups.items(), key=lambda g: str(g[0])):
-            xs = [done[n]["labels"][x] for n in names]
-            if len(names) < 3 or len(set(xs)) < 2:
+            text = ", ".join(f"{k}={v}" for k, v in group if v is not None) or "all runs"
+            out.append((x, text, names))
+    return out
+
+
+def trend_rows(suite: dict) -> list[dict]:
+    """One row per (label, group, statistic) with at least 3 runs at 2+ label values."""
+    done = {n: r for n, r in suite["runs"].items() if r["status"] == "done"}
+    where = suite.get("point", "last")
+    rows = []
+    for x, group, names in trend_groups(suite):
+        xs = [done[n]["labels"][x] for n in names]
+        if len(names) < 3 or len(set(xs)) < 2:
+            continue
+        for title, cell in statistics(suite):
+            ys = []
+            for n in names:
+                point = _pick_point(done[n], where)
+                ys.append(None if point is None else cell(done[n], point))
+            pairs = [(a, b) for a, b in zip(xs, ys) if isinstance(b, (int, float)) and math.isfinite(b)]
+            if len(pairs) < 3:
                 continue
-            for title, cell in statistics(suite):
-                ys = []
-                for n in names:
-                    point = _pick_point(done[n], where)
-                    ys.append(None if point is None else cell(done[n], point))
-                pairs = [(a, b) for a, b in zip(xs, ys) if isinstance(b, (int, float)) and math.isfinite(b)]
-                if len(pairs) < 3:
-                    continue
-                n = len(pairs)
-                permutations = math.factorial(n) if n <= 8 else 100_000
-                rho, p = rank_correlation(
-                    [a for a, _ in pairs], [b for _, b in pairs], permutations=permutations
-                )
-                rows.append(
-                    {
-                        "label": x,
-                        "group": ", ".join(f"{k}={v}" for k, v in group if v is not None) or "all runs",
-                        "statistic": title,
-                        "n": n,
-                        "rho": rho,
-                        "p": p,
-                        "exact": n <= 8,
-                        "runs": names,
-                    }
-                )
+            n = len(pairs)
+            permutations = math.factorial(n) if n <= 8 else 100_000
+            rho, p = rank_correlation([a for a, _ in pairs], [b for _, b in pairs], permutations=permutations)
+            rows.append(
+                {
+                    "label": x,
+                    "group": group,
+                    "statistic": title,
+                    "n": n,
+                    "rho": rho,
+                    "p": p,
+                    "exact": n <= 8,
+                    "runs": names,
+                }
+            )
     return rows
 
 
@@ -199,6 +208,8 @@ def render_markdown(suite: dict) -> str:
             out.append(
                 f"- {stream} windows ({key[:12]}): {d['shape'][0]} × {d['shape'][1]} from `{d['source']}`, SHA-256 `{d['sha256']}`"
             )
+    for warning in suite.get("warnings", []):
+        out.append(f"- **warning**: {warning}")
     s = suite["settings"]
     out.append(
         f"- probe: points {s['points']}, unit {s['unit']}, mask {s['mask']}, second moment {s['second_moment']}, "
@@ -222,8 +233,23 @@ def render_markdown(suite: dict) -> str:
             )
             + f" | {status} |"
         )
+    pending_labels = suite.get("pending_labels", {})
+    for n in suite.get("pending", []):
+        labels = pending_labels.get(n, {})
+        out.append(
+            f"| {n} | "
+            + " | ".join(
+                fmt(labels.get(k)) if not isinstance(labels.get(k), str) else labels[k] for k in label_keys
+            )
+            + " | pending (not finished yet) |"
+        )
     if suite["failed"]:
         out += ["", f"**{len(suite['failed'])} failed run(s)**: {', '.join(suite['failed'])}"]
+    if suite.get("pending"):
+        out += [
+            "",
+            f"**{len(suite['pending'])} pending run(s)** (no finished run file yet): {', '.join(suite['pending'])}",
+        ]
     header = "| run | " + " | ".join(_cell(column_text(r)) for r in depths) + " |"
     rule = "|---" * (len(depths) + 1) + "|"
     for title, cell in statistics(suite):
@@ -263,7 +289,18 @@ def render_markdown(suite: dict) -> str:
                 rho, p = f"{t['rho']:+.2f}", f"{t['p']:.3g}" + ("" if t["exact"] else " (Monte Carlo)")
             out.append(f"| {t['label']} | {t['group']} | {_cell(t['statistic'])} | {t['n']} | {rho} | {p} |")
     else:
-        out.append("No group holds 3 or more runs at 2 or more values of a label.")
+        out.append(
+            "No trend: a trend needs 3 or more runs at 2 or more values of its label within a group "
+            "that holds the other labels fixed."
+        )
+        groups = trend_groups(suite)
+        if groups:
+            out += ["", "| label | group | runs | values of the label |", "|---|---|---|---|"]
+            for x, group, names in groups:
+                values = sorted({suite["runs"][n]["labels"][x] for n in names})
+                out.append(f"| {x} | {group} | {len(names)} | {', '.join(fmt(v) for v in values)} |")
+        else:
+            out.append("No done run has a numeric value of a trend label.")
     return "\n".join(out) + "\n"
 
 

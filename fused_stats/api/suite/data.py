@@ -1,7 +1,8 @@
 """The suite's shared windows: every run sees exactly the same token sequences.
 
 A source is token ids (``.npy``, memory-mapped: a 1-D stream cut into consecutive ``seq_len``
-windows, or an ``(N, T)`` array whose first rows are the windows), text (``.txt``, tokenised
+windows, or an ``(N, T)`` array whose first rows are the windows, each row's first ``seq_len``
+tokens when ``T > seq_len``: :func:`cut_rows`, the rule ``fused-stats probe --tokens`` uses too), text (``.txt``, tokenised
 whole), JSON lines (``.jsonl``, the string ``field`` of each record) or a ``datasets`` folder
 written by ``save_to_disk`` (its ``field`` column). Documents are tokenised one by one, joined
 by the tokenizer's end-of-text id when it has one, until ``sequences × seq_len`` tokens are
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ class Windows:
     train: np.ndarray
     test: np.ndarray
     sources: dict
+    notes: list = field(default_factory=list)  # what was done to a source to make the windows
 
     def sha256(self, stream: str) -> str:
         rows = self.train if stream == "train" else self.test
@@ -53,7 +55,7 @@ class Windows:
                 "source": self.sources[stream],
             }
             for stream in ("train", "test")
-        }
+        } | ({"notes": list(self.notes)} if self.notes else {})
 
 
 def tokenizer_identity(folder: Path) -> str:
@@ -134,7 +136,20 @@ def _documents(source: Path, field: str):
     )
 
 
-def _token_windows(source: Path, seq_len: int, sequences: int, stream: str) -> np.ndarray:
+def cut_rows(rows, seq_len: int, what: str, setting: str):
+    """``(rows, note)``: ``(N, T)`` token rows cut to their first ``seq_len`` tokens when
+    ``T > seq_len`` (``note`` says so, naming ``setting``; else None); numpy or torch rows.
+    Shorter rows are the caller's to judge: a suite needs exactly ``seq_len``."""
+    n, length = int(rows.shape[0]), int(rows.shape[1])
+    if length <= seq_len:
+        return rows, None
+    return rows[:, :seq_len], (
+        f"{what} holds {(n, length)} sequences; using the first {setting} {seq_len} tokens of each: "
+        f"{(n, seq_len)}"
+    )
+
+
+def _token_windows(source: Path, seq_len: int, sequences: int, stream: str, notes: list) -> np.ndarray:
     try:
         arr = np.load(source, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError) as exc:
@@ -145,11 +160,17 @@ def _token_windows(source: Path, seq_len: int, sequences: int, stream: str) -> n
         have = arr.shape[0] // seq_len
         rows = arr[: min(have, sequences) * seq_len].reshape(-1, seq_len)
     elif arr.ndim == 2:
-        if arr.shape[1] != seq_len:
+        if arr.shape[1] < seq_len:
             raise FusedStatsError(
-                f"token file {str(source)!r} holds sequences of length {arr.shape[1]}, [data] seq_len = {seq_len}"
+                f"token file {str(source)!r} holds sequences of length {arr.shape[1]}, shorter than "
+                f"[data] seq_len = {seq_len}; set seq_len = {arr.shape[1]} or less (longer rows are cut)"
             )
-        have, rows = arr.shape[0], arr[:sequences]
+        rows, note = cut_rows(
+            arr[:sequences], seq_len, f"[data] {stream} = {str(source)!r}", "[data] seq_len"
+        )
+        if note:
+            notes.append(note)
+        have = arr.shape[0]
     else:
         raise FusedStatsError(f"token file {str(source)!r} has shape {arr.shape}; expected 1-D or 2-D")
     if have < sequences:
@@ -160,10 +181,13 @@ def _token_windows(source: Path, seq_len: int, sequences: int, stream: str) -> n
     return np.array(rows, dtype=np.int64)  # copies only the windows out of the memory map
 
 
-def stream_windows(source: Path, tokenizer, seq_len: int, sequences: int, field: str, stream: str):
-    """``(sequences, seq_len)`` int64 windows of one source (module docstring)."""
+def stream_windows(
+    source: Path, tokenizer, seq_len: int, sequences: int, field: str, stream: str, notes: list | None = None
+):
+    """``(sequences, seq_len)`` int64 windows of one source (module docstring); what was done to
+    the source to make them is appended to ``notes``."""
     if source.suffix == ".npy" and source.is_file():
-        return _token_windows(source, seq_len, sequences, stream)
+        return _token_windows(source, seq_len, sequences, stream, [] if notes is None else notes)
     need = seq_len * sequences
     sep = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     ids: list[int] = []
@@ -182,10 +206,23 @@ def stream_windows(source: Path, tokenizer, seq_len: int, sequences: int, field:
 
 
 def build_windows(data: dict, identity: str, tokenizer) -> Windows:
-    rows, sources = {}, {}
+    rows, sources, notes = {}, {}, []
     for stream in ("train", "test"):
         rows[stream] = stream_windows(
-            data[stream], tokenizer, data["seq_len"], data["sequences"], data["field"], stream
+            data[stream], tokenizer, data["seq_len"], data["sequences"], data["field"], stream, notes
         )
         sources[stream] = str(data[stream])
-    return Windows(tokenizer=identity, train=rows["train"], test=rows["test"], sources=sources)
+    return Windows(tokenizer=identity, train=rows["train"], test=rows["test"], sources=sources, notes=notes)
+
+
+def held_out_warnings(data: dict, windows: dict) -> list[str]:
+    """Why the test windows are not held out: the same file as train, or the same windows."""
+    if data["train"] == data["test"]:
+        return [
+            f"[data] train and test are the same file ({str(data['train'])!r}): the test statistics are "
+            "not held out (the train windows measured again)"
+        ]
+    same = [key for key, w in windows.items() if w.sha256("train") == w.sha256("test")]
+    if same:
+        return ["[data] train and test give identical windows: the test statistics are not held out"]
+    return []

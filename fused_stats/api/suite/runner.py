@@ -29,7 +29,7 @@ from pathlib import Path
 from ...accumulators.persistence import write_atomic
 from ...errors import FusedStatsError
 from ..report.schema import decode, encode
-from .data import Windows
+from .data import Windows, held_out_warnings
 from .identity import run_key, stale_because
 from .spec import RunSpec, SuiteSpec
 
@@ -125,6 +125,7 @@ def plan_document(spec: SuiteSpec, windows: dict[str, Windows], run_tokenizer: d
         "suite": {"file": str(spec.path.resolve()), "sha256": spec.sha256},
         "tokenizer": spec.data["tokenizer"],
         "data": {key: w.describe() for key, w in windows.items()},
+        "warnings": held_out_warnings(spec.data, windows),
         "settings": {
             "seq_len": spec.data["seq_len"],
             "sequences": spec.data["sequences"],
@@ -469,11 +470,12 @@ def collect(out: Path, partial: bool = False) -> tuple[dict | None, list[str]]:
     if not plan_file.is_file():
         raise FusedStatsError(f"{str(out)!r} is not a suite folder (no plan.json)")
     plan = _load(plan_file)
-    runs, pending = {}, []
+    runs, pending, pending_labels = {}, [], {}
     for item in plan["runs"]:
         entry = finished(out, item["name"], item.get("key"))
         if entry is None:
             pending.append(item["name"])
+            pending_labels[item["name"]] = item["labels"]
             continue
         runs[item["name"]] = {
             "model": entry["model"],
@@ -493,6 +495,7 @@ def collect(out: Path, partial: bool = False) -> tuple[dict | None, list[str]]:
         "suite": plan["suite"],
         "tokenizer": plan["tokenizer"],
         "data": plan["data"],
+        "warnings": plan.get("warnings", []),
         "settings": plan["settings"],
         "trends": plan["trends"],
         "point": plan["point"],
@@ -500,6 +503,8 @@ def collect(out: Path, partial: bool = False) -> tuple[dict | None, list[str]]:
         "failed": sorted(n for n, r in runs.items() if r["status"] == "failed"),
         "pending": pending,
     }
+    if pending:  # the runs table lists them, with the labels the suite file gives them
+        suite["pending_labels"] = pending_labels
     return suite, pending
 
 
