@@ -420,8 +420,8 @@ def test_data_sources_give_the_expected_windows(family, tmp_path):
         stream_windows(tmp_path / "rows.npy", None, 8, 4, "text", "test", notes), rows[:4, :8]
     )
     assert notes == [
-        f"[data] test = {str(tmp_path / 'rows.npy')!r} holds (4, 16) sequences; using the first "
-        "[data] seq_len 8 tokens of each: (4, 8)"
+        f"[data] test = {str(tmp_path / 'rows.npy')!r} holds (30, 16) sequences; using the first "
+        "[data] seq_len 8 tokens of each: (30, 8)"
     ]
     with pytest.raises(
         FusedStatsError, match="shorter than \\[data\\] seq_len = 20; set seq_len = 16 or less"

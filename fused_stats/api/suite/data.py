@@ -165,9 +165,8 @@ def _token_windows(source: Path, seq_len: int, sequences: int, stream: str, note
                 f"token file {str(source)!r} holds sequences of length {arr.shape[1]}, shorter than "
                 f"[data] seq_len = {seq_len}; set seq_len = {arr.shape[1]} or less (longer rows are cut)"
             )
-        rows, note = cut_rows(
-            arr[:sequences], seq_len, f"[data] {stream} = {str(source)!r}", "[data] seq_len"
-        )
+        rows, note = cut_rows(arr, seq_len, f"[data] {stream} = {str(source)!r}", "[data] seq_len")
+        rows = rows[:sequences]
         if note:
             notes.append(note)
         have = arr.shape[0]
