@@ -486,5 +486,218 @@ def test_report_suite_rerenders_and_lists_pending_runs(reference, tmp_path, caps
     assert (
         partial["pending"] == ["step100"] and "step100" not in partial["runs"] and len(partial["runs"]) == 8
     )
+    runs_table = (copy / "suite.md").read_text().split("## Runs")[1].split("\n## ")[0]
+    assert "| step100 | gpt_neox | 16 | 2 | 100 | — | pending (not finished yet) |" in runs_table, runs_table
     assert main(["report", "--suite", str(tmp_path / "nowhere")]) == 2
     assert "is not a suite folder (no plan.json)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- run keys and resume
+ONE_RUN = SUITE.split("[[runs]]")[0] + '[[runs]]\nmodel = "own/llama"\n'
+
+
+def _own_family(family, tmp_path) -> Path:
+    """A suite folder with its own copies of the data and of one checkpoint, free to change."""
+    for name in ("train.txt", "test.txt"):
+        shutil.copy(family["root"] / name, tmp_path / name)
+    shutil.copytree(family["folders"]["llama-w16-d1"], tmp_path / "own" / "llama")
+    path = tmp_path / "suite.toml"
+    path.write_text(ONE_RUN)
+    return path
+
+
+def _run(path, out, capsys, *extra) -> tuple[int, str, str]:
+    code = main(["suite", str(path), "--out", str(out), "--no-progress", "--no-plots", *extra])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_changed_data_checkpoint_or_version_probes_again(family, tmp_path, monkeypatch, capsys):
+    import transformers
+
+    path, out = _own_family(family, tmp_path), tmp_path / "out"
+    assert "1 probed, 0 finished earlier" in _run(path, out, capsys)[1]
+    assert "0 probed, 1 finished earlier" in _run(path, out, capsys)[1]
+    # new data at the same path: refused without --force, then --force probes on the new windows
+    (tmp_path / "train.txt").write_text(suite_models.corpus(9, 3000))
+    code, _, err = _run(path, out, capsys)
+    assert code == 2 and "data windows changed" in err
+    code, printed, _ = _run(path, out, capsys, "--force")
+    assert code == 0 and "1 probed, 0 finished earlier" in printed
+    suite = json.loads((out / "suite.json").read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "own" / "llama")
+    want = hashlib_sha256(windows(tokenizer, tmp_path / "train.txt"))
+    run = suite["runs"]["llama"]
+    assert suite["data"][run["tokenizer"]]["train"]["sha256"] == want
+    assert run["report"]["meta"]["data"]["train"] == want  # the report measured the new windows
+    before = run["report"]["points"][0]["train"]["d_align"]
+    # other weights saved at the same path: probed again without --force
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "own" / "llama")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    model.save_pretrained(tmp_path / "own" / "llama", max_shard_size="10KB")
+    code, printed, _ = _run(path, out, capsys)
+    assert code == 0 and "1 probed, 0 finished earlier" in printed
+    assert "llama: probed again: the checkpoint's files changed" in printed
+    after = json.loads((out / "suite.json").read_text())["runs"]["llama"]["report"]
+    assert after["points"][0]["train"]["d_align"] != before
+    # another package version: probed again
+    monkeypatch.setattr("fused_stats.api.suite.identity.__version__", "99.0")
+    printed = _run(path, out, capsys)[1]
+    assert (
+        "1 probed, 0 finished earlier" in printed and f"it ran under fused_stats {fs.__version__}" in printed
+    )
+    # --force probes every run again, changed or not
+    assert "1 probed, 0 finished earlier" in _run(path, out, capsys, "--force")[1]
+    assert "0 probed, 1 finished earlier" in _run(path, out, capsys)[1]
+
+
+def hashlib_sha256(rows: np.ndarray) -> str:
+    import hashlib
+
+    return hashlib.sha256(rows.astype("<i8").tobytes()).hexdigest()
+
+
+def test_a_failed_run_is_probed_again_on_resume(family, tmp_path, monkeypatch, capsys):
+    from fused_stats.commands import probe as probe_command
+
+    path, out = _own_family(family, tmp_path), tmp_path / "out"
+    real = probe_command.load_model
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(probe_command, "load_model", out_of_memory)
+    code, printed, _ = _run(path, out, capsys)
+    assert code == 1 and "0 probed, 0 finished earlier (skipped), 1 failed" in printed
+    monkeypatch.setattr(probe_command, "load_model", real)
+    code, printed, _ = _run(path, out, capsys)  # the same file, no --force
+    assert code == 0 and "1 probed, 0 finished earlier" in printed
+    assert "llama: probed again: its last try failed" in printed
+    # a folder none of whose runs finished does not hold another suite file back
+    monkeypatch.setattr(probe_command, "load_model", out_of_memory)
+    shutil.rmtree(out)
+    assert _run(path, out, capsys)[0] == 1
+    monkeypatch.setattr(probe_command, "load_model", real)
+    path.write_text(ONE_RUN.replace("trials = 200", "trials = 100"))
+    code, printed, _ = _run(path, out, capsys)
+    assert code == 0 and "1 probed" in printed
+    assert json.loads((out / "suite.json").read_text())["settings"]["trials"] == 100
+
+
+def test_point_names_checked_on_the_first_model_and_depth_from_its_residual_points(
+    family, tmp_path, monkeypatch, capsys
+):
+    from fused_stats.api.suite.compare import relative_depths
+    from fused_stats.commands import probe as probe_command
+
+    real, loads = probe_command.load_model, []
+
+    def counting(path, *args, **kwargs):
+        loads.append(Path(path).name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(probe_command, "load_model", counting)
+    base = SUITE.split("[[runs]]")[0] + '[[runs]]\nglob = "ckpts/llama-w16-*"\n'
+    misspelt = base.replace('points = "residual"', 'points = ["model.layers.0", "model.layer.0"]')
+    path = _suite_file(family["root"], tmp_path, misspelt)
+    out = tmp_path / "out"
+    code, _, err = _run(path, out, capsys)
+    assert code == 2 and "'model.layer.0'" in err and "checked on run llama-w16-d1" in err
+    assert loads == ["llama-w16-d1"] and not out.exists()
+    path.write_text(base.replace('points = "residual"', 'points = ["model.layers.0"]'))
+    loads.clear()
+    code, printed, _ = _run(path, out, capsys)  # the fixed file, no --force
+    assert code == 0 and "2 probed" in printed
+    assert loads == ["llama-w16-d1", "llama-w16-d2"]  # the checked model is probed, not loaded again
+    suite = json.loads((out / "suite.json").read_text())
+    for name, run in suite["runs"].items():
+        depth = json.loads((Path(run["model"]) / "config.json").read_text())["num_hidden_layers"]
+        # model.layers.0 is the stream after block 1 of `depth`
+        assert [r for r, _ in relative_depths(run)] == [1 / depth], name
+    md = (out / "suite.md").read_text()
+    assert "| run | 0.5 | 1 |" in md
+    assert "| llama-w16-d1 |  | " in md and "| llama-w16-d2 | " in md
+
+
+def test_default_mask_follows_the_unit(family, tmp_path):
+    from fused_stats.api.suite.spec import read_suite
+
+    for unit, mask in (("sample", "attention"), ("position", "labels"), ("flat", "attention")):
+        text = SUITE.replace('unit = "sample"', f'unit = "{unit}"').replace("cross = 4\n", "")
+        spec = read_suite(_suite_file(family["root"], tmp_path, text))
+        assert (spec.probe["unit"], spec.probe["mask"]) == (unit, mask)
+
+
+def test_shard_k_takes_the_runs_k_mod_n():
+    from fused_stats.api.suite.runner import Shard, my_runs
+
+    names = [f"run{k}" for k in range(10)]
+    assert my_runs(names, Shard(0, 3, "x")) == ["run0", "run3", "run6", "run9"]
+    assert my_runs(names, Shard(1, 3, "x")) == ["run1", "run4", "run7"]
+    assert my_runs(names, Shard(2, 4, "x")) == ["run2", "run6"]
+
+
+def test_parameters_trend_holds_only_the_other_labels_fixed(reference):
+    import itertools
+    import math
+
+    from scipy.stats import spearmanr
+
+    suite = json.loads((reference / "suite.json").read_text())
+    runs = [r for r in suite["runs"].values() if r["labels"]["model_type"] == "llama"]
+    xs = [r["labels"]["parameters"] for r in runs]
+    ys = [r["report"]["points"][-1]["train"]["ag_max"] for r in runs]
+    assert len(set(xs)) == 6  # every width × depth a different size: one group across both
+    rho = spearmanr(xs, ys).statistic
+    perms = [spearmanr(xs, list(p)).statistic for p in itertools.permutations(ys)]
+    p = sum(abs(r) >= abs(rho) - 1e-12 for r in perms) / math.factorial(len(ys))
+    row = f"| parameters | model_type=llama | AG_max (train) | 6 | {rho:+.2f} | {p:.3g} |"
+    assert row in (reference / "suite.md").read_text(), row
+
+
+def test_a_two_by_two_grid_says_which_groups_it_has(reference):
+    from fused_stats.api.suite.compare import render_markdown
+
+    suite = json.loads((reference / "suite.json").read_text())
+    keep = {"llama-w16-d1", "llama-w16-d2", "llama-w24-d1", "llama-w24-d2"}
+    suite["runs"] = {n: r for n, r in suite["runs"].items() if n in keep}
+    for trends in (None, ["width", "depth"]):
+        suite["trends"] = trends
+        md = render_markdown(suite)
+        # parameters varies across all four: a trend of its own; width and depth have n = 2 a group
+        assert ("| parameters | model_type=llama | AG_max (train) | 4 |" in md) == (trends is None)
+        assert ("No trend: a trend needs 3 or more runs at 2 or more values" in md) == (trends is not None)
+        assert "Groups without a trend (fewer than 3 runs, or one value of the label):" in md
+        for depth in (1, 2):
+            assert f"| width | depth={depth}, model_type=llama | 2 | 16, 24 |" in md
+        for width in (16, 24):
+            assert f"| depth | model_type=llama, width={width} | 2 | 1, 2 |" in md
+
+
+def test_same_train_and_test_file_is_warned_and_recorded(family, tmp_path, capsys):
+    path = _own_family(family, tmp_path)
+    path.write_text(ONE_RUN.replace('test = "test.txt"', 'test = "train.txt"'))
+    code, _, err = _run(path, tmp_path / "out", capsys)
+    assert code == 0 and "warning: [data] train and test are the same file" in err
+    suite = json.loads((tmp_path / "out" / "suite.json").read_text())
+    assert len(suite["warnings"]) == 1 and "not held out" in suite["warnings"][0]
+    assert (
+        "**warning**: [data] train and test are the same file" in (tmp_path / "out" / "suite.md").read_text()
+    )
+
+
+def test_memory_in_the_plan_units(family):
+    import re
+
+    from fused_stats.api.streaming.plan import human_bytes
+    from fused_stats.api.suite.runner import stream_decision
+    from fused_stats.api.suite.spec import read_suite
+
+    spec = read_suite(family["root"] / "suite.toml")
+    spec.probe["stream_blocks"] = "auto"
+    _, why = stream_decision(spec, spec.runs[0], torch.device("cpu"))
+    match = re.fullmatch(r"auto: whole model needs ~([\d.]+ [KMGT]?i?B), ([\d.]+ [KMGT]iB) free", why)
+    assert match, why
+    assert human_bytes(2 * 1024**2) == "2.00 MiB"  # the plan's own formatter

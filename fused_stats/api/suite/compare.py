@@ -293,14 +293,25 @@ def render_markdown(suite: dict) -> str:
             "No trend: a trend needs 3 or more runs at 2 or more values of its label within a group "
             "that holds the other labels fixed."
         )
-        groups = trend_groups(suite)
-        if groups:
-            out += ["", "| label | group | runs | values of the label |", "|---|---|---|---|"]
-            for x, group, names in groups:
-                values = sorted({suite["runs"][n]["labels"][x] for n in names})
-                out.append(f"| {x} | {group} | {len(names)} | {', '.join(fmt(v) for v in values)} |")
-        else:
-            out.append("No done run has a numeric value of a trend label.")
+    groups = trend_groups(suite)
+    short = [
+        (x, group, names)
+        for x, group, names in groups
+        if len(names) < 3 or len({suite["runs"][n]["labels"][x] for n in names}) < 2
+    ]
+    if short:
+        out += [
+            "",
+            "Groups without a trend (fewer than 3 runs, or one value of the label):",
+            "",
+            "| label | group | runs | values of the label |",
+            "|---|---|---|---|",
+        ]
+        for x, group, names in short:
+            values = sorted({suite["runs"][n]["labels"][x] for n in names})
+            out.append(f"| {x} | {group} | {len(names)} | {', '.join(fmt(v) for v in values)} |")
+    elif not groups:
+        out.append("No done run has a numeric value of a trend label.")
     return "\n".join(out) + "\n"
 
 
