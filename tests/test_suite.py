@@ -413,7 +413,11 @@ def test_data_sources_give_the_expected_windows(family, tmp_path):
     assert got.dtype == np.int64 and np.array_equal(got, flat[:320].reshape(20, 16))
     rows = rng.integers(0, 100, size=(30, 16), dtype=np.int64)
     np.save(tmp_path / "rows.npy", rows)
-    assert np.array_equal(stream_windows(tmp_path / "rows.npy", None, 16, 20, "text", "test"), rows[:20])
+    notes = []
+    assert np.array_equal(
+        stream_windows(tmp_path / "rows.npy", None, 16, 20, "text", "test", notes), rows[:20]
+    )
+    assert notes == []  # rows of exactly seq_len: nothing cut, nothing said
     # rows longer than seq_len: their first seq_len tokens, as `fused-stats probe --tokens` cuts them
     notes = []
     assert np.array_equal(
@@ -701,3 +705,23 @@ def test_memory_in_the_plan_units(family):
     match = re.fullmatch(r"auto: whole model needs ~([\d.]+ [KMGT]?i?B), ([\d.]+ [KMGT]iB) free", why)
     assert match, why
     assert human_bytes(2 * 1024**2) == "2.00 MiB"  # the plan's own formatter
+
+
+def test_a_shard_on_new_data_never_pairs_it_with_old_runs(family, tmp_path, capsys):
+    """Data changed, shard 0 redone with --force: suite.json waits for shard 1's run on the new windows."""
+    for name in ("train.txt", "test.txt"):
+        shutil.copy(family["root"] / name, tmp_path / name)
+    (tmp_path / "ckpts").symlink_to(family["root"] / "ckpts")
+    path = tmp_path / "suite.toml"
+    path.write_text(SUITE.split("[[runs]]")[0] + '[[runs]]\nglob = "ckpts/llama-w16-*"\n')
+    out = tmp_path / "out"
+    assert _run(path, out, capsys)[0] == 0 and (out / "suite.json").is_file()
+    (tmp_path / "train.txt").write_text(suite_models.corpus(9, 3000))
+    code, printed, _ = _run(path, out, capsys, "--force", "--shard", "0/2")
+    assert code == 0 and "1 run(s) not finished yet (other shards): llama-w16-d2" in printed
+    assert not (out / "suite.json").exists() and not (out / "suite.md").exists()
+    code, printed, _ = _run(path, out, capsys, "--shard", "1/2")
+    assert code == 0 and "llama-w16-d2: probed again: the data windows changed" in printed
+    suite = json.loads((out / "suite.json").read_text())
+    want = suite["data"][next(iter(suite["data"]))]["train"]["sha256"]
+    assert {r["report"]["meta"]["data"]["train"] for r in suite["runs"].values()} == {want}

@@ -176,7 +176,15 @@ def open_dir(out: Path, plan: dict, force: bool) -> None:
                 )
         if old == plan:
             return
+        _remove_outputs(out)  # they describe the old plan; the last run of this one writes them again
     _dump(existing, plan)
+
+
+def _remove_outputs(out: Path) -> None:
+    from .compare import PLOTS
+
+    for name in ("suite.json", "suite.md", *PLOTS):
+        (out / name).unlink(missing_ok=True)
 
 
 def _any_done(out: Path, plan: dict) -> bool:
