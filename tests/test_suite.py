@@ -535,12 +535,18 @@ def test_changed_data_checkpoint_or_version_probes_again(family, tmp_path, monke
     assert suite["data"][run["tokenizer"]]["train"]["sha256"] == want
     assert run["report"]["meta"]["data"]["train"] == want  # the report measured the new windows
     before = run["report"]["points"][0]["train"]["d_align"]
-    # other weights saved at the same path: probed again without --force
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "own" / "llama")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1.5)
-    model.save_pretrained(tmp_path / "own" / "llama", max_shard_size="10KB")
+    # other weights written into one shard, same names, shapes and size: probed again without --force
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shard = sorted((tmp_path / "own" / "llama").glob("model-*-of-*.safetensors"))[0]
+    with safe_open(shard, framework="pt") as handle:
+        names = list(handle.keys())
+        tensors = {k: handle.get_tensor(k) * 1.5 for k in names}
+        metadata = handle.metadata()
+    size = shard.stat().st_size
+    save_file(tensors, shard, metadata=metadata)
+    assert shard.stat().st_size == size
     code, printed, _ = _run(path, out, capsys)
     assert code == 0 and "1 probed, 0 finished earlier" in printed
     assert "llama: probed again: the checkpoint's files changed" in printed
@@ -593,6 +599,7 @@ def test_a_failed_run_is_probed_again_on_resume(family, tmp_path, monkeypatch, c
 def test_point_names_checked_on_the_first_model_and_depth_from_its_residual_points(
     family, tmp_path, monkeypatch, capsys
 ):
+    from fused_stats.api.report.schema import fmt
     from fused_stats.api.suite.compare import relative_depths
     from fused_stats.commands import probe as probe_command
 
@@ -610,7 +617,7 @@ def test_point_names_checked_on_the_first_model_and_depth_from_its_residual_poin
     code, _, err = _run(path, out, capsys)
     assert code == 2 and "'model.layer.0'" in err and "checked on run llama-w16-d1" in err
     assert loads == ["llama-w16-d1"] and not out.exists()
-    path.write_text(base.replace('points = "residual"', 'points = ["model.layers.0"]'))
+    path.write_text(base.replace('points = "residual"', 'points = ["model.embed_tokens", "model.layers.0"]'))
     loads.clear()
     code, printed, _ = _run(path, out, capsys)  # the fixed file, no --force
     assert code == 0 and "2 probed" in printed
@@ -618,11 +625,15 @@ def test_point_names_checked_on_the_first_model_and_depth_from_its_residual_poin
     suite = json.loads((out / "suite.json").read_text())
     for name, run in suite["runs"].items():
         depth = json.loads((Path(run["model"]) / "config.json").read_text())["num_hidden_layers"]
-        # model.layers.0 is the stream after block 1 of `depth`
-        assert [r for r, _ in relative_depths(run)] == [1 / depth], name
+        # model.layers.0 is the stream after block 1 of `depth`; the embedding is off the stream
+        assert [r for r, _ in relative_depths(run)] == ["model.embed_tokens", 1 / depth], name
     md = (out / "suite.md").read_text()
-    assert "| run | 0.5 | 1 |" in md
-    assert "| llama-w16-d1 |  | " in md and "| llama-w16-d2 | " in md
+    assert "| run | 0.5 | 1 | model.embed_tokens |" in md
+    d_align = md.split("## d_align (train)")[1].split("\n## ")[0]
+    for name, run in suite["runs"].items():
+        cells = {r: fmt(p["train"]["d_align"]) for r, p in relative_depths(run)}
+        want = [cells.get(0.5, ""), cells.get(1.0, ""), cells["model.embed_tokens"]]
+        assert f"| {name} | " + " | ".join(want) + " |" in d_align, d_align
 
 
 def test_default_mask_follows_the_unit(family, tmp_path):
