@@ -396,29 +396,54 @@ def plot_width(suite, path) -> Path | None:
 
 
 def plot_budgets(suite, path) -> Path | None:
+    """Misalignment and B_exact against n_eff, one line per run: the log x axis ticked at each
+    budget (labelled with its M, K), both probabilities on the symlog axis of the report plots (0
+    stays visible below the smallest decade), one legend under both panels."""
+    from matplotlib.ticker import NullLocator
+
+    from ..report.plots import _probability_axis
+
     splits = suite["settings"]["splits"]
     names = _done(suite)
     if not splits or not names:
         return None
     fig, axes = _figure(2)
+    fig.set_size_inches(11.0, 4.6)
     where = suite.get("point", "last")
+    xs = [M * K / (M + K + 1) for M, K in splits]
+    keys = (("misalignment", "probability"), ("certificate", "b_exact"))
+    values = {key: [] for key in keys}
     for n in names:
         entry = suite["runs"][n]
         point = _pick_point(entry, where)
         if point is None:
             continue
-        xs = [M * K / (M + K + 1) for M, K in splits]
-        for ax, key in zip(axes, (("misalignment", "probability"), ("certificate", "b_exact"))):
+        for ax, key in zip(axes, keys):
             ys = [_sub(_budget_point(entry, b, point["name"]), *key) for b in range(len(splits))]
             pts = [(x, y) for x, y in zip(xs, ys) if isinstance(y, (int, float))]
             if pts:
                 ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=n)
-    for ax, title in zip(axes, ("empirical misalignment Pr(μ_Mᵀg_K ≤ 0)", "certificate B_exact")):
+                values[key] += [b for _, b in pts]
+    ticks = defaultdict(list)  # two budgets with one n_eff share a tick
+    for x, (M, K) in zip(xs, splits):
+        ticks[round(x, 6)].append(f"M={M}, K={K}")
+    titles = ("empirical misalignment Pr(μ_Mᵀg_K ≤ 0)", "certificate B_exact (a bound on it)")
+    for ax, key, title in zip(axes, keys, titles):
         ax.set_xscale("log")
+        ax.set_xticks(list(ticks), [f"{x:.3g}\n" + "\n".join(mk) for x, mk in ticks.items()], fontsize=7)
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlim(min(ticks) / 1.3, max(ticks) * 1.3)
         ax.set_xlabel("n_eff = MK/(M+K+1)")
+        _probability_axis(ax, values[key])
+        ax.set_ylabel(("Pr(μ_Mᵀg_K ≤ 0)" if key[0] == "misalignment" else "B_exact") + " (symlog)")
         ax.set_title(f"{title}, point: {where}", fontsize=9)
-        if ax.lines:
-            ax.legend(fontsize=6, ncol=2)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if not handles:
+        handles, labels = axes[1].get_legend_handles_labels()
+    if handles:
+        fig.legend(
+            handles, labels, loc="outside lower center", ncol=min(6, len(handles)), fontsize=7, frameon=False
+        )
     return save_figure(fig, path, dpi=110)
 
 
@@ -455,42 +480,67 @@ def plot_depth(suite, path) -> Path | None:
 
 
 def plot_saturation(suite, path) -> Path | None:
+    """Runs × points: colour = log10 |C|²_F with the verdict (S saturated, × not) in the cell; an
+    estimate ≤ 0 (no logarithm: the unbiased estimate of a |C|² near 0) is hatched, a run without
+    that point (or without its |C|²) is grey, each named in the legend."""
     if not suite["settings"].get("cross"):
         return None
     names = _done(suite)
     depths = columns(r for n in names for r, _ in relative_depths(suite["runs"][n]))
     import numpy as np
+    from matplotlib.patches import Patch, Rectangle
 
     grid = np.full((len(names), len(depths)), np.nan)
-    marks = []
+    marks, at_most_zero = [], []
     for i, n in enumerate(names):
         for r, p in relative_depths(suite["runs"][n]):
             sat = p.get("saturation")
             if sat and isinstance(sat.get("cross_frob2"), float):
                 j = depths.index(r)
-                verdict = "S" if sat.get("saturated") else "×"
                 if sat["cross_frob2"] > 0:
                     grid[i, j] = math.log10(sat["cross_frob2"])
-                else:  # the unbiased estimate can be ≤ 0 when the true |C|² is near 0
-                    verdict += " ≤0"
-                marks.append((i, j, verdict))
+                else:
+                    at_most_zero.append((i, j))
+                marks.append((i, j, "S" if sat.get("saturated") else "×"))
     if not marks:
         return None
     from ..report.plots import figure_classes
 
     Figure, FigureCanvasAgg = figure_classes()
-    fig = Figure(figsize=(1.2 + 0.7 * len(depths), 1.4 + 0.32 * len(names)), layout="constrained")
+    longest = max(len(n) for n in names)
+    width = 2.6 + 0.07 * longest + 0.75 * len(depths)  # names, cells, colour bar and legend
+    fig = Figure(figsize=(max(6.0, width), 2.2 + 0.34 * len(names)), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    image = ax.imshow(grid, aspect="auto", cmap="viridis")
+    ax.set_facecolor("0.82")  # no value here: grey
+    image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis")
+    for i, j in at_most_zero:
+        ax.add_patch(
+            Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="white", edgecolor="tab:red", hatch="//", lw=0)
+        )
+    zero = set(at_most_zero)
     for i, j, text in marks:
-        blank = math.isnan(grid[i, j])  # no colour under it: dark text on the white background
-        ax.text(j, i, text, ha="center", va="center", color="black" if blank else "white", fontsize=8)
+        light = (i, j) in zero
+        ax.text(
+            j, i, text + (" ≤0" if light else ""), ha="center", va="center",
+            color="black" if light else "white", fontsize=8,
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 1} if light else None,
+        )  # fmt: skip
     ax.set_xticks(range(len(depths)), [column_text(r) for r in depths], fontsize=7)
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xlabel("relative depth")
-    ax.set_title("log10 |C|²_F  (S: saturated, ×: not;\n≤0: estimate ≤ 0, no colour)", fontsize=9)
-    fig.colorbar(image, ax=ax)
+    ax.set_title("log10 |C|²_F (S: saturated, C = 0 not rejected; ×: not saturated)", fontsize=9)
+    fig.colorbar(image, ax=ax, label="log10 |C|²_F")
+    fig.legend(
+        handles=[
+            Patch(facecolor="white", edgecolor="tab:red", hatch="//", label="estimate ≤ 0 (no log)"),
+            Patch(facecolor="0.82", edgecolor="0.5", label="no such point in this run"),
+        ],
+        loc="outside lower center",
+        ncol=2,
+        fontsize=7,
+        frameon=False,
+    )
     return save_figure(fig, path, dpi=110)
 
 
