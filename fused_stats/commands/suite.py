@@ -3,7 +3,8 @@ windows, resumably, one shard per process (``--shard i/n``, torchrun, a SLURM ar
 them in ``DIR/suite.md``, ``DIR/suite.json`` and plots.
 
 Everything the suite file names is checked first (keys, globs, data length, tokenizers, each
-model's vocabulary and positions against the windows), before any model is loaded. Models are
+model's vocabulary and positions against the windows), before any model is loaded; an explicit
+``[probe] points`` list on the first model this process probes, before ``--out`` is written. Models are
 loaded as ``fused-stats probe`` loads them (:func:`fused_stats.commands.probe.load_model`,
 :func:`~fused_stats.commands.probe.load_streamed` for ``stream_blocks``).
 """
