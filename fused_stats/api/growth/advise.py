@@ -145,7 +145,9 @@ class Advice:
         full record, with every architecture's entries, is in advice.json)."""
         p = self.protocol
         settings = ", ".join(
-            f"{key} `{p.get(key)}`" for key in ("family", "init", "seed", "width", "projection", "budget")
+            f"{key} `{p[key]}`"
+            for key in ("family", "init", "seed", "width", "projection", "budget")
+            if p.get(key) is not None
         )
         lines = [
             f"Protocol digest (SHA-256): `{self.digest}` ({settings}; full record in advice.json).",
