@@ -17,7 +17,7 @@ import transformers
 import fused_stats as fs
 from fused_stats.api.growth.advise import advise
 from fused_stats.api.report.document import Report
-from fused_stats.api.report.identity import model_fingerprint
+from fused_stats.api.report.identity import model_fingerprint, zero_parameters_in
 from fused_stats.cli import main
 
 CANDIDATES = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2"]
@@ -166,6 +166,9 @@ def test_every_report_records_the_model_fingerprint(report):
     bad["model"]["fingerprint"]["parameters_digest"] = 7
     with pytest.raises(fs.FusedStatsError, match="parameters_digest"):
         Report(bad)
+    del bad["model"]["fingerprint"]["config_digest"]
+    with pytest.raises(fs.FusedStatsError, match=r"fingerprint'\] lacks keys \['config_digest'\]"):
+        Report(bad)
 
 
 def test_a_model_without_its_values_has_no_digest_and_is_not_combined(report, protocol):
@@ -235,6 +238,19 @@ def test_advice_markdown_shows_the_digest_and_this_models_zero_maps_only(report,
     head = markdown.split("| rank |")[0]
     assert not [m for m in FOREIGN_MAPS if m in head]
     assert len(head.splitlines()) < 16
+
+
+def test_zero_parameters_of_a_table_that_this_model_has():
+    table = {
+        "llama": ["mlp.down_proj.weight[new columns]", "mlp.down_proj.bias[new columns]"],
+        "gpt2": ["mlp.c_proj.weight[new rows]"],
+        "resnet_basic": ["bn2.weight", "bn2.bias"],
+        "any": ["w_out"],
+    }
+    assert zero_parameters_in(table, tiny_llama()) == {
+        "llama": ["mlp.down_proj.weight[new columns]"],
+        "any": ["w_out"],  # the probe's own block: not a parameter of the model, always shown
+    }
 
 
 def test_a_nan_se_reads_se_not_estimable(report, protocol):
