@@ -65,7 +65,7 @@ def test_advice_reads_the_probe_and_its_saved_report(probed, tmp_path):
             sat.p_value,
             sat.n,
         )
-        assert c.predicted_change == -sat.cross_frob2
+        assert sat.cross_frob2 > 0 and c.predicted_change == -sat.cross_frob2
         assert c.d_align == probe.estimate(c.point).d_align
         assert c.b_exact == probe.certificate(c.point).b_exact
     at = advise(probe, protocol, M=8, K=8)
@@ -83,6 +83,8 @@ def test_report_records_the_protocol_verbatim(probed, tmp_path):
         "digest": protocol.digest,
         "protocol": protocol.to_dict(),
         "feature_ranks": ranks,
+        # the protocol's zero parameters this LLaMA has: no biases, no other architecture's maps
+        "model_zero_parameters": {"llama": ["self_attn.o_proj.weight", "mlp.down_proj.weight"]},
     }
 
 
@@ -113,7 +115,7 @@ def test_projected_gain_is_rescaled_to_one_scale():
             c = advice[point]
             assert c.features == r and c.rank == k and c.p_value == sat.p_value
             assert c.cross_frob2 == pytest.approx(r / k * sat.cross_frob2, rel=1e-14)
-            assert c.predicted_change == -c.cross_frob2
+            assert c.predicted_change == (None if c.cross_frob2 < 0 else -c.cross_frob2)
         draws.append([advice[p].cross_frob2 for p in points])
     draws = torch.tensor(draws, dtype=torch.float64)
     mean, se = draws.mean(0), draws.std(0) / len(draws) ** 0.5

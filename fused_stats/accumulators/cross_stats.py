@@ -67,9 +67,18 @@ CrossUnit = Literal["sample", "position"]
 UNITS: tuple[str, ...] = ("sample", "position")
 
 
+# the test a Saturation reports; the same point can be saturated after fs.advise's Holm adjustment
+# across a protocol's candidates while not saturated here, and the other way round never
+UNADJUSTED_TEST = (
+    "unadjusted one-sided z-test of H0: C = 0 at this point alone "
+    "(fs.advise: Holm-adjusted across the candidates)"
+)
+
+
 @dataclass(frozen=True)
 class Saturation:
-    """Depth-saturation summary at one point."""
+    """Depth-saturation summary at one point: ``p_value`` and ``saturated`` are this point's
+    own test (``test``), not adjusted for the other points probed with it."""
 
     n: int
     rank: int
@@ -82,6 +91,7 @@ class Saturation:
     saturated: bool
     ag_max: float
     ag_mean: float
+    test: str = UNADJUSTED_TEST
 
     @property
     def cross_frob(self) -> float:

@@ -2,14 +2,14 @@
 
 The reports must have been written by a probe built with ``cross=GrowthProtocol(...)`` (they
 record the protocol and its digest); several reports (e.g. candidates probed in separate runs)
-are combined when they share the protocol. Writes ``advice.json``, ``advice.md`` and
-``advice.png`` to ``--out`` and prints the markdown; "saturated everywhere" is said plainly."""
+are combined when they share the protocol and were measured on one model (their fingerprints
+agree); reports probed with ``unit="position"`` are refused. Writes ``advice.json``, ``advice.md``
+and ``advice.png`` to ``--out`` (a folder that holds files is refused without ``--force``) and
+prints the markdown; "saturated everywhere" is said plainly."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from .args import positive_float, positive_int
+from .args import check_out_folder, positive_float, positive_int
 
 
 def register(sub) -> None:
@@ -34,6 +34,9 @@ def register(sub) -> None:
         help="certificate test size, with --M (default: the protocol's budget, else the report's test n)",
     )
     p.add_argument("--no-plot", action="store_true", help="write JSON and markdown only")
+    p.add_argument(
+        "--force", action="store_true", help="write into an --out folder that is not empty (default: refuse)"
+    )
     p.set_defaults(func=cmd_advise)
 
 
@@ -41,9 +44,9 @@ def cmd_advise(args) -> int:
     from ..api.growth.advise import advise
     from ..api.report.document import Report
 
+    out = check_out_folder(args.out, args.force)
     reports = [Report.from_json(p) for p in args.reports]  # a bad file raises before any output
     advice = advise(reports, alpha=args.alpha, M=args.M, K=args.K)
-    out = Path(args.out)
     written = [advice.to_json(out / "advice.json")]
     (out / "advice.md").write_text(advice.to_markdown())
     written.append(out / "advice.md")

@@ -262,7 +262,7 @@ def saturation_lines(reports, point: str | int = "last") -> list[str]:
         lines.append(
             f"{head}  |C|_F^2 = {sat['cross_frob2']:.3g} ± {fmt_se(sat['cross_frob2_se'], '.2g')} "
             f"(z = {sat['z']:.2f}, p = {sat['p_value']:.3g}: {verdict} at "
-            f"alpha = {sat['alpha']:g})  {tail}"
+            f"alpha = {sat['alpha']:g}, unadjusted)  {tail}"
         )
     return lines
 

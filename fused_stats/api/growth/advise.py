@@ -14,14 +14,22 @@ point, and ranks the candidates by ``|C|_F²`` (docs/design.md, sections 2.4, 2.
   :func:`advise`, else the protocol's declared ``budget``, both from the train estimate; with
   neither, the report's own (pooled moments at train n, test n).
 * ``predicted_change = −|C|_F²``: the first-order change of the mean loss per unit SGD step on
-  the zero parameters (``ΔL ≈ −η |∇L|²`` with ``∇L = C`` at the zero block).
+  the zero parameters (``ΔL ≈ −η |∇L|²`` with ``∇L = C`` at the zero block). A negative unbiased
+  estimate (possible when ``C`` is near 0) predicts nothing: ``predicted_change`` is None and
+  reads "no detectable gain", never a change of the loss.
+* The verdict names the candidate of largest ``|C|_F²`` among the significant ones (Holm-adjusted
+  ``p̃ ≤ alpha``) only; with none, "saturated everywhere at alpha".
 * With ``protocol.projection = k`` the probe measures ``|C Pᵀ|_F²``, whose mean over the
   ``N(0, 1/r)`` Gaussian ``P`` is ``(k/r)|C|_F²``; ``cross_frob2``, ``se`` and the predicted
   change are rescaled by ``r/k`` (``r``: the point's tangent width, recorded in the report), so
   candidates of different ``r`` rank on one scale; ``p`` is scale-free and unchanged.
 
 Everything is computed from report dicts, so advice from a live probe and from its saved report
-are the same; the protocol's digest must match the one recorded in every report.
+are the same. Refused: a protocol digest other than the one recorded in every report; reports
+of ``unit="position"`` (the positions of one sequence are not independent samples, so neither
+the standard error nor the p-values hold; probe with ``unit="sample"``, each sequence one
+sample); several reports whose model fingerprints differ (config digest, parameter count, digest
+of the parameter values: :mod:`fused_stats.api.report.identity`), or that lack one.
 """
 
 from __future__ import annotations
@@ -33,11 +41,16 @@ from pathlib import Path
 
 from ...accumulators.estimators import Estimate
 from ...errors import FusedStatsError
-from ..report.document import Report, fmt, save_figure
+from ..report.document import Report, fmt, fmt_se, save_figure
 from .protocol import GrowthProtocol
 from .tangent import GrowthTangent  # noqa: F401  (registers GrowthProtocol as a probe feature source)
 
 CORRECTION = "Holm-Bonferroni"
+NO_DETECTABLE_GAIN = "no detectable gain"
+# what each candidate's p_adjusted and saturated are (a Saturation's own p is unadjusted)
+ADJUSTED_TEST = "one-sided z-test of H0: C = 0, Holm-adjusted across the candidates"
+# the probe units whose samples are independent (one sequence, or one flattened sample, each)
+INDEPENDENT_UNITS = ("sample", "flat")
 
 
 @dataclass(frozen=True)
@@ -50,10 +63,10 @@ class Candidate:
     z: float
     p_value: float
     p_adjusted: float
-    saturated: bool
+    saturated: bool  # Holm-adjusted p > alpha
     d_align: float | None
     b_exact: float | None
-    predicted_change: float
+    predicted_change: float | None  # −|C|_F²; None when the estimate is negative (no detectable gain)
     n: int
     rank: int
     features: int | None = None  # r, the full tangent's width (rank: k under a projection)
@@ -61,7 +74,9 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Advice:
-    """The ranked candidates, the protocol (verbatim, with its digest) and the test's settings."""
+    """The ranked candidates, the protocol (verbatim, with its digest), the test's settings, the
+    model the reports measured (``model``: class, parameter count and fingerprint) and the
+    protocol's zero parameters that apply to it (``zero_parameters``; None: not recorded)."""
 
     ranked: tuple[Candidate, ...]
     protocol: dict
@@ -70,25 +85,35 @@ class Advice:
     correction: str
     M: int | None
     K: int | None
+    model: dict | None = None
+    zero_parameters: dict | None = None
 
     @property
     def saturated_everywhere(self) -> bool:
         return all(c.saturated for c in self.ranked)
 
     @property
+    def top(self) -> Candidate | None:
+        """The significant candidate of largest ``|C|_F²`` (None: saturated everywhere)."""
+        significant = [c for c in self.ranked if not c.saturated]
+        return max(significant, key=lambda c: c.cross_frob2) if significant else None
+
+    @property
     def verdict(self) -> str:
         m = len(self.ranked)
-        if self.saturated_everywhere:
+        top = self.top
+        if top is None:
             return (
-                f"Saturated everywhere: at none of the {m} candidates is C = 0 rejected at level "
-                f"{self.alpha:g} ({self.correction} over {m} candidates). To first order a new block of "
+                f"Saturated everywhere at alpha={self.alpha:g}: at none of the {m} candidates is C = 0 "
+                f"rejected ({ADJUSTED_TEST}, {self.correction} over {m}). To first order a new block of "
                 "this protocol would not lower the loss anywhere; the test gives no reason to grow."
             )
         grow = [c.point for c in self.ranked if not c.saturated]
         return (
             f"Not saturated at {len(grow)} of {m} candidates (C = 0 rejected at family-wise level "
-            f"{self.alpha:g}, {self.correction}): {', '.join(grow)}. Largest first-order gain: "
-            f"{self.ranked[0].point} (|C|_F² = {fmt(self.ranked[0].cross_frob2)})."
+            f"alpha={self.alpha:g}, {ADJUSTED_TEST}, {self.correction}): {', '.join(grow)}. Largest "
+            f"significant first-order gain: {top.point} (|C|_F² = {fmt(top.cross_frob2)}, "
+            f"Holm-adjusted p = {fmt(top.p_adjusted)})."
         )
 
     def to_dict(self) -> dict:
@@ -99,6 +124,9 @@ class Advice:
             "protocol": self.protocol,
             "alpha": self.alpha,
             "correction": self.correction,
+            "test": ADJUSTED_TEST,
+            "model": self.model,
+            "zero_parameters": self.zero_parameters,
             "M": self.M,
             "K": self.K,
             "saturated_everywhere": self.saturated_everywhere,
@@ -112,20 +140,56 @@ class Advice:
         path.write_text(json.dumps(self.to_dict(), indent=2, allow_nan=True) + "\n")
         return path
 
+    def _protocol_lines(self) -> list[str]:
+        """The protocol by digest, its settings, and the zero parameters of this model only (the
+        full record, with every architecture's entries, is in advice.json)."""
+        p = self.protocol
+        settings = ", ".join(
+            f"{key} `{p[key]}`"
+            for key in ("family", "init", "seed", "width", "projection", "budget")
+            if p.get(key) is not None
+        )
+        lines = [
+            f"Protocol digest (SHA-256): `{self.digest}` ({settings}; full record in advice.json).",
+            "",
+            f"Candidates: {', '.join(f'`{c}`' for c in p.get('candidates', []))}.",
+            "",
+        ]
+        if self.model is not None:
+            fingerprint = self.model.get("fingerprint") or {}
+            values = fingerprint.get("parameters_digest")
+            lines += [
+                f"Model: {self.model.get('class')}, {self.model.get('num_parameters'):,} parameters"
+                + (
+                    f"; fingerprint: config `{fingerprint['config_digest'][:12]}`, parameter values "
+                    f"`{values[:12] if values else 'not digested'}`"
+                    if fingerprint
+                    else ""
+                )
+                + ".",
+                "",
+            ]
+        if self.zero_parameters is None:
+            lines.append("Zero parameters of the new blocks: not recorded in the reports (see advice.json).")
+        else:
+            shown = "; ".join(
+                f"{kind}: " + ", ".join(f"`{name}`" for name in names)
+                for kind, names in self.zero_parameters.items()
+            )
+            lines.append(f"Zero parameters of the new blocks in this model: {shown or 'none'}.")
+        return [*lines, ""]
+
     def to_markdown(self) -> str:
         lines = [
             "# Growth advice",
             "",
-            f"Protocol digest (SHA-256): `{self.digest}`",
-            "",
-            "```json",
-            json.dumps(self.protocol, indent=2, sort_keys=True),
-            "```",
-            "",
-            f"Saturation test of H0: C = 0 per candidate at family-wise level {self.alpha:g}, "
-            f"{self.correction} over {len(self.ranked)} candidates; certificate at "
+            *self._protocol_lines(),
+            f"Saturation test per candidate: {ADJUSTED_TEST}, at family-wise level {self.alpha:g} "
+            f"({self.correction} over {len(self.ranked)} candidates); p is each candidate's own "
+            "(unadjusted, as probe.saturation gives it), p (Holm) the adjusted one; certificate at "
             + (f"M = {self.M}, K = {self.K}" if self.M else "the report's M = train n, K = test n")
-            + "; predicted change = −|C|_F² per unit SGD step on the new zero parameters."
+            + "; predicted change = −|C|_F² per unit SGD step on the new zero parameters "
+            f"({NO_DETECTABLE_GAIN!r} where the unbiased estimate is negative)."
             + (
                 ""
                 if self.protocol.get("projection") is None
@@ -139,10 +203,11 @@ class Advice:
         ]
         for i, c in enumerate(self.ranked, 1):
             lines.append(
-                f"| {i} | {c.point} | {c.n} | {c.features or c.rank} | {fmt(c.cross_frob2)} | {fmt(c.se)} "
+                f"| {i} | {c.point} | {c.n} | {c.features or c.rank} | {fmt(c.cross_frob2)} | {fmt_se(c.se)} "
                 f"| {fmt(c.z)} "
                 f"| {fmt(c.p_value)} | {fmt(c.p_adjusted)} | {'yes' if c.saturated else 'no'} "
-                f"| {fmt(c.d_align)} | {fmt(c.b_exact)} | {fmt(c.predicted_change)} |"
+                f"| {fmt(c.d_align)} | {fmt(c.b_exact)} | "
+                f"{NO_DETECTABLE_GAIN if c.predicted_change is None else fmt(c.predicted_change)} |"
             )
         lines += ["", self.verdict, ""]
         return "\n".join(lines)
@@ -211,6 +276,70 @@ def _reports(source) -> list[dict]:
     return out
 
 
+def _check_units(reports: list[dict]) -> None:
+    for i, data in enumerate(reports):
+        unit = data.get("unit")
+        if unit not in INDEPENDENT_UNITS:
+            raise FusedStatsError(
+                f"report {i} was probed with unit={unit!r}: the positions of one sequence are not "
+                "independent samples, so the standard errors and the Holm-adjusted p-values of the "
+                f"saturation test would not hold; advise takes units {list(INDEPENDENT_UNITS)} (probe "
+                "with fs.Probe(..., unit='sample'): each sequence one sample)"
+            )
+
+
+def _model_differences(a: dict, b: dict) -> list[str]:
+    """What differs between two reports' ``model`` records (class, config, count, values)."""
+    fa, fb = a["fingerprint"], b["fingerprint"]
+    out = []
+    if a.get("class") != b.get("class"):
+        out.append(f"model class {a.get('class')} vs {b.get('class')}")
+    if fa["config_digest"] != fb["config_digest"]:
+        ca, cb = a.get("config") or {}, b.get("config") or {}
+        keys = [k for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)]
+        shown = ", ".join(f"{k} {ca.get(k)} vs {cb.get(k)}" for k in keys)
+        out.append(
+            f"configuration (digest {fa['config_digest'][:12]}… vs {fb['config_digest'][:12]}…"
+            + (f": {shown}" if shown else "")
+            + ")"
+        )
+    if fa["num_parameters"] != fb["num_parameters"]:
+        out.append(f"parameter count {fa['num_parameters']:,} vs {fb['num_parameters']:,}")
+    if fa["parameters_digest"] != fb["parameters_digest"]:
+        out.append(
+            f"parameter values (digest {fa['parameters_digest'][:12]}… vs {fb['parameters_digest'][:12]}…: "
+            "other weights, e.g. another seed, checkpoint or training step)"
+        )
+    return out
+
+
+def _check_one_model(reports: list[dict]) -> None:
+    """Several reports are combined only when their fingerprints name one model."""
+    if len(reports) < 2:
+        return
+    for i, data in enumerate(reports):
+        fingerprint = data["model"].get("fingerprint")
+        if fingerprint is None:
+            raise FusedStatsError(
+                f"report {i} records no model fingerprint (written by an older fused_stats): cannot "
+                "check that the reports measured one model; re-run its probe"
+            )
+        if fingerprint["parameters_digest"] is None:
+            raise FusedStatsError(
+                f"report {i} has no digest of the parameter values "
+                f"({fingerprint.get('parameters_digest_missing')}): cannot check that the reports "
+                "measured one model; probe the candidates in one run, or on a model whose weights "
+                "this process holds"
+            )
+    for i, data in enumerate(reports[1:], 1):
+        differences = _model_differences(reports[0]["model"], data["model"])
+        if differences:
+            raise FusedStatsError(
+                f"reports 0 and {i} were measured on different models: {'; '.join(differences)}. "
+                "advise combines the reports of one model only"
+            )
+
+
 def _estimate(record: dict) -> Estimate:
     names = {f.name for f in fields(Estimate)} - {"plugin"}
     return Estimate(**{k: v for k, v in record.items() if k in names})
@@ -222,13 +351,16 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
     ``source``: a Probe built with ``cross=protocol``, a Report / report path, or a list of them
     (e.g. the candidates probed in separate runs; each candidate once). ``protocol``: checked
     against the digest recorded in the reports (None: the recorded one). ``M, K``: the certificate's
-    sizes (None: the protocol's ``budget``, else the report's). Every candidate of the protocol must have a saturation result.
+    sizes (None: the protocol's ``budget``, else the report's). Every candidate of the protocol must
+    have a saturation result; refusals are listed in the module docstring.
     """
     if not 0 < alpha < 1:
         raise FusedStatsError(f"alpha must be in (0, 1), got {alpha!r}")
     if (M is None) != (K is None):
         raise FusedStatsError(f"give both M and K or neither, got M={M!r}, K={K!r}")
     reports = _reports(source)
+    _check_units(reports)
+    _check_one_model(reports)
     records = []
     for i, data in enumerate(reports):
         rec = data.get("growth_protocol")
@@ -307,14 +439,25 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
                 saturated=p_adj > alpha,
                 d_align=d_align,
                 b_exact=b_exact,
-                predicted_change=-scale * float(sat["cross_frob2"]),
+                predicted_change=None if sat["cross_frob2"] < 0 else -scale * float(sat["cross_frob2"]),
                 n=int(sat["n"]),
                 rank=int(sat["rank"]),
                 features=ranks.get(name),
             )
         )
     ranked.sort(key=lambda c: -c.cross_frob2)
-    return Advice(tuple(ranked), protocol.to_dict(), digest, alpha, CORRECTION, M, K)
+    model = reports[0]["model"]
+    return Advice(
+        tuple(ranked),
+        protocol.to_dict(),
+        digest,
+        alpha,
+        CORRECTION,
+        M,
+        K,
+        model={k: model[k] for k in ("class", "num_parameters", "fingerprint") if k in model},
+        zero_parameters=records[0].get("model_zero_parameters"),
+    )
 
 
 __all__ = ["Advice", "Candidate", "advise", "holm"]

@@ -651,6 +651,7 @@ class Probe:
     def _report_data(self, meta: dict | None = None, misalignment_trials: int = 2000) -> dict:
         """The version-1 report dict (see :mod:`fused_stats.api.report.document`); weak points get None."""
         from ..._version import __version__
+        from ..report.identity import model_fingerprint, protocol_with_model_entries
 
         if not self.dims:
             raise FusedStatsError("nothing probed yet: run Probe.step (or run) before a report")
@@ -688,11 +689,15 @@ class Probe:
             "version": 1,
             "fused_stats_version": __version__,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "model": model_summary(self.model, self.points),
+            "model": {**model_summary(self.model, self.points), "fingerprint": model_fingerprint(self.model)},
             "unit": self.unit,
             "second_moment": self.second_moment,
             "points": points,
-            **({"growth_protocol": record} if (record := protocol_record(self.cross)) else {}),
+            **(
+                {"growth_protocol": protocol_with_model_entries(record, self.model)}
+                if (record := protocol_record(self.cross))
+                else {}
+            ),
             "meta": dict(meta or {}),
         }
 

@@ -6,7 +6,9 @@ Role: the one exchange format between :class:`fused_stats.Probe` (which fills it
 
     {"format": "fused_stats.report", "version": 1, "fused_stats_version": str,
      "created": ISO 8601 str,
-     "model": {"class": str, "num_parameters": int, "config": dict},
+     "model": {"class": str, "num_parameters": int, "config": dict,
+               "fingerprint": {"config_digest": str, "num_parameters": int,
+                               "parameters_digest": str | None}   (optional, :mod:`.identity`)},
      "unit": str, "second_moment": str,
      "points": [{"name": str, "index": int, "dim": int,
                  "train": Estimate dict | None, "test": Estimate dict | None,
@@ -14,6 +16,8 @@ Role: the one exchange format between :class:`fused_stats.Probe` (which fills it
                  "realized_alignment": float | None, "saturation": dict | None,
                  "norm_histogram": {"n": int, "edges": [float] * (bins + 1), "counts": [int] * bins,
                                     "underflow": int, "overflow": int}   (optional)}],
+     "growth_protocol": {"digest": str, "protocol": dict, "feature_ranks": {point: int},
+                         "model_zero_parameters": dict}   (optional: a probe with cross=protocol),
      "meta": dict}
 
 The Estimate / Certificate / Misalignment dicts are the ``to_dict()`` of the classes in
@@ -38,6 +42,7 @@ import datetime as _dt
 import json
 from pathlib import Path
 
+from ...accumulators.cross_stats import UNADJUSTED_TEST
 from ...accumulators.persistence import write_text_atomic
 from ...accumulators.trends import median, rank_correlation  # noqa: F401  (re-exported)
 from ...errors import FusedStatsError
@@ -159,6 +164,25 @@ class Report:
                 "- meta: "
                 + ", ".join(f"{k}={fmt(v)}" for k, v in meta.items() if not isinstance(v, (dict, list)))
             )
+        fingerprint = model.get("fingerprint")
+        if fingerprint is not None:
+            values = fingerprint["parameters_digest"]
+            lines.append(
+                f"- model fingerprint: config `{fingerprint['config_digest'][:12]}`, parameter values "
+                + (
+                    f"`{values[:12]}`"
+                    if values
+                    else f"not digested ({fingerprint.get('parameters_digest_missing')})"
+                )
+            )
+        protocol = d.get("growth_protocol")
+        if protocol is not None:
+            record = protocol.get("protocol") or {}
+            lines.append(
+                f"- growth protocol `{protocol.get('digest', '?')[:12]}` (SHA-256): family "
+                f"`{record.get('family')}`, candidates "
+                + ", ".join(f"`{c}`" for c in record.get("candidates", []))
+            )
         lines.append(f"- created {d['created']} by fused_stats {d['fused_stats_version']}")
         lines += [
             "",
@@ -241,9 +265,9 @@ class Report:
                 parts = [
                     f"{k}={fmt_se(v) if k.endswith('_se') else fmt(v)}"
                     for k, v in sat.items()
-                    if not isinstance(v, (dict, list))
+                    if not isinstance(v, (dict, list, str))
                 ]
-                lines.append("- saturation: " + ", ".join(parts))
+                lines.append(f"- saturation ({sat.get('test', UNADJUSTED_TEST)}): " + ", ".join(parts))
             hist = p.get("norm_histogram")
             if hist is not None:
                 lines += _histogram_lines(hist)

@@ -40,6 +40,8 @@ TOP_KEYS = (
     "points",
     "meta",
 )
+# keys of the optional model["fingerprint"] (which model the statistics were measured on)
+FINGERPRINT_KEYS = ("config_digest", "num_parameters", "parameters_digest")
 POINT_KEYS = (
     "name",
     "index",
@@ -138,6 +140,8 @@ def validate(data) -> None:
         )
     if not isinstance(model.get("config"), dict):
         raise FusedStatsError(f"report: model['config'] must be a dict, got {model.get('config')!r}")
+    if "fingerprint" in model:
+        _check_fingerprint(model["fingerprint"])
     if not isinstance(data["meta"], dict):
         raise FusedStatsError(f"report: meta must be a dict, got {type(data['meta']).__name__}")
     points = data["points"]
@@ -175,6 +179,27 @@ def validate(data) -> None:
             )
         if "norm_histogram" in point:
             _check_histogram(name, point["norm_histogram"])
+
+
+def _check_fingerprint(fingerprint) -> None:
+    """Raise unless ``fingerprint`` is a model fingerprint dict (:mod:`.identity`)."""
+    where = "report: model['fingerprint']"
+    if not isinstance(fingerprint, dict):
+        raise FusedStatsError(f"{where} must be a dict, got {type(fingerprint).__name__}")
+    missing = [k for k in FINGERPRINT_KEYS if k not in fingerprint]
+    if missing:
+        raise FusedStatsError(f"{where} lacks keys {missing}")
+    if not isinstance(fingerprint["config_digest"], str):
+        raise FusedStatsError(
+            f"{where}['config_digest'] must be a string, got {fingerprint['config_digest']!r}"
+        )
+    if not is_int(fingerprint["num_parameters"]):
+        raise FusedStatsError(
+            f"{where}['num_parameters'] must be an int, got {fingerprint['num_parameters']!r}"
+        )
+    digest = fingerprint["parameters_digest"]
+    if digest is not None and not isinstance(digest, str):
+        raise FusedStatsError(f"{where}['parameters_digest'] must be a string or null, got {digest!r}")
 
 
 def _check_histogram(name: str, hist) -> None:
