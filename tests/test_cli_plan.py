@@ -68,6 +68,15 @@ def test_tangent_width_that_disagrees_with_the_config_is_refused(llama_dir, here
     fails(["plan", "--dim", 16, "--points", 3, "--tangent"], capsys, here, "--tangent F")
 
 
+def test_gpt2_config_without_n_inner_has_mlp_width_4d(here, capsys):
+    # HF GPT-2 writes n_inner: null for its default 4 * n_embd
+    config = {"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 2, "n_inner": None}
+    (here / "gpt2.json").write_text(json.dumps(config))
+    assert main(["plan", "--model", str(here / "gpt2.json"), "--tangent"]) == 0
+    line = tangent_line(capsys.readouterr().out)
+    assert "MLP width F = 64" in line and "3 candidates (2 block outputs" in line
+
+
 def test_preset_tangent_counts_the_input_boundary(capsys):
     assert main(["plan", "--preset", "llama-7b", "--tangent"]) == 0
     line = tangent_line(capsys.readouterr().out)
