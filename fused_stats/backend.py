@@ -56,7 +56,7 @@ def _refuse_without_triton(requested: str, device: torch.device) -> None:
     if reason is not None:
         raise FusedStatsError(
             f"backend={requested!r} on a {device.type} tensor runs the Triton kernels, and {reason}: "
-            f"install them with `{TRITON_INSTALL}` (or `pip install triton`), or pass backend='torch' "
+            f"install it with `{TRITON_INSTALL}` (or `pip install triton`), or pass backend='torch' "
             "(or set FUSED_STATS_BACKEND=torch) for the exact torch path"
         )
 
