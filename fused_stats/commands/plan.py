@@ -128,7 +128,7 @@ def cmd_plan(args) -> int:
         )
     for preset in args.preset or ([] if plans else ["llama-7b", "llama-70b"]):
         plans.append((plan_memory(model=preset, pool_size=args.pool, streams=args.streams), preset))
-    widths = [] if args.tangent is None else [_tangent_width(args, plan, source) for plan, source in plans]
+    widths = [] if args.tangent is None else [_tangent_width(args, source) for _, source in plans]
     plans = [plan for plan, _ in plans]
     if args.json:
         print(json.dumps([p.to_dict() for p in plans], indent=1))
@@ -173,9 +173,9 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _tangent_width(args, plan, source) -> int:
-    """The new layer's MLP width F for ``plan``: the config's or preset's, or ``--tangent F`` where
-    the shape came from --dim/--points; a given F that disagrees with the config is refused."""
+def _tangent_width(args, source) -> int:
+    """The new layer's MLP width F for the shape read from ``source`` (a config or preset; None for
+    --dim/--points, where ``--tangent F`` must give it); a given F that disagrees is refused."""
     from ..api.streaming.plan import model_intermediate
     from ..errors import FusedStatsError
 

@@ -198,7 +198,7 @@ def plan_memory(
 
 
 def human_count(n: int) -> str:
-    """A parameter count with the unit that shows it: 960, 12.5k, 202.4M, 0.856G."""
+    """A parameter count with the unit that shows it (4 digits): 960, 2.592k, 202.4M, 1.5G."""
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= scale:
             return f"{n / scale:.4g}{unit}"
