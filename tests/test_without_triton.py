@@ -52,15 +52,22 @@ CHECKS = textwrap.dedent(
     from fused_stats.backend import resolve_backend
     from fused_stats.cli import main
 
-    imported = []
+    imported, peers_missing = [], []
 
     def import_all(package):  # pkgutil.walk_packages would import the kernels package itself
         for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
-            if info.name != "fused_stats.kernels":
+            if info.name == "fused_stats.kernels":
+                continue
+            try:
                 module = importlib.import_module(info.name)
-                imported.append(info.name)
-                if info.ispkg:
-                    import_all(module)
+            except ModuleNotFoundError as exc:  # an integration whose peer (lightning) is absent
+                if exc.name.split(".")[0] in ("triton", "fused_stats"):
+                    raise
+                peers_missing.append(info.name)
+                continue
+            imported.append(info.name)
+            if info.ispkg:
+                import_all(module)
 
     import_all(fs)
 
@@ -96,7 +103,7 @@ CHECKS = textwrap.dedent(
     except fs.FusedStatsError as exc:
         update_refused = str(exc)
     print(json.dumps(dict(
-        imported=imported, q=q.tolist(), targets=targets, helps=helps, plan_rc=plan_rc,
+        imported=imported, peers_missing=peers_missing, q=q.tolist(), targets=targets, helps=helps, plan_rc=plan_rc,
         plan=out.getvalue(), auto_cpu=resolve_backend("auto", "cpu"), refusals=refusals,
         update_refused=update_refused, untouched=triton_acc.n == 0, asked_on_cpu_path=asked_on_cpu_path,
         asked_by_triton_backend=NoTriton.asked[len(asked_on_cpu_path):],
@@ -123,6 +130,10 @@ def test_cpu_path_runs_and_loads_no_triton(without_triton):
     r = without_triton
     assert r["triton_modules"] == [] and r["asked_on_cpu_path"] == []
     assert {"fused_stats.cli", "fused_stats.ops", "fused_stats.api.probe.driver"} <= set(r["imported"])
+    assert set(r["peers_missing"]) <= {
+        "fused_stats.integrations.lightning",
+        "fused_stats.integrations.transformers",
+    }
     assert_targets_close(r["targets"], brute_force_targets(r["q"]), rel=1e-10, context="without triton")
     assert "plan" in r["helps"]["--help"] and "--tangent" in r["helps"]["plan --help"]
     assert "--model" in r["helps"]["probe --help"]
