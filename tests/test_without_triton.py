@@ -182,3 +182,17 @@ def test_a_broken_triton_install_is_named(monkeypatch, error):
     message = str(refused.value)
     assert f"Triton does not import ({type(error).__name__}: {error})" in message
     assert "not installed" not in message and "pip install 'fused-stats[gpu]'" in message
+
+
+def test_probe_command_on_cuda_without_triton_refused_before_work(here, capsys, monkeypatch):
+    """``fused-stats probe --device cuda`` (backend auto) on a CUDA machine without Triton stops at
+    the argument checks, naming the install command, with nothing loaded or written."""
+    import torch
+    from test_cli_errors import fails, probe_args
+
+    (here / "corpus.txt").write_text("some text to probe " * 40)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(backend, "triton_import_error", lambda: "Triton is not installed")
+    argv = probe_args(here / "no-model-read", here / "corpus.txt", "--out", here / "o", "--device", "cuda")
+    fails(argv, capsys, here, "backend='auto' on a cuda tensor", "pip install 'fused-stats[gpu]'")
