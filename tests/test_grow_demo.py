@@ -72,8 +72,9 @@ def test_plan_counts_the_tangent(capsys):
     text = capsys.readouterr().out
     assert "r = 15104 features" in text and "C is 4096 x 15104" in text
     # the new layers the probe keeps: LLaMA-7B's 202,383,360 parameters a layer (6.74e9 total,
-    # minus 2 x 32000 x 4096 embeddings and the final norm, over 32 layers), 12.06 GiB in bf16 for 32
-    assert "202.4M parameters each" in text and "12.06 GiB in bf16" in text
+    # minus 2 x 32000 x 4096 embeddings and the final norm, over 32 layers), 12.44 GiB in bf16 for
+    # the 33 candidates (32 block outputs and the input boundary)
+    assert "33 candidates" in text and "202.4M parameters each" in text and "12.44 GiB in bf16" in text
     # against the state of a live tangent probe (fp32 tiny LLaMA, with and without projection)
     cfg = transformers.LlamaConfig(
         vocab_size=30,

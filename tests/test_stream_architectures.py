@@ -186,3 +186,21 @@ def test_moe_folder_streams_as_from_pretrained(arch, tmp_path):
             assert g[key] == pytest.approx(w[key], rel=1e-5), (arch, point, key)
     plan = plan_streaming(tmp_path, tokens=64)
     assert plan.block_params == moe_block_params(cfg)
+
+
+def test_moe_experts_beyond_ten_keep_their_order(tmp_path):
+    """Twelve experts: ``from_pretrained`` fuses ``experts.10`` after ``experts.9`` (natural order);
+    a plain string sort would put 10 and 11 after 1 and shift every later expert's weights."""
+    torch.manual_seed(3)
+    cfg = transformers.MixtralConfig(**MOE, num_local_experts=12)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)  # fp32: the expert matmul refuses fp64
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    stored = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(".experts.11." in k for k in stored)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    batch = batches()[0]
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with fs.stream_blocks(tmp_path) as st, torch.no_grad():
+        want = ref(**inputs, use_cache=False).logits
+        got = st.model(**inputs).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -51,9 +51,9 @@ def int_list(low: int):
 
 
 def check_out_folder(out, force: bool, option: str = "--out") -> Path:
-    """The one output-folder rule of ``probe``, ``report`` and ``demo``: ``out`` may be missing or
-    an empty folder; a folder that holds anything is refused unless ``force`` (then files of the
-    same names are replaced, others kept); a file is always refused. Raises
+    """The one output-folder rule of ``probe``, ``report``, ``demo`` and ``grow-demo``: ``out`` may
+    be missing or an empty folder; a folder that holds anything is refused unless ``force`` (then
+    files of the same names are replaced, others kept); a file is always refused. Raises
     :class:`FusedStatsError` before anything is written."""
     from ..errors import FusedStatsError
 

@@ -3,7 +3,7 @@ for what is trained, grown, probed and compared)."""
 
 from __future__ import annotations
 
-from .args import int_list, positive_float, positive_int
+from .args import check_out_folder, int_list, positive_float, positive_int
 
 
 def register(sub) -> None:
@@ -19,6 +19,9 @@ def register(sub) -> None:
     )
     p.add_argument("--quick", action="store_true", help="tiny run for a smoke test")
     p.add_argument("--out", default="fused_stats_out/grow_demo", help="output folder")
+    p.add_argument(
+        "--force", action="store_true", help="write into an --out folder that is not empty (default: refuse)"
+    )
     p.add_argument("--seeds", type=int_list(0), nargs="+", help="seeds (default: 0 1 2; --quick: 0 1)")
     p.add_argument("--width", type=positive_int, help="model width, a multiple of 16 (default: 32)")
     p.add_argument("--depth", type=positive_int, help="depth of the shallow model (default: 4)")
@@ -49,6 +52,7 @@ def cmd_grow_demo(args) -> int:
             overrides[key] = value
     cfg = GrowthDemoConfig.quick(**overrides) if args.quick else GrowthDemoConfig(**overrides)
     cfg.validate()
+    check_out_folder(args.out, args.force)
     import torch
 
     torch.set_num_threads(args.threads)

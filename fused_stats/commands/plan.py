@@ -3,12 +3,17 @@
 ``fused-stats plan --dim D --points P [--pool N] [--streams 2]`` or ``--model CONFIG_JSON`` (HF
 config with ``hidden_size`` and ``num_hidden_layers``) or ``--preset llama-70b``; with no shape at
 all it prints the LLaMA-7B and LLaMA-70B shapes. Bytes are exact counts of the fp64 state
-(:func:`fused_stats.api.streaming.plan.plan_memory`).
+(:func:`fused_stats.api.streaming.plan.plan_memory`). ``--tangent`` adds the new-layer tangent
+probe of ``cross=GrowthProtocol``: ``L + 1`` candidates (the input boundary too), the MLP width
+from the config or preset.
 """
 
 from __future__ import annotations
 
 from .args import int_at_least, nonnegative_int, positive_int
+
+# `--tangent` without a value: the MLP width of the model's config or preset
+TANGENT_WIDTH_FROM_CONFIG = 0
 
 
 def register(sub) -> None:
@@ -71,9 +76,12 @@ def register(sub) -> None:
         "--tangent",
         type=positive_int,
         metavar="F",
+        nargs="?",
+        const=TANGENT_WIDTH_FROM_CONFIG,
         default=None,
         help="also count the probe of a new layer's exact tangent (cross=GrowthProtocol) with MLP "
-        "width F: r = d + F features per candidate (default: not counted)",
+        "width F: r = d + F features per candidate; F is read from --model's config or the preset "
+        "(a different F is refused) and needed only with --dim (default: not counted)",
     )
     cmd.add_argument(
         "--projection",
@@ -93,17 +101,35 @@ def cmd_plan(args) -> int:
     if args.model is None and (args.dim is None) != (args.points is None):
         given, missing = ("--dim", "--points") if args.points is None else ("--points", "--dim")
         raise FusedStatsError(f"{given} needs {missing} too (or --model CONFIG for the shape)")
-    plans = []
+    if args.tangent is not None and args.stream_blocks:
+        # the probe refuses it (growth finds no LLaMA/GPT-2/GPT-NeoX stack in the streamed model)
+        raise FusedStatsError(
+            "--tangent with --stream-blocks: the tangent probe (cross=GrowthProtocol) does not run on a "
+            "weight-streamed model (fs.stream_blocks wraps every block, and growth refuses the model: "
+            "'growth does not support ...'); plan the tangent without --stream-blocks"
+        )
+    plans = []  # (plan, the config or preset it was read from, or None for --dim/--points)
     if args.model is not None:
         plans.append(
-            plan_memory(
-                dim=args.dim, points=args.points, pool_size=args.pool, model=args.model, streams=args.streams
+            (
+                plan_memory(
+                    dim=args.dim,
+                    points=args.points,
+                    pool_size=args.pool,
+                    model=args.model,
+                    streams=args.streams,
+                ),
+                args.model,
             )
         )
     elif args.dim is not None or args.points is not None:
-        plans.append(plan_memory(dim=args.dim, points=args.points, pool_size=args.pool, streams=args.streams))
+        plans.append(
+            (plan_memory(dim=args.dim, points=args.points, pool_size=args.pool, streams=args.streams), None)
+        )
     for preset in args.preset or ([] if plans else ["llama-7b", "llama-70b"]):
-        plans.append(plan_memory(model=preset, pool_size=args.pool, streams=args.streams))
+        plans.append((plan_memory(model=preset, pool_size=args.pool, streams=args.streams), preset))
+    widths = [] if args.tangent is None else [_tangent_width(args, source) for _, source in plans]
+    plans = [plan for plan, _ in plans]
     if args.json:
         print(json.dumps([p.to_dict() for p in plans], indent=1))
         return 0
@@ -125,20 +151,42 @@ def cmd_plan(args) -> int:
                 )
             )
     if args.tangent is not None:
-        from ..api.streaming.plan import human_bytes, plan_tangent
+        from ..api.streaming.plan import human_bytes, human_count, plan_tangent
 
-        for p in plans:
-            t = plan_tangent(p.dim, args.tangent, p.points, args.projection, args.streams)
+        for p, width in zip(plans, widths):
+            # the protocol's candidates: every block's output and the input boundary (before block 0)
+            candidates = p.points + 1
+            t = plan_tangent(p.dim, width, candidates, args.projection, args.streams)
             print(
-                f"tangent of a new layer at {p.label}: r = {t['features']} features, C is {p.dim} x "
-                f"{t['rank']}; {human_bytes(t['per_accumulator'])} per accumulator (Sum c_i "
+                f"tangent of a new layer at {p.label} (MLP width F = {width}): r = {t['features']} features, "
+                f"C is {p.dim} x {t['rank']}; {human_bytes(t['per_accumulator'])} per accumulator (Sum c_i "
                 f"{human_bytes(t['c_sum_bytes'])}, w_in {human_bytes(t['w_in_bytes'])}), "
-                f"{human_bytes(t['total'])} for {p.points} candidates x {args.streams} streams; "
-                f"plus the {p.points} new layers it keeps, {t['block_params'] / 1e6:.1f}M parameters "
-                f"each (LLaMA, full KV heads): {human_bytes(2 * t['block_params'] * p.points)} in bf16"
+                f"{human_bytes(t['total'])} for {candidates} candidates ({p.points} block outputs and the "
+                f"input boundary) x {args.streams} streams; plus the {candidates} new layers it keeps, "
+                f"{human_count(t['block_params'])} parameters each (LLaMA, full KV heads): "
+                f"{human_bytes(2 * t['block_params'] * candidates)} in bf16"
             )
     print(
         "bytes of fp64 accumulator state (acc = one point, one stream; total = points x streams). "
         "auto is a pool up to N* samples, dense after; without --pool it is shown at its dense bound."
     )
     return 0
+
+
+def _tangent_width(args, source) -> int:
+    """The new layer's MLP width F for the shape read from ``source`` (a config or preset; None for
+    --dim/--points, where ``--tangent F`` must give it); a given F that disagrees is refused."""
+    from ..api.streaming.plan import model_intermediate
+    from ..errors import FusedStatsError
+
+    given = None if args.tangent == TANGENT_WIDTH_FROM_CONFIG else args.tangent
+    known = None if source is None else model_intermediate(source)
+    if known is None and given is None:
+        where = "--dim/--points" if source is None else f"the config {source!r} (no intermediate_size)"
+        raise FusedStatsError(f"--tangent needs the MLP width F for {where}: give --tangent F")
+    if known is not None and given is not None and given != known:
+        raise FusedStatsError(
+            f"--tangent {given} disagrees with the MLP width of {source!r}, intermediate_size = {known}: "
+            f"the new layer copies the model's; give --tangent alone (or --tangent {known})"
+        )
+    return given if known is None else known

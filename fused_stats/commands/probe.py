@@ -419,6 +419,9 @@ def check_arguments(args):
         )
     if device.type not in ("cpu", "cuda"):
         raise FusedStatsError(f"--device {args.device!r}: only cpu and cuda devices are supported")
+    from ..backend import resolve_backend
+
+    resolve_backend("auto", device)  # CUDA without Triton: refused here, before the model loads
     return device, check_out_folder(args.out, args.force)
 
 

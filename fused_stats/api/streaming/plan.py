@@ -43,6 +43,7 @@ PRESETS = {
 }
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_INTERMEDIATE_KEYS = ("intermediate_size", "n_inner", "ffn_dim")
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,29 @@ def model_shape(model) -> tuple[int, int]:
     return int(hidden), int(layers)
 
 
+def model_intermediate(model) -> int | None:
+    """MLP width ``F`` of a preset of :data:`STREAM_PRESETS` or of a config (JSON path, model
+    folder or dict): ``intermediate_size`` (``n_inner``, ``ffn_dim``); GPT-2's ``n_inner: null``
+    is HF's ``4 d``. None when the config names no MLP width."""
+    if isinstance(model, str) and model in STREAM_PRESETS:
+        return STREAM_PRESETS[model][2]
+    if isinstance(model, dict):
+        config = model
+    else:
+        path = Path(model)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise FusedStatsError(f"cannot read a model config from {str(model)!r}: {exc}") from exc
+    if isinstance(config.get("text_config"), dict) and not any(k in config for k in _HIDDEN_KEYS):
+        config = config["text_config"]
+    width = next((config[k] for k in _INTERMEDIATE_KEYS if isinstance(config.get(k), int)), None)
+    if width is None and config.get("model_type") == "gpt2" and "n_inner" in config:
+        width = 4 * model_shape(config)[0]
+    return width
+
+
 def _positive(name: str, value, allow_zero: bool = False) -> int:
     low = 0 if allow_zero else 1
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -171,6 +195,14 @@ def plan_memory(
         auto=auto,
         auto_mode=auto_mode,
     )
+
+
+def human_count(n: int) -> str:
+    """A parameter count with the unit that shows it (4 digits): 960, 2.592k, 202.4M, 1.5G."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.4g}{unit}"
+    return str(n)
 
 
 def human_bytes(n: int | None) -> str:
@@ -240,10 +272,11 @@ class StreamPlan:
     streamed_blocks_bytes: int  # (1 + prefetch) blocks
     block_activation_bytes: int
     gradient_bytes: int  # the gradient entering the recomputed block and the one it returns
-    reduced_bytes: int  # every point's reduced rows (and cross features) until the commit
+    reduced_bytes: int  # every point's reduced rows and cross features until the commit
     accumulator_bytes: int
     saved_input_bytes: int  # host
     host_weight_bytes: int  # host, when streaming from host memory
+    cross_feature_bytes: int = 0  # the cross features, the part of reduced_bytes that cross_rank adds
 
     @property
     def device_bytes(self) -> int:
@@ -358,6 +391,7 @@ def plan_streaming(
     if counted is not None:
         block, resident = counted
     b = dtype_bytes
+    cross_features = layers * tokens * (cross_rank or 0) * 8
     acc = plan_memory(dim=d, points=layers, pool_size=pool_size, streams=streams).total("auto")
     label = model if isinstance(model, str) and model in STREAM_PRESETS else Path(model).stem
     return StreamPlan(
@@ -373,10 +407,11 @@ def plan_streaming(
         streamed_blocks_bytes=(1 + prefetch) * block * b,
         block_activation_bytes=tokens * (8 * d + 3 * ff) * b,
         gradient_bytes=2 * tokens * d * b,
-        reduced_bytes=layers * (samples * d + tokens * (cross_rank or 0)) * 8,
+        reduced_bytes=layers * samples * d * 8 + cross_features,
         accumulator_bytes=acc,
         saved_input_bytes=layers * tokens * d * b,
         host_weight_bytes=0 if from_folder else layers * block * b,
+        cross_feature_bytes=cross_features,
     )
 
 
@@ -385,13 +420,15 @@ def format_stream_plan(p: StreamPlan) -> str:
     h = human_bytes
     return "\n".join(
         [
-            f"{p.label}: {p.blocks} blocks of {p.block_params / 1e9:.3g} G parameters "
+            f"{p.label}: {p.blocks} blocks of {human_count(p.block_params)} parameters "
             f"({h(p.block_bytes)} each at {p.dtype_bytes} bytes), model {h(p.model_bytes)}; "
             f"{p.tokens} tokens a batch, prefetch {p.prefetch}",
             f"  device: resident parts {h(p.resident_bytes)} + {1 + p.prefetch} blocks "
             f"{h(p.streamed_blocks_bytes)} + one block's activations {h(p.block_activation_bytes)} "
             f"+ the gradients in and out of that block {h(p.gradient_bytes)} + every point's reduced "
-            f"rows {h(p.reduced_bytes)} + accumulators {h(p.accumulator_bytes)} = {h(p.device_bytes)}",
+            f"rows {h(p.reduced_bytes - p.cross_feature_bytes)}"
+            + (f" + every point's cross features {h(p.cross_feature_bytes)}" if p.cross_feature_bytes else "")
+            + f" + accumulators {h(p.accumulator_bytes)} = {h(p.device_bytes)}",
             f"  host: saved block inputs {h(p.saved_input_bytes)}"
             + (
                 f" + block weights {h(p.host_weight_bytes)}"
