@@ -80,6 +80,7 @@ from ...accumulators.base import NONFINITE_POLICIES, Nonfinite
 from ...errors import FusedStatsError
 from ..probe.hooks import split_output
 from ..probe.losses import IGNORE_INDEX
+from ..probe.sink import GradientSink
 
 LOSS_REDUCTIONS = ("mean", "sum", "token_mean")
 # "mean" with labels whose valid-target counts differ by this factor: a token mean was likely meant
@@ -110,9 +111,10 @@ class _Record:
 
     def receive(self, grad: torch.Tensor) -> None:
         # never raise here (it would break the user's backward) and never return a tensor
-        # (it would replace the gradient); problems are reported at exit
+        # (it would replace the gradient); problems are reported at exit (the sink's check)
+        first = self.owner.sink.accept(self.name)
         self.arrivals += 1
-        if self.arrivals > 1:
+        if not first:
             return
         g = grad.detach()
         # an in-place change downstream happens in the forward, so it shows by now
@@ -280,6 +282,8 @@ class Observation:
 
     def _reset_capture(self):
         self._records: dict[str, list[_Record]] = {name: [] for name in self.probe.points}
+        # the user's backward: every arrival counts, one per point (a nested autograd.grad too)
+        self.sink = GradientSink(self.probe.points, own_backward=False, where="probe.observe")
         self._problems: list[str] = []
         self._calls: list[tuple[tuple, dict]] = []
         self._loss_grads: list[float] = []
@@ -310,6 +314,7 @@ class Observation:
             raise FusedStatsError("probe.observe blocks cannot be nested on the same probe")
         if torch.is_inference_mode_enabled():
             raise FusedStatsError("probe.observe cannot run inside torch.inference_mode(): it needs autograd")
+        probe.check_layout()
         self._reset_capture()
         self.folded = False
         self._warn_batchnorm()
@@ -348,6 +353,7 @@ class Observation:
             if torch.is_grad_enabled() and tensor.requires_grad:
                 record = _Record(self, name, tensor)
                 self._records[name].append(record)
+                self.sink.watch(name, tensor)
                 self._tensor_handles.append(tensor.register_hook(record.receive))
             return None
 
@@ -496,26 +502,12 @@ class Observation:
                 f"probe.observe: points {never} did not run forward with gradients enabled during "
                 "the block; nothing was accumulated"
             )
-        twice = {
-            n: sum(r.arrivals for r in recs)
-            for n, recs in arrived.items()
-            if sum(r.arrivals for r in recs) > 1
-        }
-        if twice:
-            raise FusedStatsError(
-                f"probe.observe: points received more than one gradient in one block {twice} (a "
-                "module reused in one forward, or several backward passes); use one observe block "
-                "per forward/backward pair (e.g. per micro-batch); nothing was accumulated"
-            )
+        # exactly one arrival per point; without the loss's graph at hand, a point that ran with
+        # grad and got none is refused (a zero would be exact only if the loss ignored it)
+        self.sink.check()
         chosen: dict[str, _Record] = {}
         for name in probe.points:
-            if arrived[name]:
-                record = arrived[name][0]
-            else:
-                # ran with grad but the loss does not depend on it: a zero gradient, as
-                # Probe.step's materialize_grads gives
-                record = self._records[name][0]
-                record.grad = torch.zeros_like(record.tensor)
+            record = arrived[name][0]
             if record.modified or record.tensor._version != record.version:
                 raise FusedStatsError(
                     f"probe.observe: the output of point {name!r} was modified in place after the "
