@@ -201,6 +201,18 @@ def test_the_sink_counts_arrivals():
         torch.autograd.grad(total, x, retain_graph=True)
     assert sink.arrivals == {"used": 1, "unused": 0}
     assert sink.check(total.grad_fn) == ["unused"]  # no path from the loss: exactly zero
+    # a backward run inside the sink's own one (a custom Function's, here a hook's) is not its
+    nested = GradientSink(["used"], own_backward=True)
+    used.register_hook(lambda g: (nested.accept("used"), None)[1])
+
+    def inner_backward(grad):
+        with torch.enable_grad():
+            torch.autograd.grad((used**3).sum(), x, retain_graph=True)
+
+    with nested.own_backward_of(total):
+        total.register_hook(inner_backward)
+        torch.autograd.grad(total, x, retain_graph=True)
+    assert nested.arrivals == {"used": 1}
     with sink.own_backward_of(total):
         torch.autograd.grad(total, x, retain_graph=True)
     with pytest.raises(fs.FusedStatsError, match="more than one gradient"):
@@ -338,3 +350,39 @@ def test_per_point_mode_with_a_growth_protocol_is_refused():
     with pytest.raises(fs.FusedStatsError, match="atomic=False"):
         probe.step(padded_batch(4, 6, seed=3), per_sample_loss, atomic=False)
     assert probe.table == {} and probe.steps["train"] == 0
+
+
+def test_a_point_the_loss_does_not_use_gets_its_exact_zero_gradient():
+    """No path from the loss to ``b`` (it runs, its output is dropped): the step folds a zero
+    gradient at ``b``, as the staged fold's materialised gradient, not a refusal."""
+
+    class DroppedBranch(TwoBranches):
+        def forward(self, x):
+            self.b(x)
+            return self.head(self.a(x)).squeeze(-1)
+
+    torch.manual_seed(5)
+    model = DroppedBranch(D).to(F64)
+    batch = {"x": torch.randn(B, T, D, generator=torch.Generator().manual_seed(6), dtype=F64)}
+    points = ["a", "b"]
+    probe = fs.Probe(model, points=points, second_moment="dense")
+    probe.step(batch, branch_loss)
+    staged = staged_probe(model, points)
+    staged.step(batch, branch_loss)
+    assert probe.stats["b"].n == B and probe.estimate("b").trace_sigma == 0.0
+    assert torch.equal(probe.stats["b"].s, staged.stats["b"].s)
+    assert probe.estimate("a").mu_norm2 == pytest.approx(staged.estimate("a").mu_norm2, rel=1e-12)
+
+
+def test_without_graph_task_ids_the_own_backward_window_still_excludes_the_loss_s_grad(monkeypatch):
+    """On a torch without ``_current_graph_task_id`` (every id -1), only the window around the
+    step's own backward tells the loss's autograd.grad apart: the values stay the per-sample ones."""
+    import fused_stats.api.probe.sink as sink
+
+    monkeypatch.setattr(sink, "graph_task_id", lambda: -1)
+    model, batch, points, loss = models_and_batch("penalty")
+    probe = fs.Probe(model, points=points, second_moment="dense")
+    probe.step(batch, loss)
+    rows = per_sample_rows(model, batch, points, loss)
+    for p in points:
+        assert_estimate_matches(probe.estimate(p), rows[p], rel=1e-10, context=p)

@@ -111,3 +111,15 @@ def test_the_gradient_statistics_keep_the_labels_mask():
     rows = lm_reference(model, batch, points, "sample", label_positions=True)
     for p in points:
         assert_estimate_matches(probe.estimate(p), rows[p], rel=1e-9, context=p)
+
+
+def test_position_samples_keep_the_labels_positions():
+    """unit="position": each supervised position is a sample of both statistics (a position's
+    ``q_t x_tᵀ`` is no parameter's gradient; the sample set stays the gradient statistics')."""
+    model, stack = make_model("llama", seed=2)
+    point = f"{stack}.0"
+    probe = fs.Probe(model, points=[point], cross=fs.CrossSpec(rank=3), unit="position")
+    batch = labelled_batch()
+    probe.step(batch, fs.causal_lm_loss, mask="labels")
+    supervised = int((batch["labels"][:, 1:] != -100).sum())
+    assert probe.stats[point].n == probe.cross_stats[point].n == supervised

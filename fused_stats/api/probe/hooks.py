@@ -137,7 +137,9 @@ class ActivationCapture:
         self.shapes: dict[str, tuple] = {}
         self.versions: dict[str, int] = {}
         self.order: list[str] = []
-        self._upstream: list = []  # the autograd nodes of the points that ran so far
+        # the autograd nodes of the points that ran so far (kept alive, so their ids stay theirs)
+        self._upstream: list = []
+        self._upstream_ids: set[int] = set()
         self._handles: list = []
 
     def __enter__(self) -> ActivationCapture:
@@ -180,10 +182,12 @@ class ActivationCapture:
             if first:
                 replaced = self.cut_graph or not tensor.requires_grad
             else:
-                replaced = not depends_on(tensor, self._upstream)
+                replaced = not depends_on(tensor, self._upstream_ids)
             if replaced:
                 tensor = tensor.detach().requires_grad_()
-            self._upstream.append(gradient_node(tensor))
+            node = gradient_node(tensor)
+            self._upstream.append(node)
+            self._upstream_ids.add(id(node))
             self.shapes[name] = tuple(tensor.shape)
             self.versions[name] = tensor._version
             self.order.append(name)

@@ -42,35 +42,44 @@ def gradient_node(tensor: torch.Tensor):
     ``AccumulateGrad`` of a leaf); None for a tensor that does not require grad."""
     if not tensor.requires_grad:
         return None
-    return torch.autograd.graph.get_gradient_edge(tensor).node
+    return tensor.grad_fn or torch.autograd.graph.get_gradient_edge(tensor).node
 
 
 def reachable(root, targets, first_only: bool = False) -> set[int]:
-    """The ids of the nodes of ``targets`` that a backward from the node ``root`` runs through
-    (a walk over ``next_functions``, stopping once all are found, or the first with
-    ``first_only``; the nodes stay navigable after their saved tensors are freed)."""
-    wanted = {id(t) for t in targets if t is not None}
+    """The ids of the nodes ``targets`` (nodes, or a set of node ids) that a backward from the
+    node ``root`` runs through:
+    a breadth-first walk over ``next_functions`` (the nodes stay navigable after their saved
+    tensors are freed) that stops once all are found, or the first with ``first_only`` (a
+    residual block's output finds the block's input among the children of its sum)."""
+    wanted = targets if isinstance(targets, set) else {id(t) for t in targets if t is not None}
     found: set[int] = set()
-    seen: set[int] = set()
-    stack = [root]
-    while stack and len(found) < len(wanted) and not (first_only and found):
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if id(node) in wanted:
-            found.add(id(node))
-        stack.extend(n for n, _ in node.next_functions)
+    if root is None or not wanted:
+        return found
+    if id(root) in wanted:
+        found.add(id(root))
+    seen = {id(root)}
+    frontier = [root]
+    while frontier and len(found) < len(wanted) and not (first_only and found):
+        children = []
+        for node in frontier:
+            for child, _ in node.next_functions:
+                if child is None or id(child) in seen:
+                    continue
+                seen.add(id(child))
+                if id(child) in wanted:
+                    found.add(id(child))
+                children.append(child)
+        frontier = children
     return found
 
 
 def depends_on(tensor: torch.Tensor, nodes) -> bool:
-    """Whether ``tensor``'s value depends, through the autograd graph, on one of ``nodes``
-    (a backward from ``tensor`` would reach one of them); False when it does not require grad."""
-    node = gradient_node(tensor)
-    if node is None or not nodes:
+    """Whether ``tensor``'s value depends, through the autograd graph, on one of ``nodes`` (nodes,
+    or a set of the ids of live nodes): a backward from ``tensor`` would reach one of them; False
+    when it does not require grad."""
+    if not tensor.requires_grad or not nodes:
         return False
-    return bool(reachable(node, nodes, first_only=True))
+    return bool(reachable(gradient_node(tensor), nodes, first_only=True))
 
 
 class GradientSink:
