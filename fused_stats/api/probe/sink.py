@@ -96,8 +96,7 @@ class GradientSink:
         self.where = where
         self.arrivals = dict.fromkeys(self.points, 0)
         self.nodes: dict[str, object] = {}  # point -> the node its gradient enters
-        self._open = not own_backward
-        self._task: int | None = None
+        self._task: int | None = None  # the own backward's graph task, once it has started
 
     def watch(self, name: str, tensor: torch.Tensor) -> None:
         """Record the node of ``name``'s hooked output (for the reachability check)."""
@@ -107,25 +106,20 @@ class GradientSink:
 
     @contextlib.contextmanager
     def own_backward_of(self, total: torch.Tensor):
-        """Accept arrivals during the backward of ``total`` run inside this block only."""
+        """Accept arrivals during the backward of ``total`` run inside this block only: from
+        the moment the hook on ``total`` fires (the first node of that backward), in its graph task."""
         self._task = None
         total.register_hook(self._started)
-        self._open = True
-        try:
-            yield
-        finally:
-            self._open = False
+        yield
 
-    def _started(self, grad):
+    def _started(self, grad) -> None:
         self._task = graph_task_id()
 
     def accept(self, name: str) -> bool:
         """Whether a gradient reaching ``name``'s hook now is the step's (counts it); a second
         one is counted too, and refused by :meth:`check`."""
-        if not self._open:
-            return False
         if self.own_backward and graph_task_id() != self._task:
-            return False  # a backward run inside the step's (e.g. by a custom Function)
+            return False  # before the step's backward (no task yet), or one run inside it
         self.arrivals[name] += 1
         return self.arrivals[name] == 1
 
