@@ -386,3 +386,45 @@ def test_without_graph_task_ids_the_own_backward_window_still_excludes_the_loss_
     rows = per_sample_rows(model, batch, points, loss)
     for p in points:
         assert_estimate_matches(probe.estimate(p), rows[p], rel=1e-10, context=p)
+
+
+class Transposed(nn.Module):
+    """A point whose feature axis is 1: (B, T, d) in, (B, d, T) out."""
+
+    def forward(self, x):
+        return x.transpose(1, 2)
+
+
+class MixedAxes(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.block, self.turn, self.head = TanhBlock(d), Transposed(), nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.turn(self.block(x))).transpose(1, 2)).squeeze(-1)
+
+
+def test_observe_masks_a_point_whose_feature_axis_is_not_last_as_the_step_does():
+    """``turn``'s gradient is kept whole by observe's lean path (features on axis 1) and masked
+    at exit; ``block``'s is summed as it arrives: both as ``Probe.step`` with the same mask."""
+    torch.manual_seed(7)
+    model = MixedAxes(D).to(F64)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(8), dtype=F64)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 3:], mask[2, 1:], mask[4, :2] = 0, 0, 0
+    points, axes = ["block", "turn"], {"turn": 1}
+
+    def loss(m, x):
+        return (m(x) ** 2).sum(dim=-1)
+
+    stepped = fs.Probe(model, points=points, feature_dim=axes, second_moment="dense")
+    stepped.step(x, loss, mask=mask)
+    observed = fs.Probe(model, points=points, feature_dim=axes, second_moment="dense")
+    with observed.observe(loss_reduction="sum", mask=mask, batch=x):
+        loss(model, x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    for p in points:
+        a, b = observed.estimate(p), stepped.estimate(p)
+        assert a.n == b.n == B
+        for key in ("trace_sigma", "mu_norm2", "mu_norm4", "trace_sigma2"):
+            assert getattr(a, key) == pytest.approx(getattr(b, key), rel=1e-12), (p, key)
