@@ -12,7 +12,7 @@ substitutes it so that one ``torch.autograd.grad(Σ_b ℓ_b, [z_1, …, z_L])`` 
 * a later point whose output does not depend on an earlier point's (a parallel branch; its output
   may still require grad, through a model input that does) is made a leaf as well: a backward
   down to the leaves would otherwise never reach it. Whether it depends is read from the autograd
-  graph (:func:`fused_stats.api.probe.sink.depends_on`, a walk that stops at the first earlier
+  graph (:func:`fused_stats.api.probe.sink.reachable`, a walk that stops at the first earlier
   point found, typically within one block).
 
 Tuple or list outputs (some HF versions return ``(hidden_states, ...)`` from decoder layers) are
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ...errors import FusedStatsError
-from .sink import depends_on, gradient_node
+from .sink import gradient_node, reachable
 
 
 def split_output(output):
@@ -179,13 +179,14 @@ class ActivationCapture:
                     f"{tuple(tensor.shape)}; expected a floating-point activation"
                 )
             first = not self.shapes
+            node = gradient_node(tensor)
             if first:
-                replaced = self.cut_graph or not tensor.requires_grad
+                replaced = self.cut_graph or node is None
             else:
-                replaced = not depends_on(tensor, self._upstream_ids)
+                replaced = node is None or not reachable(node, self._upstream_ids, first_only=True)
             if replaced:
                 tensor = tensor.detach().requires_grad_()
-            node = gradient_node(tensor)
+                node = gradient_node(tensor)
             self._upstream.append(node)
             self._upstream_ids.add(id(node))
             self.shapes[name] = tuple(tensor.shape)

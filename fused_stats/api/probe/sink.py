@@ -73,15 +73,6 @@ def reachable(root, targets, first_only: bool = False) -> set[int]:
     return found
 
 
-def depends_on(tensor: torch.Tensor, nodes) -> bool:
-    """Whether ``tensor``'s value depends, through the autograd graph, on one of ``nodes`` (nodes,
-    or a set of the ids of live nodes): a backward from ``tensor`` would reach one of them; False
-    when it does not require grad."""
-    if not tensor.requires_grad or not nodes:
-        return False
-    return bool(reachable(gradient_node(tensor), nodes, first_only=True))
-
-
 class GradientSink:
     """Arrival bookkeeping of one step (module docstring).
 
