@@ -34,7 +34,9 @@ counts them as zero samples. Gradients at a counted position still include all l
 attention lets them depend on ``z_t``.
 ``mask="none"``: every position. A (B, T) or (B,) tensor, or a callable ``batch -> tensor``:
 nonzero = counted; a (B,) mask selects whole samples. A sample with no counted position is not a
-sample.
+sample. With ``cross=`` under ``mask="labels"`` (``unit="sample"``) the cross statistics sum over
+every real position of those samples, prompt included (:meth:`Probe.cross_mask_for`): the exact
+per-sample gradient of the zero block.
 
 **The accumulator table.** :attr:`Probe.table` maps ``(kind, stream, point)`` to an accumulator:
 kind ``"grad"`` (:class:`~fused_stats.GradStats`), ``"cross"`` (:class:`~fused_stats.CrossStats`,

@@ -16,8 +16,10 @@ on its output and keeps only what the gradient's reduction needs — the point's
 ``cross=``, the features ``φ(W_in z)`` (B, T, r), never ``z``; the tensor hook reduces the
 gradient as autograd produces it (``prepare``: the unit's rows, e.g. (B, d) sums for
 ``unit="sample"``) and returns, so the (B, T, d) gradient is freed before the next point's
-arrives. Atomic (default): the reduced rows are committed after the backward, together, or not at
-all. Per point (``atomic=False``): each point is committed in its hook; a failure then leaves the
+arrives. Only the step's own backward's gradients count, one per point
+(:class:`~fused_stats.api.probe.sink.GradientSink`: a ``torch.autograd.grad`` inside the loss is
+not an arrival). Atomic (default): the reduced rows are committed after the backward, together, or
+not at all. Per point (``atomic=False``): each point is committed in its hook; a failure then leaves the
 points whose gradients arrived earlier (those nearer the loss) holding the batch and no other.
 """
 
