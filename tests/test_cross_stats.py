@@ -140,3 +140,20 @@ def test_bad_input_leaves_state_unchanged(gen):
     assert_same(acc, snap)
     with pytest.raises(FusedStatsError, match="activation must be one of"):
         CrossStats(5, w_in, "softplus")
+
+
+def test_given_features_are_zero_where_the_mask_is_zero_even_if_not_finite(gen):
+    """Features-given mode (w_in=None): ``features(x, mask)`` is x at counted positions and 0
+    elsewhere, also where x is NaN or Inf there (``torch.where``, not a product with the mask)."""
+    acc = CrossStats(3, None, "identity", rank=4, dtype=torch.float64)
+    x = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, 3:] = False
+    mask[1, 0] = False
+    x[0, 4, 1] = float("nan")
+    x[1, 0, 2] = float("inf")
+    got = acc.features(x, mask)
+    want = x.clone()
+    want[~mask] = 0.0
+    assert torch.equal(got, want)
+    assert torch.equal(acc.features(x[1:, 1:], None), x[1:, 1:])

@@ -283,7 +283,11 @@ class CrossStats(Accumulator):
                 f"{tuple(act.shape[:2])}"
             )
         if self.w_in is None:
-            return act if mask is None else act * mask.unsqueeze(-1).to(act.dtype)
+            # where, not a product: a NaN at an uncounted position must not survive (NaN·0)
+            if mask is None:
+                return act
+            keep = (mask != 0).unsqueeze(-1)
+            return torch.where(keep, act, torch.zeros((), dtype=act.dtype, device=act.device))
         return ops.cross_features(act, mask, self.w_in, self.activation, self.backend)
 
     def prepare_features(

@@ -34,7 +34,9 @@ counts them as zero samples. Gradients at a counted position still include all l
 attention lets them depend on ``z_t``.
 ``mask="none"``: every position. A (B, T) or (B,) tensor, or a callable ``batch -> tensor``:
 nonzero = counted; a (B,) mask selects whole samples. A sample with no counted position is not a
-sample.
+sample. With ``cross=`` under ``mask="labels"`` (``unit="sample"``) the cross statistics sum over
+every real position of those samples, prompt included (:meth:`Probe.cross_mask_for`): the exact
+per-sample gradient of the zero block.
 
 **The accumulator table.** :attr:`Probe.table` maps ``(kind, stream, point)`` to an accumulator:
 kind ``"grad"`` (:class:`~fused_stats.GradStats`), ``"cross"`` (:class:`~fused_stats.CrossStats`,
@@ -58,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import copy as _copy
 import datetime as _dt
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -82,12 +85,12 @@ from ...backend import Backend, validate_backend
 from ...contracts import all_finite
 from ...errors import FusedStatsError
 from .feature_axis import resolve_feature_dim
-from .fold import REGISTRY, PointCapture, StepFold, fold_stacked  # noqa: F401  (PointCapture re-exported)
+from .fold import REGISTRY, SAME_MASK, PointCapture, StepFold, fold_stacked  # noqa: F401  (PointCapture re-exported)
 from .fold import fold as fold_batch
-from .hooks import ActivationCapture, FrozenEval
+from .hooks import ActivationCapture, FrozenEval, submodule
 from .masks import MASK_MODES, counted_positions  # noqa: F401  (MASK_MODES re-exported)
 from .points import residual_points, resolve_points
-from .spec import PointKwargs, gradient_points, is_feature_source, protocol_record
+from .spec import PointKwargs, gradient_points, is_feature_source, protocol_record, source_points
 from .table import STREAMS, TableView
 
 
@@ -130,8 +133,12 @@ class Probe:
     Parameters
     ----------
     model : nn.Module
-    points : "residual", str or list of str
+    points : None, "residual", str or list of str
         ``"residual"`` = :func:`fused_stats.residual_points`; otherwise module names (any module).
+        None (default): the growth protocol's candidates for ``cross=GrowthProtocol`` (input
+        boundary included), else ``"residual"``. Each name is bound to the module it names now:
+        a step after the model's layout changed (e.g. ``fs.grow`` inserted a layer, so
+        ``model.layers.0`` is the new block) is refused, naming the point.
     unit : {"sample", "position", "flat"}
     second_moment : {"auto", "dense", "pool"}
         Passed to every :class:`GradStats`; ``"pool"`` keeps per-sample vectors (needed by
@@ -172,7 +179,7 @@ class Probe:
     def __init__(
         self,
         model: nn.Module,
-        points="residual",
+        points=None,
         unit: Unit = "sample",
         second_moment: SecondMoment = "auto",
         cross=None,
@@ -213,14 +220,16 @@ class Probe:
             if unknown:
                 raise FusedStatsError(f"norm_histogram takes low, high and bins; got {unknown}")
             NormHistogram(1, **self.norm_histogram)  # the settings are checked now, not at a step
-        self.model = model
+        if points is None:
+            points = source_points(cross) or "residual"
         self.points = resolve_points(model, points)
+        self.cross = cross
+        self.model = model
         self.unit = unit
         self.second_moment = second_moment
         self.pool_capacity = pool_capacity
         self.backend = validate_backend(backend)
         self.nonfinite = nonfinite
-        self.cross = cross
         self._feature_dim_arg = self._check_feature_dim(feature_dim)
         self.feature_dims: dict[str, int] = {}  # resolved at the first step
         self.dims: dict[str, int] = {}
@@ -367,10 +376,61 @@ class Probe:
             raise FusedStatsError(f"{point!r} is not a point of this probe; points: {self.points}")
         return self._cross_acc(point, stream).estimate()
 
+    @property
+    def model(self) -> nn.Module:
+        """The probed model. Setting it binds the points to the new model's modules."""
+        return self._model
+
+    @model.setter
+    def model(self, model: nn.Module) -> None:
+        self._model = model
+        # what each name (and the module its gradient is read at) resolves to now
+        self._bound_modules = {
+            where: weakref.ref(submodule(model, where))
+            for where in dict.fromkeys([*self.points, *gradient_points(self.cross, self.points).values()])
+        }
+
+    def check_layout(self) -> None:
+        """Refuse to fold when a point name now names another module than at construction (the
+        model was edited, e.g. grown: its statistics would mix two modules in one accumulator)."""
+        for where, ref in self._bound_modules.items():
+            try:
+                now = submodule(self.model, where)
+            except AttributeError:
+                now = None
+            then = ref()
+            if now is not then:
+                seen = "no module" if now is None else f"a {type(now).__name__} (id {id(now):#x})"
+                was = (
+                    "a module since deleted"
+                    if then is None
+                    else f"a {type(then).__name__} (id {id(then):#x})"
+                )
+                raise FusedStatsError(
+                    f"point {where!r} now names {seen}, not {was} it named when this probe was "
+                    "made: the model's layout changed (e.g. fs.grow inserted a block). Make a new "
+                    "fs.Probe for the new layout; nothing was accumulated"
+                )
+
     # ------------------------------------------------------------------ masks
     def mask_for(self, batch, mask) -> torch.Tensor | None:
         """The counted-position mask of ``batch`` (module docstring), or None = everything."""
         return counted_positions(batch, mask)
+
+    def cross_mask_for(self, batch, mask, positions_mask):
+        """The positions the cross statistics sum ``q_t x_tᵀ`` over, for ``positions_mask`` =
+        :meth:`mask_for` of ``batch`` and ``mask``: the same, except under ``mask="labels"`` with
+        ``unit="sample"``, where they are every real position (the batch's ``attention_mask``) of
+        the samples that have a supervised target. A zero block writes into the stream at every
+        position, and a prompt position's gradient is not zero (later targets depend on it), so
+        the per-sample gradient of its ``W_out`` sums over all of them; padding has ``q_t = 0``."""
+        labels = isinstance(mask, str) and mask == "labels"
+        if self.cross is None or not labels or self.unit != "sample" or positions_mask is None:
+            return positions_mask
+        targets = positions_mask.reshape(positions_mask.shape[0], -1).any(dim=1)
+        real = counted_positions(batch, "attention")
+        real = torch.ones_like(positions_mask) if real is None else real != 0
+        return real.to(positions_mask.device) & targets[:, None]
 
     # ------------------------------------------------------------------ the step
     def step(self, batch, loss_fn, stream: str = "train", mask=None, atomic: bool = True) -> None:
@@ -388,6 +448,7 @@ class Probe:
         it in :attr:`skipped_steps` (``nonfinite="skip"``) or raises.
         """
         self.check_stream(stream)
+        self.check_layout()
         if torch.is_inference_mode_enabled():
             raise FusedStatsError("Probe.step cannot run inside torch.inference_mode(): it needs autograd")
         if not atomic and (self._callbacks or is_feature_source(self.cross)):
@@ -397,7 +458,9 @@ class Probe:
             )
         positions_mask = self.mask_for(batch, mask)
         model = self.model
-        folding = StepFold(self, stream, positions_mask, atomic)
+        folding = StepFold(
+            self, stream, positions_mask, atomic, self.cross_mask_for(batch, mask, positions_mask)
+        )
         capture = ActivationCapture(
             model, self.points, on_output=folding.on_output, modules=gradient_points(self.cross, self.points)
         )
@@ -499,19 +562,22 @@ class Probe:
         grads: Mapping[str, torch.Tensor],
         positions_mask=None,
         nonfinite: Nonfinite | None = None,
+        cross_positions=SAME_MASK,
     ) -> bool:
         """Fold one batch's per-sample activation gradients into every accumulator of ``stream``
         (all or nothing); returns whether it was folded (False: skipped as non-finite).
 
         ``activations[point]``: the point's forward output ``z`` (its shape fixes the feature
         axis, and the cross statistics read it); ``grads[point]``: ``∂L/∂z`` of the summed
-        per-sample losses, same shape; ``positions_mask``: counted positions (B, ...) or None.
+        per-sample losses, same shape; ``positions_mask``: counted positions (B, ...) or None;
+        ``cross_positions``: the cross statistics' positions where they differ
+        (:meth:`cross_mask_for`).
         Every point and kind is validated and reduced before any accumulator changes, so a step
         that any of them would reject (e.g. a non-finite activation at a counted position, which
         only the cross statistics see) changes none. ``nonfinite`` overrides the probe's policy.
         (:func:`fused_stats.api.probe.fold.fold`.)
         """
-        return fold_batch(self, stream, activations, grads, positions_mask, nonfinite)
+        return fold_batch(self, stream, activations, grads, positions_mask, nonfinite, cross_positions)
 
     def _fold_stacked(self, stream: str, activations, grads) -> bool:
         """The stacked fast path of :meth:`fold` (:func:`fused_stats.api.probe.fold.fold_stacked`)."""

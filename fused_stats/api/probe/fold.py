@@ -16,8 +16,10 @@ on its output and keeps only what the gradient's reduction needs — the point's
 ``cross=``, the features ``φ(W_in z)`` (B, T, r), never ``z``; the tensor hook reduces the
 gradient as autograd produces it (``prepare``: the unit's rows, e.g. (B, d) sums for
 ``unit="sample"``) and returns, so the (B, T, d) gradient is freed before the next point's
-arrives. Atomic (default): the reduced rows are committed after the backward, together, or not at
-all. Per point (``atomic=False``): each point is committed in its hook; a failure then leaves the
+arrives. Only the step's own backward's gradients count, one per point
+(:class:`~fused_stats.api.probe.sink.GradientSink`: a ``torch.autograd.grad`` inside the loss is
+not an arrival). Atomic (default): the reduced rows are committed after the backward, together, or
+not at all. Per point (``atomic=False``): each point is committed in its hook; a failure then leaves the
 points whose gradients arrived earlier (those nearer the loss) holding the batch and no other.
 """
 
@@ -32,6 +34,7 @@ import torch
 from ...accumulators import CrossStats, GradStats, NormHistogram
 from ...errors import FusedStatsError
 from .masks import flat_masked, point_mask
+from .sink import GradientSink
 from .spec import cross_w_in, is_feature_source, source_features, source_terms
 
 
@@ -153,6 +156,10 @@ def cross_view(t: torch.Tensor, fd: int) -> torch.Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
 
 
+# the cross statistics count the positions the gradient statistics count (see cross_positions)
+SAME_MASK = object()
+
+
 def cross_mask(m, B: int, P: int):
     """A point's mask (B,) or (B, *positions) as the (B, P) mask of :func:`cross_view`."""
     if m is None:
@@ -228,7 +235,13 @@ def _prepare_grouped(args, unit):
 
 # ---------------------------------------------------------------------------- the staged fold
 def fold(
-    probe, stream: str, activations: Mapping, grads: Mapping, positions_mask=None, nonfinite=None
+    probe,
+    stream: str,
+    activations: Mapping,
+    grads: Mapping,
+    positions_mask=None,
+    nonfinite=None,
+    cross_positions=SAME_MASK,
 ) -> bool:
     """:meth:`fused_stats.Probe.fold` (its docstring)."""
     probe.check_stream(stream)
@@ -242,6 +255,11 @@ def fold(
         act, grad = activations[name], grads[name]
         fd = probe.feature_dim(name, act)
         m = point_mask(name, act.shape, fd, act.device, positions_mask)
+        xm = (
+            m
+            if cross_positions is SAME_MASK
+            else point_mask(name, act.shape, fd, act.device, cross_positions)
+        )
         g = grad
         if unit == "flat" and m is not None:
             g, m = flat_masked(g, m, fd), None
@@ -252,7 +270,7 @@ def fold(
             acc = probe.table.get(key)
             if REGISTRY[kind].reads == "cross":
                 z = cross_view(act.detach(), fd)
-                cm = cross_mask(m, z.shape[0], z.shape[1])
+                cm = cross_mask(xm, z.shape[0], z.shape[1])
                 # a feature source's features of the block run on z; z itself for a CrossSpec
                 x = source_features(probe, name, z, cm, act.detach(), fd)
                 cg, x = source_terms(probe.cross, name, cross_view(g, fd), z, x)
@@ -368,6 +386,7 @@ class _Point:
     fd: int | None  # None until resolved (a (B, d) output: only if the step does not stage)
     mask: torch.Tensor | None
     dim: int
+    cross_mask: torch.Tensor | None = None  # the positions the cross statistics sum over
     accs: dict = field(default_factory=dict)  # kind -> accumulator (new ones kept on commit)
     z: torch.Tensor | None = None  # only for one-row-per-sample points (B, d) or callbacks
     phi: torch.Tensor | None = None  # cross features (B, P, r)
@@ -393,8 +412,9 @@ class StepFold:
     fold them with :func:`fold` (its stacked calls); ``atomic=False`` never stages.
     """
 
-    def __init__(self, probe, stream: str, positions_mask, atomic: bool = True):
+    def __init__(self, probe, stream: str, positions_mask, atomic: bool = True, cross_positions=SAME_MASK):
         self.probe, self.stream, self.positions_mask, self.atomic = probe, stream, positions_mask, atomic
+        self.cross_positions = cross_positions
         self.kinds = probe.kinds
         # callbacks read z and the whole gradient; a feature source's block reads the call
         # arguments of modules that may run after the point (the staged fold computes its features)
@@ -402,6 +422,9 @@ class StepFold:
         self.points: dict[str, _Point] = {}
         self.staged = self.raw
         self.stopped = False  # per-point mode: a point was refused, later ones are not folded
+        # the step's own backward is the only source of gradients (nested autograd.grad ignored)
+        self.sink = GradientSink(probe.points, own_backward=True)
+        self.root = None  # the summed loss's grad_fn: which points its graph reaches
 
     # ---- forward
     def on_output(self, name: str, module, z: torch.Tensor, kwargs) -> None:
@@ -425,6 +448,11 @@ class StepFold:
         probe, name = self.probe, pt.name
         pt.fd = fd = probe.feature_dim(name, z)
         pt.mask = point_mask(name, z.shape, fd, z.device, self.positions_mask)
+        pt.cross_mask = (
+            pt.mask
+            if self.cross_positions is SAME_MASK
+            else point_mask(name, z.shape, fd, z.device, self.cross_positions)
+        )
         pt.dim = math.prod(z.shape[1:]) if probe.unit == "flat" else z.shape[fd]
         check_dim(probe, self.stream, name, z.shape, pt.dim)
         for kind in self.kinds:
@@ -435,13 +463,14 @@ class StepFold:
             pt.accs[kind] = acc
 
     def _hook(self, pt: _Point, z: torch.Tensor) -> None:
+        self.sink.watch(pt.name, z)
         z.register_hook(lambda g: self._on_grad(pt, g))
 
     def _features(self, pt: _Point, module, z, kwargs):
         for kind in self.kinds:
             if REGISTRY[kind].reads == "cross":
                 cz = cross_view(z.detach(), pt.fd)
-                cm = cross_mask(pt.mask, cz.shape[0], cz.shape[1])
+                cm = cross_mask(pt.cross_mask, cz.shape[0], cz.shape[1])
                 return self.probe.cross_features(pt.name, module, cz, kwargs, pt.accs[kind], cm)
         return None
 
@@ -476,12 +505,18 @@ class StepFold:
                 pt.phi = self._features(pt, module, pt.z, kwargs)
                 self._hook(pt, pt.out)
                 pt.out = pt.z = pt.pending = None
-        torch.autograd.grad(total, leaves, allow_unused=True)
+        self.root = total.grad_fn
+        with self.sink.own_backward_of(total):
+            torch.autograd.grad(total, leaves, allow_unused=True)
 
     # ---- backward
     def _on_grad(self, pt: _Point, g: torch.Tensor) -> None:
-        if self.stopped or pt.prepared is not None:
-            return
+        # a gradient of another backward (the loss's own autograd.grad) or a second arrival
+        # (refused by the sink's check) is not folded
+        if self.sink.accept(pt.name) and not self.stopped:
+            self._receive(pt, g)
+
+    def _receive(self, pt: _Point, g: torch.Tensor) -> None:
         pt.prepared = self._prepare(pt, g)
         pt.phi = None  # its gradient is reduced: the features are not needed any more
         if not self.atomic:
@@ -497,7 +532,7 @@ class StepFold:
             acc = pt.accs[kind]
             if REGISTRY[kind].reads == "cross":
                 cg = cross_view(g, pt.fd)
-                cm = cross_mask(pt.mask, cg.shape[0], cg.shape[1])
+                cm = cross_mask(pt.cross_mask, cg.shape[0], cg.shape[1])
                 out[kind] = acc.prepare_features(cg, pt.phi, cm, unit)
             else:
                 if acc is None:
@@ -544,10 +579,13 @@ class StepFold:
         if self.staged:
             acts = {pt.name: pt.z for pt in ordered}
             grads = {pt.name: pt.grad for pt in ordered}
-            return fold(probe, stream, acts, grads, self.positions_mask)
-        for pt in ordered:  # a point the loss does not depend on has a zero gradient
-            if pt.prepared is None and not self.stopped:
-                self._on_grad(pt, torch.zeros(pt.shape, dtype=pt.dtype, device=pt.device))
+            return fold(probe, stream, acts, grads, self.positions_mask, cross_positions=self.cross_positions)
+        # one arrival per point, or none where the loss's graph does not reach the point: its
+        # gradient is then exactly zero
+        for name in self.sink.check(self.root):
+            pt = self.points[name]
+            if not self.stopped:
+                self._receive(pt, torch.zeros(pt.shape, dtype=pt.dtype, device=pt.device))
         if not self.atomic:
             if all(pt.committed for pt in ordered):
                 probe.steps[stream] += 1

@@ -9,8 +9,11 @@ substitutes it so that one ``torch.autograd.grad(Σ_b ℓ_b, [z_1, …, z_L])`` 
 * a later point whose output already requires grad stays in the graph unchanged — the gradient
   with respect to an intermediate tensor is the total derivative through everything downstream,
   which is what a bias inserted at that point would receive;
-* a later point whose output does not require grad (it does not depend on an earlier point, e.g.
-  a parallel branch) is made a leaf as well.
+* a later point whose output does not depend on an earlier point's (a parallel branch; its output
+  may still require grad, through a model input that does) is made a leaf as well: a backward
+  down to the leaves would otherwise never reach it. Whether it depends is read from the autograd
+  graph (:func:`fused_stats.api.probe.sink.reachable`, a walk that stops at the first earlier
+  point found, typically within one block).
 
 Tuple or list outputs (some HF versions return ``(hidden_states, ...)`` from decoder layers) are
 captured at element 0 and re-emitted with the same structure (tuple, namedtuple or list). The other
@@ -35,6 +38,7 @@ import torch
 from torch import nn
 
 from ...errors import FusedStatsError
+from .sink import gradient_node, reachable
 
 
 def split_output(output):
@@ -133,6 +137,9 @@ class ActivationCapture:
         self.shapes: dict[str, tuple] = {}
         self.versions: dict[str, int] = {}
         self.order: list[str] = []
+        # the autograd nodes of the points that ran so far (kept alive, so their ids stay theirs)
+        self._upstream: list = []
+        self._upstream_ids: set[int] = set()
         self._handles: list = []
 
     def __enter__(self) -> ActivationCapture:
@@ -172,11 +179,16 @@ class ActivationCapture:
                     f"{tuple(tensor.shape)}; expected a floating-point activation"
                 )
             first = not self.shapes
-            if (first and self.cut_graph) or not tensor.requires_grad:
-                tensor = tensor.detach().requires_grad_()
-                replaced = True
+            node = gradient_node(tensor)
+            if first:
+                replaced = self.cut_graph or node is None
             else:
-                replaced = False
+                replaced = node is None or not reachable(node, self._upstream_ids, first_only=True)
+            if replaced:
+                tensor = tensor.detach().requires_grad_()
+                node = gradient_node(tensor)
+            self._upstream.append(node)
+            self._upstream_ids.add(id(node))
             self.shapes[name] = tuple(tensor.shape)
             self.versions[name] = tensor._version
             self.order.append(name)

@@ -83,3 +83,19 @@ def flat_masked(grad, m, fd):
     keep = m.unsqueeze(fd % grad.dim())
     zeroed = torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
     return zeroed[m.reshape(m.shape[0], -1).any(dim=1)]
+
+
+def position_sums(grad: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """``Σ_{t counted} grad[b, t]`` (B, d) of a (B, *positions, d) ``grad`` and a
+    :func:`point_mask` ``m`` (None or (B,): every position; a (B,) mask's samples are dropped
+    later), in fp32 for half precision. ``torch.where``, not a product with the mask: a NaN at an
+    uncounted position stays out of the sum."""
+    B, d = grad.shape[0], grad.shape[-1]
+    dtype = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+    g3 = grad.reshape(B, -1, d)
+    if m is None or m.dim() == 1:
+        return g3.sum(dim=1, dtype=dtype)
+    keep = m.reshape(B, -1, 1)
+    return torch.where(keep, g3, torch.zeros((), dtype=grad.dtype, device=grad.device)).sum(
+        dim=1, dtype=dtype
+    )

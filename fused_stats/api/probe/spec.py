@@ -110,7 +110,8 @@ class FeatureSource(Protocol):
     the probe reads as features), returning (B, P, r) in the order of the probe's (B, P, d)
     view; ``cross_terms(point, q, z, x) -> (q', x')``, for zero parameters that are not a linear
     map's weight (a BatchNorm scale: per channel), the pair whose ``Σ_t q'_t x'_tᵀ`` is the
-    per-sample gradient (the accumulator's width is ``q'``'s).
+    per-sample gradient (the accumulator's width is ``q'``'s); ``protocol``, an object whose
+    ``candidates`` are the probe's points when ``fs.Probe`` is given none.
     """
 
     def features(self, point: str, module, z: torch.Tensor, kwargs: dict) -> torch.Tensor: ...
@@ -157,6 +158,15 @@ def gradient_points(cross, points) -> dict[str, str]:
     if where is None:
         return {}
     return {name: where(name) for name in points}
+
+
+def source_points(cross) -> list[str] | None:
+    """The points a probe with this ``cross=`` measures by default: a feature source's
+    ``protocol.candidates`` (a growth protocol's, its input boundary included), else None."""
+    candidates = (
+        getattr(getattr(cross, "protocol", None), "candidates", None) if is_feature_source(cross) else None
+    )
+    return list(candidates) if candidates else None
 
 
 def is_feature_source(cross) -> bool:

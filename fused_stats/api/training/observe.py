@@ -37,9 +37,14 @@ so the forward is replayed during the backward (newer versions keep hooks outsid
 With ``use_reentrant=False`` the first forward's output receives the gradient and the replay's
 never does; with ``use_reentrant=True`` the first forward runs without grad (no tensor hook is
 registered) and the replay's output receives it. Statistics are therefore keyed by the gradients
-that *arrive*: exactly one per point and step, whatever ran forward. Two arrivals at one point (a
-module reused in one forward, or two backward passes in one block) are rejected: use one
-``observe`` per forward/backward pair (micro-batch).
+that *arrive*: exactly one per point and step, whatever ran forward, counted by the probe's
+gradient sink (:class:`fused_stats.api.probe.sink.GradientSink`, the one ``Probe.step`` uses). Two
+arrivals at one point (a module reused in one forward, two backward passes in one block, or a
+``torch.autograd.grad`` inside the loss, which this block cannot tell from the training backward)
+are rejected: use one ``observe`` per forward/backward pair (micro-batch), and ``Probe.step`` for
+a loss that takes its own gradients. A point that ran with grad and got no gradient (a backward
+with ``inputs=`` that stops above it) is rejected too. The lean path sums the counted positions
+with the probe's mask (:func:`fused_stats.api.probe.masks.point_mask`, ``position_sums``).
 
 **Checks** (made at exit, before anything is folded; a rejected step changes no accumulator):
 a missing declaration, a ``scale`` of the wrong shape or with non-positive entries, no gradient at
@@ -80,6 +85,8 @@ from ...accumulators.base import NONFINITE_POLICIES, Nonfinite
 from ...errors import FusedStatsError
 from ..probe.hooks import split_output
 from ..probe.losses import IGNORE_INDEX
+from ..probe.masks import point_mask, position_sums
+from ..probe.sink import GradientSink
 
 LOSS_REDUCTIONS = ("mean", "sum", "token_mean")
 # "mean" with labels whose valid-target counts differ by this factor: a token mean was likely meant
@@ -110,9 +117,10 @@ class _Record:
 
     def receive(self, grad: torch.Tensor) -> None:
         # never raise here (it would break the user's backward) and never return a tensor
-        # (it would replace the gradient); problems are reported at exit
+        # (it would replace the gradient); problems are reported at exit (the sink's check)
+        first = self.owner.sink.accept(self.name)
         self.arrivals += 1
-        if self.arrivals > 1:
+        if not first:
             return
         g = grad.detach()
         # an in-place change downstream happens in the forward, so it shows by now
@@ -280,6 +288,8 @@ class Observation:
 
     def _reset_capture(self):
         self._records: dict[str, list[_Record]] = {name: [] for name in self.probe.points}
+        # the user's backward: every arrival counts, one per point (a nested autograd.grad too)
+        self.sink = GradientSink(self.probe.points, own_backward=False, where="probe.observe")
         self._problems: list[str] = []
         self._calls: list[tuple[tuple, dict]] = []
         self._loss_grads: list[float] = []
@@ -310,6 +320,7 @@ class Observation:
             raise FusedStatsError("probe.observe blocks cannot be nested on the same probe")
         if torch.is_inference_mode_enabled():
             raise FusedStatsError("probe.observe cannot run inside torch.inference_mode(): it needs autograd")
+        probe.check_layout()
         self._reset_capture()
         self.folded = False
         self._warn_batchnorm()
@@ -348,6 +359,7 @@ class Observation:
             if torch.is_grad_enabled() and tensor.requires_grad:
                 record = _Record(self, name, tensor)
                 self._records[name].append(record)
+                self.sink.watch(name, tensor)
                 self._tensor_handles.append(tensor.register_hook(record.receive))
             return None
 
@@ -426,10 +438,10 @@ class Observation:
 
         Per-sample scaling commutes with the sum over positions, so ``s_b r_b`` at exit is the
         ``q_b`` that ``Probe.fold`` would form from the whole scaled gradient; only (B, d) per point
-        is kept instead of (B, *positions, d). Sums are taken in the gradient's precision (fp32
-        for half-precision gradients), as the design allows for per-batch products. Whenever anything
-        is unusual (feature axis not last, a mask that does not fit, a non-finite masked sum on
-        CPU, where ``Probe``'s exact masking rules matter) the whole gradient is kept instead.
+        is kept instead of (B, *positions, d). The counted positions are the probe's own
+        (:func:`~fused_stats.api.probe.masks.point_mask`, :func:`position_sums`). The whole
+        gradient is kept where the feature axis is not last or the mask does not fit (the fold
+        names the mismatch at exit).
         """
         if not self._lean or g.dim() < 2 or g.shape != record.tensor.shape:
             return None
@@ -437,28 +449,11 @@ class Observation:
         fd = probe.feature_dim(name, record.tensor)
         if fd % g.dim() != g.dim() - 1:
             return None
-        m = self._positions_mask()
-        B, d = g.shape[0], g.shape[-1]
-        positions = tuple(g.shape[1:-1])
-        acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else g.dtype
-        g3 = g.reshape(B, math.prod(positions), d)
-        if m is None or tuple(m.shape) == (B,):
-            return g3.sum(dim=1, dtype=acc)
-        if tuple(m.shape) != (B, *positions):
-            return None  # Probe.fold names the mismatch at exit
-        keep = (m != 0).to(g.device).reshape(B, -1)
-        if g.device.type != "cpu":
-            # no host sync inside the user's backward: where() keeps a NaN at an uncounted
-            # position out of the sum, as Probe's masking does
-            return torch.where(keep.unsqueeze(-1), g3, torch.zeros((), dtype=g.dtype, device=g.device)).sum(
-                dim=1, dtype=acc
-            )
-        # CPU: the masked sum in one read of G as a batched product; 0 x NaN at an uncounted
-        # position would poison it, so a non-finite result falls back to the whole gradient
-        r = torch.bmm(keep.to(acc).unsqueeze(1), g3.to(acc)).squeeze(1)
-        if not bool(torch.isfinite(r).all()):
+        try:
+            m = point_mask(name, g.shape, fd, g.device, self._positions_mask())
+        except FusedStatsError:
             return None
-        return r
+        return position_sums(g, m)
 
     def _the_batch(self):
         if self.batch is not None:
@@ -496,26 +491,12 @@ class Observation:
                 f"probe.observe: points {never} did not run forward with gradients enabled during "
                 "the block; nothing was accumulated"
             )
-        twice = {
-            n: sum(r.arrivals for r in recs)
-            for n, recs in arrived.items()
-            if sum(r.arrivals for r in recs) > 1
-        }
-        if twice:
-            raise FusedStatsError(
-                f"probe.observe: points received more than one gradient in one block {twice} (a "
-                "module reused in one forward, or several backward passes); use one observe block "
-                "per forward/backward pair (e.g. per micro-batch); nothing was accumulated"
-            )
+        # exactly one arrival per point; without the loss's graph at hand, a point that ran with
+        # grad and got none is refused (a zero would be exact only if the loss ignored it)
+        self.sink.check()
         chosen: dict[str, _Record] = {}
         for name in probe.points:
-            if arrived[name]:
-                record = arrived[name][0]
-            else:
-                # ran with grad but the loss does not depend on it: a zero gradient, as
-                # Probe.step's materialize_grads gives
-                record = self._records[name][0]
-                record.grad = torch.zeros_like(record.tensor)
+            record = arrived[name][0]
             if record.modified or record.tensor._version != record.version:
                 raise FusedStatsError(
                     f"probe.observe: the output of point {name!r} was modified in place after the "
@@ -604,12 +585,7 @@ class Observation:
             acts[name] = record.tensor.detach()
             if pm is not None and pm.dim() > 1:
                 fd = probe.feature_dim(name, record.tensor)
-                if tuple(pm.shape) != tuple(sz for i, sz in enumerate(g.shape) if i != fd % g.dim()):
-                    raise FusedStatsError(
-                        f"mask of shape {tuple(pm.shape)} does not fit point {name!r} with output "
-                        f"shape {tuple(g.shape)} (feature_dim={fd})"
-                    )
-                keep_pos = pm.to(g.device).unsqueeze(fd % g.dim())
+                keep_pos = point_mask(name, g.shape, fd, g.device, pm).unsqueeze(fd % g.dim())
                 g = torch.where(keep_pos, g, torch.zeros((), dtype=g.dtype, device=g.device))
             grads[name] = _scaled(g, factor, B)
         return acts, grads, rows.to(next(iter(grads.values())).device)
