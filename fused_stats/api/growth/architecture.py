@@ -85,6 +85,8 @@ _POST_NORM_REFUSAL = (
     "norm's Jacobian, which the width tangent does not include"
 )
 
+_POST_NORM_WIDTH = {"mlp_inputs": None, "mlp_output": None, "mlp_refused": _POST_NORM_REFUSAL}
+
 ADAPTERS: dict[str, Adapter] = {
     a.model_type: a
     for a in (
@@ -109,19 +111,17 @@ ADAPTERS: dict[str, Adapter] = {
             origin_modules=POST_NORMS,
             origin="norm_scale",
             origin_value=-1.0,
-            mlp_refused=_POST_NORM_REFUSAL,
+            **_POST_NORM_WIDTH,
         ),
         _llama_like(
             "gemma3_text",
             origin_modules=POST_NORMS,
             origin="norm_scale",
             origin_value=-1.0,
-            mlp_refused=_POST_NORM_REFUSAL,
+            **_POST_NORM_WIDTH,
         ),
-        _llama_like("olmo2", origin_modules=POST_NORMS, origin="norm_scale", mlp_refused=_POST_NORM_REFUSAL),
-        _llama_like(
-            "exaone4", origin_modules=POST_NORMS, origin="norm_scale", mlp_refused=_POST_NORM_REFUSAL
-        ),
+        _llama_like("olmo2", origin_modules=POST_NORMS, origin="norm_scale", **_POST_NORM_WIDTH),
+        _llama_like("exaone4", origin_modules=POST_NORMS, origin="norm_scale", **_POST_NORM_WIDTH),
         Adapter(
             "gpt2",
             stack=("transformer.h", "h"),

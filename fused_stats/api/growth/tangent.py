@@ -165,6 +165,62 @@ class GrowthTangent:
         self.seed = int(getattr(protocol, "seed", 0))
         self.blocks: dict[str, nn.Module] = {}
         self.maps: dict[str, list[tuple[str, int, bool]]] = {}
+        if self_check and arch.input_point in protocol.candidates and self.family != "cross_block":
+            self.check_input_scale()
+
+    def check_input_scale(self) -> float:
+        """The self-check of the input boundary's scale: the model run on three tokens up to
+        block 0's input, which must be the input point's output times the adapter's input scale
+        (1e-6 relative, or a few roundings of the model's dtype); :class:`FusedStatsError`
+        otherwise, naming the model_type. Returns the relative error."""
+        arch, model = self.arch, self.model
+        seen: dict[str, torch.Tensor] = {}
+
+        class _Reached(Exception):
+            pass
+
+        def on_input(mod, args, out):
+            seen["point"] = out.detach()
+
+        def on_block(mod, args, kwargs):
+            stream = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(stream, torch.Tensor):
+                seen["stream"] = stream.detach()
+            raise _Reached
+
+        vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+        pad = getattr(model.config, "pad_token_id", None)
+        ids = [i for i in range(min(vocab, 8)) if i != pad][:3]
+        device = next(model.parameters()).device
+        handles = [
+            model.get_submodule(arch.input_point).register_forward_hook(on_input),
+            model.get_submodule(arch.boundaries[arch.input_point].neighbour).register_forward_pre_hook(
+                on_block, with_kwargs=True
+            ),
+        ]
+        try:
+            with torch.no_grad():
+                model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+        except _Reached:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        if "stream" not in seen or "point" not in seen:
+            raise FusedStatsError(
+                f"tangent self-check (model_type {self.adapter.model_type!r}): the model did not run "
+                f"{arch.input_point!r} and then block 0 on three tokens; cannot check the input scale"
+            )
+        point, stream = seen["point"].to(torch.float64), seen["stream"].to(torch.float64)
+        error = float((stream - point * self.input_scale).norm() / stream.norm().clamp_min(1e-300))
+        tolerance = max(SELF_CHECK_TOLERANCE, 8 * torch.finfo(seen["stream"].dtype).eps)
+        if not error <= tolerance:
+            raise FusedStatsError(
+                f"tangent self-check failed at {arch.input_point!r} (model_type {self.adapter.model_type!r}): "
+                f"block 0's input is not the input point's output times {self.input_scale} (relative "
+                f"error {error:.3g}); the growth adapter's input scale is wrong for this model"
+            )
+        return error
 
     def stream_scale(self, point: str) -> float:
         """The factor between the point's output and the stream the new block reads: the
