@@ -344,6 +344,26 @@ def test_per_layer_lists_follow_depth_growth(name, where, tmp_path):
         assert list(getattr(grown.config, key)) == expected, key
     assert torch.equal(logits(grown, batch), base)
     assert_reloads(grown, tmp_path, batch)
+    # the new block was built from the lists it is given (SmolLM3's RoPE use, Qwen2's window):
+    # its origin gradients in the grown model equal those in the reloaded one
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    name_prefix = f"model.layers.{position}."
+    grads = []
+    for m in (grown, loaded):
+        params = [p for n, p in m.named_parameters() if n.startswith(name_prefix) and "o_proj" in n]
+        grads.append(torch.autograd.grad(per_sample_loss(m, batch).sum(), params))
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(*grads))
+    assert grads[0][0].abs().max() > 0
+    # the new block was built from the lists it is given (SmolLM3's RoPE use, Qwen2's window):
+    # its origin gradients in the grown model equal those in the reloaded one
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    name_prefix = f"model.layers.{position}."
+    grads = []
+    for m in (grown, loaded):
+        params = [p for n, p in m.named_parameters() if n.startswith(name_prefix) and "o_proj" in n]
+        grads.append(torch.autograd.grad(per_sample_loss(m, batch).sum(), params))
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(*grads))
+    assert grads[0][0].abs().max() > 0
 
 
 def test_growth_points_of_bare_models_and_resnets():

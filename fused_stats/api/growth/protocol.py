@@ -206,7 +206,7 @@ class GrowthProtocol:
         Rejected: candidates that are not block boundaries; a family the architecture does not
         support (``mlp_width`` on a ResNet, ``mlp_width`` after the last block); parameters of an
         affected block tied to another module (growth would untie them); configs growth cannot
-        keep consistent (GPT-2 ``scale_attn_by_inverse_layer_idx``, a ``layer_types`` list of the
+        keep consistent (GPT-2 ``scale_attn_by_inverse_layer_idx``, a per-layer list of the adapter of the
         wrong length, per-layer intermediate sizes). Returns the model's architecture.
         """
         arch = describe(model)
