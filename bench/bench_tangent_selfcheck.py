@@ -1,4 +1,8 @@
-"""First probe step of a growth tangent probe with and without the self-check (CPU)."""
+"""First probe step of a growth tangent probe with and without the self-check (CPU, 2 threads).
+
+Run from the repository root: ``python bench/bench_tangent_selfcheck.py``; each configuration
+runs 3 times with and 3 times without, alternated, and the best of each is printed.
+"""
 
 import sys
 import time
@@ -42,12 +46,13 @@ def run(hidden, inter, heads, B, T, dtype):
     return min(best[True]), min(best[False])
 
 
-torch.set_num_threads(2)
-for name, args in [
-    ("tiny d=16 f=24 B=6 T=5 fp64", (16, 24, 2, 6, 5, torch.float64)),
-    ("d=768 f=3072 12 heads B=4 T=128 fp32", (768, 3072, 12, 4, 128, torch.float32)),
-]:
-    on, off = run(*args)
-    print(
-        f"{name}: first step with self-check {on:.3f} s, without {off:.3f} s, cost {on - off:+.3f} s ({(on / off - 1) * 100:+.0f}%)"
-    )
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    for name, args in [
+        ("tiny d=16 f=24 B=6 T=5 fp64", (16, 24, 2, 6, 5, torch.float64)),
+        ("d=768 f=3072 12 heads B=4 T=128 fp32", (768, 3072, 12, 4, 128, torch.float32)),
+    ]:
+        on, off = run(*args)
+        print(
+            f"{name}: first step with self-check {on:.3f} s, without {off:.3f} s, cost {on - off:+.3f} s ({(on / off - 1) * 100:+.0f}%)"
+        )
