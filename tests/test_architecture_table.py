@@ -377,9 +377,23 @@ def test_growth_points_of_bare_models_and_resnets():
     assert fs.growth_points(resnet)[:4] == ["layer1.0", "layer1.1", "layer1.2", "layer2.0"]
 
 
-def test_meta_device_model_refused():
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(_config("llama"))
+def test_streamed_and_meta_device_models_refused():
+    """A model of fs.stream_blocks (its blocks wrapped, weights loaded block by block) and a model
+    with meta-device weights are refused by the tangent probe and by grow, nothing changed."""
+    model = make("llama")
+    before = copy.deepcopy(model.state_dict())
     protocol = fs.GrowthProtocol(["model.layers.0"])
+    with fs.stream_blocks(model) as streamed:
+        for call in (
+            lambda: fs.Probe(streamed.model, points=["model.layers.0"], cross=protocol),
+            lambda: fs.grow(streamed.model, protocol),
+        ):
+            with pytest.raises(
+                fs.FusedStatsError, match=r"\(llama\): its blocks are wrapped.*fs.stream_blocks"
+            ):
+                call()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(_config("llama"))
     with pytest.raises(fs.FusedStatsError, match="meta-device"):
-        GrowthTangent(protocol, model)
+        GrowthTangent(protocol, meta)

@@ -241,6 +241,14 @@ def describe(model: nn.Module) -> Architecture:
                 f"{type(model).__name__} ({model_type}): the blocks of {path!r} are of several classes"
             )
         missing = [m for m in adapter.origin_modules if _get(stack[0], m) is None]
+        inner = getattr(stack[0], "block", None)
+        if missing and isinstance(inner, nn.Module) and all(_get(inner, m) is not None for m in missing):
+            raise FusedStatsError(
+                f"{type(model).__name__} ({model_type}): its blocks are wrapped ({type(stack[0]).__name__}, "
+                "as fs.stream_blocks streams them, with weights loaded block by block); growth and its "
+                "tangent probe build and run a new block next to the model's own, so give them the model "
+                "itself, not its streamed form"
+            )
         if missing:
             raise FusedStatsError(
                 f"{type(model).__name__} ({model_type}): its blocks lack {missing}, the modules the "
