@@ -397,3 +397,13 @@ def test_streamed_and_meta_device_models_refused():
         meta = transformers.LlamaForCausalLM(_config("llama"))
     with pytest.raises(fs.FusedStatsError, match="meta-device"):
         GrowthTangent(protocol, meta)
+
+
+@pytest.mark.parametrize("key", ["layer_types", "no_rope_layers"])
+def test_per_layer_list_of_the_wrong_length_refused(key):
+    model = make("smollm3")
+    setattr(model.config, key, list(getattr(model.config, key))[:1])
+    before = copy.deepcopy(model.config.to_dict())
+    with pytest.raises(fs.FusedStatsError, match=rf"config\.{key} lists 1 layers but num_hidden_layers is 2"):
+        fs.grow(model, fs.GrowthProtocol(["model.layers.0"]))
+    assert len(model.model.layers) == 2 and model.config.to_dict() == before
