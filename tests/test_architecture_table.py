@@ -407,3 +407,30 @@ def test_per_layer_list_of_the_wrong_length_refused(key):
     with pytest.raises(fs.FusedStatsError, match=rf"config\.{key} lists 1 layers but num_hidden_layers is 2"):
         fs.grow(model, fs.GrowthProtocol(["model.layers.0"]))
     assert len(model.model.layers) == 2 and model.config.to_dict() == before
+
+
+def test_gemma3_multimodal_refused_with_the_reason():
+    text = dict(COMMON, head_dim=8, sliding_window=3, query_pre_attn_scalar=8)
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=39,
+        boi_token_index=38,
+        eoi_token_index=37,
+    )
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    point = "model.language_model.layers.0"
+    with pytest.raises(
+        fs.FusedStatsError, match=r"refuses model_type 'gemma3'.*image features.*'gemma3_text'"
+    ):
+        fs.grow(model, fs.GrowthProtocol([point]))
+    assert len(model.model.language_model.layers) == 2 and config.text_config.num_hidden_layers == 2

@@ -149,6 +149,16 @@ RESNET_BLOCKS: dict[type, Adapter] = {
 }
 
 
+# model_types refused with a reason (others outside ADAPTERS: refused as unknown)
+REFUSED: dict[str, str] = {
+    "gemma3": (
+        "its stream into block 0 is the token embeddings with image features scattered into them "
+        "(no module outputs it, so the input boundary has no exact tangent), and its config keeps "
+        "the per-layer lists in text_config; its text-only form, model_type 'gemma3_text', is supported"
+    ),
+}
+
+
 def supported_model_types() -> list[str]:
     return sorted(ADAPTERS)
 
@@ -227,6 +237,11 @@ def describe(model: nn.Module) -> Architecture:
             f"{supported_model_types()} and the ResNets of fused_stats.networks.resnet"
         )
     adapter = ADAPTERS.get(model_type)
+    if model_type in REFUSED:
+        raise FusedStatsError(
+            f"growth refuses model_type {model_type!r} ({type(model).__name__}): {REFUSED[model_type]}; "
+            f"supported model_types: {supported_model_types()}"
+        )
     if adapter is None:
         raise FusedStatsError(
             f"growth has no adapter for model_type {model_type!r} ({type(model).__name__}); supported "
