@@ -434,3 +434,31 @@ def test_gemma3_multimodal_refused_with_the_reason():
     ):
         fs.grow(model, fs.GrowthProtocol([point]))
     assert len(model.model.language_model.layers) == 2 and config.text_config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("name", ["llama", "exaone4", "gpt2"])
+def test_model_cache_is_not_given_to_the_new_block(name):
+    """A loss run with use_cache=True hands the blocks the model's Cache (under the keyword the
+    family uses: past_key_values, cache); the new block gets none, so the statistics equal those
+    of a use_cache=False run."""
+    model = make(name, seed=5)
+    points = fs.growth_points(model)
+    batch = batch_for(name, 4, 5, seed=6)
+
+    def cached_loss(model, batch):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=True)
+        assert out.past_key_values is not None
+        logits = out.logits
+        am = batch["attention_mask"]
+        valid = (am[:, 1:] * am[:, :-1]).to(logits.dtype)
+        ce = torch.nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), batch["input_ids"][:, 1:], reduction="none"
+        )
+        return (ce * valid).sum(1) / valid.sum(1)
+
+    stats = []
+    for loss in (cached_loss, per_sample_loss):
+        probe = fs.Probe(model, points=points, cross=fs.GrowthProtocol(points, seed=2))
+        probe.step(batch, loss)
+        stats.append([probe.saturation(p).cross_frob2 for p in points])
+    assert stats[0] == stats[1] and all(v != 0 for v in stats[0])

@@ -55,8 +55,6 @@ from . import blocks
 from .architecture import boundary
 from .protocol import GrowthProtocol
 
-CACHE_KEYS = ("past_key_values", "past_key_value", "layer_past", "cache")
-
 
 def zero_map_width(name: str, module: nn.Module) -> tuple[int, bool]:
     """``(in_features, has_bias)`` of a zero-initialised linear map (nn.Linear or HF Conv1D,
@@ -76,7 +74,9 @@ def block_call_kwargs(kwargs: dict) -> dict:
     of the model's cache; its attention must see this forward only), ``use_cache=False``."""
     out = {}
     for key, value in kwargs.items():
-        if key in CACHE_KEYS or type(value).__name__.endswith("Cache"):
+        # a cache is recognised by its class (transformers' Cache and its subclasses), whatever
+        # keyword a block takes it under (past_key_values, cache, layer_past)
+        if any(cls.__name__ == "Cache" for cls in type(value).__mro__):
             out[key] = None
         else:
             out[key] = value
