@@ -187,10 +187,6 @@ class Architecture:
     def transformer(self) -> bool:
         return self.kind != "resnet"
 
-    @property
-    def block_kind(self) -> str:
-        return self.adapter.model_type
-
 
 def _get(model: nn.Module, path: str):
     try:

@@ -1,8 +1,9 @@
 """The exact tangent space of the block growth would insert: a feature source for ``fs.Probe``.
 
 Role: at a candidate point ``p`` the protocol's new block ``h`` (exactly the block ``fs.grow``
-inserts after ``p``: same protocol, same seed, same weights) is function preserving because the
-parameters that write into the stream start at zero (LLaMA ``o_proj``/``down_proj``, GPT-2
+inserts after ``p``: same protocol, same seed, same weights) is function preserving at the
+origin of its model_type's adapter (:mod:`.architecture`). Pre-norm blocks: the parameters that
+write into the stream start at zero (LLaMA ``o_proj``/``down_proj``, GPT-2
 ``attn.c_proj``/``mlp.c_proj``, GPT-NeoX ``attention.dense``/``mlp.dense_4h_to_h``). For a zero
 linear map ``y = W x (+ b)`` inside the block, the block's output gradient is the stream gradient
 ``q_t`` at ``p`` (every other path through the block passes a zero map), so
@@ -26,6 +27,15 @@ output (the MLP output is added to the stream there) and ``h_t`` the new units o
 input ``u_t`` (LLaMA ``silu(W_gate u) ⊙ (W_up u)``, GPT-2 / NeoX ``act(W_fc u)``; the new rows of
 ``blocks.new_units``, i.e. those ``fs.grow`` appends); so the probe reads ``q`` at
 ``gradient_point`` and ``u`` as the input of ``call_point`` (the MLP).
+
+Post-norm blocks (Gemma2/3, OLMo2, EXAONE 4): the origin is the output norms' scale ``w`` where
+they output 0; a norm ``x̂ w`` or ``x̂ (1 + w)`` is linear in ``w`` with slope ``x̂``, so
+``∂ℓ_i/∂w = Σ_t q_t ⊙ x̂_t`` (:meth:`GrowthTangent.norm_terms`, a CrossStats of width 1 like the
+ResNet tangent below). A branch scale ``β`` (Granite ``residual_multiplier``) multiplies the
+features; at the input boundary the block runs on ``s z`` (Granite ``embedding_multiplier``) and
+the features are divided by ``s``, as the probe's ``q`` there is ``s`` times the stream gradient.
+:meth:`GrowthTangent.check_point` checks one sample of this against autograd at each candidate's
+first use.
 
 ResNet blocks (``family="layer"``): the zero parameters are the last BatchNorm's scale ``γ`` and
 shift ``β``; the branch ``γ ⊙ x̂ + β`` is added to the stream ``z`` (the candidate's output) before
