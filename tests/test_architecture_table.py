@@ -462,3 +462,26 @@ def test_model_cache_is_not_given_to_the_new_block(name):
         probe.step(batch, loss)
         stats.append([probe.saturation(p).cross_frob2 for p in points])
     assert stats[0] == stats[1] and all(v != 0 for v in stats[0])
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])
+def test_gemma_post_norm_tangent_exact_with_fp64_norms(name, monkeypatch):
+    """Gemma's norms compute in fp32 even in an fp64 model, which limits the comparison above to
+    fp32 rounding; with its norm computing in the input's dtype (the same formula, x̂ (1 + w))
+    the probe equals the per-sample gradients of all new parameters to 1e-10 at every boundary."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    norm = Gemma2RMSNorm if name == "gemma2" else Gemma3RMSNorm
+    monkeypatch.setattr(norm, "forward", lambda self, x: self._norm(x) * (1.0 + self.weight))
+    model = make(name, seed=2)
+    points = fs.growth_points(model)
+    protocol = fs.GrowthProtocol(points, seed=4)
+    probe = fs.Probe(model, points=points, cross=protocol, second_moment="dense")
+    batch = batch_for(name, 6, 5, seed=13)
+    probe.step(batch, per_sample_loss)
+    assert max(probe.cross.check_errors.values()) < 1e-12
+    for point in points:
+        grown, c = grown_rows(model, protocol, point, batch)
+        assert torch.equal(logits(grown, batch), logits(model, batch))
+        assert_matches(probe.saturation(point), c, 1e-9)
