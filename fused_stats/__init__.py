@@ -17,6 +17,7 @@ from .accumulators import (
 )
 from .accumulators.cross_stats import Saturation
 from .api.growth.advise import Advice, advise
+from .api.growth.architecture import growth_points
 from .api.growth.grow import GrowthResult, grow
 from .api.growth.insert import insert_zero_block, remove_inserted_block
 from .api.growth.intervene import intervene
@@ -52,6 +53,7 @@ __all__ = [
     "causal_lm_loss",
     "classification_loss",
     "grow",
+    "growth_points",
     "insert_zero_block",
     "intervene",
     "misalignment_probability",

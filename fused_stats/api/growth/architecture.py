@@ -1,21 +1,29 @@
-"""Which architecture a model is, for growth: its block stack, boundaries and zero-output parts.
+"""Which architecture a model is, for growth: one table of adapters keyed by ``config.model_type``.
 
-Role: :func:`describe` maps a model to an :class:`Architecture`: the kind (``"llama"``,
-``"gpt2"``, ``"gpt_neox"``, ``"resnet"``), the block containers (one ``ModuleList`` for a
-transformer; one ``Sequential`` per stage for a ResNet) and the *boundaries* where a block can be
-inserted. A boundary is a residual point (the output of block ``i`` of a container: the new block
-takes position ``i + 1``) or, for a transformer, the module whose output is the stream entering
-block 0 (``model.embed_tokens``, ``transformer.drop``, ``gpt_neox.emb_dropout``: position 0).
+Role: :data:`ADAPTERS` holds, per HF ``model_type``, everything growth and its tangent need to
+know of that family (an :class:`Adapter`); :data:`RESNET_BLOCKS` does the same for the project's
+ResNet blocks (:mod:`fused_stats.networks.resnet`), keyed by their classes. :func:`describe` maps a
+model to an :class:`Architecture`: its adapter, the block containers and the *boundaries* where a
+block can be inserted. A boundary is a residual point (the output of block ``i``: the new block
+takes position ``i + 1``) or, for a transformer, the *input point*, the module whose output
+(times the adapter's ``input_scale``) is the stream entering block 0 (position 0). Nothing is
+recognised by the names of a block's submodules: a model_type outside the table is refused.
 
-The zero-output parts are the residual branch's last maps, so that a block with them at zero adds
-an exact +0 to the stream (``z + 0 = z`` bit for bit):
+The function-preserving origin of a new block (``init="zero"``):
 
-* LLaMA: ``self_attn.o_proj``, ``mlp.down_proj``; GPT-2: ``attn.c_proj``, ``mlp.c_proj``;
-  GPT-NeoX: ``attention.dense``, ``mlp.dense_4h_to_h`` (weights and biases);
-* the project's ResNet blocks (:mod:`fused_stats.networks.resnet`): the last BatchNorm's scale and
-  shift (``bn2`` of a basic block, ``bn3`` of a bottleneck): the zero-init residual of Goyal et al.
-  (2017, "Accurate, large minibatch SGD", section 5.1). The block's output ``relu(0 + z)`` equals
-  ``z`` because ``z`` is itself a block output after a ReLU.
+* pre-norm blocks (``origin="zero_maps"``): the branch's last maps (weights and biases) at 0, so
+  the block adds an exact ``+0`` to the stream;
+* post-norm blocks (``origin="norm_scale"``: Gemma2, Gemma3, OLMo2, EXAONE 4; the branch output
+  passes a norm after its last map): the scale of that norm at the value where it outputs 0,
+  ``w = -1`` for Gemma's ``x̂ (1 + w)``, ``w = 0`` for a plain ``w x̂``;
+* ResNet blocks: the last BatchNorm's scale and shift at 0 (the zero-init residual of Goyal et al.
+  2017, "Accurate, large minibatch SGD", section 5.1); ``relu(0 + z) = z`` as ``z`` is itself a
+  block output after a ReLU.
+
+``branch_scale`` (Granite ``residual_multiplier``) multiplies the branch output before the
+residual add; ``input_scale`` multiplies the input point's output before block 0 (Granite
+``embedding_multiplier``; Gemma's ``sqrt(hidden)`` lives inside its scaled embedding module, so
+the input point's output already carries it).
 """
 
 from __future__ import annotations
@@ -27,59 +35,132 @@ from torch import nn
 from ...errors import FusedStatsError
 from ...networks.resnet import BasicBlock, Bottleneck
 
-# kind -> (stack path, module producing the stream into block 0)
-TRANSFORMER_STACKS = {
-    "llama": ("model.layers", "model.embed_tokens"),
-    "gpt2": ("transformer.h", "transformer.drop"),
-    "gpt_neox": ("gpt_neox.layers", "gpt_neox.emb_dropout"),
+LLAMA_ATTN_MLP = ("self_attn.o_proj", "mlp.down_proj")
+GATED_MLP = (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj")
+POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """How growth handles one model family (see the module docstring)."""
+
+    model_type: str
+    stack: tuple[str, str]  # the block stack: (CausalLM form, bare model form)
+    input_point: tuple[str, str]  # module whose output is the stream into block 0, same two forms
+    origin_modules: tuple[str, ...]  # relative to a block
+    origin: str = "zero_maps"  # "zero_maps" | "norm_scale"
+    origin_value: float = 0.0  # the norm scale's value at the origin ("norm_scale")
+    mlp_inputs: tuple[str, ...] | None = GATED_MLP[0]  # maps whose output rows grow (gated: 2)
+    mlp_output: str | None = GATED_MLP[1]  # map whose input columns grow
+    mlp_refused: str | None = None  # why mlp_width is refused, if it is
+    conv1d: bool = False  # weights stored (in, out) (transformers Conv1D)
+    layer_lists: tuple[str, ...] = ()  # per-layer config lists kept in step on depth growth
+    input_scale: str | None = None  # config attribute: factor between input point and block 0
+    branch_scale: str | None = None  # config attribute: factor between branch and residual add
+
+    def scale(self, config, name: str | None) -> float:
+        if name is None or config is None:
+            return 1.0
+        value = getattr(config, name, None)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise FusedStatsError(
+                f"model_type {self.model_type!r}: config.{name} is {value!r}, expected a number"
+            )
+        return float(value)
+
+
+def _llama_like(model_type: str, **extra) -> Adapter:
+    fields = {
+        "stack": ("model.layers", "layers"),
+        "input_point": ("model.embed_tokens", "embed_tokens"),
+        "origin_modules": LLAMA_ATTN_MLP,
+        "layer_lists": ("layer_types",),
+    }
+    fields.update(extra)
+    return Adapter(model_type, **fields)
+
+
+_POST_NORM_REFUSAL = (
+    "the MLP output passes a norm before the residual add, so new units' gradient needs that "
+    "norm's Jacobian, which the width tangent does not include"
+)
+
+_POST_NORM_WIDTH = {"mlp_inputs": None, "mlp_output": None, "mlp_refused": _POST_NORM_REFUSAL}
+
+ADAPTERS: dict[str, Adapter] = {
+    a.model_type: a
+    for a in (
+        _llama_like("llama"),
+        _llama_like("mistral"),
+        _llama_like("qwen2"),
+        _llama_like("qwen3"),
+        _llama_like("gemma"),
+        _llama_like("olmo"),
+        _llama_like("cohere"),
+        _llama_like("stablelm"),
+        _llama_like("smollm3", layer_lists=("layer_types", "no_rope_layers")),
+        _llama_like("granite", input_scale="embedding_multiplier", branch_scale="residual_multiplier"),
+        _llama_like(
+            "phi3",
+            mlp_inputs=None,
+            mlp_output=None,
+            mlp_refused="its MLP has one fused gate_up_proj, whose new rows would go in its middle",
+        ),
+        _llama_like(
+            "gemma2",
+            origin_modules=POST_NORMS,
+            origin="norm_scale",
+            origin_value=-1.0,
+            **_POST_NORM_WIDTH,
+        ),
+        _llama_like(
+            "gemma3_text",
+            origin_modules=POST_NORMS,
+            origin="norm_scale",
+            origin_value=-1.0,
+            **_POST_NORM_WIDTH,
+        ),
+        _llama_like("olmo2", origin_modules=POST_NORMS, origin="norm_scale", **_POST_NORM_WIDTH),
+        _llama_like("exaone4", origin_modules=POST_NORMS, origin="norm_scale", **_POST_NORM_WIDTH),
+        Adapter(
+            "gpt2",
+            stack=("transformer.h", "h"),
+            input_point=("transformer.drop", "drop"),
+            origin_modules=("attn.c_proj", "mlp.c_proj"),
+            mlp_inputs=("mlp.c_fc",),
+            mlp_output="mlp.c_proj",
+            conv1d=True,
+        ),
+        Adapter(
+            "gpt_neox",
+            stack=("gpt_neox.layers", "layers"),
+            input_point=("gpt_neox.emb_dropout", "emb_dropout"),
+            origin_modules=("attention.dense", "mlp.dense_4h_to_h"),
+            mlp_inputs=("mlp.dense_h_to_4h",),
+            mlp_output="mlp.dense_4h_to_h",
+        ),
+    )
 }
-# the bare *Model forms (LlamaModel, GPT2Model, GPTNeoXModel)
-BARE_STACKS = {
-    "llama": ("layers", "embed_tokens"),
-    "gpt2": ("h", "drop"),
-    "gpt_neox": ("layers", "emb_dropout"),
+
+# the project's ResNet blocks: (origin module, its width), keyed by class
+RESNET_BLOCKS: dict[type, Adapter] = {
+    BasicBlock: Adapter("resnet_basic", ("", ""), ("", ""), ("bn2",), mlp_inputs=None, mlp_output=None),
+    Bottleneck: Adapter("resnet_bottleneck", ("", ""), ("", ""), ("bn3",), mlp_inputs=None, mlp_output=None),
 }
 
-# kind -> submodules of one block whose output is the residual branch's last map
-ZEROED_MODULES = {
-    "llama": ("self_attn.o_proj", "mlp.down_proj"),
-    "gpt2": ("attn.c_proj", "mlp.c_proj"),
-    "gpt_neox": ("attention.dense", "mlp.dense_4h_to_h"),
-    "resnet_basic": ("bn2",),
-    "resnet_bottleneck": ("bn3",),
+
+# model_types refused with a reason (others outside ADAPTERS: refused as unknown)
+REFUSED: dict[str, str] = {
+    "gemma3": (
+        "its stream into block 0 is the token embeddings with image features scattered into them "
+        "(no module outputs it, so the input boundary has no exact tangent), and its config keeps "
+        "the per-layer lists in text_config; its text-only form, model_type 'gemma3_text', is supported"
+    ),
 }
 
-# kind -> (input maps whose output rows grow, output map whose input columns grow) of the MLP
-MLP_PARTS = {
-    "llama": (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"),
-    "gpt2": (("mlp.c_fc",), "mlp.c_proj"),
-    "gpt_neox": (("mlp.dense_h_to_4h",), "mlp.dense_4h_to_h"),
-}
 
-# the attribute path of the submodule carrying ``layer_idx`` (the KV-cache slot) per kind
-LAYER_IDX_OWNERS = {"llama": "self_attn", "gpt2": "attn", "gpt_neox": "attention"}
-
-
-def _kind_of_block(block: nn.Module) -> str | None:
-    def has(path: str) -> bool:
-        try:
-            block.get_submodule(path)
-        except AttributeError:
-            return False
-        return True
-
-    if isinstance(block, BasicBlock):
-        return "resnet_basic"
-    if isinstance(block, Bottleneck):
-        return "resnet_bottleneck"
-    for kind, parts in (
-        ("llama", ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")),
-        ("gpt2", ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")),
-        ("gpt_neox", ("attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")),
-    ):
-        if all(has(p) for p in parts):
-            return kind
-    return None
+def supported_model_types() -> list[str]:
+    return sorted(ADAPTERS)
 
 
 @dataclass
@@ -96,8 +177,8 @@ class Boundary:
 class Architecture:
     """What growth needs to know about a model (see the module docstring)."""
 
-    kind: str  # "llama" | "gpt2" | "gpt_neox" | "resnet"
-    block_kind: str  # kind of the blocks: ZEROED_MODULES key
+    kind: str  # the model_type, or "resnet"
+    adapter: Adapter
     containers: tuple[str, ...]
     boundaries: dict[str, Boundary]
     input_point: str | None
@@ -114,47 +195,94 @@ def _get(model: nn.Module, path: str):
         return None
 
 
-def describe(model: nn.Module) -> Architecture:
-    """The :class:`Architecture` of ``model``; :class:`FusedStatsError` for one growth cannot handle."""
-    if not isinstance(model, nn.Module):
-        raise FusedStatsError(f"growth needs a torch.nn.Module, got {type(model).__name__}")
-    for table in (TRANSFORMER_STACKS, BARE_STACKS):
-        for kind, (path, inp) in table.items():
-            stack = _get(model, path)
-            if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
-                continue
-            if {_kind_of_block(b) for b in stack} != {kind} or len({type(b) for b in stack}) != 1:
-                continue
-            bounds = {
-                f"{path}.{i}": Boundary(f"{path}.{i}", path, i + 1, f"{path}.{i}") for i in range(len(stack))
-            }
-            input_point = inp if _get(model, inp) is not None else None
-            if input_point is not None:
-                bounds[input_point] = Boundary(input_point, path, 0, f"{path}.0")
-            return Architecture(kind, kind, (path,), bounds, input_point)
+def _describe_resnet(model: nn.Module) -> Architecture | None:
     stages = [
         name
         for name, mod in model.named_children()
-        if isinstance(mod, nn.Sequential)
-        and len(mod)
-        and all(isinstance(b, (BasicBlock, Bottleneck)) for b in mod)
+        if isinstance(mod, nn.Sequential) and len(mod) and all(type(b) in RESNET_BLOCKS for b in mod)
     ]
-    if stages:
-        block_kinds = {_kind_of_block(b) for s in stages for b in model.get_submodule(s)}
-        if len(block_kinds) != 1:
+    if not stages:
+        return None
+    classes = {type(b) for s in stages for b in model.get_submodule(s)}
+    if len(classes) != 1:
+        raise FusedStatsError(
+            f"{type(model).__name__} mixes block classes {sorted(c.__name__ for c in classes)}; growth "
+            "needs one block class"
+        )
+    bounds = {}
+    for stage in stages:
+        for i in range(len(model.get_submodule(stage))):
+            name = f"{stage}.{i}"
+            bounds[name] = Boundary(name, stage, i + 1, name)
+    return Architecture("resnet", RESNET_BLOCKS[classes.pop()], tuple(stages), bounds, None)
+
+
+def describe(model: nn.Module) -> Architecture:
+    """The :class:`Architecture` of ``model``; :class:`FusedStatsError` for one growth cannot handle
+    (a model_type outside :data:`ADAPTERS`, a model whose structure is not its entry's)."""
+    if not isinstance(model, nn.Module):
+        raise FusedStatsError(f"growth needs a torch.nn.Module, got {type(model).__name__}")
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model_type, str) or not model_type:
+        arch = _describe_resnet(model)
+        if arch is not None:
+            return arch
+        raise FusedStatsError(
+            f"growth does not support {type(model).__name__}: it grows HF models of the model_types "
+            f"{supported_model_types()} and the ResNets of fused_stats.networks.resnet"
+        )
+    adapter = ADAPTERS.get(model_type)
+    if model_type in REFUSED:
+        raise FusedStatsError(
+            f"growth refuses model_type {model_type!r} ({type(model).__name__}): {REFUSED[model_type]}; "
+            f"supported model_types: {supported_model_types()}"
+        )
+    if adapter is None:
+        raise FusedStatsError(
+            f"growth has no adapter for model_type {model_type!r} ({type(model).__name__}); supported "
+            f"model_types: {supported_model_types()}"
+        )
+    for path, inp in zip(adapter.stack, adapter.input_point):
+        stack = _get(model, path)
+        if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
+            continue
+        if len({type(b) for b in stack}) != 1:
             raise FusedStatsError(
-                f"{type(model).__name__} mixes block kinds {sorted(block_kinds)}; growth needs one block class"
+                f"{type(model).__name__} ({model_type}): the blocks of {path!r} are of several classes"
             )
-        bounds = {}
-        for stage in stages:
-            for i in range(len(model.get_submodule(stage))):
-                name = f"{stage}.{i}"
-                bounds[name] = Boundary(name, stage, i + 1, name)
-        return Architecture("resnet", block_kinds.pop(), tuple(stages), bounds, None)
+        missing = [m for m in adapter.origin_modules if _get(stack[0], m) is None]
+        inner = getattr(stack[0], "block", None)
+        if missing and isinstance(inner, nn.Module) and all(_get(inner, m) is not None for m in missing):
+            raise FusedStatsError(
+                f"{type(model).__name__} ({model_type}): its blocks are wrapped ({type(stack[0]).__name__}, "
+                "as fs.stream_blocks streams them, with weights loaded block by block); growth and its "
+                "tangent probe build and run a new block next to the model's own, so give them the model "
+                "itself, not its streamed form"
+            )
+        if missing:
+            raise FusedStatsError(
+                f"{type(model).__name__} ({model_type}): its blocks lack {missing}, the modules the "
+                f"growth adapter of {model_type!r} puts at the origin"
+            )
+        bounds = {
+            f"{path}.{i}": Boundary(f"{path}.{i}", path, i + 1, f"{path}.{i}") for i in range(len(stack))
+        }
+        if _get(model, inp) is None:
+            raise FusedStatsError(f"{type(model).__name__} ({model_type}) has no input point {inp!r}")
+        # the input boundary first: growth points are listed in depth order
+        bounds = {inp: Boundary(inp, path, 0, f"{path}.0"), **bounds}
+        return Architecture(model_type, adapter, (path,), bounds, inp)
     raise FusedStatsError(
-        f"growth does not support {type(model).__name__}: it grows HF LLaMA (model.layers), GPT-2 "
-        f"(transformer.h), GPT-NeoX (gpt_neox.layers) and the ResNets of fused_stats.networks.resnet"
+        f"{type(model).__name__} ({model_type}) has no block stack at {list(adapter.stack)}, where the "
+        f"growth adapter of {model_type!r} expects it"
     )
+
+
+def growth_points(model: nn.Module) -> list[str]:
+    """The model's growth boundaries in depth order (the input boundary first, for a transformer):
+    the names a :class:`~fused_stats.GrowthProtocol` may list as candidates."""
+    return list(describe(model).boundaries)
 
 
 def boundary(arch: Architecture, model: nn.Module, point: str) -> Boundary:

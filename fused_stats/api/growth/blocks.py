@@ -11,7 +11,9 @@ gradient of a zero linear map ``W`` in ``W x`` is ``q xᵀ``).
 
 * ``family="layer"``: a new instance of the model's own block class (HF: built from
   ``model.config`` and initialised by the model's own ``_init_weights``; ResNet: PyTorch's default
-  init), with the branch's last maps zeroed for ``init="zero"`` (see :mod:`.architecture`);
+  init), with the adapter's origin modules at their origin for ``init="zero"`` (the branch's last
+  maps at zero, or a post-norm branch's output norm scale where the norm outputs 0; see
+  :mod:`.architecture`);
   ``init="copy"`` is a copy of the block before the boundary (G_stack), ``"random"`` the fresh
   block without zeroing.
 * ``family="mlp_width"``: the MLP of the block that *follows* the point grows by
@@ -31,8 +33,9 @@ import torch
 from torch import nn
 
 from ...errors import FusedStatsError
+from ...networks.resnet import BasicBlock
 from ..probe.spec import CrossSpec
-from .architecture import MLP_PARTS, ZEROED_MODULES, Architecture, _kind_of_block, boundary
+from .architecture import Adapter, Architecture, boundary
 from .insert import ZeroBlock
 from .protocol import GrowthProtocol
 
@@ -58,21 +61,22 @@ def _dtype_device(module: nn.Module):
 def stream_width(model: nn.Module, arch: Architecture, neighbour: nn.Module) -> int:
     if arch.transformer:
         return int(model.config.hidden_size)
-    last = neighbour.bn2 if arch.block_kind == "resnet_basic" else neighbour.bn3
-    return int(last.num_features)
+    return int(neighbour.get_submodule(arch.adapter.origin_modules[0]).num_features)
 
 
-def _config_after_insert(config, position: int, neighbour_index: int):
-    """The config a block at ``position`` is built from: a ``layer_types`` list gets the
-    neighbour's type there (blocks such as Qwen2's read their attention window from it)."""
-    types = getattr(config, "layer_types", None)
-    if not types:
-        return config
+def config_after_insert(config, adapter: Adapter, position: int, source_index: int):
+    """A copy of ``config`` with a block inserted at ``position``: ``num_hidden_layers`` + 1 and
+    every per-layer list of the adapter given the entry of block ``source_index`` there (blocks
+    such as Qwen2's read their attention window, SmolLM3's its use of RoPE, from them)."""
     config = copy.deepcopy(config)
-    types = list(types)
-    types.insert(position, types[neighbour_index])
-    config.num_hidden_layers = len(types)
-    config.layer_types = types
+    for name in adapter.layer_lists:
+        values = getattr(config, name, None)
+        if values is None:
+            continue
+        values = list(values)
+        values.insert(position, values[source_index])
+        setattr(config, name, values)
+    config.num_hidden_layers = int(config.num_hidden_layers) + 1
     return config
 
 
@@ -82,7 +86,8 @@ def _fresh_block(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if arch.transformer:
-            block = type(neighbour)(_config_after_insert(model.config, position, neighbour_index), position)
+            config = config_after_insert(model.config, arch.adapter, position, neighbour_index)
+            block = type(neighbour)(config, position)
             init = getattr(model, "_init_weights", None)
             if init is not None:
                 # transformers' own initialisation (std = config.initializer_range, norms at 1)
@@ -90,7 +95,7 @@ def _fresh_block(
                     init(sub)
         else:
             ch = stream_width(model, arch, neighbour)
-            if arch.block_kind == "resnet_basic":
+            if type(neighbour) is BasicBlock:
                 block = type(neighbour)(ch, ch)
             else:
                 if ch % type(neighbour).expansion:
@@ -101,7 +106,7 @@ def _fresh_block(
 
 def _copy_block(arch: Architecture, neighbour: nn.Module, point: str) -> nn.Module:
     if not arch.transformer:
-        stride = neighbour.conv1.stride if arch.block_kind == "resnet_basic" else neighbour.conv2.stride
+        stride = neighbour.conv1.stride if type(neighbour) is BasicBlock else neighbour.conv2.stride
         if neighbour.downsample is not None or tuple(stride) != (1, 1):
             raise FusedStatsError(
                 f"init 'copy' at {point!r}: the block there changes the stream's shape (stride "
@@ -110,28 +115,40 @@ def _copy_block(arch: Architecture, neighbour: nn.Module, point: str) -> nn.Modu
     return copy.deepcopy(neighbour)
 
 
-def zeroed_modules(block: nn.Module, family: str) -> list[str]:
-    """Names (relative to ``block``) of the submodules whose weights start at zero.
+def zeroed_modules(adapter: Adapter, family: str) -> list[str]:
+    """Names (relative to a block) of the submodules set to the origin (:mod:`.architecture`).
 
-    ``family="layer"``: the branch's last maps (LLaMA ``self_attn.o_proj``, ``mlp.down_proj``;
-    GPT-2 ``attn.c_proj``, ``mlp.c_proj``; NeoX ``attention.dense``, ``mlp.dense_4h_to_h``;
-    ResNet ``bn2`` / ``bn3``, whose per-sample weight gradient has the *normalised* input as
-    feature). ``"mlp_width"``: the MLP's output map (only its new input columns are zero).
-    ``"cross_block"``: ``[]``: the zero parameter is the block's own ``w_out``, features
-    ``φ(W_in z)``.
+    ``family="layer"``: the adapter's origin modules (a pre-norm branch's last maps, a post-norm
+    branch's output norms, a ResNet block's last BatchNorm, whose per-sample scale gradient has
+    the *normalised* input as feature). ``"mlp_width"``: the MLP's output map (only its new
+    input columns are zero). ``"cross_block"``: ``[]``: the zero parameter is the block's own
+    ``w_out``, features ``φ(W_in z)``.
     """
     if family == "cross_block":
         return []
-    kind = _kind_of_block(block)
-    if kind is None:
-        raise FusedStatsError(f"{type(block).__name__} is not a block growth knows")
     if family == "layer":
-        return list(ZEROED_MODULES[kind])
+        return list(adapter.origin_modules)
     if family == "mlp_width":
-        if kind not in MLP_PARTS:
-            raise FusedStatsError(f"family 'mlp_width' is not supported for {type(block).__name__} (no MLP)")
-        return [MLP_PARTS[kind][1]]
+        if adapter.mlp_output is None:
+            raise FusedStatsError(
+                f"family 'mlp_width' is not supported for model_type {adapter.model_type!r}: "
+                f"{adapter.mlp_refused or 'its blocks have no MLP'}"
+            )
+        return [adapter.mlp_output]
     raise FusedStatsError(f"unknown family {family!r}")
+
+
+def set_origin(block: nn.Module, adapter: Adapter) -> None:
+    """Put ``block``'s origin modules at the function-preserving origin of the adapter."""
+    with torch.no_grad():
+        for mod in adapter.origin_modules:
+            sub = block.get_submodule(mod)
+            if adapter.origin == "norm_scale":
+                sub.weight.fill_(adapter.origin_value)
+                continue
+            for p in ("weight", "bias"):
+                if getattr(sub, p, None) is not None:
+                    getattr(sub, p).zero_()
 
 
 def zero_parameters(model: nn.Module, protocol: GrowthProtocol, point: str) -> list[str]:
@@ -144,9 +161,10 @@ def zero_parameters(model: nn.Module, protocol: GrowthProtocol, point: str) -> l
     name = f"{b.container}.{b.position}" if protocol.family == "mlp_width" else b.neighbour
     block = model.get_submodule(name)
     names = []
-    for mod in zeroed_modules(block, protocol.family):
+    for mod in zeroed_modules(arch.adapter, protocol.family):
         sub = block.get_submodule(mod)
-        for p in ("weight",) if protocol.family == "mlp_width" else ("weight", "bias"):
+        norm = protocol.family == "mlp_width" or arch.adapter.origin == "norm_scale"
+        for p in ("weight",) if norm else ("weight", "bias"):
             if getattr(sub, p, None) is not None:
                 names.append(f"{mod}.{p}")
     return names
@@ -182,19 +200,14 @@ def new_block(model: nn.Module, protocol: GrowthProtocol, point: str, init: str 
     if protocol.family == "mlp_width":
         target = f"{b.container}.{b.position}"
         block = copy.deepcopy(model.get_submodule(target))
-        widen_block(block, new_units(model, protocol, point))
+        widen_block(block, new_units(model, protocol, point), arch.adapter)
         return block
     if init == "copy":
         block = _copy_block(arch, neighbour, point)
     else:
         block = _fresh_block(model, arch, neighbour, b.position, seed, int(b.neighbour.rpartition(".")[2]))
         if init == "zero":
-            with torch.no_grad():
-                for mod in zeroed_modules(block, "layer"):
-                    sub = block.get_submodule(mod)
-                    for p in ("weight", "bias"):
-                        if getattr(sub, p, None) is not None:
-                            getattr(sub, p).zero_()
+            set_origin(block, arch.adapter)
     if arch.transformer:
         # HF's gradient checkpointing is a per-layer flag set by gradient_checkpointing_enable():
         # a new layer checkpoints like its neighbour, or it would silently keep its activations
@@ -237,8 +250,9 @@ def new_units(
     b = boundary(arch, model, point)
     name = f"{b.container}.{b.position}"
     block = model.get_submodule(name)
-    kind = _kind_of_block(block)
-    ins, out = MLP_PARTS[kind]
+    adapter = arch.adapter
+    zeroed_modules(adapter, "mlp_width")  # refuses a family without width growth
+    ins, out = adapter.mlp_inputs, adapter.mlp_output
     k = protocol.width
     d = int(model.config.hidden_size)
     sigma = float(getattr(model.config, "initializer_range", None) or 0.02)
@@ -263,13 +277,13 @@ def new_units(
     pieces: dict[str, tuple[int, torch.Tensor]] = {}
     for mod, r in zip(ins, rows):
         sub = block.get_submodule(mod)
-        if kind == "gpt2":  # Conv1D: weight (in, out): new output *columns*
+        if adapter.conv1d:  # Conv1D: weight (in, out): new output *columns*
             pieces[f"{mod}.weight"] = (1, r.T.to(dtype))
         else:
             pieces[f"{mod}.weight"] = (0, r.to(dtype))
         if getattr(sub, "bias", None) is not None:
             pieces[f"{mod}.bias"] = (0, torch.zeros(k, dtype=dtype))
-    if kind == "gpt2":
+    if adapter.conv1d:
         pieces[f"{out}.weight"] = (0, torch.zeros(k, d, dtype=dtype))
     else:
         pieces[f"{out}.weight"] = (1, torch.zeros(d, k, dtype=dtype))
@@ -286,7 +300,9 @@ def widened_tensors(block: nn.Module, units: NewUnits) -> dict[str, torch.Tensor
     return out
 
 
-def widen_block(block: nn.Module, units: NewUnits) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
+def widen_block(
+    block: nn.Module, units: NewUnits, adapter: Adapter
+) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
     """Replace the MLP parameters of ``block`` by widened ones; returns name -> (old, new)."""
     values = widened_tensors(block, units)
     replaced = {}
@@ -297,22 +313,21 @@ def widen_block(block: nn.Module, units: NewUnits) -> dict[str, tuple[nn.Paramet
         new = nn.Parameter(value, requires_grad=old.requires_grad)
         setattr(mod, pname, new)
         replaced[name] = (old, new)
-    _update_sizes(block, units.width)
+    _update_sizes(block, units.width, adapter)
     return replaced
 
 
-def _update_sizes(block: nn.Module, k: int) -> None:
+def _update_sizes(block: nn.Module, k: int, adapter: Adapter) -> None:
     """Keep the modules' size attributes (read by their forward or repr) in step with the weights."""
-    kind = _kind_of_block(block)
-    ins, out = MLP_PARTS[kind]
+    ins, out = adapter.mlp_inputs, adapter.mlp_output
     for mod in ins:
         sub = block.get_submodule(mod)
-        if kind == "gpt2":
+        if adapter.conv1d:
             sub.nf += k
         else:
             sub.out_features += k
     sub = block.get_submodule(out)
-    if kind == "gpt2":
+    if adapter.conv1d:
         sub.nx += k
     else:
         sub.in_features += k

@@ -7,8 +7,9 @@ in (``"cross_block"``). Everything is built and checked before the model is touc
 call leaves model, config and optimizer as they were.
 
 After depth growth the block stack is renumbered (each attention module's ``layer_idx``, its
-KV-cache slot, becomes its new index) and the HF config follows (``num_hidden_layers``, a
-``layer_types`` list gets the neighbour's type), so ``generate`` with a cache and
+KV-cache slot, becomes its new index) and the HF config follows (``num_hidden_layers``; every
+per-layer list of the adapter, ``layer_types``, ``no_rope_layers``, gets the entry of the block the
+new one is built from: the block before it, block 0 at the input boundary), so ``generate`` with a cache and
 ``save_pretrained`` -> ``from_pretrained`` work on the grown model. Width growth updates the
 config's intermediate size, which HF configs hold once: all blocks must grow alike.
 
@@ -231,7 +232,13 @@ def _grow_layers(
         neighbour = model.get_submodule(b.neighbour)
         siblings[b.point] = dict(neighbour.named_parameters())
     config = getattr(model, "config", None)
-    types = list(getattr(config, "layer_types", None) or []) if config is not None else []
+    # per-layer config lists (layer_types, no_rope_layers, ...): the new block takes the entry of
+    # the block it is built from (its neighbour: the block before, block 0 at the input boundary)
+    lists = {}
+    if config is not None and arch.transformer:
+        for key in arch.adapter.layer_lists:
+            if getattr(config, key, None) is not None:
+                lists[key] = list(getattr(config, key))
     # final index of each new block: its original position plus the new blocks before it
     by_container: dict[str, list[Boundary]] = {}
     for b in bounds:
@@ -244,17 +251,16 @@ def _grow_layers(
     for container, items in by_container.items():
         stack = model.get_submodule(container)
         for b in sorted(items, key=lambda b: b.position, reverse=True):
-            if types:
-                # the new layer attends like its neighbour (sliding / full window)
-                src = b.position - 1 if b.position > 0 else 0
-                types.insert(b.position, types[src])
+            source = int(b.neighbour.rpartition(".")[2])
+            for values in lists.values():
+                values.insert(b.position, values[source])
             _insert(stack, b.position, blocks[b.point])
         if arch.transformer:
             _renumber(stack)
     if config is not None and arch.transformer:
         config.num_hidden_layers = int(config.num_hidden_layers) + len(bounds)
-        if types:
-            config.layer_types = types
+        for key, values in lists.items():
+            setattr(config, key, values)
     for b in bounds:
         name = f"{b.container}.{final[b.point]}"
         result.positions[b.point] = name
@@ -294,7 +300,7 @@ def _grow_width(model, protocol, arch, bounds, optimizer, init_directions, resul
     units = {b.point: new_units(model, protocol, b.point, directions=directions[b.point]) for b in bounds}
     for b in bounds:
         block_name = units[b.point].block
-        replaced = widen_block(model.get_submodule(block_name), units[b.point])
+        replaced = widen_block(model.get_submodule(block_name), units[b.point], arch.adapter)
         result.positions[b.point] = block_name
         for rel, (old, new) in replaced.items():
             result.widened.append(f"{block_name}.{rel}")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ...errors import FusedStatsError
-from .architecture import MLP_PARTS, ZEROED_MODULES, Architecture, boundary, describe
+from .architecture import ADAPTERS, RESNET_BLOCKS, Architecture, boundary, describe
 
 FAMILIES = ("layer", "mlp_width", "cross_block")
 INITS = ("zero", "copy", "random")
@@ -46,22 +46,27 @@ ZERO_STATE_RULE = (
 )
 
 
+# the architectures a version-1 record lists (a record must stay loadable by from_dict, which
+# rebuilds it, and its digest unchanged, so this list is fixed; the others are in ADAPTERS)
+RECORDED_MODEL_TYPES = ("llama", "gpt2", "gpt_neox")
+
+
 def _zero_parameters_table(family: str, init: str) -> dict[str, list[str]]:
     """Per architecture, the parameters of the grown part that start at zero under ``init``."""
     if init != "zero":
         # "copy" and "random" are not function preserving: nothing is forced to zero
         return {}
+    adapters = [ADAPTERS[k] for k in RECORDED_MODEL_TYPES] + list(RESNET_BLOCKS.values())
     if family == "layer":
         return {
-            kind: [f"{m}.{p}" for m in mods for p in ("weight", "bias")]
-            for kind, mods in ZEROED_MODULES.items()
+            a.model_type: [f"{m}.{p}" for m in a.origin_modules for p in ("weight", "bias")] for a in adapters
         }
     if family == "mlp_width":
         out = {}
-        for kind, (_, down) in MLP_PARTS.items():
-            # Conv1D (GPT-2) stores (in, out): the new *rows* of c_proj.weight are its new inputs
-            where = "rows" if kind == "gpt2" else "columns"
-            out[kind] = [f"{down}.weight[new {where}]"]
+        for a in adapters:
+            if a.mlp_output is not None:
+                # Conv1D (GPT-2) stores (in, out): the new *rows* of c_proj.weight are its new inputs
+                out[a.model_type] = [f"{a.mlp_output}.weight[new {'rows' if a.conv1d else 'columns'}]"]
         return out
     return {"any": ["w_out"]}
 
@@ -201,7 +206,7 @@ class GrowthProtocol:
         Rejected: candidates that are not block boundaries; a family the architecture does not
         support (``mlp_width`` on a ResNet, ``mlp_width`` after the last block); parameters of an
         affected block tied to another module (growth would untie them); configs growth cannot
-        keep consistent (GPT-2 ``scale_attn_by_inverse_layer_idx``, a ``layer_types`` list of the
+        keep consistent (GPT-2 ``scale_attn_by_inverse_layer_idx``, a per-layer list of the adapter of the
         wrong length, per-layer intermediate sizes). Returns the model's architecture.
         """
         arch = describe(model)
@@ -212,6 +217,11 @@ class GrowthProtocol:
                 raise FusedStatsError(
                     f"family 'mlp_width' is not supported for {type(model).__name__} ({arch.kind}): "
                     f"its blocks have no MLP; use family 'layer'"
+                )
+            if arch.adapter.mlp_output is None:
+                raise FusedStatsError(
+                    f"family 'mlp_width' is not supported for model_type {arch.kind!r}: "
+                    f"{arch.adapter.mlp_refused}; use family 'layer'"
                 )
             for b in bounds:
                 stack = model.get_submodule(b.container)
@@ -232,12 +242,14 @@ class GrowthProtocol:
                     "config.scale_attn_by_inverse_layer_idx=True: attention scales by 1/(layer_idx+1), so "
                     "renumbering the layers after an insertion would change every later layer"
                 )
-            types = getattr(config, "layer_types", None)
             layers = getattr(config, "num_hidden_layers", None)
-            if types is not None and layers is not None and len(types) != layers:
-                raise FusedStatsError(
-                    f"config.layer_types lists {len(types)} layers but num_hidden_layers is {layers}"
-                )
+            for key in arch.adapter.layer_lists:
+                values = getattr(config, key, None)
+                if values is not None and layers is not None and len(values) != layers:
+                    raise FusedStatsError(
+                        f"config.{key} lists {len(values)} layers but num_hidden_layers is {layers} "
+                        f"(model_type {arch.kind!r})"
+                    )
         _check_untied(model, arch, bounds, self.family)
         return arch
 

@@ -1,8 +1,9 @@
 """The exact tangent space of the block growth would insert: a feature source for ``fs.Probe``.
 
 Role: at a candidate point ``p`` the protocol's new block ``h`` (exactly the block ``fs.grow``
-inserts after ``p``: same protocol, same seed, same weights) is function preserving because the
-parameters that write into the stream start at zero (LLaMA ``o_proj``/``down_proj``, GPT-2
+inserts after ``p``: same protocol, same seed, same weights) is function preserving at the
+origin of its model_type's adapter (:mod:`.architecture`). Pre-norm blocks: the parameters that
+write into the stream start at zero (LLaMA ``o_proj``/``down_proj``, GPT-2
 ``attn.c_proj``/``mlp.c_proj``, GPT-NeoX ``attention.dense``/``mlp.dense_4h_to_h``). For a zero
 linear map ``y = W x (+ b)`` inside the block, the block's output gradient is the stream gradient
 ``q_t`` at ``p`` (every other path through the block passes a zero map), so
@@ -27,6 +28,15 @@ input ``u_t`` (LLaMA ``silu(W_gate u) ⊙ (W_up u)``, GPT-2 / NeoX ``act(W_fc u)
 ``blocks.new_units``, i.e. those ``fs.grow`` appends); so the probe reads ``q`` at
 ``gradient_point`` and ``u`` as the input of ``call_point`` (the MLP).
 
+Post-norm blocks (Gemma2/3, OLMo2, EXAONE 4): the origin is the output norms' scale ``w`` where
+they output 0; a norm ``x̂ w`` or ``x̂ (1 + w)`` is linear in ``w`` with slope ``x̂``, so
+``∂ℓ_i/∂w = Σ_t q_t ⊙ x̂_t`` (:meth:`GrowthTangent.norm_terms`, a CrossStats of width 1 like the
+ResNet tangent below). A branch scale ``β`` (Granite ``residual_multiplier``) multiplies the
+features; at the input boundary the block runs on ``s z`` (Granite ``embedding_multiplier``) and
+the features are divided by ``s``, as the probe's ``q`` there is ``s`` times the stream gradient.
+:meth:`GrowthTangent.check_point` checks one sample of this against autograd at each candidate's
+first use.
+
 ResNet blocks (``family="layer"``): the zero parameters are the last BatchNorm's scale ``γ`` and
 shift ``β``; the branch ``γ ⊙ x̂ + β`` is added to the stream ``z`` (the candidate's output) before
 the block's ReLU, so with ``q'_t = q_t ⊙ 1[z_t > 0]`` (the ReLU's gradient at ``z + 0``)
@@ -42,6 +52,8 @@ probe runs the model in eval mode too). The features are ``x_t = [x̂_t ; 1]`` (
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -50,10 +62,8 @@ from ...ops.cross_twin import apply_activation, seeded_w_in
 from ..probe.fold import cross_view
 from ..probe.spec import register_feature_source
 from . import blocks
-from .architecture import MLP_PARTS, boundary
+from .architecture import boundary
 from .protocol import GrowthProtocol
-
-CACHE_KEYS = ("past_key_values", "past_key_value", "layer_past", "cache")
 
 
 def zero_map_width(name: str, module: nn.Module) -> tuple[int, bool]:
@@ -74,7 +84,9 @@ def block_call_kwargs(kwargs: dict) -> dict:
     of the model's cache; its attention must see this forward only), ``use_cache=False``."""
     out = {}
     for key, value in kwargs.items():
-        if key in CACHE_KEYS or type(value).__name__.endswith("Cache"):
+        # a cache is recognised by its class (transformers' Cache and its subclasses), whatever
+        # keyword a block takes it under (past_key_values, cache, layer_past)
+        if any(cls.__name__ == "Cache" for cls in type(value).__mro__):
             out[key] = None
         else:
             out[key] = value
@@ -85,14 +97,19 @@ def block_call_kwargs(kwargs: dict) -> dict:
 
 class GrowthTangent:
     """The feature source (:class:`fused_stats.api.probe.spec.FeatureSource`) of a growth
-    protocol on ``model``: at each candidate, the inputs of the new block's zero maps.
+    protocol on ``model``: at each candidate, the features of the new block's origin parameters.
 
-    ``new_block(model, protocol, point)`` and ``zeroed_modules(block, family)`` default to
-    :mod:`fused_stats.api.growth.blocks`, so the probed block is the one ``fs.grow`` inserts.
-    Blocks are built once per point, on the model's dtype and device, and kept in ``blocks``.
+    ``new_block(model, protocol, point)`` defaults to :func:`.blocks.new_block` and
+    ``zeroed_modules(block, family)`` to the origin modules of the model's adapter
+    (:mod:`.architecture`), so the probed block is the one ``fs.grow`` inserts. Blocks are built
+    once per point, on the model's dtype and device, and kept in ``blocks``. ``self_check``: at
+    the first use of each candidate, one sample's tangent from the feature code is compared with
+    autograd through an fp64 copy of the block (:meth:`check_point`); off: ``self_check=False``.
     """
 
-    def __init__(self, protocol, model: nn.Module, new_block=None, zeroed_modules=None):
+    def __init__(
+        self, protocol, model: nn.Module, new_block=None, zeroed_modules=None, self_check: bool = True
+    ):
         self.family = getattr(protocol, "family", "layer")
         if self.family not in ("layer", "cross_block", "mlp_width"):
             raise FusedStatsError(
@@ -106,29 +123,49 @@ class GrowthTangent:
                 f"needs init='zero', the protocol has init={init!r} (probe a zero protocol, then "
                 f"grow with fs.grow(..., init={init!r}) if wanted)"
             )
+        if not isinstance(self_check, bool):
+            raise FusedStatsError(f"self_check must be True or False, got {self_check!r}")
+        meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
+        if meta is not None:
+            raise FusedStatsError(
+                f"the tangent probe runs the new block on the model's own stream and builds it from the "
+                f"model's weights, but {type(model).__name__} has meta-device parameters ({meta!r}, e.g. a "
+                "model of fs.stream_blocks); load its weights first"
+            )
         self.protocol, self.model = protocol, model
+        arch = protocol.check(model)
+        self.arch, self.adapter = arch, arch.adapter
+        self.self_check, self.checked = self_check, set()
+        self.check_errors: dict[str, float] = {}  # point -> relative error of its self-check
         self._neighbours: dict[str, str] = {}
-        self.channelwise = False
+        self.channelwise = self.normwise = False
         self._grown: dict[str, str] = {}  # mlp_width: candidate -> the block whose MLP grows
         self.units: dict[str, blocks.NewUnits] = {}
+        self._unit_norms: dict[str, dict[str, nn.Module]] = {}
+        config = getattr(model, "config", None)
+        self.branch_scale = self.adapter.scale(config, self.adapter.branch_scale)
+        self.input_scale = self.adapter.scale(config, self.adapter.input_scale)
         if self.family == "mlp_width":
-            arch = protocol.check(model)
-            self._mlp_inputs = MLP_PARTS[arch.kind][0]
+            blocks.zeroed_modules(self.adapter, "mlp_width")  # refuses a family without width growth
+            self._mlp_inputs = self.adapter.mlp_inputs
             # the probe reads the features from the MLP's input (spec.source_features)
             self.input_features = self.unit_features
             for p in protocol.candidates:
                 b = boundary(arch, model, p)
                 self._grown[p] = f"{b.container}.{b.position}"
-        elif new_block is None or zeroed_modules is None:
-            new_block = new_block or blocks.new_block
-            zeroed_modules = zeroed_modules or blocks.zeroed_modules
-            arch = protocol.check(model)
+        else:
             self._neighbours = {p: boundary(arch, model, p).neighbour for p in protocol.candidates}
-            if not arch.transformer and self.family == "layer":
+            if self.family == "layer" and not arch.transformer:
                 # a zero BatchNorm scale and shift: per-channel terms from the point's conv map
                 self.channelwise = True
                 self.output_features, self.cross_terms = self.map_features, self.channel_terms
-        self._new_block, self._zeroed = new_block, zeroed_modules
+            elif self.family == "layer" and self.adapter.origin == "norm_scale":
+                # a norm scale at its origin: per-entry terms q ⊙ x̂ (norm_terms)
+                self.normwise = True
+                self.cross_terms = self.norm_terms
+        adapter = self.adapter
+        self._new_block = new_block or blocks.new_block
+        self._zeroed = zeroed_modules or (lambda block, family: blocks.zeroed_modules(adapter, family))
         self.projection = getattr(protocol, "projection", None)
         if self.projection is not None and (
             not isinstance(self.projection, int) or isinstance(self.projection, bool) or self.projection < 1
@@ -139,6 +176,73 @@ class GrowthTangent:
         self.seed = int(getattr(protocol, "seed", 0))
         self.blocks: dict[str, nn.Module] = {}
         self.maps: dict[str, list[tuple[str, int, bool]]] = {}
+        if self_check and arch.input_point in protocol.candidates and self.family != "cross_block":
+            self.check_input_scale()
+
+    def check_input_scale(self) -> float:
+        """The self-check of the input boundary's scale: the model run on three tokens up to
+        block 0's input, which must be the input point's output times the adapter's input scale
+        (1e-6 relative, or a few roundings of the model's dtype); :class:`FusedStatsError`
+        otherwise, naming the model_type. Returns the relative error."""
+        arch, model = self.arch, self.model
+        seen: dict[str, torch.Tensor] = {}
+
+        class _Reached(Exception):
+            pass
+
+        def on_input(mod, args, out):
+            seen["point"] = out.detach()
+
+        def on_block(mod, args, kwargs):
+            stream = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(stream, torch.Tensor):
+                seen["stream"] = stream.detach()
+            raise _Reached
+
+        vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+        pad = getattr(model.config, "pad_token_id", None)
+        ids = [i for i in range(min(vocab, 8)) if i != pad][:3]
+        device = next(model.parameters()).device
+        handles = [
+            model.get_submodule(arch.input_point).register_forward_hook(on_input),
+            model.get_submodule(arch.boundaries[arch.input_point].neighbour).register_forward_pre_hook(
+                on_block, with_kwargs=True
+            ),
+        ]
+        try:
+            with torch.no_grad():
+                model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+        except _Reached:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        if "stream" not in seen or "point" not in seen:
+            raise FusedStatsError(
+                f"tangent self-check (model_type {self.adapter.model_type!r}): the model did not run "
+                f"{arch.input_point!r} and then block 0 on three tokens; cannot check the input scale"
+            )
+        point, stream = seen["point"].to(torch.float64), seen["stream"].to(torch.float64)
+        error = float((stream - point * self.input_scale).norm() / stream.norm().clamp_min(1e-300))
+        tolerance = max(SELF_CHECK_TOLERANCE, 8 * torch.finfo(seen["stream"].dtype).eps)
+        if not error <= tolerance:
+            raise FusedStatsError(
+                f"tangent self-check failed at {arch.input_point!r} (model_type {self.adapter.model_type!r}): "
+                f"block 0's input is not the input point's output times {self.input_scale} (relative "
+                f"error {error:.3g}); the growth adapter's input scale is wrong for this model"
+            )
+        return error
+
+    def stream_scale(self, point: str) -> float:
+        """The factor between the point's output and the stream the new block reads: the
+        adapter's input scale at the input boundary, else 1."""
+        return self.input_scale if point == self.arch.input_point else 1.0
+
+    def feature_scale(self, point: str) -> float:
+        """The factor of the features: the branch scale (between the block's origin and the
+        residual add), over the stream scale (``q`` at the input point is the stream gradient
+        times it)."""
+        return self.branch_scale / self.stream_scale(point)
 
     def block(self, point: str) -> nn.Module:
         """The new block at ``point`` (built on first use), in eval mode, parameters frozen."""
@@ -161,6 +265,20 @@ class GrowthTangent:
             maps = []
             for name in names:
                 module = block.get_submodule(name)
+                if self.normwise:
+                    origin = self.adapter.origin_value
+                    weight = getattr(module, "weight", None)
+                    if (
+                        not isinstance(weight, torch.Tensor)
+                        or weight.dim() != 1
+                        or bool((weight != origin).any())
+                    ):
+                        raise FusedStatsError(
+                            f"new block at {point!r} ({self.adapter.model_type}): the scale of norm {name!r} "
+                            f"must be {origin} everywhere at the origin; the block would not be function preserving"
+                        )
+                    maps.append((name, int(weight.numel()), False))
+                    continue
                 nonzero = [k for k, p in module.named_parameters() if bool((p != 0).any())]
                 if nonzero:
                     raise FusedStatsError(
@@ -216,7 +334,9 @@ class GrowthTangent:
         if act is None:
             raise FusedStatsError(f"MLP {type(module).__name__} at {point!r} has no act_fn / act")
         # gated (LLaMA): act(gate) ⊙ up, the input of down_proj; else act(fc)
-        return act(pre[0]) * pre[1] if len(pre) == 2 else act(pre[0])
+        h = act(pre[0]) * pre[1] if len(pre) == 2 else act(pre[0])
+        # the MLP output is multiplied by the branch scale before the residual add (Granite)
+        return h if self.branch_scale == 1.0 else h * self.branch_scale
 
     def raw_rank(self, point: str) -> int:
         """``r``: the columns of the full tangent ``C`` (inputs of the zero maps, +1 per bias)."""
@@ -225,6 +345,8 @@ class GrowthTangent:
         self.block(point)
         if self.channelwise:  # a BatchNorm's scale and shift: two terms per channel
             return sum(2 * width for _, width, _ in self.maps[point])
+        if self.normwise:  # a norm's scale: one term per entry
+            return sum(width for _, width, _ in self.maps[point])
         return sum(width + int(bias) for _, width, bias in self.maps[point])
 
     def feature_rank(self, point: str) -> int:
@@ -289,11 +411,44 @@ class GrowthTangent:
             [gated, gated], dim=-1
         )
 
+    def norm_terms(self, point: str, q: torch.Tensor, z: torch.Tensor, x: torch.Tensor):
+        """Post-norm blocks: ``(1, x ⊙ [q ; q ; ...])``, ``x`` the normalised inputs of the origin
+        norms (one copy of ``q`` per norm): ``Σ_t`` of the pair is ``[∂ℓ/∂w₁ ; ∂ℓ/∂w₂ ; ...]``, as
+        the norm is linear in its scale with slope ``x̂`` (for ``x̂ w`` and ``x̂ (1 + w)`` alike)."""
+        x = x.to(torch.float64)
+        q = q.to(torch.float64)
+        copies = x.shape[-1] // q.shape[-1]
+        return torch.ones(*q.shape[:2], 1, dtype=x.dtype, device=x.device), x * torch.cat(
+            [q] * copies, dim=-1
+        )
+
+    def _unit_norm(self, name: str, norm: nn.Module) -> nn.Module:
+        """A copy of ``norm`` with its scale one above the origin: its output is the slope of the
+        norm in its scale, ``x̂``, computed by the norm's own code (its dtype and rounding)."""
+        unit = copy.deepcopy(norm)
+        with torch.no_grad():
+            unit.weight.fill_(self.adapter.origin_value + 1.0)
+        return unit
+
     def features(self, point: str, module: nn.Module, z: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """``x_t`` (B, T, r): the new block run on ``z`` (B, T, d), inputs of its zero maps."""
+        """``x_t`` (B, T, r): the new block run on the stream ``z`` (B, T, d) (times the input
+        scale at the input boundary): the inputs of its zero maps (+1 per bias), or the normalised
+        inputs of its origin norms, times :meth:`feature_scale`."""
         block = self.block(point)
         if self.family == "cross_block":
             return apply_activation(z.to(block.w_in.dtype) @ block.w_in.T, block.activation)
+        kwargs = block_call_kwargs(kwargs)
+        if self.self_check and point not in self.checked:
+            self.checked.add(point)
+            self.check_errors[point] = self.check_point(point, z, kwargs)
+        units = self._unit_norms.get(point)
+        if units is None and self.normwise:
+            units = self._unit_norms[point] = {
+                name: self._unit_norm(name, block.get_submodule(name)) for name, _, _ in self.maps[point]
+            }
+        return self._features(point, block, units, z, kwargs)
+
+    def _features(self, point, block, units, z, kwargs) -> torch.Tensor:
         inputs: dict[str, torch.Tensor] = {}
         handles = []
         for name, _, _ in self.maps[point]:
@@ -302,15 +457,20 @@ class GrowthTangent:
                 inputs[name] = args[0]
 
             handles.append(block.get_submodule(name).register_forward_pre_hook(pre))
+        scale = self.stream_scale(point)
         try:
             with torch.no_grad():
-                block(z, **block_call_kwargs(kwargs))
+                # Granite: inputs_embeds * embedding_multiplier, a Python float
+                block(z if scale == 1.0 else z * scale, **kwargs)
         finally:
             for handle in handles:
                 handle.remove()
         parts = []
         for name, width, bias in self.maps[point]:
             x = inputs.get(name)
+            if x is not None and units is not None:
+                with torch.no_grad():
+                    x = units[name](x)
             if x is None or tuple(x.shape[:-1]) != tuple(z.shape[:-1]) or x.shape[-1] != width:
                 raise FusedStatsError(
                     f"new block at {point!r}: the input of {name!r} has shape "
@@ -319,7 +479,106 @@ class GrowthTangent:
             parts.append(x)
             if bias:
                 parts.append(torch.ones(*z.shape[:-1], 1, dtype=x.dtype, device=x.device))
-        return torch.cat(parts, dim=-1)
+        x = torch.cat(parts, dim=-1)
+        factor = self.feature_scale(point)
+        return x if factor == 1.0 else x * factor
+
+    def check_point(self, point: str, z: torch.Tensor, kwargs: dict) -> float:
+        """The self-check: for one sample of ``z`` and a seeded random stream gradient ``q`` (at
+        :data:`CHECKED_POSITIONS` random positions, zero at the others), the
+        tangent ``Σ_t q'_t x'_tᵀ`` of the feature code (this source's :meth:`_features` and
+        ``cross_terms``, on an fp64 copy of the block) against autograd, ``∂⟨q, h(s z)⟩/∂θ`` over
+        the origin parameters ``θ`` of that copy, ``s`` the stream scale (the feature code gets
+        ``s q``, the gradient at the point's output). Raises :class:`FusedStatsError` above 1e-6
+        relative error, naming the point and the model_type; returns the error."""
+        block = copy.deepcopy(self.block(point)).to(torch.float64)
+        B = z.shape[0]
+        sample = next((b for b in range(B) if bool(torch.isfinite(z[b]).all())), 0)
+        z1 = _one_sample(z, sample, B).detach().to(torch.float64)
+        kw1 = _fp64(_one_sample(kwargs, sample, B))
+        units = None
+        if self.normwise:
+            units = {
+                name: self._unit_norm(name, block.get_submodule(name)) for name, _, _ in self.maps[point]
+            }
+        gen = torch.Generator().manual_seed(blocks.candidate_seed(self.protocol, point) % (2**31))
+        q = torch.randn(z1.shape, generator=gen, dtype=torch.float64)
+        if q.dim() == 3 and q.shape[1] > CHECKED_POSITIONS:
+            # q at a few positions only: a norm computing in fp32 (Gemma's) sums its scale
+            # gradient over the positions in fp32, whose rounding would grow with T
+            keep = torch.randperm(q.shape[1], generator=gen)[:CHECKED_POSITIONS]
+            q = q * torch.zeros(q.shape[1], 1, dtype=q.dtype).index_fill_(0, keep, 1.0)
+        q = q.to(z1.device)
+        scale = self.stream_scale(point)
+        x = self._features(point, block, units, z1, kw1).to(torch.float64)
+        q_point = q * scale
+        terms = getattr(self, "cross_terms", None)
+        q2, x2 = terms(point, q_point, z1, x) if terms is not None else (q_point, x)
+        ours = torch.einsum("btk,btr->kr", q2, x2)
+        params = []
+        for name, _, bias in self.maps[point]:
+            sub = block.get_submodule(name)
+            params.append(sub.weight)
+            if bias:
+                params.append(sub.bias)
+        for p in block.parameters():
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            out = block(z1 * scale if scale != 1.0 else z1, **kw1)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            grads = torch.autograd.grad((q * out).sum(), params)
+        if self.normwise:
+            ref = torch.cat([g.flatten() for g in grads])[None, :]
+        else:
+            pieces, columns = list(grads), []
+            for name, _, bias in self.maps[point]:
+                w = pieces.pop(0)
+                columns.append(w if isinstance(block.get_submodule(name), nn.Linear) else w.T)
+                if bias:
+                    columns.append(pieces.pop(0)[:, None])
+            ref = torch.cat(columns, dim=1)
+        error = float((ours - ref).norm() / ref.norm().clamp_min(torch.finfo(torch.float64).tiny))
+        if not error <= SELF_CHECK_TOLERANCE:
+            raise FusedStatsError(
+                f"tangent self-check failed at {point!r} (model_type {self.adapter.model_type!r}): the "
+                f"feature code's tangent differs from autograd through the new block by {error:.3g} "
+                f"(relative; tolerance {SELF_CHECK_TOLERANCE}); the growth adapter of this model_type "
+                "does not describe the block exactly"
+            )
+        return error
+
+
+SELF_CHECK_TOLERANCE = 1e-6
+CHECKED_POSITIONS = 4
+
+
+def _one_sample(value, b: int, batch: int):
+    """Sample ``b`` of a call argument: tensors with a leading batch axis (dim ≥ 2) sliced to one
+    row, containers element-wise, everything else (a broadcast rotary table, ``cache_position``)
+    as it is."""
+    if isinstance(value, torch.Tensor):
+        return value[b : b + 1] if value.dim() >= 2 and value.shape[0] == batch and batch > 1 else value
+    if isinstance(value, tuple):
+        return tuple(_one_sample(v, b, batch) for v in value)
+    if isinstance(value, list):
+        return [_one_sample(v, b, batch) for v in value]
+    if isinstance(value, dict):
+        return {k: _one_sample(v, b, batch) for k, v in value.items()}
+    return value
+
+
+def _fp64(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(_fp64(v) for v in value)
+    if isinstance(value, list):
+        return [_fp64(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _fp64(v) for k, v in value.items()}
+    return value
 
 
 register_feature_source(GrowthProtocol, GrowthTangent)
