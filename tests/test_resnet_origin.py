@@ -311,3 +311,21 @@ def test_grown_resnet_reloads_bit_identical(gen):
     z = torch.randn(2, old.conv1.in_channels, 6, 6, generator=gen, dtype=F64)
     with torch.no_grad():
         assert bool((old(z) >= 0).all()) and torch.equal(old(z), model.layer2[0].eval()(z))
+
+
+@pytest.mark.parametrize("kind", ["basic", "bottleneck"])
+def test_places_that_are_not_block_boundaries_are_refused_with_nothing_changed(kind):
+    """Only block outputs are boundaries: the stem (its conv, BatchNorm, ReLU, max-pool), a block's
+    inner modules and the head are refused, naming the point, with the model unchanged."""
+    model, _, _ = build(kind)
+    offered = set(describe(model).boundaries)
+    assert offered == set(fs.residual_points(model))
+    before = copy.deepcopy(model.state_dict())
+    structure = repr(model)
+    stem = ["conv1", "bn1", "relu"] + (["maxpool"] if kind == "bottleneck" else [])
+    for point in [*stem, "layer1.0.bn1", "layer1.0.relu", "fc"]:
+        assert point not in offered
+        with pytest.raises(fs.FusedStatsError, match=rf"candidate '{point}' is not a residual point"):
+            fs.grow(model, fs.GrowthProtocol([point]))
+    assert repr(model) == structure
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
