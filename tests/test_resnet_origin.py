@@ -281,8 +281,8 @@ def test_random_and_copy_growth_keep_their_forms(gen):
 
 def test_grown_resnet_reloads_bit_identical(gen):
     """``torch.save(model)`` / ``torch.load`` keeps each block's form; a state_dict loads into the
-    architecture rebuilt by replaying the growth; a module pickled before the flag existed loads
-    as the trailing-ReLU block it was."""
+    architecture rebuilt by replaying the growth; ``fs.stream_blocks`` runs the same blocks; a
+    module pickled before the flag existed loads as the trailing-ReLU block it was."""
     model, side, _ = build("bottleneck")
     x = torch.randn(3, 3, side, side, generator=gen, dtype=F64)
     protocol = fs.GrowthProtocol(["layer1.1", "layer4.1"], seed=5)
@@ -306,6 +306,8 @@ def test_grown_resnet_reloads_bit_identical(gen):
     with torch.no_grad():
         assert torch.equal(loaded(x), expected)
         assert torch.equal(rebuilt.eval()(x), expected)
+    with fs.stream_blocks(grown) as streamed, torch.no_grad():  # weights streamed block by block
+        assert torch.equal(streamed.model(x), expected)
     old = copy.deepcopy(model.layer2[0]).eval()
     del old.__dict__["out_relu"]
     z = torch.randn(2, old.conv1.in_channels, 6, 6, generator=gen, dtype=F64)
