@@ -12,13 +12,13 @@ probe can be exercised on conv feature maps (B, C, H, W) without downloads.
   at a configurable small width, so the torchvision naming (``layer2.0.downsample``) is covered.
 
 Every block computes ``relu(F(x) + shortcut(x))``; the block's output is the residual stream. A
-block built with ``out_relu=False`` computes ``F(x) + x`` (no trailing ReLU): the form growth
-inserts (:mod:`fused_stats.api.growth.blocks`). With its branch at zero it is the identity for
-every input, and it is differentiable there, where ``relu(x + F(x))`` has a kink at every
-``x = 0`` (a ReLU output has exact zeros). The flag is part of the architecture, like the number
-of blocks: it is kept by ``copy.deepcopy`` and by pickling the module (``torch.save(model)``), and
-shown by ``repr``; a ``state_dict`` holds tensors only, so a model rebuilt to load one must be
-built with the same flags.
+block built with ``out_relu=False`` computes ``F(x) + shortcut(x)``, no trailing ReLU: the form
+growth inserts (:mod:`fused_stats.api.growth.blocks`), with an identity shortcut. With its branch
+at zero that block is the identity for every input, and differentiable there, where
+``relu(x + F(x))`` has a kink at every ``x = 0`` (a ReLU output has exact zeros). The flag is part
+of the architecture, like the number of blocks: ``copy.deepcopy`` and pickling the module
+(``torch.save(model)``) keep it, ``repr`` shows ``out_relu=False``; a ``state_dict`` holds tensors
+only, so a model rebuilt to load one must be built with the same flags.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class BasicBlock(nn.Module):
         return self.relu(out) if self.out_relu else out
 
     def extra_repr(self) -> str:
-        return f"out_relu={self.out_relu}"
+        return "" if self.out_relu else "out_relu=False"  # default blocks print as before
 
 
 class Bottleneck(nn.Module):
@@ -109,7 +109,7 @@ class Bottleneck(nn.Module):
         return self.relu(out) if self.out_relu else out
 
     def extra_repr(self) -> str:
-        return f"out_relu={self.out_relu}"
+        return "" if self.out_relu else "out_relu=False"  # default blocks print as before
 
 
 def _stage(block, in_ch: int, ch: int, blocks: int, stride: int) -> tuple[nn.Sequential, int]:
