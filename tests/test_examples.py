@@ -7,6 +7,7 @@ what it promises (the examples' numbers are checked against references in the ot
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -115,11 +116,18 @@ def test_missing_peer_library_names_the_install_command(name, module, tmp_path):
 
 
 def test_grow_resnet_tiny(tmp_path):
-    out = run_example(
-        "grow_resnet.py", "--steps", "6", "--width", "4", "--out", str(tmp_path / "g"), tmp_path=tmp_path
-    )
+    out = run_example("grow_resnet.py", "--steps", "6", "--width", "4", tmp_path=tmp_path)
     assert "eval logits bit-identical: True" in out
-    assert (tmp_path / "g" / "advice.md").read_text().count("| layer") == 9
-    assert (tmp_path / "g" / "advice.png").stat().st_size > 0
-    errors = [float(m) for m in re.findall(r"^0\.0*1 .* (\S+)$", out, flags=re.M)]
-    assert len(errors) == 4 and max(errors) < 0.05, out  # within the one-sided floor at ReLU zeros
+    # no --out: the advice goes to a new temporary folder, nothing into the working directory
+    written = Path(re.search(r"^wrote (\S+)/advice\.md,", out, flags=re.M).group(1))
+    assert list(tmp_path.iterdir()) == [] and not written.is_relative_to(tmp_path)
+    assert (written / "advice.md").read_text().count("| layer") == 9
+    assert (written / "advice.png").stat().st_size > 0
+    shutil.rmtree(written)
+    rows = re.findall(r"^(\S+) +[-+]\S+ +[-+]\S+ +(\S+)$", out, flags=re.M)
+    errors = {float(eta): float(err) for eta, err in rows}
+    assert sorted(errors) == [1e-5, 1e-4, 1e-3, 1e-2, 1e-1], out
+    # the new block is smooth at its origin: the first-step error is proportional to eta
+    assert errors[1e-4] <= 1e-2, out
+    for eta in (1e-3, 1e-4):
+        assert 8.5 <= errors[eta] / errors[eta / 10] <= 11.5, out

@@ -395,31 +395,40 @@ def resnet_model(kind):
 
 
 def reference_bn_grads(model, protocol, point, x, y, last, projection=None):
-    """c_i = [∂ℓ_i/∂γ ; ∂ℓ_i/∂β] of the zero last BatchNorm of the block fs.grow inserts after
-    ``point``, the grown fp64 model in eval mode, one backward per sample."""
+    """c_i: the per-sample gradient of every new parameter of the block fs.grow inserts after
+    ``point`` (the grown fp64 model in eval mode, one backward per sample). At the origin only the
+    zero last BatchNorm's ``[∂ℓ_i/∂γ ; ∂ℓ_i/∂β]`` is not zero (checked); with ``projection`` the
+    rows are ``P [∂ℓ_i/∂γ ; ∂ℓ_i/∂β]``, the order of the probe's features."""
     grown = copy.deepcopy(model).eval()
     result = fs.grow(grown, protocol, at=[point])
     bn = grown.get_submodule(f"{result.positions[point]}.{last}")
     assert bool((bn.weight == 0).all()) and bool((bn.bias == 0).all())
     for p in grown.parameters():
         p.requires_grad_(False)
-    params = [bn.weight, bn.bias]
+    named = dict(grown.named_parameters())
+    params = [named[n] for n in result.new_parameters]
     for p in params:
         p.requires_grad_(True)
     rows = []
     for b in range(x.shape[0]):
         loss = F.cross_entropy(grown(x[b : b + 1]), y[b : b + 1])
-        c = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
-        rows.append(c if projection is None else projection @ c)
+        grads = dict(zip(result.new_parameters, torch.autograd.grad(loss, params)))
+        zero_bn = [f"{result.positions[point]}.{last}.{n}" for n in ("weight", "bias")]
+        assert all(not g.any() for n, g in grads.items() if n not in zero_bn)
+        if projection is None:
+            rows.append(torch.cat([g.flatten() for g in grads.values()]))
+        else:
+            rows.append(projection @ torch.cat([grads[n] for n in zero_bn]))
     return torch.stack(rows)
 
 
 @pytest.mark.parametrize("kind", ["basic", "bottleneck"])
 @pytest.mark.parametrize("projection", [None, 5])
 def test_resnet_tangent_matches_per_sample_gradients_of_the_zero_batchnorm(kind, projection):
-    """ResNet blocks: the zero parameters are the last BatchNorm's scale and shift, whose per-sample
-    gradients are per channel; the probe (model in train mode: it probes in eval mode) agrees with
-    them on an fs.grow-grown fp64 model to 1e-10, and leaves the model as it was."""
+    """ResNet blocks (``x + F(x)``, no ReLU gate): the zero parameters are the last BatchNorm's
+    scale and shift, whose per-sample gradients are per channel; the probe (model in train mode: it
+    probes in eval mode) agrees with the per-sample gradients of all new parameters of an
+    fs.grow-grown fp64 model to 1e-10, and leaves the model as it was."""
     model, points, side, last = resnet_model(kind)
     model.train()
     protocol = fs.GrowthProtocol(points, family="layer", seed=4, projection=projection)
@@ -482,7 +491,11 @@ def test_resnet_tangent_by_pixel_sums_to_the_per_sample_gradients():
     for h in handles:
         h.remove()
     for point in points:
-        c = reference_bn_grads(model, protocol, point, x, y, last)
+        channels = model.get_submodule(point).get_submodule(last).num_features
+        # the identity "projection": the rows [∂ℓ_i/∂γ ; ∂ℓ_i/∂β] in the order of c_sum
+        c = reference_bn_grads(
+            model, protocol, point, x, y, last, torch.eye(2 * channels, dtype=torch.float64)
+        )
         acc = probe.cross_stats[point]
         assert acc.unit == "position" and acc.dim == 1 and acc.n == 4 * math.prod(shapes[point][2:])
         assert torch.allclose(acc.c_sum.flatten(), c.sum(0), rtol=1e-10, atol=1e-14)

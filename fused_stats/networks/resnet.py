@@ -11,7 +11,14 @@ probe can be exercised on conv feature maps (B, C, H, W) without downloads.
   ``layer1..layer4`` with ``BasicBlock`` or ``Bottleneck`` blocks and ``downsample`` projections)
   at a configurable small width, so the torchvision naming (``layer2.0.downsample``) is covered.
 
-Every block computes ``relu(F(x) + shortcut(x))``; the block's output is the residual stream.
+Every block computes ``relu(F(x) + shortcut(x))``; the block's output is the residual stream. A
+block built with ``out_relu=False`` computes ``F(x) + shortcut(x)``, no trailing ReLU: the form
+growth inserts (:mod:`fused_stats.api.growth.blocks`), with an identity shortcut. With its branch
+at zero that block is the identity for every input, and differentiable there, where
+``relu(x + F(x))`` has a kink at every ``x = 0`` (a ReLU output has exact zeros). The flag is part
+of the architecture, like the number of blocks: ``copy.deepcopy`` and pickling the module
+(``torch.save(model)``) keep it, ``repr`` shows ``out_relu=False``; a ``state_dict`` holds tensors
+only, so a model rebuilt to load one must be built with the same flags.
 """
 
 from __future__ import annotations
@@ -26,13 +33,30 @@ def _bn(channels: int) -> nn.BatchNorm2d:
     return nn.BatchNorm2d(channels)
 
 
+def _check_flag(out_relu) -> bool:
+    if not isinstance(out_relu, bool):
+        raise FusedStatsError(f"out_relu must be True or False, got {out_relu!r}")
+    return out_relu
+
+
 class BasicBlock(nn.Module):
-    """Two 3x3 convolutions and a skip: ``relu(bn2(conv2(relu(bn1(conv1 x)))) + downsample(x))``."""
+    """Two 3x3 convolutions and a skip: ``relu(bn2(conv2(relu(bn1(conv1 x)))) + downsample(x))``,
+    without the outer ``relu`` when ``out_relu`` is False."""
 
     expansion = 1
+    # modules pickled before the flag existed unpickle without it: they had the trailing ReLU
+    out_relu = True
 
-    def __init__(self, in_ch: int, out_ch: int, stride: int = 1, downsample: nn.Module | None = None):
+    def __init__(
+        self,
+        in_ch: int,
+        out_ch: int,
+        stride: int = 1,
+        downsample: nn.Module | None = None,
+        out_relu: bool = True,
+    ):
         super().__init__()
+        self.out_relu = _check_flag(out_relu)
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride, 1, bias=False)
         self.bn1 = _bn(out_ch)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, 1, 1, bias=False)
@@ -43,17 +67,30 @@ class BasicBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return self.relu(out + identity)
+        out = self.bn2(self.conv2(out)) + identity
+        return self.relu(out) if self.out_relu else out
+
+    def extra_repr(self) -> str:
+        return "" if self.out_relu else "out_relu=False"  # default blocks print as before
 
 
 class Bottleneck(nn.Module):
-    """1x1 reduce, 3x3, 1x1 expand (x4) and a skip, as in torchvision's ``Bottleneck``."""
+    """1x1 reduce, 3x3, 1x1 expand (x4) and a skip, as in torchvision's ``Bottleneck``; the outer
+    ``relu`` only when ``out_relu`` is True."""
 
     expansion = 4
+    out_relu = True  # as in BasicBlock
 
-    def __init__(self, in_ch: int, mid_ch: int, stride: int = 1, downsample: nn.Module | None = None):
+    def __init__(
+        self,
+        in_ch: int,
+        mid_ch: int,
+        stride: int = 1,
+        downsample: nn.Module | None = None,
+        out_relu: bool = True,
+    ):
         super().__init__()
+        self.out_relu = _check_flag(out_relu)
         out_ch = mid_ch * self.expansion
         self.conv1 = nn.Conv2d(in_ch, mid_ch, 1, bias=False)
         self.bn1 = _bn(mid_ch)
@@ -68,8 +105,11 @@ class Bottleneck(nn.Module):
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        return self.relu(out + identity)
+        out = self.bn3(self.conv3(out)) + identity
+        return self.relu(out) if self.out_relu else out
+
+    def extra_repr(self) -> str:
+        return "" if self.out_relu else "out_relu=False"  # default blocks print as before
 
 
 def _stage(block, in_ch: int, ch: int, blocks: int, stride: int) -> tuple[nn.Sequential, int]:

@@ -17,8 +17,9 @@ The function-preserving origin of a new block (``init="zero"``):
   passes a norm after its last map): the scale of that norm at the value where it outputs 0,
   ``w = -1`` for Gemma's ``x̂ (1 + w)``, ``w = 0`` for a plain ``w x̂``;
 * ResNet blocks: the last BatchNorm's scale and shift at 0 (the zero-init residual of Goyal et al.
-  2017, "Accurate, large minibatch SGD", section 5.1); ``relu(0 + z) = z`` as ``z`` is itself a
-  block output after a ReLU.
+  2017, "Accurate, large minibatch SGD", section 5.1), in a block built without its trailing ReLU
+  (``out_relu=False``: ``z + F(z)``), so the zero block is the identity on any stream and smooth at
+  its origin.
 
 ``branch_scale`` (Granite ``residual_multiplier``) multiplies the branch output before the
 residual add; ``input_scale`` multiplies the input point's output before block 0 (Granite

@@ -11,10 +11,11 @@ gradient of a zero linear map ``W`` in ``W x`` is ``q xᵀ``).
 
 * ``family="layer"``: a new instance of the model's own block class (HF: built from
   ``model.config`` and initialised by the model's own ``_init_weights``; ResNet: PyTorch's default
-  init), with the adapter's origin modules at their origin for ``init="zero"`` (the branch's last
-  maps at zero, or a post-norm branch's output norm scale where the norm outputs 0; see
-  :mod:`.architecture`);
-  ``init="copy"`` is a copy of the block before the boundary (G_stack), ``"random"`` the fresh
+  init, built with ``out_relu=False``: ``x + F(x)``, so that the zero block is the identity on any
+  stream and differentiable at its origin), with the adapter's origin modules at their origin for
+  ``init="zero"`` (the branch's last maps at zero, or a post-norm branch's output norm scale where
+  the norm outputs 0; see :mod:`.architecture`); ``init="copy"`` is an exact copy of the block
+  before the boundary (G_stack; a ResNet copy keeps that block's ``out_relu``), ``"random"`` the fresh
   block without zeroing.
 * ``family="mlp_width"``: the MLP of the block that *follows* the point grows by
   ``protocol.width`` units: new input rows ``N(0, σ²)`` with the config's ``initializer_range`` σ
@@ -95,12 +96,14 @@ def _fresh_block(
                     init(sub)
         else:
             ch = stream_width(model, arch, neighbour)
+            # x + F(x), no trailing ReLU: the identity at F = 0 for any stream x, and smooth there
+            # (relu(x + F) has a kink at every x = 0 pixel of a ReLU output: the tangent would not be one)
             if type(neighbour) is BasicBlock:
-                block = type(neighbour)(ch, ch)
+                block = type(neighbour)(ch, ch, out_relu=False)
             else:
                 if ch % type(neighbour).expansion:
                     raise FusedStatsError(f"bottleneck width {ch} is not a multiple of the expansion")
-                block = type(neighbour)(ch, ch // type(neighbour).expansion)
+                block = type(neighbour)(ch, ch // type(neighbour).expansion, out_relu=False)
     return block
 
 

@@ -38,16 +38,19 @@ the features are divided by ``s``, as the probe's ``q`` there is ``s`` times the
 first use.
 
 ResNet blocks (``family="layer"``): the zero parameters are the last BatchNorm's scale ``γ`` and
-shift ``β``; the branch ``γ ⊙ x̂ + β`` is added to the stream ``z`` (the candidate's output) before
-the block's ReLU, so with ``q'_t = q_t ⊙ 1[z_t > 0]`` (the ReLU's gradient at ``z + 0``)
+shift ``β``; the new block is ``z + γ ⊙ x̂ + β`` with no ReLU after the sum (``out_relu=False``,
+:mod:`fused_stats.networks.resnet`), so its output gradient is the stream gradient ``q_t`` at the
+candidate and
 
-    ∂ℓ_i/∂γ = Σ_t q'_t ⊙ x̂_t,   ∂ℓ_i/∂β = Σ_t q'_t,
+    ∂ℓ_i/∂γ = Σ_t q_t ⊙ x̂_t,   ∂ℓ_i/∂β = Σ_t q_t,
 
 per channel, ``t`` the pixels and ``x̂`` the new block's normalised conv output (its BatchNorm in
 eval mode: running statistics, mean 0 and variance 1 at birth, so samples stay independent; the
-probe runs the model in eval mode too). The features are ``x_t = [x̂_t ; 1]`` (2C) and
-``cross_terms`` turns ``(q, x)`` into ``(1, x ⊙ [q' ; q'])``: a CrossStats of width 1 whose
-``c_i`` is the 2C-vector of those gradients.
+probe runs the model in eval mode too). These are true derivatives: the block is smooth at its
+origin (a trailing ReLU on ``z + 0``, ``z`` a ReLU output with exact zeros, would leave only
+one-sided ones there). The features are ``x_t = [x̂_t ; 1]`` (2C) and ``cross_terms`` turns
+``(q, x)`` into ``(1, x ⊙ [q ; q])``: a CrossStats of width 1 whose ``c_i`` is the 2C-vector of
+those gradients.
 """
 
 from __future__ import annotations
@@ -402,14 +405,13 @@ class GrowthTangent:
         return cross_view(torch.cat([xhat, torch.ones_like(xhat)], dim=1), 1)
 
     def channel_terms(self, point: str, q: torch.Tensor, z: torch.Tensor, x: torch.Tensor):
-        """ResNet: ``(1, x ⊙ [q' ; q'])`` with ``q' = q ⊙ 1[z > 0]``; ``q``, ``z`` (B, P, C),
-        ``x`` (B, P, 2C) from :meth:`map_features`: ``Σ_t`` of the pair is ``[∂ℓ/∂γ ; ∂ℓ/∂β]``."""
+        """ResNet: ``(1, x ⊙ [q ; q])``; ``q`` (B, P, C) the stream gradient (``z``, the stream
+        itself, is not needed: the new block has no ReLU after its sum), ``x`` (B, P, 2C) from
+        :meth:`map_features`: ``Σ_t`` of the pair is ``[∂ℓ/∂γ ; ∂ℓ/∂β]``."""
         # in fp64, as the probe keeps cross features: a bf16 product would round every term
         x = x.to(torch.float64)
-        gated = q.to(torch.float64) * (z > 0).to(torch.float64)
-        return torch.ones(*q.shape[:2], 1, dtype=x.dtype, device=x.device), x * torch.cat(
-            [gated, gated], dim=-1
-        )
+        q = q.to(torch.float64)
+        return torch.ones(*q.shape[:2], 1, dtype=x.dtype, device=x.device), x * torch.cat([q, q], dim=-1)
 
     def norm_terms(self, point: str, q: torch.Tensor, z: torch.Tensor, x: torch.Tensor):
         """Post-norm blocks: ``(1, x ⊙ [q ; q ; ...])``, ``x`` the normalised inputs of the origin
