@@ -102,11 +102,12 @@ def cmd_plan(args) -> int:
         given, missing = ("--dim", "--points") if args.points is None else ("--points", "--dim")
         raise FusedStatsError(f"{given} needs {missing} too (or --model CONFIG for the shape)")
     if args.tangent is not None and args.stream_blocks:
-        # the probe refuses it (growth finds no LLaMA/GPT-2/GPT-NeoX stack in the streamed model)
+        # the probe refuses it: the streamed model's blocks hold meta-device weights
         raise FusedStatsError(
             "--tangent with --stream-blocks: the tangent probe (cross=GrowthProtocol) does not run on a "
-            "weight-streamed model (fs.stream_blocks wraps every block, and growth refuses the model: "
-            "'growth does not support ...'); plan the tangent without --stream-blocks"
+            "weight-streamed model (the probe refuses it: 'the tangent probe runs the new block on the "
+            "model's own stream and builds it from the model's weights', which fs.stream_blocks keeps on "
+            "the meta device); plan the tangent without --stream-blocks"
         )
     plans = []  # (plan, the config or preset it was read from, or None for --dim/--points)
     if args.model is not None:
