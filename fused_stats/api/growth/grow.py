@@ -205,9 +205,15 @@ def _join_in_model_order(optimizer, model: nn.Module, joins: dict, result) -> No
         earlier = [i for i, p in enumerate(params) if rank[id(p)] < rank[id(param)]]
         at = earlier[-1] + 1 if earlier else 0
         params.insert(at, param)
-        if "param_names" in group:  # an optimizer built from named_parameters() keeps names per slot
+        if "param_names" in group:
             group["param_names"].insert(at, name)
         result.optimizer_groups[name] = g
+    # an optimizer built from named_parameters() keeps one name per slot: renumbered blocks get
+    # their new names, so the names it saves are the grown model's
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        if "param_names" in group:
+            group["param_names"] = [names[id(p)] for p in group["params"]]
 
 
 def _own_config(model: nn.Module):
