@@ -63,10 +63,14 @@ def batch(gen):
 
 
 def trainer_groups(model):
-    """Two groups as HF Trainer builds them: norms and biases without weight decay."""
+    """Two groups as HF Trainer builds them: parameters of norm layers (found by module type) and
+    biases without weight decay, the rest with it, each in named_parameters() order."""
+    norm_params = {
+        id(p) for m in model.modules() if "Norm" in type(m).__name__ for p in m.parameters(recurse=False)
+    }
     named = list(model.named_parameters())
-    no_decay = [p for n, p in named if "norm" in n or n.endswith("bias")]
-    decay = [p for n, p in named if not ("norm" in n or n.endswith("bias"))]
+    no_decay = [p for n, p in named if id(p) in norm_params or n.endswith("bias")]
+    decay = [p for n, p in named if not (id(p) in norm_params or n.endswith("bias"))]
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -293,3 +297,21 @@ def test_gradmax_rows_have_the_norm_of_a_random_row(gen):
     )
     cos = torch.nn.functional.cosine_similarity(rows, directions[:3], dim=1)
     torch.testing.assert_close(cos, torch.ones(3, dtype=F64), rtol=1e-12, atol=1e-12)
+
+
+def test_groups_of_gpt2_cross_block_and_widened_biases():
+    """GPT-2 blocks start with a norm (no-decay group): the cross block's w_out still joins the
+    decay group; widened biases keep their no-decay slot."""
+    torch.manual_seed(3)
+    config = transformers.GPT2Config(n_embd=12, n_layer=2, n_head=2, n_positions=32, vocab_size=VOCAB)
+    model = transformers.GPT2LMHeadModel(config).to(F64)
+    opt = torch.optim.AdamW(trainer_groups(model), lr=1e-3)
+    cross = fs.grow(model, fs.GrowthProtocol(["transformer.h.0"], family="cross_block"), optimizer=opt)
+    assert cross.optimizer_groups == {"transformer.h.0.fused_stats_inserted.w_out": 0}
+    wide = fs.GrowthProtocol(["transformer.drop", "transformer.h.0"], family="mlp_width", width=2)
+    result = fs.grow(model, wide, optimizer=opt)
+    assert result.optimizer_groups["transformer.h.0.mlp.c_fc.bias"] == 1
+    assert result.optimizer_groups["transformer.h.1.mlp.c_proj.weight"] == 0
+    assert [[id(p) for p in g["params"]] for g in opt.param_groups] == [
+        [id(p) for p in g["params"]] for g in trainer_groups(model)
+    ]
