@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import fused_stats as fs
-from fused_stats.api.growth.blocks import new_units
+from fused_stats.api.growth.blocks import new_block, new_units
 from fused_stats.api.growth.protocol import WIDTH_STATE_RULE, ZERO_STATE_RULE
 
 transformers = pytest.importorskip("transformers")
@@ -174,6 +174,9 @@ def test_cross_block_save_is_refused_and_the_state_dict_resumes(gen, tmp_path):
     copied = copy.deepcopy(model)  # the refusal follows the copy, and removal lifts it
     fs.remove_inserted_block(copied, "model.layers.0")
     copied.save_pretrained(tmp_path / "plain")
+    plain = aligned(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=F64))
+    with torch.no_grad():
+        assert torch.equal(plain(**b).logits, copied(**b).logits)
     with pytest.raises(fs.FusedStatsError, match="inserted blocks"):
         model.save_pretrained(tmp_path / "grown")
 
@@ -268,6 +271,11 @@ def test_protocol_validation_and_stored_digests():
         fs.GrowthProtocol(["a"], family="layer", width=8)
     with pytest.raises(fs.FusedStatsError, match="needs family 'layer'"):
         fs.GrowthProtocol(["a"], family="mlp_width", width=2, init="copy")
+    model = llama(layers=2)
+    wide = fs.GrowthProtocol(["model.embed_tokens"], family="mlp_width", width=2)
+    for init, message in (("random", "needs family 'layer'"), ("ones", "init must be one of")):
+        with pytest.raises(fs.FusedStatsError, match=message):  # the prober's block, as fs.grow
+            new_block(model, wide, "model.embed_tokens", init=init)
     # digests computed by the code before the width rule was recorded: layer and cross_block keep theirs
     cross = fs.GrowthProtocol(["model.layers.0", "model.layers.1"], family="cross_block", width=5, seed=9)
     assert cross.digest == "d1da391f1ea9a7f1460f5787f10b35f4f3cfec70833dc2021e40dd07c753c6c5"

@@ -288,7 +288,9 @@ def grow(
     Returns a :class:`GrowthResult`. Raises :class:`FusedStatsError`, with nothing changed, for
     a point that is not a candidate / block boundary, an unsupported family or config, tied
     parameters, partial width growth of a model whose config holds one intermediate size, or an
-    optimizer holding parameters that are not the model's.
+    optimizer holding parameters that are not the model's, none of the grown-next-to block's (the
+    widened MLP's), or state of another shape than a widened parameter. The model gets its own
+    copy of its config (the config object it shared with others is left as it was).
     """
     if not isinstance(protocol, GrowthProtocol):
         raise FusedStatsError(f"protocol must be a GrowthProtocol, got {type(protocol).__name__}")
