@@ -323,3 +323,21 @@ def test_groups_of_gpt2_cross_block_and_widened_biases():
     assert [[id(p) for p in g["params"]] for g in opt.param_groups] == [
         [id(p) for p in g["params"]] for g in trainer_groups(model)
     ]
+
+
+@pytest.mark.parametrize("dampening", [0.0, 0.5])
+def test_width_growth_first_sgd_momentum_update_of_the_new_slice(dampening, gen):
+    """The carried zero momentum buffer gives the new slice (1 - dampening)·g, where a fresh
+    SGD's first buffer is g itself (the rule WIDTH_STATE_RULE states)."""
+    lr = 0.1
+    model = llama(layers=1).train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, dampening=dampening)
+    for _ in range(2):
+        step(model, opt, batch(gen))
+    fs.grow(model, fs.GrowthProtocol(["model.embed_tokens"], family="mlp_width", width=3), optimizer=opt)
+    down = model.model.layers[0].mlp.down_proj.weight
+    before = down.detach().clone()
+    step(model, opt, batch(gen))
+    g = down.grad[:, 20:]
+    assert g.abs().min() > 0
+    torch.testing.assert_close((down - before)[:, 20:], -lr * (1 - dampening) * g, rtol=1e-12, atol=0)
