@@ -341,3 +341,15 @@ def test_width_growth_first_sgd_momentum_update_of_the_new_slice(dampening, gen)
     g = down.grad[:, 20:]
     assert g.abs().min() > 0
     torch.testing.assert_close((down - before)[:, 20:], -lr * (1 - dampening) * g, rtol=1e-12, atol=0)
+
+
+def test_new_parameters_of_frozen_counterparts_stay_out(gen):
+    model = llama(layers=2).train()
+    opt = torch.optim.AdamW(trainer_groups(model)[:1], lr=1e-3)  # norms frozen: not in the optimizer
+    result = fs.grow(model, fs.GrowthProtocol(["model.layers.0"]), optimizer=opt)
+    norms = {n for n in result.new_parameters if "norm" in n}
+    assert norms and set(result.optimizer_groups) == set(result.new_parameters) - norms
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [
+        id(p) for p in trainer_groups(model)[0]["params"]
+    ]
+    step(model, opt, batch(gen))
