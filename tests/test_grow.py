@@ -826,7 +826,9 @@ def test_bare_models_and_gradient_checkpointing(kind, gen):
     with torch.no_grad():
         before = bare(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
     fs.grow(bare, fs.GrowthProtocol(candidates=[inp, f"{stack}.1"]))
-    assert len(bare.get_submodule(stack)) == 4 and full.config.num_hidden_layers == 4
+    assert len(bare.get_submodule(stack)) == 4 and bare.config.num_hidden_layers == 4
+    # the grown model owns its config: the head model around it keeps the config object it had
+    assert full.config.num_hidden_layers == 2 and full.config is not bare.config
     with torch.no_grad():
         after = bare(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
     assert torch.equal(after, before)

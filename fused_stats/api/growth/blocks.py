@@ -38,7 +38,7 @@ from ...networks.resnet import BasicBlock
 from ..probe.spec import CrossSpec
 from .architecture import Adapter, Architecture, boundary
 from .insert import ZeroBlock
-from .protocol import GrowthProtocol
+from .protocol import GrowthProtocol, check_init
 
 
 def candidate_seed(protocol: GrowthProtocol, point: str) -> int:
@@ -181,12 +181,7 @@ def new_block(model: nn.Module, protocol: GrowthProtocol, point: str, init: str 
     neighbouring block and its training mode; the model is not changed.
     """
     init = protocol.init if init is None else init
-    if init not in ("zero", "copy", "random"):
-        raise FusedStatsError(f"init must be 'zero', 'copy' or 'random', got {init!r}")
-    if init != "zero" and protocol.family != "layer":
-        raise FusedStatsError(
-            f"init {init!r} needs family 'layer'; family {protocol.family!r} starts its outputs at zero"
-        )
+    check_init(protocol.family, init)
     arch = protocol.check(model)
     b = boundary(arch, model, point)
     seed = candidate_seed(protocol, point)

@@ -13,18 +13,32 @@ new one is built from: the block before it, block 0 at the input boundary), so `
 ``save_pretrained`` -> ``from_pretrained`` work on the grown model. Width growth updates the
 config's intermediate size, which HF configs hold once: all blocks must grow alike.
 
+The grown model gets its own copy of its config (every module of ``model`` that held the config
+object holds the copy), so other models built from the same config object keep their depth and
+width.
+
 Optimizer (the zero-state update rule of :mod:`.protocol`): new parameters join the param group
-of their counterpart in the neighbouring block, with no state, which is how torch's SGD and
-Adam/AdamW start a parameter (SGD: the first momentum buffer is the first gradient; Adam: zero
-moments, step 0), so their first step after growth is a fresh optimizer's first step. Widened
-parameters are replaced: their state tensors are carried into the old slice of a zero tensor of
-the new shape, and the scalar ``step`` is kept, so the new slice has zero moments but shares the
-tensor's step count (Adam's bias correction then damps its first update by ``1 - β₁`` relative to
-a fresh start; exact zero-state slices would need per-element step counts).
+of their counterpart in the neighbouring block (``cross_block``: of the neighbour's first matrix
+parameter), with no state, which is how torch's SGD and Adam/AdamW start a parameter (SGD: the
+first momentum buffer is the first gradient; Adam: zero moments, step 0), so their first step
+after growth is a fresh optimizer's first step. Inside its group a new parameter is inserted
+after the group's last parameter that precedes it in ``model.parameters()``, so a group built in
+model order stays in model order: an optimizer built the same way over the saved and reloaded
+model (HF Trainer's decay / no-decay groups) matches index for index, and ``load_state_dict`` of
+the grown optimizer's state resumes it. Widened parameters keep their slot: their state tensors
+are carried into the old slice of a zero tensor of the new shape, and the scalar ``step`` is
+kept, so the new slice has zero moments but shares the tensor's step count ``t``; Adam's bias
+corrections then make its first update ``(1-β₁)/(1-β₁ᵗ) · √((1-β₂ᵗ)/(1-β₂))`` times a zero-state
+start's (ε → 0). No construction with one step count per tensor is exact for all later steps
+(the bias correction multiplies the new gradients' terms by a factor that depends on ``t``), so
+this is the rule the protocol records for ``mlp_width``. An optimizer none of whose parameters
+belong to the block being grown next to, or holding state of another shape than the parameter's
+(a factored second moment), is refused before anything changes.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -36,7 +50,7 @@ from ...errors import FusedStatsError
 from .architecture import Architecture, Boundary, boundary
 from .blocks import cross_spec, new_block, new_units, stream_width, widen_block
 from .insert import INSERTED_NAME, insert_zero_block
-from .protocol import INITS, GrowthProtocol, _intermediate_size
+from .protocol import GrowthProtocol, _intermediate_size, check_init
 
 
 @dataclass
@@ -46,7 +60,10 @@ class GrowthResult:
     ``new_parameters``: full names (in the grown model) of the parameters that did not exist
     before; ``widened``: full names of parameters replaced by wider ones; ``positions``: point ->
     name of the block that now holds the growth (the inserted block, or the widened one);
-    ``optimizer_extended``: whether an optimizer was extended.
+    ``optimizer_groups``: full name -> index of the optimizer's param group, for each new
+    parameter that joined a group and each widened parameter that kept its slot in one (a new
+    parameter whose counterpart the optimizer does not hold, a frozen one, is left out);
+    ``optimizer_extended``: whether any parameter joined or was replaced in the optimizer.
     """
 
     family: str
@@ -55,7 +72,11 @@ class GrowthResult:
     positions: dict[str, str] = field(default_factory=dict)
     new_parameters: list[str] = field(default_factory=list)
     widened: list[str] = field(default_factory=list)
-    optimizer_extended: bool = False
+    optimizer_groups: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def optimizer_extended(self) -> bool:
+        return bool(self.optimizer_groups)
 
     def to_dict(self) -> dict:
         return {
@@ -65,6 +86,7 @@ class GrowthResult:
             "positions": dict(self.positions),
             "new_parameters": list(self.new_parameters),
             "widened": list(self.widened),
+            "optimizer_groups": dict(self.optimizer_groups),
             "optimizer_extended": self.optimizer_extended,
         }
 
@@ -141,6 +163,78 @@ def _locate(optimizer, param) -> tuple[int, int] | None:
     return None
 
 
+def _held_by(optimizer, block_name: str, block: nn.Module) -> None:
+    """Refuse an optimizer that holds none of ``block``'s parameters: the new parameters next to
+    it would have no group to join (and an optimizer over other parameters is not extended)."""
+    if not any(_locate(optimizer, p) is not None for p in block.parameters()):
+        raise FusedStatsError(
+            f"the optimizer holds none of the parameters of {block_name!r}, so the parameters grown "
+            f"there have no param group to join; pass the optimizer that trains that block, or "
+            f"optimizer=None and build one after growth"
+        )
+
+
+def _plan_joins(
+    optimizer, block_name: str, block: nn.Module, new: dict[str, nn.Parameter], counterpart
+) -> dict:
+    """New parameter (full name) -> (parameter, its group index) before anything changes.
+
+    ``counterpart(rel)``: the neighbour's parameter whose group the new parameter ``rel`` joins;
+    one the optimizer does not hold (frozen) leaves the new parameter out too.
+    """
+    _held_by(optimizer, block_name, block)
+    joins = {}
+    for name, (rel, param) in new.items():
+        sibling = counterpart(rel)
+        if sibling is None:
+            raise FusedStatsError(
+                f"new parameter {name!r} has no counterpart in {block_name!r} whose param group it could join"
+            )
+        where = _locate(optimizer, sibling)
+        if where is not None:
+            joins[name] = (param, where[0])
+    return joins
+
+
+def _join_in_model_order(optimizer, model: nn.Module, joins: dict, result) -> None:
+    """Insert each new parameter into its group after the group's last parameter that precedes it
+    in ``model.parameters()`` (at the front when none does)."""
+    rank = {id(p): i for i, p in enumerate(model.parameters())}
+    for name, (param, g) in sorted(joins.items(), key=lambda item: rank[id(item[1][0])]):
+        group = optimizer.param_groups[g]
+        params = group["params"]
+        earlier = [i for i, p in enumerate(params) if rank[id(p)] < rank[id(param)]]
+        at = earlier[-1] + 1 if earlier else 0
+        params.insert(at, param)
+        if "param_names" in group:
+            group["param_names"].insert(at, name)
+        result.optimizer_groups[name] = g
+    # an optimizer built from named_parameters() keeps one name per slot: renumbered blocks get
+    # their new names, so the names it saves are the grown model's
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        if "param_names" in group:
+            group["param_names"] = [names[id(p)] for p in group["params"]]
+
+
+def _own_config(model: nn.Module):
+    """Give ``model`` (and each of its modules that held the same config object) a copy of its
+    config; returns the function that puts the original back (for a refused call)."""
+    config = getattr(model, "config", None)
+    if config is None or isinstance(config, (int, float, str, bool)):
+        return lambda: None
+    holders = [m for m in model.modules() if m.__dict__.get("config") is config]
+    own = copy.deepcopy(config)
+    for m in holders:
+        m.config = own
+
+    def restore():
+        for m in holders:
+            m.config = config
+
+    return restore
+
+
 def _normalise_at(protocol: GrowthProtocol, at) -> list[str]:
     if at is None:
         return list(protocol.candidates)
@@ -195,30 +289,32 @@ def grow(
     Returns a :class:`GrowthResult`. Raises :class:`FusedStatsError`, with nothing changed, for
     a point that is not a candidate / block boundary, an unsupported family or config, tied
     parameters, partial width growth of a model whose config holds one intermediate size, or an
-    optimizer holding parameters that are not the model's.
+    optimizer holding parameters that are not the model's, none of the grown-next-to block's (the
+    widened MLP's), or state of another shape than a widened parameter. The model gets its own
+    copy of its config (the config object it shared with others is left as it was).
     """
     if not isinstance(protocol, GrowthProtocol):
         raise FusedStatsError(f"protocol must be a GrowthProtocol, got {type(protocol).__name__}")
     init = protocol.init if init is None else init
-    if init not in INITS:
-        raise FusedStatsError(f"init must be one of {INITS}, got {init!r}")
-    if init != "zero" and protocol.family != "layer":
-        raise FusedStatsError(
-            f"init {init!r} needs family 'layer'; family {protocol.family!r} starts its outputs at zero"
-        )
+    check_init(protocol.family, init)
     points = _normalise_at(protocol, at)
     arch = protocol.check(model)
     _check_optimizer(model, optimizer)
     if init_directions is not None and protocol.family != "mlp_width":
         raise FusedStatsError(f"init_directions is for family 'mlp_width', not {protocol.family!r}")
     bounds = [boundary(arch, model, p) for p in points]
-    result = GrowthResult(protocol.family, init, protocol.digest, optimizer_extended=optimizer is not None)
-    if protocol.family == "layer":
-        _grow_layers(model, protocol, arch, bounds, init, optimizer, result)
-    elif protocol.family == "mlp_width":
-        _grow_width(model, protocol, arch, bounds, optimizer, init_directions, result)
-    else:
-        _grow_cross(model, protocol, arch, bounds, optimizer, result)
+    result = GrowthResult(protocol.family, init, protocol.digest)
+    restore_config = _own_config(model)
+    try:
+        if protocol.family == "layer":
+            _grow_layers(model, protocol, arch, bounds, init, optimizer, result)
+        elif protocol.family == "mlp_width":
+            _grow_width(model, protocol, arch, bounds, optimizer, init_directions, result)
+        else:
+            _grow_cross(model, protocol, arch, bounds, optimizer, result)
+    except FusedStatsError:
+        restore_config()  # the family functions refuse before they change the model
+        raise
     return result
 
 
@@ -231,6 +327,16 @@ def _grow_layers(
     for b in bounds:
         neighbour = model.get_submodule(b.neighbour)
         siblings[b.point] = dict(neighbour.named_parameters())
+    joins = {}
+    if optimizer is not None:
+        for b in bounds:
+            name = f"{b.container}.{_final_index(bounds, b)}"
+            new = {f"{name}.{rel}": (rel, p) for rel, p in blocks[b.point].named_parameters()}
+            joins.update(
+                _plan_joins(
+                    optimizer, b.neighbour, model.get_submodule(b.neighbour), new, siblings[b.point].get
+                )
+            )
     config = getattr(model, "config", None)
     # per-layer config lists (layer_types, no_rope_layers, ...): the new block takes the entry of
     # the block it is built from (its neighbour: the block before, block 0 at the input boundary)
@@ -264,18 +370,15 @@ def _grow_layers(
     for b in bounds:
         name = f"{b.container}.{final[b.point]}"
         result.positions[b.point] = name
-        for rel, param in blocks[b.point].named_parameters():
-            result.new_parameters.append(f"{name}.{rel}")
-            if optimizer is not None:
-                _add_to_group(optimizer, param, siblings[b.point].get(rel))
+        result.new_parameters.extend(f"{name}.{rel}" for rel, _ in blocks[b.point].named_parameters())
+    if optimizer is not None:
+        _join_in_model_order(optimizer, model, joins, result)
 
 
-def _add_to_group(optimizer, param, sibling) -> None:
-    """``param`` joins its counterpart's group (same lr, weight decay); a frozen counterpart
-    (not in the optimizer) leaves it out too."""
-    where = _locate(optimizer, sibling) if sibling is not None else (0, None)
-    if where is not None:
-        optimizer.param_groups[where[0]]["params"].append(param)
+def _final_index(bounds: list[Boundary], b: Boundary) -> int:
+    """Index the new block at ``b`` has after all of ``bounds`` are inserted: its position plus
+    the new blocks of the same container before it."""
+    return b.position + sum(1 for o in bounds if o.container == b.container and o.position < b.position)
 
 
 def _grow_width(model, protocol, arch, bounds, optimizer, init_directions, result) -> None:
@@ -298,6 +401,9 @@ def _grow_width(model, protocol, arch, bounds, optimizer, init_directions, resul
             raise FusedStatsError("init_directions for several points must be a dict point -> (k, d) tensor")
         directions = {b.point: init_directions for b in bounds}
     units = {b.point: new_units(model, protocol, b.point, directions=directions[b.point]) for b in bounds}
+    if optimizer is not None:
+        for b in bounds:
+            _check_carriable(optimizer, model, units[b.point])
     for b in bounds:
         block_name = units[b.point].block
         replaced = widen_block(model.get_submodule(block_name), units[b.point], arch.adapter)
@@ -305,7 +411,9 @@ def _grow_width(model, protocol, arch, bounds, optimizer, init_directions, resul
         for rel, (old, new) in replaced.items():
             result.widened.append(f"{block_name}.{rel}")
             if optimizer is not None:
-                _carry_state(optimizer, old, new, units[b.point].pieces[rel][0])
+                where = _carry_state(optimizer, old, new, units[b.point].pieces[rel][0])
+                if where is not None:
+                    result.optimizer_groups[f"{block_name}.{rel}"] = where[0]
     if config is not None:
         size = _intermediate_size(config) + protocol.width
         if hasattr(config, "intermediate_size"):
@@ -314,15 +422,34 @@ def _grow_width(model, protocol, arch, bounds, optimizer, init_directions, resul
             config.n_inner = size
 
 
-def _carry_state(optimizer, old: nn.Parameter, new: nn.Parameter, axis: int) -> None:
+def _check_carriable(optimizer, model: nn.Module, units) -> None:
+    """Refuse, before anything changes, an optimizer that holds none of the MLP's parameters or
+    whose state of one of them is neither a scalar nor of the parameter's shape (which slice of a
+    factored moment is new is not defined)."""
+    block = model.get_submodule(units.block)
+    _held_by(optimizer, f"{units.block}.mlp", block.get_submodule("mlp"))
+    for rel in units.pieces:
+        param = block.get_parameter(rel)
+        for key, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise FusedStatsError(
+                    f"optimizer state {key!r} of {units.block}.{rel} has shape {tuple(value.shape)}, the "
+                    f"parameter {tuple(param.shape)}: width growth carries only state of the parameter's "
+                    f"shape (or scalars) into the widened tensor"
+                )
+
+
+def _carry_state(optimizer, old: nn.Parameter, new: nn.Parameter, axis: int):
+    """``new`` takes ``old``'s slot; its state is ``old``'s in the old slice, zero in the new one.
+    Returns the (group, index) of the slot, or None when the optimizer does not hold ``old``."""
     where = _locate(optimizer, old)
     if where is None:
-        return
+        return None
     g, i = where
     optimizer.param_groups[g]["params"][i] = new
     state = optimizer.state.pop(old, None)
     if not state:
-        return
+        return where
     carried = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.shape == old.shape:
@@ -332,12 +459,18 @@ def _carry_state(optimizer, old: nn.Parameter, new: nn.Parameter, axis: int) -> 
         else:
             carried[key] = value
     optimizer.state[new] = carried
+    return where
 
 
 def _grow_cross(model, protocol, arch, bounds, optimizer, result) -> None:
     taken = [b.point for b in bounds if hasattr(model.get_submodule(b.point), INSERTED_NAME)]
     if taken:  # checked for all points first: no half-done insertion
         raise FusedStatsError(f"points {taken} already have an inserted block; remove it first")
+    groups = {}
+    if optimizer is not None:
+        for b in bounds:
+            groups[b.point] = _cross_group(optimizer, b.neighbour, model.get_submodule(b.neighbour))
+    joins = {}
     for b in bounds:
         neighbour = model.get_submodule(b.neighbour)
         dim = stream_width(model, arch, neighbour)
@@ -349,4 +482,20 @@ def _grow_cross(model, protocol, arch, bounds, optimizer, result) -> None:
         result.positions[b.point] = name
         result.new_parameters.append(f"{name}.w_out")
         if optimizer is not None:
-            optimizer.param_groups[0]["params"].append(block.w_out)
+            joins[f"{name}.w_out"] = (block.w_out, groups[b.point])
+    if optimizer is not None:
+        _join_in_model_order(optimizer, model, joins, result)
+
+
+def _cross_group(optimizer, block_name: str, block: nn.Module) -> int:
+    """The group ``w_out`` joins: that of the neighbour's first matrix parameter the optimizer
+    holds (``w_out`` is a weight matrix: decay groups hold matrices, no-decay groups norms and biases)."""
+    _held_by(optimizer, block_name, block)
+    for param in block.parameters():
+        where = _locate(optimizer, param)
+        if param.dim() >= 2 and where is not None:
+            return where[0]
+    raise FusedStatsError(
+        f"the optimizer holds no matrix parameter of {block_name!r}, so the cross block's w_out has no "
+        f"param group like its own to join"
+    )

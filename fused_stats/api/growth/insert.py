@@ -4,9 +4,15 @@
   output ``z`` becomes ``z + h(z)``, which equals ``z`` exactly while ``W_out = 0`` (function
   preserving). The block is registered as a child module of the point, so it appears in
   ``model.parameters()`` and can be trained; :func:`remove_inserted_block` undoes the insertion.
+* An HF model's ``save_pretrained`` refuses while a block is inserted: the block lives in a forward
+  hook that ``from_pretrained`` does not rebuild, so its trained ``W_out`` would be dropped as an
+  unexpected key. The state dict keeps it: rebuild the model, insert (``fs.grow`` with the same
+  protocol draws the same ``W_in``), then ``load_state_dict``.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
@@ -106,7 +112,29 @@ def insert_zero_block(
         return _replace_stream(out, added)
 
     block._fused_stats_handle = module.register_forward_hook(hook)
+    if callable(getattr(model, "save_pretrained", None)) and "save_pretrained" not in vars(model):
+        # an instance attribute: the class's method is untouched and deepcopy rebinds it to the copy
+        model.save_pretrained = types.MethodType(_save_pretrained_unless_inserted, model)
     return block
+
+
+def inserted_points(model: nn.Module) -> list[str]:
+    """Names of the points of ``model`` that hold an inserted block."""
+    return [
+        name for name, m in model.named_modules() if isinstance(getattr(m, INSERTED_NAME, None), ZeroBlock)
+    ]
+
+
+def _save_pretrained_unless_inserted(model: nn.Module, *args, **kwargs):
+    points = inserted_points(model)
+    if points:
+        raise FusedStatsError(
+            f"save_pretrained of {type(model).__name__} with inserted blocks at {points}: from_pretrained "
+            f"would drop them (keys reported unexpected), losing their trained w_out. Save "
+            f"model.state_dict() instead, and to resume load the base model, insert again (fs.grow with "
+            f"the same protocol draws the same w_in) and load_state_dict; or remove_inserted_block first"
+        )
+    return type(model).save_pretrained(model, *args, **kwargs)
 
 
 def remove_inserted_block(model: nn.Module, point: str) -> None:

@@ -18,10 +18,13 @@ Families:
 * ``"cross_block"``: the probe's own ``W_out φ(W_in z)`` block (:class:`~fused_stats.CrossSpec`,
   rank ``width`` or its default), ``W_out = 0``.
 
-Zero-state update rule: new parameters (and the new slices of widened ones) start with zero
-optimizer state, so the first step after growth is the first step of a fresh optimizer on them:
-for SGD the loss changes by ``-η |∇_new L|²`` to first order (the depth paper's gain
-``|C|_F²``); a zero gradient there (saturation) gives no change for SGD and Adam alike.
+Zero-state update rule (hashed with the protocol): new parameters start with no optimizer state,
+so their first step after growth is the first step of a fresh optimizer on them: for SGD the loss
+changes by ``-η |∇_new L|²`` to first order (the depth paper's gain ``|C|_F²``); a zero gradient
+there (saturation) gives no change for SGD and Adam alike. Widened parameters (``mlp_width``)
+keep one scalar state per tensor, so their new slice shares Adam's step count ``t`` and its first
+update is ``(1-β₁)/(1-β₁ᵗ) · √((1-β₂ᵗ)/(1-β₂))`` times a zero-state start's (ε → 0)
+(:data:`WIDTH_STATE_RULE`; the other families keep :data:`ZERO_STATE_RULE` and their digests).
 """
 
 from __future__ import annotations
@@ -44,6 +47,35 @@ ZERO_STATE_RULE = (
     "(SGD: no momentum buffer; Adam/AdamW: zero first and second moments and their own step count "
     "from 0); old parameters keep their state bit for bit"
 )
+
+# A widened tensor has one scalar state (Adam's step count) for all its slices, so its new slice
+# cannot have a step count of its own: the rule recorded for mlp_width says what happens instead
+# (derivation: docs/design.md 2.12)
+WIDTH_STATE_RULE = (
+    "new parameters start with no optimizer state; a widened parameter keeps its slot in its "
+    "param group and its state bit for bit in its old slice, its new slice gets zero state tensors "
+    "(SGD: a zero momentum buffer; Adam/AdamW: zero first and second moments) and shares the "
+    "tensor's scalar state: with the step count t of the first update after growth, Adam/AdamW's "
+    "first update of the new slice is (1-b1)/(1-b1^t)*sqrt((1-b2^t)/(1-b2)) times a zero-state "
+    "start's (eps -> 0; 1 at t = 1, 0.708 at t = 51, 3.16 as t grows), and SGD's first momentum "
+    "buffer is (1-dampening)*grad, as a fresh start's only when dampening = 0"
+)
+
+
+def zero_state_rule(family: str) -> str:
+    """The hashed zero-state rule of ``family`` (see :data:`ZERO_STATE_RULE`, :data:`WIDTH_STATE_RULE`)."""
+    return WIDTH_STATE_RULE if family == "mlp_width" else ZERO_STATE_RULE
+
+
+def check_init(family: str, init: str) -> None:
+    """Refuse an ``init`` other than ``"zero"`` for a family whose new outputs start at zero."""
+    if init not in INITS:
+        raise FusedStatsError(f"init must be one of {INITS}, got {init!r}")
+    if family != "layer" and init != "zero":
+        # new units and the cross block have zero outputs by definition: nothing to copy or draw
+        raise FusedStatsError(
+            f"init {init!r} needs family 'layer'; family {family!r} starts its outputs at zero"
+        )
 
 
 # the architectures a version-1 record lists (a record must stay loadable by from_dict, which
@@ -119,17 +151,19 @@ class GrowthProtocol:
             raise FusedStatsError(f"GrowthProtocol family must be one of {FAMILIES}, got {self.family!r}")
         if self.init not in INITS:
             raise FusedStatsError(f"GrowthProtocol init must be one of {INITS}, got {self.init!r}")
-        if self.family != "layer" and self.init != "zero":
-            # new units and the cross block have zero outputs by definition: nothing to copy or draw
-            raise FusedStatsError(
-                f"init {self.init!r} needs family 'layer'; family {self.family!r} starts its outputs at zero"
-            )
+        check_init(self.family, self.init)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise FusedStatsError(f"GrowthProtocol seed must be an int, got {self.seed!r}")
         for name in ("width", "projection"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise FusedStatsError(f"GrowthProtocol {name} must be a positive int or None, got {value!r}")
+        if self.family == "layer" and self.width is not None:
+            # refused rather than dropped: an ignored field would still have to enter the digest
+            raise FusedStatsError(
+                f"GrowthProtocol width={self.width!r} has no meaning for family 'layer' (a new block has "
+                f"the model's own widths); width is for 'mlp_width' (new units) and 'cross_block' (rank)"
+            )
         if self.budget is not None:
             try:
                 budget = tuple(self.budget)
@@ -166,7 +200,7 @@ class GrowthProtocol:
             "width": self.width,
             "projection": self.projection,
             "zero_parameters": _zero_parameters_table(self.family, self.init),
-            "zero_state_rule": ZERO_STATE_RULE,
+            "zero_state_rule": zero_state_rule(self.family),
         }
         if self.budget is not None:
             # absent, not null, when unset: digests of protocols recorded before stay valid
@@ -284,4 +318,4 @@ def _check_untied(model: nn.Module, arch: Architecture, bounds, family: str) -> 
                 )
 
 
-__all__ = ["FAMILIES", "INITS", "ZERO_STATE_RULE", "GrowthProtocol"]
+__all__ = ["FAMILIES", "INITS", "WIDTH_STATE_RULE", "ZERO_STATE_RULE", "GrowthProtocol", "check_init"]
