@@ -22,6 +22,7 @@ from .api.growth.grow import GrowthResult, grow
 from .api.growth.insert import insert_zero_block, remove_inserted_block
 from .api.growth.intervene import intervene
 from .api.growth.protocol import GrowthProtocol
+from .api.growth.record import growth_history
 from .api.probe.driver import Probe
 from .api.probe.losses import causal_lm_loss, classification_loss
 from .api.probe.points import residual_points
@@ -53,6 +54,7 @@ __all__ = [
     "causal_lm_loss",
     "classification_loss",
     "grow",
+    "growth_history",
     "growth_points",
     "insert_zero_block",
     "intervene",

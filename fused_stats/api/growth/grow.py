@@ -51,6 +51,7 @@ from .architecture import Architecture, Boundary, boundary
 from .blocks import cross_spec, new_block, new_units, stream_width, widen_block
 from .insert import INSERTED_NAME, insert_zero_block
 from .protocol import GrowthProtocol, _intermediate_size, check_init
+from .record import check_step_and_evidence, record_growth
 
 
 @dataclass
@@ -279,6 +280,8 @@ def grow(
     init: str | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     init_directions=None,
+    step: int | None = None,
+    evidence=None,
 ) -> GrowthResult:
     """Grow ``model`` in place at the points ``at`` (default: all candidates) under ``protocol``.
 
@@ -286,6 +289,10 @@ def grow(
     (built over ``model``) is extended by the new parameters (see the module docstring);
     ``init_directions`` (``mlp_width`` only): a (k, d) tensor, or a dict point -> tensor, of
     directions for the new input rows (:func:`~fused_stats.api.growth.blocks.new_units`).
+    Every point grown adds an entry to the model's growth record (:mod:`.record`,
+    ``fs.growth_history``), with ``step`` (the training step, if any) and ``evidence`` (an
+    :class:`~fused_stats.api.growth.advise.Advice`, or a dict point -> ``{cross_frob2, p_value,
+    p_adjusted}``) that motivated it.
     Returns a :class:`GrowthResult`. Raises :class:`FusedStatsError`, with nothing changed, for
     a point that is not a candidate / block boundary, an unsupported family or config, tied
     parameters, partial width growth of a model whose config holds one intermediate size, or an
@@ -303,6 +310,7 @@ def grow(
     if init_directions is not None and protocol.family != "mlp_width":
         raise FusedStatsError(f"init_directions is for family 'mlp_width', not {protocol.family!r}")
     bounds = [boundary(arch, model, p) for p in points]
+    motive = check_step_and_evidence(step, evidence, points)
     result = GrowthResult(protocol.family, init, protocol.digest)
     restore_config = _own_config(model)
     try:
@@ -315,6 +323,7 @@ def grow(
     except FusedStatsError:
         restore_config()  # the family functions refuse before they change the model
         raise
+    record_growth(model, result, step=step, evidence=motive)
     return result
 
 

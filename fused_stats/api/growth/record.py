@@ -1,0 +1,113 @@
+"""The growth record a grown model carries: one entry per point and growth event.
+
+Role: :func:`fused_stats.grow` appends to ``model.config.fused_stats_growth``, a list of plain
+dicts, so ``save_pretrained`` writes it into ``config.json`` and ``from_pretrained`` reads it back
+(a model without an HF config, such as the project's ResNets, keeps the list as the attribute
+``fused_stats_growth`` of the model). :func:`growth_history` reads it.
+
+Entry keys: ``point`` (the candidate grown at), ``family``, ``init``, ``protocol_digest``,
+``position`` (the module that now holds the growth), ``new_parameters`` and ``widened`` (full
+names in the grown model), and ``step``, ``cross_frob2``, ``p_value``, ``p_adjusted`` where the
+caller gave them (None otherwise): the training step and the evidence that motivated the growth.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from torch import nn
+
+from ...errors import FusedStatsError
+
+RECORD_KEY = "fused_stats_growth"
+EVIDENCE_KEYS = ("cross_frob2", "p_value", "p_adjusted")
+
+
+def _holder(model: nn.Module):
+    config = getattr(model, "config", None)
+    return config if config is not None else model
+
+
+def growth_history(model: nn.Module) -> list[dict]:
+    """The model's growth record (a copy), oldest event first; ``[]`` for a model never grown."""
+    if not isinstance(model, nn.Module):
+        raise FusedStatsError(f"growth_history needs a torch.nn.Module, got {type(model).__name__}")
+    record = getattr(_holder(model), RECORD_KEY, None)
+    if record is None:
+        return []
+    if not isinstance(record, list) or not all(isinstance(e, dict) for e in record):
+        raise FusedStatsError(
+            f"{type(model).__name__}'s {RECORD_KEY} is a {type(record).__name__}, not a list of entries: "
+            "it was not written by fs.grow"
+        )
+    return copy.deepcopy(record)
+
+
+def check_step_and_evidence(step, evidence, points) -> dict[str, dict]:
+    """Validated ``{point: {cross_frob2, p_value, p_adjusted}}`` for the points grown (evidence:
+    None, an :class:`~fused_stats.api.growth.advise.Advice`, or a dict point -> dict of those keys);
+    raises before anything changes."""
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise FusedStatsError(f"step must be None or a non-negative int, got {step!r}")
+    if evidence is None:
+        return {}
+    if hasattr(evidence, "ranked"):  # an Advice: its rows for the points grown
+        rows = {c.point: c for c in evidence.ranked}
+        missing = [p for p in points if p not in rows]
+        if missing:
+            raise FusedStatsError(f"evidence: the advice has no row for the grown points {missing}")
+        evidence = {p: {key: getattr(rows[p], key) for key in EVIDENCE_KEYS} for p in points}
+    if not isinstance(evidence, dict):
+        raise FusedStatsError(
+            f"evidence must be None, an Advice or a dict point -> {{{', '.join(EVIDENCE_KEYS)}}}, "
+            f"got {type(evidence).__name__}"
+        )
+    out = {}
+    for point, values in evidence.items():
+        if point not in points:
+            raise FusedStatsError(
+                f"evidence names {point!r}, which is not grown here (grown: {list(points)})"
+            )
+        if not isinstance(values, dict) or set(values) - set(EVIDENCE_KEYS):
+            raise FusedStatsError(
+                f"evidence for {point!r} must be a dict with keys among {EVIDENCE_KEYS}, got {values!r}"
+            )
+        clean = {}
+        for key, value in values.items():
+            if value is not None and (
+                not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            ):
+                raise FusedStatsError(f"evidence {key} for {point!r} must be a finite number, got {value!r}")
+            clean[key] = None if value is None else float(value)
+        out[point] = clean
+    return out
+
+
+def record_growth(model: nn.Module, result, step=None, evidence: dict | None = None) -> list[dict]:
+    """Append one entry per point of ``result`` (a :class:`~fused_stats.api.growth.grow.GrowthResult`)
+    to the model's record; ``evidence`` as returned by :func:`check_step_and_evidence`. Returns the
+    entries added."""
+    evidence = evidence or {}
+    added = []
+    for point, position in result.positions.items():
+        prefix = position + "."
+        entry = {
+            "point": point,
+            "family": result.family,
+            "init": result.init,
+            "protocol_digest": result.protocol_digest,
+            "position": position,
+            "new_parameters": [n for n in result.new_parameters if n.startswith(prefix)],
+            "widened": [n for n in result.widened if n.startswith(prefix)],
+            "step": step,
+        }
+        for key in EVIDENCE_KEYS:
+            entry[key] = evidence.get(point, {}).get(key)
+        added.append(entry)
+    holder = _holder(model)
+    setattr(holder, RECORD_KEY, growth_history(model) + copy.deepcopy(added))
+    return added
+
+
+__all__ = ["RECORD_KEY", "growth_history", "record_growth"]
