@@ -376,6 +376,12 @@ def _grow_layers(
         config.num_hidden_layers = int(config.num_hidden_layers) + len(bounds)
         for key, values in lists.items():
             setattr(config, key, values)
+        # the new blocks were built from (or copied with) a config of their own: they read the
+        # model's from now on, as every other block does (one config, saved once)
+        for block in blocks.values():
+            for sub in block.modules():
+                if type(sub.__dict__.get("config")) is type(config):
+                    sub.config = config
     for b in bounds:
         name = f"{b.container}.{final[b.point]}"
         result.positions[b.point] = name
