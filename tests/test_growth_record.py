@@ -13,26 +13,13 @@ import types
 
 import pytest
 import torch
+from test_grow_surgery import llama
 
 import fused_stats as fs
 from fused_stats.networks.resnet import cifar_resnet20
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
-
-
-def llama(layers=3, seed=5):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        hidden_size=12,
-        intermediate_size=20,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        vocab_size=40,
-    )
-    return transformers.LlamaForCausalLM(config).to(torch.float64)
 
 
 def new_names_by_identity(model, before: set[int]) -> set[str]:
