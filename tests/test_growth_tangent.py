@@ -19,7 +19,6 @@ import torch.nn.functional as F
 import transformers
 
 import fused_stats as fs
-import fused_stats.api.growth.tangent  # registers GrowthProtocol as a feature source
 from fused_stats.api.growth.architecture import describe
 
 ZEROED = {
