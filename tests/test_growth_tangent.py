@@ -19,7 +19,6 @@ import torch.nn.functional as F
 import transformers
 
 import fused_stats as fs
-import fused_stats.api.growth.tangent  # registers GrowthProtocol as a feature source
 from fused_stats.api.growth.architecture import describe
 
 ZEROED = {
@@ -191,6 +190,18 @@ def test_tangent_probe_matches_per_sample_gradients(kind, projection):
         assert probe.cross_stats[point].rank == (r if projection is None else projection)
         assert sat.n == 6
         assert_matches(sat, c, 1e-8)
+
+
+def test_a_protocol_probe_runs_the_self_checking_tangent_of_that_protocol_and_model():
+    model, stack = make_model("llama")
+    points = [f"{stack}.0", f"{stack}.1"]
+    protocol = fs.GrowthProtocol(points, seed=3)
+    probe = fs.Probe(model, points=points, cross=protocol)
+    assert probe.cross.protocol is protocol and probe.cross.model is model
+    probe.step(padded_batch(3, 5, seed=2), per_sample_loss)
+    # each candidate's features were compared once with autograd through an fp64 copy
+    assert probe.cross.checked == set(points) and set(probe.cross.check_errors) == set(points)
+    assert all(e < 1e-6 for e in probe.cross.check_errors.values())
 
 
 @pytest.mark.parametrize("unit", ["sample", "position"])

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 import fused_stats as fs
-import fused_stats.api.growth.tangent  # registers GrowthProtocol as a feature source
 from fused_stats.api.growth.architecture import describe
 from fused_stats.networks.resnet import BasicBlock, Bottleneck, cifar_resnet20, tiny_resnet
 from tests.test_growth_tangent import assert_matches

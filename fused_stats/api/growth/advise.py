@@ -43,7 +43,6 @@ from ...accumulators.estimators import Estimate
 from ...errors import FusedStatsError
 from ..report.document import Report, fmt, fmt_se, save_figure
 from .protocol import GrowthProtocol
-from .tangent import GrowthTangent  # noqa: F401  (registers GrowthProtocol as a probe feature source)
 
 CORRECTION = "Holm-Bonferroni"
 NO_DETECTABLE_GAIN = "no detectable gain"

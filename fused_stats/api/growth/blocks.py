@@ -4,8 +4,8 @@ Role: :func:`new_block` builds the block that ``fs.grow`` inserts after a candid
 :func:`new_units` the hidden units ``family="mlp_width"`` adds; both are pure functions of
 (model architecture, protocol, point, init): the non-zero parts are drawn from a generator seeded
 by ``(protocol.seed, protocol.index(point))`` (:func:`candidate_seed`), so the block the probe
-measures and the block growth inserts are the same weights. :func:`zero_parameters` and
-:func:`zeroed_modules` name the parts that start at zero; their inputs are the features whose
+measures and the block growth inserts are the same weights. :func:`zeroed_modules` names the
+parts that start at zero; their inputs are the features whose
 cross-gradient ``C = E[Σ_t q_t x_tᵀ]`` is the first-order gain of the zero block (the per-sample
 gradient of a zero linear map ``W`` in ``W x`` is ``q xᵀ``).
 
@@ -152,25 +152,6 @@ def set_origin(block: nn.Module, adapter: Adapter) -> None:
             for p in ("weight", "bias"):
                 if getattr(sub, p, None) is not None:
                     getattr(sub, p).zero_()
-
-
-def zero_parameters(model: nn.Module, protocol: GrowthProtocol, point: str) -> list[str]:
-    """Names, relative to the new block (the grown block for ``mlp_width``), of the parameters
-    that start at zero with ``init="zero"``: for ``mlp_width`` only their new slice is zero."""
-    arch = protocol.check(model)
-    b = boundary(arch, model, point)
-    if protocol.family == "cross_block":
-        return ["w_out"]
-    name = f"{b.container}.{b.position}" if protocol.family == "mlp_width" else b.neighbour
-    block = model.get_submodule(name)
-    names = []
-    for mod in zeroed_modules(arch.adapter, protocol.family):
-        sub = block.get_submodule(mod)
-        norm = protocol.family == "mlp_width" or arch.adapter.origin == "norm_scale"
-        for p in ("weight",) if norm else ("weight", "bias"):
-            if getattr(sub, p, None) is not None:
-                names.append(f"{mod}.{p}")
-    return names
 
 
 def new_block(model: nn.Module, protocol: GrowthProtocol, point: str, init: str | None = None) -> nn.Module:

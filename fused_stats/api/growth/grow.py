@@ -493,7 +493,7 @@ def _grow_cross(model, protocol, arch, bounds, optimizer, result) -> None:
         block = insert_zero_block(
             model, b.point, spec=cross_spec(protocol, b.point), feature_dim=feature_dim, dim=dim
         )
-        name = f"{b.point}.fused_stats_inserted"
+        name = f"{b.point}.{INSERTED_NAME}"
         result.positions[b.point] = name
         result.new_parameters.append(f"{name}.w_out")
         if optimizer is not None:

@@ -181,6 +181,13 @@ class GrowthProtocol:
                 "GrowthProtocol family 'mlp_width' needs width= (the number of new hidden units)"
             )
 
+    def feature_source(self, model: nn.Module):
+        """The exact tangent of this protocol's new blocks on ``model``
+        (:class:`.tangent.GrowthTangent`): what ``fs.Probe(model, cross=protocol)`` measures."""
+        from .tangent import GrowthTangent  # imported here: tangent imports this module
+
+        return GrowthTangent(self, model)
+
     def index(self, point: str) -> int:
         """Position of ``point`` among the candidates (it seeds that candidate's block)."""
         if point not in self.candidates:

@@ -63,10 +63,8 @@ from torch import nn
 from ...errors import FusedStatsError
 from ...ops.cross_twin import apply_activation, seeded_w_in
 from ..probe.fold import cross_view
-from ..probe.spec import register_feature_source
 from . import blocks
 from .architecture import boundary
-from .protocol import GrowthProtocol
 
 
 def zero_map_width(name: str, module: nn.Module) -> tuple[int, bool]:
@@ -581,6 +579,3 @@ def _fp64(value):
     if isinstance(value, dict):
         return {k: _fp64(v) for k, v in value.items()}
     return value
-
-
-register_feature_source(GrowthProtocol, GrowthTangent)

@@ -6,8 +6,9 @@ point from it; growth (:mod:`fused_stats.api.growth`) inserts the same block.
 A :class:`FeatureSource` generalises the block: features ``x_t`` that a new block computes from
 the whole sample (a transformer layer run on ``z`` with the point's attention mask and rotary
 embeddings), so ``C = E[Σ_t q_t x_tᵀ]`` is the per-sample gradient of its zero maps
-(docs/design.md, section 2.10). Layers above the probe register theirs
-(:func:`register_feature_source`); the driver's hooks into them are the helpers at the end.
+(docs/design.md, section 2.10). Layers above the probe hand theirs in as an object with a
+``feature_source(model)`` method (a growth protocol), so the probe never imports them; the
+driver's hooks into sources are the helpers at the end.
 """
 
 from __future__ import annotations
@@ -121,28 +122,14 @@ class FeatureSource(Protocol):
     def feature_w_in(self, point: str, dtype=torch.float32, device=None) -> torch.Tensor: ...
 
 
-# type -> factory(obj, model) -> FeatureSource; layers above the probe register theirs
-# (growth: GrowthProtocol -> its exact tangent), so the probe never imports them
-SOURCE_FACTORIES: dict[type, object] = {}
-
-
-def register_feature_source(kind: type, factory) -> None:
-    """Let ``fs.Probe(cross=obj)`` take an ``obj`` of type ``kind``: ``factory(obj, model)``
-    gives its :class:`FeatureSource` bound to the model."""
-    SOURCE_FACTORIES[kind] = factory
-
-
 def resolve_cross(cross, model):
     """The probe's ``cross=`` argument as it is kept: None, a :class:`CrossSpec`, or a
-    :class:`FeatureSource` (an object of a registered type, e.g. a growth protocol, is turned
-    into its source bound to ``model``; so is one with a ``feature_source(model)`` method)."""
+    :class:`FeatureSource` (an object with a ``feature_source(model)`` method, e.g. a growth
+    protocol, is turned into its source bound to ``model``)."""
     if cross is None or isinstance(cross, CrossSpec):
         return cross
-    factory = next((f for kind, f in SOURCE_FACTORIES.items() if isinstance(cross, kind)), None)
     make = getattr(cross, "feature_source", None)
-    if factory is not None:
-        cross = factory(cross, model)
-    elif callable(make) and not isinstance(cross, FeatureSource):
+    if callable(make) and not isinstance(cross, FeatureSource):
         cross = make(model)
     if not isinstance(cross, FeatureSource):
         raise FusedStatsError(

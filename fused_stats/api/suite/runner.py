@@ -20,7 +20,6 @@ writes the suite files.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -526,20 +525,3 @@ def write_suite(out: Path, suite: dict, plots: bool = True) -> list[Path]:
     if plots:
         written.extend(render_plots(suite, out))
     return written
-
-
-def read_suite_json(path: Path) -> dict:
-    suite = _load(path)
-    if not isinstance(suite, dict) or suite.get("format") != FORMAT:
-        raise FusedStatsError(f"{str(path)!r} is not a fused_stats suite document")
-    return suite
-
-
-def n_eff(M: int, K: int) -> float:
-    return M * K / (M + K + 1)
-
-
-def exact_permutations(n: int) -> int:
-    """Enough permutations for :func:`rank_correlation` to enumerate every re-pairing (exact
-    p-value) up to n = 8; beyond, 10⁵ seeded random ones."""
-    return math.factorial(n) if n <= 8 else 100_000

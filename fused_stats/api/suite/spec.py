@@ -50,8 +50,7 @@ MASKS = ("labels", "attention", "none")
 SECOND_MOMENTS = ("auto", "dense", "pool")
 DTYPES = ("float32", "float64", "bfloat16")
 STEP_REGEX = r"step(?P<step>\d+)"
-# labels a trend can ask for; design labels are set by the experimenter, parameters follows from them
-CONFIG_LABELS = ("width", "depth", "model_type")
+# trend labels that follow from the run (not set by the experimenter)
 DERIVED_LABELS = ("parameters",)
 
 
