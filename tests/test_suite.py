@@ -736,3 +736,150 @@ def test_a_shard_on_new_data_never_pairs_it_with_old_runs(family, tmp_path, caps
     suite = json.loads((out / "suite.json").read_text())
     want = suite["data"][next(iter(suite["data"]))]["train"]["sha256"]
     assert {r["report"]["meta"]["data"]["train"] for r in suite["runs"].values()} == {want}
+
+
+# ---------------------------------------------------------------------------- [growth]: advice and held-out loss
+GROWTH_SUITE = f"""
+[data]
+train = "train.txt"
+test = "test.txt"
+seq_len = {SEQ_LEN}
+sequences = {SEQUENCES}
+batch_size = {BATCH}
+[probe]
+unit = "sample"
+second_moment = "pool"
+dtype = "float64"
+splits = [[8, 8]]
+trials = 0
+[growth]
+candidates = [0, 0.5, 1.0]
+family = "layer"
+init = "zero"
+seed = 5
+budget = [8, 8]
+[[runs]]
+glob = "ckpts/llama-w16-*"
+[[runs]]
+glob = "ckpts/llama-w24-*"
+"""
+# the boundaries relative depths 0, 0.5 and 1 name, written out by hand per depth
+GROWTH_POINTS = {
+    1: ["model.embed_tokens", "model.layers.0"],
+    2: ["model.embed_tokens", "model.layers.0", "model.layers.1"],
+}
+
+
+def held_out_loss(model, rows: np.ndarray) -> float:
+    """Nats per predicted token of a plain forward: every next token of every window counts."""
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, rows.shape[0], BATCH):
+            ids = torch.from_numpy(rows[i : i + BATCH])
+            logits = model(input_ids=ids).logits[:, :-1]
+            nll = -torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])
+            total += float(nll.sum())
+            tokens += nll.numel()
+    return total / tokens
+
+
+@pytest.fixture(scope="session")
+def grown(family, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("growth-suite")
+    path = _suite_file(family["root"], folder, GROWTH_SUITE)
+    out = folder / "out"
+    assert main(["suite", str(path), "--out", str(out), "--no-progress"]) == 0
+    return path, out
+
+
+def test_growth_advice_and_test_loss_equal_a_separate_probe_and_forward(family, grown):
+    import transformers
+
+    _, out = grown
+    suite = json.loads((out / "suite.json").read_text())
+    assert sorted(suite["runs"]) == ["llama-w16-d1", "llama-w16-d2", "llama-w24-d1", "llama-w24-d2"]
+    root = family["root"]
+    for name, entry in sorted(suite["runs"].items()):
+        assert entry["status"] == "done", entry["error"]
+        folder = family["folders"][name]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        train, test = windows(tokenizer, root / "train.txt"), windows(tokenizer, root / "test.txt")
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+        depth = model.config.num_hidden_layers
+        protocol = fs.GrowthProtocol(candidates=GROWTH_POINTS[depth], seed=5, budget=(8, 8))
+        probe = fs.Probe(model, unit="sample", second_moment="pool", cross=protocol)
+        for stream, rows in (("train", train), ("test", test)):
+            for i in range(0, SEQUENCES, BATCH):
+                ids = torch.from_numpy(rows[i : i + BATCH])
+                probe.step(
+                    {"input_ids": ids, "labels": ids}, fs.causal_lm_loss, stream=stream, mask="attention"
+                )
+        advice = fs.advise(probe)
+        got = entry["advice"]
+        assert got["verdict"] == advice.verdict and got["digest"] == protocol.digest
+        assert got["saturated_everywhere"] == advice.saturated_everywhere
+        assert got["top"] == (None if advice.top is None else advice.top.point)
+        want = [
+            {
+                "point": c.point,
+                "cross_frob2": c.cross_frob2,
+                "se": c.se,
+                "p_value": c.p_value,
+                "p_adjusted": c.p_adjusted,
+                "saturated": c.saturated,
+            }
+            for c in advice.ranked
+        ]
+        assert got["ranked"] == json.loads(json.dumps(encode(want))), name
+        assert [p["name"] for p in entry["report"]["points"]] == GROWTH_POINTS[depth]
+        points = GROWTH_POINTS[depth]
+        assert got["depths"] == {"0": points[0], "0.5": points[1], "1.0": points[-1]}
+        loss = held_out_loss(model, test)
+        assert entry["test_loss"] == pytest.approx(loss, rel=1e-12, abs=0), name
+        assert entry["test_perplexity"] == pytest.approx(np.exp(loss), rel=1e-12), name
+
+
+def test_growth_table_trends_and_plot(grown):
+    from fused_stats.accumulators.trends import rank_correlation
+    from fused_stats.api.report.schema import fmt
+
+    _, out = grown
+    suite = json.loads((out / "suite.json").read_text())
+    md = (out / "suite.md").read_text()
+    table = md.split("## Depth sufficiency ([growth])")[1].split("\n## ")[0]
+    for name, entry in suite["runs"].items():
+        ranked = entry["advice"]["ranked"]
+        significant = [c for c in ranked if not c["saturated"]]
+        row = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
+        assert fmt(entry["test_loss"]) in row
+        if significant:
+            top = max(significant, key=lambda c: c["cross_frob2"])
+            assert f"not saturated at {len(significant)} of {len(ranked)}" in row
+            assert f"`{top['point']}` | {fmt(top['cross_frob2'])} | {fmt(top['p_adjusted'])}" in row
+        else:
+            assert "saturated everywhere" in row and "| — | — | — |" in row
+    # depth trend within each width (2 runs a group: too few) and width trend within each depth
+    # (2 widths: too few) -> no trend; pooled by hand below the table says why
+    trends = md.split("## Trends")[1]
+    for width in (16, 24):
+        runs = [suite["runs"][f"llama-w{width}-d{d}"] for d in (1, 2)]
+        assert all(r["labels"]["width"] == width for r in runs)
+    assert "test loss (nats/token)" not in trends or "| depth |" in trends
+    png = out / "suite_growth.png"
+    assert png.stat().st_size > 1000
+    # the run-level statistics trend like the others: a brute-force Spearman over 3+ runs
+    from fused_stats.api.suite.compare import run_statistics, trend_rows
+
+    extended = dict(suite, runs=dict(suite["runs"]))
+    for w in (16, 24):  # give the depth groups 3 runs at 2 depths with a copy at depth 2
+        extended["runs"][f"copy-w{w}"] = dict(suite["runs"][f"llama-w{w}-d2"])
+    rows = [r for r in trend_rows(extended) if r["label"] == "depth"]
+    titles = {t for t, _ in run_statistics(extended)}
+    assert titles == {"test loss (nats/token)", "max |C|²_F over the growth candidates"}
+    for row in (r for r in rows if r["statistic"] in titles):
+        value = dict(run_statistics(extended))[row["statistic"]]
+        xs = [extended["runs"][n]["labels"]["depth"] for n in row["runs"]]
+        ys = [value(extended["runs"][n]) for n in row["runs"]]
+        rho, p = rank_correlation(xs, ys, permutations=6)
+        assert (row["rho"], row["p"]) == (rho, p)
+    assert {r["statistic"] for r in rows} >= titles
