@@ -128,6 +128,9 @@ def test_every_run_equals_a_separate_probe(family, reference):
                     {"input_ids": ids, "labels": ids}, fs.causal_lm_loss, stream=stream, mask="attention"
                 )
         want = json.loads(json.dumps(encode(probe.report(misalignment_trials=0).data)))
+        # without [growth]: no advice, and the held-out loss of the same pass (fp32 sums)
+        assert entry["advice"] is None
+        assert entry["test_loss"] == pytest.approx(held_out_loss(model, test), rel=1e-5), name
         got = entry["report"]
         assert [p["name"] for p in got["points"]] == list(probe.points)
         for mine, theirs in zip(got["points"], want["points"]):
@@ -883,3 +886,118 @@ def test_growth_table_trends_and_plot(grown):
         rho, p = rank_correlation(xs, ys, permutations=6)
         assert (row["rho"], row["p"]) == (rho, p)
     assert {r["statistic"] for r in rows} >= titles
+
+
+GROWTH_BAD = [
+    (("[growth]", "[growth]\nbogus = 1"), "unknown key 'bogus' in [growth]"),
+    (('family = "layer"', 'family = "deep"'), "[growth] family must be one of"),
+    (("seed = 5", 'seed = "5"'), "[growth] seed must be an integer >= 0"),
+    (("budget = [8, 8]", "budget = [8]"), "[growth] budget must be [M, K]"),
+    (("candidates = [0, 0.5, 1.0]", 'candidates = [0.5, "model.layers.0"]'), "[growth] candidates must be"),
+    (("candidates = [0, 0.5, 1.0]", "candidates = [1.5]"), "[growth] candidates must be"),
+    (("candidates = [0, 0.5, 1.0]", "candidates = [0.5, 0.5]"), "[growth] candidates lists 0.5 twice"),
+    (("candidates = [0, 0.5, 1.0]", ""), "[growth] needs candidates"),
+    (('family = "layer"', 'family = "mlp_width"'), "family 'mlp_width' needs width="),
+    (("seed = 5", "seed = 5\nalpha = 1.5"), "[growth] alpha must be a number in (0, 1)"),
+    (('unit = "sample"', 'unit = "sample"\ncross = 4'), "[probe] cross cannot be set with [growth]"),
+    (('unit = "sample"', 'unit = "position"'), '[growth] needs [probe] unit = "sample"'),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), GROWTH_BAD, ids=[m[:30] for _, m in GROWTH_BAD])
+def test_bad_growth_section_refused_before_any_model_loads(
+    family, tmp_path, monkeypatch, capsys, edit, message
+):
+    old, new = edit
+    assert old in GROWTH_SUITE
+    path = _suite_file(family["root"], tmp_path, GROWTH_SUITE.replace(old, new, 1))
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the suite file was checked")
+
+    monkeypatch.setattr("fused_stats.commands.probe.load_model", no_loading)
+    out = tmp_path / "out"
+    assert main(["suite", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fused-stats: error: ") and message in err, err
+    assert not out.exists()
+
+
+def test_a_missing_candidate_is_refused_on_the_first_model(family, tmp_path, monkeypatch, capsys):
+    from fused_stats.commands import probe as probe_command
+
+    real, loads = probe_command.load_model, []
+
+    def counting(path, *args, **kwargs):
+        loads.append(Path(path).name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(probe_command, "load_model", counting)
+    text = GROWTH_SUITE.replace(
+        "candidates = [0, 0.5, 1.0]", 'candidates = ["model.layers.0", "model.layers.1"]'
+    )
+    path = _suite_file(family["root"], tmp_path, text)
+    out = tmp_path / "out"
+    code, _, err = _run(path, out, capsys)
+    assert code == 2 and "[growth] candidates, checked on run llama-w16-d1" in err, err
+    assert "'model.layers.1'" in err
+    assert loads == ["llama-w16-d1"] and not out.exists()
+
+
+def test_all_candidates_and_a_changed_growth_section_probes_again(family, tmp_path, capsys):
+    import transformers
+
+    text = GROWTH_SUITE.split("[[runs]]")[0].replace("candidates = [0, 0.5, 1.0]", 'candidates = "all"')
+    text += '[[runs]]\nglob = "ckpts/llama-w16-d2"\n'
+    path = _suite_file(family["root"], tmp_path, text)
+    out = tmp_path / "out"
+    code, _, _ = _run(path, out, capsys)
+    assert code == 0
+    run = json.loads((out / "suite.json").read_text())["runs"]["llama-w16-d2"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(family["folders"]["llama-w16-d2"])
+    assert run["advice"]["protocol"]["candidates"] == fs.growth_points(model)
+    assert run["advice"]["depths"] is None
+    path.write_text(text.replace("seed = 5", "seed = 6"))
+    code, _, err = _run(path, out, capsys)
+    assert code == 2 and "different suite file" in err, err
+    code, _, _ = _run(path, out, capsys, "--force")
+    assert code == 0
+    run = json.loads((out / "suite.json").read_text())["runs"]["llama-w16-d2"]
+    assert run["advice"]["protocol"]["seed"] == 6
+    # the run file's key names the section, so a stale file says why
+    from fused_stats.api.suite.identity import run_key, stale_because
+    from fused_stats.api.suite.spec import read_suite
+
+    spec = read_suite(path)
+    key = run_key("x", {}, family["folders"]["llama-w16-d2"], spec.growth)
+    other = run_key("x", {}, family["folders"]["llama-w16-d2"], dict(spec.growth, seed=5))
+    assert stale_because(other, key) == "the [growth] section changed"
+    assert stale_because(key, key) is None
+    no_growth = run_key("x", {}, family["folders"]["llama-w16-d2"])
+    assert no_growth["growth"] is None and stale_because(no_growth, key) == "the [growth] section changed"
+
+
+def test_token_loss_weights_each_sequence_by_its_counted_targets():
+    from fused_stats.api.suite.runner import TokenLoss
+
+    torch.manual_seed(0)
+    vocab, B, T = 11, 3, 7
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab, 5), torch.nn.Linear(5, vocab)).double()
+    ids = torch.randint(0, vocab, (B, T))
+    labels = ids.clone()
+    labels[0, 3:] = -100  # sequence 0 predicts 2 tokens
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :2] = 0  # sequence 1 left-padded: its first real token has no prediction
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    loss = TokenLoss()
+    loss.recording(fs.causal_lm_loss)(model, batch)
+    logp = torch.log_softmax(model(ids), -1)
+    total, count = 0.0, 0
+    for b in range(B):
+        for t in range(T - 1):
+            if labels[b, t + 1] != -100 and mask[b, t] and mask[b, t + 1]:
+                total -= float(logp[b, t, ids[b, t + 1]])
+                count += 1
+    assert loss.tokens == count == 2 + 4 + 6
+    assert loss.mean() == pytest.approx(total / count, rel=1e-12)
+    assert loss.perplexity() == pytest.approx(np.exp(total / count), rel=1e-12)
