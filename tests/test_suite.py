@@ -843,7 +843,6 @@ def test_growth_advice_and_test_loss_equal_a_separate_probe_and_forward(family, 
 
 
 def test_growth_table_trends_and_plot(grown):
-    from fused_stats.accumulators.trends import rank_correlation
     from fused_stats.api.report.schema import fmt
 
     _, out = grown
@@ -861,31 +860,31 @@ def test_growth_table_trends_and_plot(grown):
             assert f"`{top['point']}` | {fmt(top['cross_frob2'])} | {fmt(top['p_adjusted'])}" in row
         else:
             assert "saturated everywhere" in row and "| — | — | — |" in row
-    # depth trend within each width (2 runs a group: too few) and width trend within each depth
-    # (2 widths: too few) -> no trend; pooled by hand below the table says why
-    trends = md.split("## Trends")[1]
-    for width in (16, 24):
-        runs = [suite["runs"][f"llama-w{width}-d{d}"] for d in (1, 2)]
-        assert all(r["labels"]["width"] == width for r in runs)
-    assert "test loss (nats/token)" not in trends or "| depth |" in trends
     png = out / "suite_growth.png"
     assert png.stat().st_size > 1000
-    # the run-level statistics trend like the others: a brute-force Spearman over 3+ runs
-    from fused_stats.api.suite.compare import run_statistics, trend_rows
+    # parameters varies over the 4 runs (model_type fixed): both run-level statistics trend there,
+    # redone with scipy's rho and every permutation
+    import itertools
+    import math
 
-    extended = dict(suite, runs=dict(suite["runs"]))
-    for w in (16, 24):  # give the depth groups 3 runs at 2 depths with a copy at depth 2
-        extended["runs"][f"copy-w{w}"] = dict(suite["runs"][f"llama-w{w}-d2"])
-    rows = [r for r in trend_rows(extended) if r["label"] == "depth"]
-    titles = {t for t, _ in run_statistics(extended)}
-    assert titles == {"test loss (nats/token)", "max |C|²_F over the growth candidates"}
-    for row in (r for r in rows if r["statistic"] in titles):
-        value = dict(run_statistics(extended))[row["statistic"]]
-        xs = [extended["runs"][n]["labels"]["depth"] for n in row["runs"]]
-        ys = [value(extended["runs"][n]) for n in row["runs"]]
-        rho, p = rank_correlation(xs, ys, permutations=6)
-        assert (row["rho"], row["p"]) == (rho, p)
-    assert {r["statistic"] for r in rows} >= titles
+    from scipy.stats import spearmanr
+
+    runs = list(suite["runs"].values())
+    xs = [r["labels"]["parameters"] for r in runs]
+    trends = md.split("## Trends")[1]
+    for title, value in (
+        ("test loss (nats/token)", lambda r: r["test_loss"]),
+        (
+            "max \\|C\\|²_F over the growth candidates",
+            lambda r: max(c["cross_frob2"] for c in r["advice"]["ranked"]),
+        ),
+    ):
+        ys = [value(r) for r in runs]
+        rho = spearmanr(xs, ys).statistic
+        perms = [spearmanr(xs, list(q)).statistic for q in itertools.permutations(ys)]
+        p = sum(abs(r) >= abs(rho) - 1e-12 for r in perms) / math.factorial(len(ys))
+        row = f"| parameters | model_type=llama | {title} | 4 | {rho:+.2f} | {p:.3g} |"
+        assert row in trends, (row, trends)
 
 
 GROWTH_BAD = [

@@ -233,9 +233,12 @@ def render_markdown(suite: dict) -> str:
     for warning in suite.get("warnings", []):
         out.append(f"- **warning**: {warning}")
     s = suite["settings"]
+    points, cross = s["points"], s["cross"]
+    if suite.get("growth"):  # the probe's points and cross-gradient are the protocol's
+        points, cross = "the [growth] candidates", "the growth protocol's exact tangent"
     out.append(
-        f"- probe: points {s['points']}, unit {s['unit']}, mask {s['mask']}, second moment {s['second_moment']}, "
-        f"dtype {s['dtype']}, cross {s['cross']}, (M, K) budgets {s['splits']}, {s['trials']} misalignment trials"
+        f"- probe: points {points}, unit {s['unit']}, mask {s['mask']}, second moment {s['second_moment']}, "
+        f"dtype {s['dtype']}, cross {cross}, (M, K) budgets {s['splits']}, {s['trials']} misalignment trials"
     )
     out += [
         "",
