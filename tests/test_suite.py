@@ -761,6 +761,7 @@ family = "layer"
 init = "zero"
 seed = 5
 budget = [8, 8]
+alpha = 0.1
 [[runs]]
 glob = "ckpts/llama-w16-*"
 [[runs]]
@@ -817,7 +818,7 @@ def test_growth_advice_and_test_loss_equal_a_separate_probe_and_forward(family, 
                 probe.step(
                     {"input_ids": ids, "labels": ids}, fs.causal_lm_loss, stream=stream, mask="attention"
                 )
-        advice = fs.advise(probe)
+        advice = fs.advise(probe, alpha=0.1)
         got = entry["advice"]
         assert got["verdict"] == advice.verdict and got["digest"] == protocol.digest
         assert got["saturated_everywhere"] == advice.saturated_everywhere
@@ -897,7 +898,7 @@ GROWTH_BAD = [
     (("candidates = [0, 0.5, 1.0]", "candidates = [0.5, 0.5]"), "[growth] candidates lists 0.5 twice"),
     (("candidates = [0, 0.5, 1.0]", ""), "[growth] needs candidates"),
     (('family = "layer"', 'family = "mlp_width"'), "family 'mlp_width' needs width="),
-    (("seed = 5", "seed = 5\nalpha = 1.5"), "[growth] alpha must be a number in (0, 1)"),
+    (("alpha = 0.1", "alpha = 1.5"), "[growth] alpha must be a number in (0, 1)"),
     (('unit = "sample"', 'unit = "sample"\ncross = 4'), "[probe] cross cannot be set with [growth]"),
     (('unit = "sample"', 'unit = "position"'), '[growth] needs [probe] unit = "sample"'),
 ]
@@ -981,7 +982,16 @@ def test_token_loss_weights_each_sequence_by_its_counted_targets():
 
     torch.manual_seed(0)
     vocab, B, T = 11, 3, 7
-    model = torch.nn.Sequential(torch.nn.Embedding(vocab, 5), torch.nn.Linear(5, vocab)).double()
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(vocab, 5), torch.nn.Linear(5, vocab)
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.head(self.embed(input_ids))
+
+    model = TinyLM().double()
     ids = torch.randint(0, vocab, (B, T))
     labels = ids.clone()
     labels[0, 3:] = -100  # sequence 0 predicts 2 tokens
