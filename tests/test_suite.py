@@ -1010,3 +1010,27 @@ def test_token_loss_weights_each_sequence_by_its_counted_targets():
     assert loss.tokens == count == 2 + 4 + 6
     assert loss.mean() == pytest.approx(total / count, rel=1e-12)
     assert loss.perplexity() == pytest.approx(np.exp(total / count), rel=1e-12)
+
+
+def test_depth_sufficiency_rows_for_saturated_and_lower_ranked_tops(grown):
+    """Hand-set advice: a run saturated everywhere has no top; a run whose largest |C|²_F is
+    saturated shows the significant candidate below it."""
+    from fused_stats.api.report.schema import fmt
+    from fused_stats.api.suite.compare import render_markdown
+
+    _, out = grown
+    suite = json.loads((out / "suite.json").read_text())
+    saturated, second = suite["runs"]["llama-w16-d2"], suite["runs"]["llama-w24-d2"]
+    for c in saturated["advice"]["ranked"]:
+        c["saturated"] = True
+    saturated["advice"].update(saturated_everywhere=True, top=None)
+    ranked = second["advice"]["ranked"]
+    ranked[0]["saturated"] = True
+    for c in ranked[2:]:
+        c["saturated"] = True
+    second["advice"].update(saturated_everywhere=False, top=ranked[1]["point"])
+    table = render_markdown(suite).split("## Depth sufficiency ([growth])")[1].split("\n## ")[0]
+    rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| llama")}
+    assert "| saturated everywhere (3 candidates) | — | — | — |" in rows["llama-w16-d2"]
+    want = f"| not saturated at 1 of 3 | `{ranked[1]['point']}` | {fmt(ranked[1]['cross_frob2'])} |"
+    assert want in rows["llama-w24-d2"]
