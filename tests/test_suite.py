@@ -901,6 +901,10 @@ GROWTH_BAD = [
     (("alpha = 0.1", "alpha = 1.5"), "[growth] alpha must be a number in (0, 1)"),
     (('unit = "sample"', 'unit = "sample"\ncross = 4'), "[probe] cross cannot be set with [growth]"),
     (('unit = "sample"', 'unit = "position"'), '[growth] needs [probe] unit = "sample"'),
+    (
+        ('unit = "sample"', 'unit = "sample"\nstream_blocks = true'),
+        "stream_blocks = true cannot be set with [growth]",
+    ),
 ]
 
 

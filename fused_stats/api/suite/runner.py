@@ -225,6 +225,8 @@ def stream_decision(spec: SuiteSpec, run: RunSpec, device) -> tuple[bool, str]:
     model (weights, every block's activations, the gradients in flight and the reduced rows,
     accumulators) fits the device's free memory."""
     setting = spec.probe["stream_blocks"]
+    if spec.growth is not None:  # the spec refuses true: a streamed model has no block to grow beside
+        return False, "[growth] probes the whole model (its tangent runs a new block beside the model's own)"
     if setting is not True and setting is not False:
         from ..streaming.plan import human_bytes, plan_streaming
 

@@ -258,6 +258,12 @@ def _check_growth(path: Path, growth: dict, probe: dict) -> dict:
                 f"[probe] {key} cannot be set with [growth]: the probe's points are the protocol's "
                 "candidates and its cross-gradient is the protocol's exact tangent",
             )
+    if probe.get("stream_blocks") is True:
+        _fail(
+            path,
+            "[probe] stream_blocks = true cannot be set with [growth]: the growth tangent runs a new "
+            'block next to the model\'s own, so it needs the whole model (leave it "auto" or false)',
+        )
     if probe.get("unit", "sample") != "sample":
         _fail(
             path,
