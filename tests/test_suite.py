@@ -128,6 +128,9 @@ def test_every_run_equals_a_separate_probe(family, reference):
                     {"input_ids": ids, "labels": ids}, fs.causal_lm_loss, stream=stream, mask="attention"
                 )
         want = json.loads(json.dumps(encode(probe.report(misalignment_trials=0).data)))
+        # without [growth]: no advice, and the held-out loss of the same pass (fp32 sums)
+        assert entry["advice"] is None
+        assert entry["test_loss"] == pytest.approx(held_out_loss(model, test), rel=1e-5), name
         got = entry["report"]
         assert [p["name"] for p in got["points"]] == list(probe.points)
         for mine, theirs in zip(got["points"], want["points"]):
@@ -736,3 +739,302 @@ def test_a_shard_on_new_data_never_pairs_it_with_old_runs(family, tmp_path, caps
     suite = json.loads((out / "suite.json").read_text())
     want = suite["data"][next(iter(suite["data"]))]["train"]["sha256"]
     assert {r["report"]["meta"]["data"]["train"] for r in suite["runs"].values()} == {want}
+
+
+# ---------------------------------------------------------------------------- [growth]: advice and held-out loss
+GROWTH_SUITE = f"""
+[data]
+train = "train.txt"
+test = "test.txt"
+seq_len = {SEQ_LEN}
+sequences = {SEQUENCES}
+batch_size = {BATCH}
+[probe]
+unit = "sample"
+second_moment = "pool"
+dtype = "float64"
+splits = [[8, 8]]
+trials = 0
+[growth]
+candidates = [0, 0.5, 1.0]
+family = "layer"
+init = "zero"
+seed = 5
+budget = [8, 8]
+alpha = 0.1
+[[runs]]
+glob = "ckpts/llama-w16-*"
+[[runs]]
+glob = "ckpts/llama-w24-*"
+"""
+# the boundaries relative depths 0, 0.5 and 1 name, written out by hand per depth
+GROWTH_POINTS = {
+    1: ["model.embed_tokens", "model.layers.0"],
+    2: ["model.embed_tokens", "model.layers.0", "model.layers.1"],
+}
+
+
+def held_out_loss(model, rows: np.ndarray) -> float:
+    """Nats per predicted token of a plain forward: every next token of every window counts."""
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, rows.shape[0], BATCH):
+            ids = torch.from_numpy(rows[i : i + BATCH])
+            logits = model(input_ids=ids).logits[:, :-1]
+            nll = -torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])
+            total += float(nll.sum())
+            tokens += nll.numel()
+    return total / tokens
+
+
+@pytest.fixture(scope="session")
+def grown(family, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("growth-suite")
+    path = _suite_file(family["root"], folder, GROWTH_SUITE)
+    out = folder / "out"
+    assert main(["suite", str(path), "--out", str(out), "--no-progress"]) == 0
+    return path, out
+
+
+def test_growth_advice_and_test_loss_equal_a_separate_probe_and_forward(family, grown):
+    import transformers
+
+    _, out = grown
+    suite = json.loads((out / "suite.json").read_text())
+    assert sorted(suite["runs"]) == ["llama-w16-d1", "llama-w16-d2", "llama-w24-d1", "llama-w24-d2"]
+    root = family["root"]
+    for name, entry in sorted(suite["runs"].items()):
+        assert entry["status"] == "done", entry["error"]
+        folder = family["folders"][name]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        train, test = windows(tokenizer, root / "train.txt"), windows(tokenizer, root / "test.txt")
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+        depth = model.config.num_hidden_layers
+        protocol = fs.GrowthProtocol(candidates=GROWTH_POINTS[depth], seed=5, budget=(8, 8))
+        probe = fs.Probe(model, unit="sample", second_moment="pool", cross=protocol)
+        for stream, rows in (("train", train), ("test", test)):
+            for i in range(0, SEQUENCES, BATCH):
+                ids = torch.from_numpy(rows[i : i + BATCH])
+                probe.step(
+                    {"input_ids": ids, "labels": ids}, fs.causal_lm_loss, stream=stream, mask="attention"
+                )
+        advice = fs.advise(probe, alpha=0.1)
+        got = entry["advice"]
+        assert got["verdict"] == advice.verdict and got["digest"] == protocol.digest
+        assert got["saturated_everywhere"] == advice.saturated_everywhere
+        assert got["top"] == (None if advice.top is None else advice.top.point)
+        want = [
+            {
+                "point": c.point,
+                "cross_frob2": c.cross_frob2,
+                "se": c.se,
+                "p_value": c.p_value,
+                "p_adjusted": c.p_adjusted,
+                "saturated": c.saturated,
+            }
+            for c in advice.ranked
+        ]
+        assert got["ranked"] == json.loads(json.dumps(encode(want))), name
+        assert [p["name"] for p in entry["report"]["points"]] == GROWTH_POINTS[depth]
+        points = GROWTH_POINTS[depth]
+        assert got["depths"] == {"0": points[0], "0.5": points[1], "1.0": points[-1]}
+        loss = held_out_loss(model, test)
+        assert entry["test_loss"] == pytest.approx(loss, rel=1e-12, abs=0), name
+        assert entry["test_perplexity"] == pytest.approx(np.exp(loss), rel=1e-12), name
+
+
+def test_growth_table_trends_and_plot(grown):
+    from fused_stats.api.report.schema import fmt
+
+    _, out = grown
+    suite = json.loads((out / "suite.json").read_text())
+    md = (out / "suite.md").read_text()
+    table = md.split("## Depth sufficiency ([growth])")[1].split("\n## ")[0]
+    for name, entry in suite["runs"].items():
+        ranked = entry["advice"]["ranked"]
+        significant = [c for c in ranked if not c["saturated"]]
+        row = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
+        assert fmt(entry["test_loss"]) in row
+        if significant:
+            top = max(significant, key=lambda c: c["cross_frob2"])
+            assert f"not saturated at {len(significant)} of {len(ranked)}" in row
+            assert f"`{top['point']}` | {fmt(top['cross_frob2'])} | {fmt(top['p_adjusted'])}" in row
+        else:
+            assert "saturated everywhere" in row and "| — | — | — |" in row
+    png = out / "suite_growth.png"
+    assert png.stat().st_size > 1000
+    # parameters varies over the 4 runs (model_type fixed): both run-level statistics trend there,
+    # redone with scipy's rho and every permutation
+    import itertools
+    import math
+
+    from scipy.stats import spearmanr
+
+    runs = list(suite["runs"].values())
+    xs = [r["labels"]["parameters"] for r in runs]
+    trends = md.split("## Trends")[1]
+    for title, value in (
+        ("test loss (nats/token)", lambda r: r["test_loss"]),
+        (
+            "max \\|C\\|²_F over the growth candidates",
+            lambda r: max(c["cross_frob2"] for c in r["advice"]["ranked"]),
+        ),
+    ):
+        ys = [value(r) for r in runs]
+        rho = spearmanr(xs, ys).statistic
+        perms = [spearmanr(xs, list(q)).statistic for q in itertools.permutations(ys)]
+        p = sum(abs(r) >= abs(rho) - 1e-12 for r in perms) / math.factorial(len(ys))
+        row = f"| parameters | model_type=llama | {title} | 4 | {rho:+.2f} | {p:.3g} |"
+        assert row in trends, (row, trends)
+
+
+GROWTH_BAD = [
+    (("[growth]", "[growth]\nbogus = 1"), "unknown key 'bogus' in [growth]"),
+    (('family = "layer"', 'family = "deep"'), "[growth] family must be one of"),
+    (("seed = 5", 'seed = "5"'), "[growth] seed must be an integer >= 0"),
+    (("budget = [8, 8]", "budget = [8]"), "[growth] budget must be [M, K]"),
+    (("candidates = [0, 0.5, 1.0]", 'candidates = [0.5, "model.layers.0"]'), "[growth] candidates must be"),
+    (("candidates = [0, 0.5, 1.0]", "candidates = [1.5]"), "[growth] candidates must be"),
+    (("candidates = [0, 0.5, 1.0]", "candidates = [0.5, 0.5]"), "[growth] candidates lists 0.5 twice"),
+    (("candidates = [0, 0.5, 1.0]", ""), "[growth] needs candidates"),
+    (('family = "layer"', 'family = "mlp_width"'), "family 'mlp_width' needs width="),
+    (("alpha = 0.1", "alpha = 1.5"), "[growth] alpha must be a number in (0, 1)"),
+    (('unit = "sample"', 'unit = "sample"\ncross = 4'), "[probe] cross cannot be set with [growth]"),
+    (('unit = "sample"', 'unit = "position"'), '[growth] needs [probe] unit = "sample"'),
+    (
+        ('unit = "sample"', 'unit = "sample"\nstream_blocks = true'),
+        "stream_blocks = true cannot be set with [growth]",
+    ),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), GROWTH_BAD, ids=[m[:30] for _, m in GROWTH_BAD])
+def test_bad_growth_section_refused_before_any_model_loads(
+    family, tmp_path, monkeypatch, capsys, edit, message
+):
+    old, new = edit
+    assert old in GROWTH_SUITE
+    path = _suite_file(family["root"], tmp_path, GROWTH_SUITE.replace(old, new, 1))
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the suite file was checked")
+
+    monkeypatch.setattr("fused_stats.commands.probe.load_model", no_loading)
+    out = tmp_path / "out"
+    assert main(["suite", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fused-stats: error: ") and message in err, err
+    assert not out.exists()
+
+
+def test_a_missing_candidate_is_refused_on_the_first_model(family, tmp_path, monkeypatch, capsys):
+    from fused_stats.commands import probe as probe_command
+
+    real, loads = probe_command.load_model, []
+
+    def counting(path, *args, **kwargs):
+        loads.append(Path(path).name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(probe_command, "load_model", counting)
+    text = GROWTH_SUITE.replace(
+        "candidates = [0, 0.5, 1.0]", 'candidates = ["model.layers.0", "model.layers.1"]'
+    )
+    path = _suite_file(family["root"], tmp_path, text)
+    out = tmp_path / "out"
+    code, _, err = _run(path, out, capsys)
+    assert code == 2 and "[growth] candidates, checked on run llama-w16-d1" in err, err
+    assert "'model.layers.1'" in err
+    assert loads == ["llama-w16-d1"] and not out.exists()
+
+
+def test_all_candidates_and_a_changed_growth_section_probes_again(family, tmp_path, capsys):
+    import transformers
+
+    text = GROWTH_SUITE.split("[[runs]]")[0].replace("candidates = [0, 0.5, 1.0]", 'candidates = "all"')
+    text += '[[runs]]\nglob = "ckpts/llama-w16-d2"\n'
+    path = _suite_file(family["root"], tmp_path, text)
+    out = tmp_path / "out"
+    code, _, _ = _run(path, out, capsys)
+    assert code == 0
+    run = json.loads((out / "suite.json").read_text())["runs"]["llama-w16-d2"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(family["folders"]["llama-w16-d2"])
+    assert run["advice"]["protocol"]["candidates"] == fs.growth_points(model)
+    assert run["advice"]["depths"] is None
+    path.write_text(text.replace("seed = 5", "seed = 6"))
+    code, _, err = _run(path, out, capsys)
+    assert code == 2 and "different suite file" in err, err
+    code, _, _ = _run(path, out, capsys, "--force")
+    assert code == 0
+    run = json.loads((out / "suite.json").read_text())["runs"]["llama-w16-d2"]
+    assert run["advice"]["protocol"]["seed"] == 6
+    # the run file's key names the section, so a stale file says why
+    from fused_stats.api.suite.identity import run_key, stale_because
+    from fused_stats.api.suite.spec import read_suite
+
+    spec = read_suite(path)
+    key = run_key("x", {}, family["folders"]["llama-w16-d2"], spec.growth)
+    other = run_key("x", {}, family["folders"]["llama-w16-d2"], dict(spec.growth, seed=5))
+    assert stale_because(other, key) == "the [growth] section changed"
+    assert stale_because(key, key) is None
+    no_growth = run_key("x", {}, family["folders"]["llama-w16-d2"])
+    assert no_growth["growth"] is None and stale_because(no_growth, key) == "the [growth] section changed"
+
+
+def test_token_loss_weights_each_sequence_by_its_counted_targets():
+    from fused_stats.api.suite.runner import TokenLoss
+
+    torch.manual_seed(0)
+    vocab, B, T = 11, 3, 7
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(vocab, 5), torch.nn.Linear(5, vocab)
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.head(self.embed(input_ids))
+
+    model = TinyLM().double()
+    ids = torch.randint(0, vocab, (B, T))
+    labels = ids.clone()
+    labels[0, 3:] = -100  # sequence 0 predicts 2 tokens
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :2] = 0  # sequence 1 left-padded: its first real token has no prediction
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    loss = TokenLoss()
+    loss.recording(fs.causal_lm_loss)(model, batch)
+    logp = torch.log_softmax(model(ids), -1).detach()
+    total, count = 0.0, 0
+    for b in range(B):
+        for t in range(T - 1):
+            if labels[b, t + 1] != -100 and mask[b, t] and mask[b, t + 1]:
+                total -= float(logp[b, t, ids[b, t + 1]])
+                count += 1
+    assert loss.tokens == count == 2 + 4 + 6
+    assert loss.mean() == pytest.approx(total / count, rel=1e-12)
+    assert loss.perplexity() == pytest.approx(np.exp(total / count), rel=1e-12)
+
+
+def test_depth_sufficiency_rows_for_saturated_and_lower_ranked_tops(grown):
+    """Hand-set advice: a run saturated everywhere has no top; a run whose largest |C|²_F is
+    saturated shows the significant candidate below it."""
+    from fused_stats.api.report.schema import fmt
+    from fused_stats.api.suite.compare import render_markdown
+
+    _, out = grown
+    suite = json.loads((out / "suite.json").read_text())
+    saturated, second = suite["runs"]["llama-w16-d2"], suite["runs"]["llama-w24-d2"]
+    for c in saturated["advice"]["ranked"]:
+        c["saturated"] = True
+    saturated["advice"].update(saturated_everywhere=True, top=None)
+    ranked = second["advice"]["ranked"]
+    ranked[0]["saturated"] = True
+    for c in ranked[2:]:
+        c["saturated"] = True
+    second["advice"].update(saturated_everywhere=False, top=ranked[1]["point"])
+    table = render_markdown(suite).split("## Depth sufficiency ([growth])")[1].split("\n## ")[0]
+    rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| llama")}
+    assert "| saturated everywhere (3 candidates) | — | — | — |" in rows["llama-w16-d2"]
+    want = f"| not saturated at 1 of 3 | `{ranked[1]['point']}` | {fmt(ranked[1]['cross_frob2'])} |"
+    assert want in rows["llama-w24-d2"]

@@ -6,7 +6,9 @@ file) and ``P`` their number: the residual stream after block ``j + 1`` of ``P``
 the suite file lists. A point off the residual stream has no relative depth; its column is its name. A trend of a statistic against
 a label is measured within each group of runs that hold the other design labels (width, depth,
 step, model_type and hand-set labels) fixed; ``parameters`` follows from width and depth, so its
-groups hold only the rest fixed. Each trend is Spearman's ρ with the two-sided permutation p-value
+groups hold only the rest fixed. Run-level statistics (the held-out loss in nats per counted token,
+and with a ``[growth]`` section the largest ``|C|_F²`` over the protocol's candidates, whatever its
+verdict, so every run has one) trend the same way. Each trend is Spearman's ρ with the two-sided permutation p-value
 of :func:`fused_stats.accumulators.trends.rank_correlation`, exact (every re-pairing enumerated)
 up to 8 runs a group. Plots use matplotlib's object-oriented API (no pyplot).
 """
@@ -84,6 +86,21 @@ def statistics(suite: dict) -> list[tuple[str, object]]:
     return stats
 
 
+def max_cross_frob2(entry: dict) -> float | None:
+    """The largest ``|C|_F²`` among a run's growth candidates (None without advice)."""
+    ranked = _sub(entry, "advice", "ranked") or []
+    values = [c["cross_frob2"] for c in ranked if isinstance(c.get("cross_frob2"), (int, float))]
+    return max(values) if values else None
+
+
+def run_statistics(suite: dict) -> list[tuple[str, object]]:
+    """``(title, value(entry))`` for the statistics a run has once, not per point."""
+    stats = [("test loss (nats/token)", lambda e: e.get("test_loss"))]
+    if suite.get("growth"):
+        stats.append(("max |C|²_F over the growth candidates", max_cross_frob2))
+    return stats
+
+
 def _order(suite: dict) -> list[str]:
     def key(name):
         labels = suite["runs"][name]["labels"]
@@ -154,11 +171,16 @@ def trend_rows(suite: dict) -> list[dict]:
         xs = [done[n]["labels"][x] for n in names]
         if len(names) < 3 or len(set(xs)) < 2:
             continue
+        columns_of_y = []
         for title, cell in statistics(suite):
             ys = []
             for n in names:
                 point = _pick_point(done[n], where)
                 ys.append(None if point is None else cell(done[n], point))
+            columns_of_y.append((title, ys))
+        for title, value in run_statistics(suite):
+            columns_of_y.append((title, [value(done[n]) for n in names]))
+        for title, ys in columns_of_y:
             pairs = [(a, b) for a, b in zip(xs, ys) if isinstance(b, (int, float)) and math.isfinite(b)]
             if len(pairs) < 3:
                 continue
@@ -211,9 +233,12 @@ def render_markdown(suite: dict) -> str:
     for warning in suite.get("warnings", []):
         out.append(f"- **warning**: {warning}")
     s = suite["settings"]
+    points, cross = s["points"], s["cross"]
+    if suite.get("growth"):  # the probe's points and cross-gradient are the protocol's
+        points, cross = "the [growth] candidates", "the growth protocol's exact tangent"
     out.append(
-        f"- probe: points {s['points']}, unit {s['unit']}, mask {s['mask']}, second moment {s['second_moment']}, "
-        f"dtype {s['dtype']}, cross {s['cross']}, (M, K) budgets {s['splits']}, {s['trials']} misalignment trials"
+        f"- probe: points {points}, unit {s['unit']}, mask {s['mask']}, second moment {s['second_moment']}, "
+        f"dtype {s['dtype']}, cross {cross}, (M, K) budgets {s['splits']}, {s['trials']} misalignment trials"
     )
     out += [
         "",
@@ -272,6 +297,8 @@ def render_markdown(suite: dict) -> str:
                     text += " (sat.)" if point["saturation"].get("saturated") else " (not sat.)"
                 cells.append(text if point is not None else "")
             out.append(f"| {n} | " + " | ".join(cells) + " |")
+    if suite.get("growth"):
+        out += depth_sufficiency(suite, done, label_keys)
     rows = trend_rows(suite)
     out += ["", f"## Trends (point: {suite.get('point', 'last')})", ""]
     if rows:
@@ -313,6 +340,51 @@ def render_markdown(suite: dict) -> str:
     elif not groups:
         out.append("No done run has a numeric value of a trend label.")
     return "\n".join(out) + "\n"
+
+
+def depth_sufficiency(suite: dict, done: list[str], label_keys: list[str]) -> list[str]:
+    """The [growth] table: per run the advisor's verdict, its top significant candidate with that
+    candidate's |C|_F² and Holm-adjusted p, and the held-out loss."""
+    g = suite["growth"]
+    out = [
+        "",
+        "## Depth sufficiency ([growth])",
+        "",
+        f"Protocol: family {g['family']}, init {g['init']}, seed {g['seed']}, candidates {g['candidates']}"
+        + (f", budget (M, K) = {tuple(g['budget'])}" if g.get("budget") else "")
+        + f"; alpha = {g['alpha']:g}, Holm-Bonferroni over each run's candidates. Top: the significant "
+        "candidate of largest |C|_F² (none when saturated everywhere). Test loss: mean nats per "
+        "counted token on the test windows, from the probe's own losses.",
+        "",
+        "| run | "
+        + " | ".join(label_keys)
+        + " | verdict | top candidate | \\|C\\|²_F | Holm p | test loss | perplexity |",
+        "|---" * (len(label_keys) + 7) + "|",
+    ]
+    for n in done:
+        entry = suite["runs"][n]
+        advice = entry.get("advice") or {}
+        ranked = advice.get("ranked") or []
+        top = next((c for c in ranked if c["point"] == advice.get("top")), None)
+        unsaturated = sum(not c["saturated"] for c in ranked)
+        if not advice:
+            verdict = "no advice"
+        elif advice.get("saturated_everywhere"):
+            verdict = f"saturated everywhere ({len(ranked)} candidates)"
+        else:
+            verdict = f"not saturated at {unsaturated} of {len(ranked)}"
+        labels = entry["labels"]
+        cells = [fmt(labels.get(k)) if not isinstance(labels.get(k), str) else labels[k] for k in label_keys]
+        cells += [
+            verdict,
+            "—" if top is None else f"`{top['point']}`",
+            "—" if top is None else fmt(top["cross_frob2"]),
+            "—" if top is None else fmt(top["p_adjusted"]),
+            fmt(entry.get("test_loss")),
+            fmt(entry.get("test_perplexity")),
+        ]
+        out.append(f"| {n} | " + " | ".join(_cell(c) for c in cells) + " |")
+    return out
 
 
 # ---------------------------------------------------------------------------- plots
@@ -580,12 +652,64 @@ def plot_steps(suite, path) -> Path | None:
     return save_figure(fig, path, dpi=110)
 
 
+def plot_growth(suite, path) -> Path | None:
+    """Two panels against the first of depth, step, width that varies: the largest |C|²_F over
+    the growth candidates (filled: a significant candidate exists; open: saturated everywhere)
+    and the held-out loss, one line per group holding the other design labels fixed."""
+    if not suite.get("growth"):
+        return None
+    names = [n for n in _done(suite) if suite["runs"][n].get("advice")]
+    axis = next(
+        (
+            x
+            for x in ("depth", "step", "width")
+            if len({suite["runs"][n]["labels"].get(x) for n in names} - {None}) > 1
+        ),
+        None,
+    )
+    if axis is None:
+        return None
+    names = [n for n in names if isinstance(suite["runs"][n]["labels"].get(axis), (int, float))]
+    fixed = [k for k in design_labels(suite) if k != axis]
+    groups = _group_by(suite, names, fixed)
+    fig, (left, right) = _figure(2)
+    values = []
+    for group, ns in groups.items():
+        runs = sorted((suite["runs"][n] for n in ns), key=lambda e: e["labels"][axis])
+        xs = [e["labels"][axis] for e in runs]
+        tag = ", ".join(f"{k}={v}" for k, v in zip(fixed, group) if v is not None) or "all runs"
+        tops = [max_cross_frob2(e) for e in runs]
+        (line,) = left.plot(xs, [math.nan if y is None else y for y in tops], marker="", label=tag)
+        for x, y, e in zip(xs, tops, runs):
+            if y is None:
+                continue
+            sat = e["advice"]["saturated_everywhere"]
+            left.plot(
+                [x], [y], marker="o", ls="", color=line.get_color(), mfc="white" if sat else line.get_color()
+            )
+            values.append(y)
+        losses = [math.nan if e.get("test_loss") is None else e["test_loss"] for e in runs]
+        right.plot(xs, losses, marker="o", color=line.get_color(), label=tag)
+    _logy(left, values)
+    for ax in (left, right):
+        ticks = sorted({suite["runs"][n]["labels"][axis] for n in names})
+        ax.set_xticks(ticks, [fmt(t) for t in ticks])
+        ax.set_xlabel(axis)
+    left.set_ylabel("max |C|²_F over the candidates")
+    left.set_title("growth gain (filled: significant; open: saturated everywhere)", fontsize=8)
+    right.set_ylabel("test loss (nats/token)")
+    right.set_title("held-out loss", fontsize=8)
+    right.legend(fontsize=7)
+    return save_figure(fig, path, dpi=110)
+
+
 PLOTS = {
     "suite_width.png": plot_width,
     "suite_budgets.png": plot_budgets,
     "suite_depth.png": plot_depth,
     "suite_saturation.png": plot_saturation,
     "suite_steps.png": plot_steps,
+    "suite_growth.png": plot_growth,
 }
 
 

@@ -1,8 +1,9 @@
 """What a run file was computed from: the key that decides whether a finished run still holds.
 
 A run's key is the suite file's SHA-256, the SHA-256 of the train and test windows it saw, the
-checkpoint's identity and the package version; a run file whose key differs from the plan's is
-stale and the run is probed again.
+checkpoint's identity, the package version and the SHA-256 of the checked ``[growth]`` section
+(canonical JSON; None without one); a run file whose key differs from the plan's is stale and the
+run is probed again.
 
 The checkpoint identity is a SHA-256 over ``config.json``'s bytes and, for every weight file of
 the folder (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt`` and their
@@ -16,13 +17,14 @@ at the same path is the one change this misses.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from ..._version import __version__
 from ...errors import FusedStatsError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-KEY_FIELDS = ("suite_sha256", "data", "checkpoint", "fused_stats")
+KEY_FIELDS = ("suite_sha256", "data", "checkpoint", "fused_stats", "growth")
 
 
 def _weight_file(path: Path) -> bool:
@@ -47,13 +49,22 @@ def checkpoint_identity(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def run_key(suite_sha256: str, windows_sha256: dict, folder: Path) -> dict:
+def growth_identity(growth: dict | None) -> str | None:
+    """SHA-256 of the checked [growth] section's canonical JSON (None without one)."""
+    if growth is None:
+        return None
+    text = json.dumps(growth, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def run_key(suite_sha256: str, windows_sha256: dict, folder: Path, growth: dict | None = None) -> dict:
     """The key a run file must carry to count as finished (module docstring)."""
     return {
         "suite_sha256": suite_sha256,
         "data": dict(windows_sha256),
         "checkpoint": checkpoint_identity(folder),
         "fused_stats": __version__,
+        "growth": growth_identity(growth),
     }
 
 
@@ -66,6 +77,7 @@ def stale_because(old: dict | None, key: dict) -> str | None:
         "data": "the data windows changed",
         "checkpoint": "the checkpoint's files changed",
         "fused_stats": f"it ran under fused_stats {old.get('fused_stats')}, this is {key['fused_stats']}",
+        "growth": "the [growth] section changed",
     }
     changed = [why[field] for field in KEY_FIELDS if old.get(field) != key.get(field)]
     return "; ".join(changed) or None

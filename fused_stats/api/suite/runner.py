@@ -133,6 +133,7 @@ def plan_document(spec: SuiteSpec, windows: dict[str, Windows], run_tokenizer: d
         },
         "trends": spec.trends,
         "point": spec.point,
+        "growth": spec.growth,
         "runs": [
             {
                 "name": r.name,
@@ -143,6 +144,7 @@ def plan_document(spec: SuiteSpec, windows: dict[str, Windows], run_tokenizer: d
                     spec.sha256,
                     {s: windows[run_tokenizer[r.name]].sha256(s) for s in ("train", "test")},
                     r.model,
+                    spec.growth,
                 ),
             }
             for r in spec.runs
@@ -222,6 +224,8 @@ def stream_decision(spec: SuiteSpec, run: RunSpec, device) -> tuple[bool, str]:
     model (weights, every block's activations, the gradients in flight and the reduced rows,
     accumulators) fits the device's free memory."""
     setting = spec.probe["stream_blocks"]
+    if spec.growth is not None:  # the spec refuses true: a streamed model has no block to grow beside
+        return False, "[growth] probes the whole model (its tangent runs a new block beside the model's own)"
     if setting is not True and setting is not False:
         from ..streaming.plan import human_bytes, plan_streaming
 
@@ -266,8 +270,10 @@ def _free_bytes(device) -> int | None:
 
 
 def probe_windows(model, windows: Windows, spec: SuiteSpec, device, progress: bool, meta: dict):
-    """Probe ``model`` on the windows; returns ``(report dict, budgets)`` where ``budgets`` lists,
-    per (M, K) of the file, each point's certificate and misalignment."""
+    """Probe ``model`` on the windows; returns ``(report dict, budgets, extra)`` where ``budgets``
+    lists, per (M, K) of the file, each point's certificate and misalignment, and ``extra`` holds
+    ``test_loss``/``test_perplexity`` (from the probe's own per-sample losses on the test stream)
+    and, with a [growth] section, the ``advice``."""
     import torch
 
     from ...progress import Progress
@@ -276,21 +282,28 @@ def probe_windows(model, windows: Windows, spec: SuiteSpec, device, progress: bo
     from ..probe.spec import CrossSpec
 
     p = spec.probe
-    cross = (
-        None
-        if p["cross"] is None
-        else CrossSpec(rank=p["cross"]["rank"], activation=p["cross"]["activation"], seed=p["seed"])
-    )
-    probe = Probe(model, points=p["points"], unit=p["unit"], second_moment=p["second_moment"], cross=cross)
+    protocol, depths = None, None
+    if spec.growth is not None:
+        protocol, depths = growth_protocol(spec, model)
+        probe = Probe(model, unit=p["unit"], second_moment=p["second_moment"], cross=protocol)
+    else:
+        cross = (
+            None
+            if p["cross"] is None
+            else CrossSpec(rank=p["cross"]["rank"], activation=p["cross"]["activation"], seed=p["seed"])
+        )
+        probe = Probe(
+            model, points=p["points"], unit=p["unit"], second_moment=p["second_moment"], cross=cross
+        )
+    held_out = TokenLoss()
     B = spec.data["batch_size"]
     for stream, rows in (("train", windows.train), ("test", windows.test)):
         ids = torch.from_numpy(rows)
         batches = [ids[i : i + B].to(device) for i in range(0, ids.shape[0], B)]
+        loss_fn = held_out.recording(causal_lm_loss) if stream == "test" else causal_lm_loss
         with Progress(len(batches), f"  probe {stream}", enabled=progress, unit="batches") as bar:
             for batch in batches:
-                probe.step(
-                    {"input_ids": batch, "labels": batch}, causal_lm_loss, stream=stream, mask=p["mask"]
-                )
+                probe.step({"input_ids": batch, "labels": batch}, loss_fn, stream=stream, mask=p["mask"])
                 bar.update()
     report = probe.report(meta=meta, misalignment_trials=0)
     budgets = []
@@ -305,7 +318,82 @@ def probe_windows(model, windows: Windows, spec: SuiteSpec, device, progress: bo
                 "misalignment": mis,
             }
         budgets.append({"M": M, "K": K, "points": per_point})
-    return report.data, budgets
+    extra = {"test_loss": held_out.mean(), "test_perplexity": held_out.perplexity()}
+    if protocol is not None:
+        from ..growth.advise import advise
+
+        extra["advice"] = advice_entry(advise(probe, alpha=spec.growth["alpha"]), depths)
+    return report.data, budgets, extra
+
+
+class TokenLoss:
+    """Mean loss per counted token over the batches a loss function saw: ``Σ_b ℓ_b n_b / Σ_b n_b``,
+    with ``ℓ_b`` the per-sequence mean of :func:`~fused_stats.causal_lm_loss` and ``n_b`` its
+    counted targets (:func:`~fused_stats.api.probe.losses.causal_targets`, the rule that loss
+    averages over), so it is the sum of the token losses over their number."""
+
+    def __init__(self):
+        self.loss_sum = 0.0
+        self.tokens = 0
+
+    def recording(self, loss_fn):
+        from ..probe.losses import causal_targets
+
+        def record(model, batch):
+            losses = loss_fn(model, batch)
+            labels = batch.get("labels", batch.get("input_ids"))
+            counts = causal_targets(labels, batch.get("attention_mask")).sum(-1)
+            # fp64 sums: a float32 running total would drift over many windows
+            self.loss_sum += float((losses.detach().double() * counts.double()).sum())
+            self.tokens += int(counts.sum())
+            return losses
+
+        return record
+
+    def mean(self) -> float | None:
+        return self.loss_sum / self.tokens if self.tokens else None
+
+    def perplexity(self) -> float | None:
+        mean = self.mean()
+        return None if mean is None else math.exp(mean)
+
+
+def growth_protocol(spec: SuiteSpec, model):
+    """The [growth] section's protocol for ``model`` (its candidates resolved and checked on it)
+    and the map of relative depths to the points they name (None for names or "all")."""
+    from .spec import growth_candidates, protocol_for
+
+    candidates, depths = growth_candidates(spec.growth, model)
+    protocol = protocol_for(spec.growth, candidates)
+    protocol.check(model)
+    return protocol, depths
+
+
+def advice_entry(advice, depths: dict | None) -> dict:
+    """A run's ``advice`` in suite.json: what :func:`fused_stats.advise` found (Holm over the run's
+    candidates), one row per candidate in its ranked order."""
+    top = advice.top
+    return {
+        "verdict": advice.verdict,
+        "saturated_everywhere": advice.saturated_everywhere,
+        "top": None if top is None else top.point,
+        "alpha": advice.alpha,
+        "correction": advice.correction,
+        "digest": advice.digest,
+        "protocol": advice.protocol,
+        "depths": depths,
+        "ranked": [
+            {
+                "point": c.point,
+                "cross_frob2": c.cross_frob2,
+                "se": c.se,
+                "p_value": c.p_value,
+                "p_adjusted": c.p_adjusted,
+                "saturated": c.saturated,
+            }
+            for c in advice.ranked
+        ],
+    }
 
 
 def _or_none(compute, *args, **kwargs):
@@ -338,18 +426,22 @@ def check_points(spec: SuiteSpec, run: RunSpec, device, loader):
     the run does not load it twice (None when the points are "residual": nothing to check)."""
     from ..probe.points import resolve_points
 
-    if spec.probe["points"] == "residual":
+    if spec.probe["points"] == "residual" and spec.growth is None:
         return None
     try:
         stream, _ = stream_decision(spec, run, device)
         model = loader(run.model, spec.probe["dtype"], device, stream)
     except Exception:  # a torn shard, OOM: the run itself fails and records why, the suite goes on
         return None
+    section = "[growth] candidates" if spec.growth is not None else "[probe] points"
     try:
-        resolve_points(model, spec.probe["points"])
+        if spec.growth is not None:
+            growth_protocol(spec, model)
+        else:
+            resolve_points(model, spec.probe["points"])
     except FusedStatsError as exc:
         raise FusedStatsError(
-            f"suite file {str(spec.path)!r}: [probe] points, checked on run {run.name} "
+            f"suite file {str(spec.path)!r}: {section}, checked on run {run.name} "
             f"({str(run.model)!r}) before any other model loads: {exc}"
         ) from None
     return model
@@ -385,6 +477,9 @@ def execute_run(spec, run, windows, device, loader, progress, echo, key: dict) -
         "residual_points": None,
         "report": None,
         "budgets": None,
+        "test_loss": None,
+        "test_perplexity": None,
+        "advice": None,
         "timing": {},
     }
     try:
@@ -401,11 +496,11 @@ def execute_run(spec, run, windows, device, loader, progress, echo, key: dict) -
             entry["residual_points"] = None
         if hasattr(model, "eval"):
             model.eval()  # dropout off: the gradients are the deterministic function's
-        report, budgets = probe_windows(
+        report, budgets, extra = probe_windows(
             model, windows, spec, device, progress, run_meta(spec, run, windows, device)
         )
         entry["timing"]["probe_s"] = time.perf_counter() - t1
-        entry.update(status="done", report=report, budgets=budgets)
+        entry.update(status="done", report=report, budgets=budgets, **extra)
         echo(
             f"{run.name}: loaded in {t1 - t0:.2f} s ({'streamed; ' if stream else ''}{why}), probed in {entry['timing']['probe_s']:.2f} s"
         )
@@ -493,6 +588,9 @@ def collect(out: Path, partial: bool = False) -> tuple[dict | None, list[str]]:
             "residual_points": entry.get("residual_points"),
             "report": entry["report"],
             "budgets": entry["budgets"],
+            "test_loss": entry.get("test_loss"),
+            "test_perplexity": entry.get("test_perplexity"),
+            "advice": entry.get("advice"),
         }
     if pending and not partial:
         return None, pending
@@ -506,6 +604,7 @@ def collect(out: Path, partial: bool = False) -> tuple[dict | None, list[str]]:
         "settings": plan["settings"],
         "trends": plan["trends"],
         "point": plan["point"],
+        "growth": plan.get("growth"),
         "runs": runs,
         "failed": sorted(n for n, r in runs.items() if r["status"] == "failed"),
         "pending": pending,

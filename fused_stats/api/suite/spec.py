@@ -43,6 +43,8 @@ SECTIONS = {
     },
     "labels": {"path_regex"},
     "compare": {"trends", "point"},
+    # the fs.GrowthProtocol fields, candidates also as relative depths or "all", and advise's alpha
+    "growth": {"candidates", "family", "init", "seed", "width", "projection", "budget", "alpha"},
 }
 RUN_KEYS = {"model", "glob", "name", "labels"}
 UNITS = ("sample", "position", "flat")
@@ -72,6 +74,7 @@ class SuiteSpec:
     trends: list[str] | None  # None: every label that varies
     point: str
     raw: dict = field(repr=False, default_factory=dict)
+    growth: dict | None = None  # the checked [growth] section (None: no growth probe)
 
     @property
     def splits(self) -> list[tuple[int, int]]:
@@ -125,6 +128,7 @@ def read_suite(path) -> SuiteSpec:
     base = path.parent
     data = _check_data(path, raw.get("data", {}), base)
     probe = _check_probe(path, raw.get("probe", {}))
+    growth = _check_growth(path, raw["growth"], raw.get("probe", {})) if "growth" in raw else None
     regex = raw.get("labels", {}).get("path_regex", STEP_REGEX)
     try:
         pattern = re.compile(regex)
@@ -161,6 +165,7 @@ def read_suite(path) -> SuiteSpec:
         trends=trends,
         point=point,
         raw=raw,
+        growth=growth,
     )
 
 
@@ -237,6 +242,146 @@ def _check_probe(path: Path, probe: dict) -> dict:
         _fail(path, f"[probe] splits must be a list of [M, K] pairs of integers >= 1, got {splits!r}")
     out["splits"] = [list(s) for s in splits]
     return out
+
+
+def _check_growth(path: Path, growth: dict, probe: dict) -> dict:
+    """The [growth] section: candidates as point names, as relative depths in [0, 1] (mapped per
+    model by :func:`growth_candidates`) or "all"; the other fields as fs.GrowthProtocol takes them
+    (checked here by building one protocol, so a bad value is named before any model loads)."""
+    from ..growth.protocol import FAMILIES, INITS
+
+    for key in ("points", "cross"):
+        if key in probe:
+            _fail(
+                path,
+                f"[probe] {key} cannot be set with [growth]: the probe's points are the protocol's "
+                "candidates and its cross-gradient is the protocol's exact tangent",
+            )
+    if probe.get("stream_blocks") is True:
+        _fail(
+            path,
+            "[probe] stream_blocks = true cannot be set with [growth]: the growth tangent runs a new "
+            'block next to the model\'s own, so it needs the whole model (leave it "auto" or false)',
+        )
+    if probe.get("unit", "sample") != "sample":
+        _fail(
+            path,
+            f'[growth] needs [probe] unit = "sample" (the advisor\'s p-values need independent samples, '
+            f"one sequence each), got unit = {probe['unit']!r}",
+        )
+    if "candidates" not in growth:
+        _fail(path, '[growth] needs candidates (a list of point names, of relative depths, or "all")')
+    cands = growth["candidates"]
+    names = isinstance(cands, list) and cands and all(isinstance(c, str) and c for c in cands)
+    depths = (
+        isinstance(cands, list)
+        and cands
+        and all(isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c <= 1 for c in cands)
+    )
+    if not (cands == "all" or names or depths):
+        _fail(
+            path,
+            '[growth] candidates must be "all", a non-empty list of point names or a non-empty list of '
+            f"relative depths in [0, 1] (0: the input boundary, 1: after the last block), got {cands!r}",
+        )
+    if isinstance(cands, list) and len(set(cands)) != len(cands):
+        _fail(
+            path,
+            f"[growth] candidates lists {sorted(c for c in set(cands) if cands.count(c) > 1)[0]!r} twice",
+        )
+    out = {
+        "candidates": cands,
+        "family": _choice(path, "[growth] family", growth.get("family", "layer"), FAMILIES),
+        "init": _choice(path, "[growth] init", growth.get("init", "zero"), INITS),
+        "seed": _int(path, "[growth] seed", growth.get("seed", 0), low=0),
+        "width": None if growth.get("width") is None else _int(path, "[growth] width", growth["width"]),
+        "projection": (
+            None
+            if growth.get("projection") is None
+            else _int(path, "[growth] projection", growth["projection"])
+        ),
+        "budget": None,
+    }
+    if "budget" in growth:
+        budget = growth["budget"]
+        if not (
+            isinstance(budget, list)
+            and len(budget) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in budget)
+        ):
+            _fail(path, f"[growth] budget must be [M, K], two integers >= 1, got {budget!r}")
+        out["budget"] = list(budget)
+    alpha = growth.get("alpha", 0.05)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha < 1:
+        _fail(path, f"[growth] alpha must be a number in (0, 1), got {alpha!r}")
+    out["alpha"] = float(alpha)
+    try:  # the cross-field rules (width for mlp_width, init per family) are the protocol's own
+        protocol_for(out, ["x"])
+    except FusedStatsError as exc:
+        _fail(path, f"[growth]: {exc}")
+    return out
+
+
+def protocol_for(growth: dict, candidates: list[str]):
+    """The fs.GrowthProtocol of a checked [growth] section with these (resolved) candidates."""
+    from ..growth.protocol import GrowthProtocol
+
+    return GrowthProtocol(
+        candidates=tuple(candidates),
+        family=growth["family"],
+        init=growth["init"],
+        seed=growth["seed"],
+        width=growth["width"],
+        projection=growth["projection"],
+        budget=None if growth["budget"] is None else tuple(growth["budget"]),
+    )
+
+
+def growth_candidates(growth: dict, model) -> tuple[list[str], dict | None]:
+    """``(point names, {requested depth: point})`` of a [growth] section for ``model``.
+
+    A relative depth ``d`` names the boundary after block ``round(d·L)`` of the model's ``L``
+    blocks (the suite's own relative depth of a point, :func:`~.compare.relative_depths`), ``0``
+    the input boundary; two depths that land on one boundary probe it once. "all": every
+    :func:`fused_stats.growth_points`."""
+    import math
+
+    from ..growth.architecture import growth_points
+    from ..probe.points import residual_points
+
+    points = growth_points(model)
+    cands = growth["candidates"]
+    if cands == "all":
+        return points, None
+    if isinstance(cands[0], str):
+        return list(cands), None
+    try:
+        residual = set(residual_points(model))
+    except FusedStatsError:
+        residual = set()
+    blocks = [p for p in points if p in residual]
+    entry = [p for p in points if p not in residual]
+    if not blocks:
+        raise FusedStatsError(
+            f"[growth] candidates as relative depths need the model's blocks; {type(model).__name__} has "
+            f"growth points {points} but none of them is a residual point"
+        )
+    chosen, mapping = [], {}
+    for d in cands:
+        j = math.floor(d * len(blocks) + 0.5)
+        if j == 0:
+            if not entry:
+                raise FusedStatsError(
+                    f"[growth] relative depth {d!r} is the input boundary, which {type(model).__name__} "
+                    f"has no growth point for (its points: {points})"
+                )
+            name = entry[0]
+        else:
+            name = blocks[j - 1]
+        mapping[str(d)] = name
+        if name not in chosen:
+            chosen.append(name)
+    return chosen, mapping
 
 
 def _relative_depth(value) -> bool:
