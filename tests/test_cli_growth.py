@@ -280,3 +280,26 @@ def test_grow_copies_tokenizer_files_and_checks_the_advice(folder, capsys):
         "model.layers.2",
         row.cross_frob2,
     )
+
+
+def test_protocol_file_gives_the_protocol_of_its_keys(folder):
+    from fused_stats.api.growth.protocol_file import read_protocol_file
+
+    model = load(folder / "my-llama")
+    text = (
+        'candidates = ["model.layers.0", "model.embed_tokens"]\nfamily = "mlp_width"\ninit = "zero"\n'
+        "seed = 9\nwidth = 3\nprojection = 5\nbudget = [16, 4]\n"
+    )
+    direct = fs.GrowthProtocol(
+        candidates=("model.layers.0", "model.embed_tokens"),
+        family="mlp_width",
+        init="zero",
+        seed=9,
+        width=3,
+        projection=5,
+        budget=(16, 4),
+    )
+    assert read_protocol_file(write_protocol(folder, text)).resolve(model).to_dict() == direct.to_dict()
+    every = read_protocol_file(write_protocol(folder, 'candidates = "all"\n')).resolve(model)
+    names = ["model.embed_tokens", "model.layers.0", "model.layers.1"]
+    assert every.digest == fs.GrowthProtocol(candidates=tuple(names)).digest
