@@ -117,6 +117,8 @@ def test_readme_probe_advise_grow(folder, capsys):
     assert (folder / "advice" / "advice.png").is_file()
 
     grown = load(folder / "my-llama-grown")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(folder / "my-llama-grown", dtype="auto")
+    assert {p.dtype for p in saved.parameters()} == {torch.float32}  # the checkpoint's own dtype
     ids = torch.randint(0, TINY_LLAMA_CONFIG["vocab_size"], (3, 11))
     with torch.no_grad():
         assert torch.equal(grown(input_ids=ids).logits, load(folder / "my-llama")(input_ids=ids).logits)
@@ -173,6 +175,7 @@ def grow_argv(folder, protocol, *at, out="grown", extra=()):
         ('candidates = "model.layers.0"\n', ["candidates must be"]),
         ('candidates = "all"\nseed = "0"\n', ["seed must be an integer", "'0'"]),
         ('candidates = "all"\nseed = true\n', ["seed must be an integer"]),
+        ('candidates = "all"\nseed = -1\n', ["seed must be an integer >= 0"]),
         ('candidates = "all"\nfamily = "mlp_width"\nwidth = 0\n', ["width must be an integer >= 1"]),
         ('candidates = "all"\nprojection = 2.5\n', ["projection must be an integer >= 1"]),
         ('candidates = "all"\nbudget = [8]\n', ["budget must be [M, K]"]),
@@ -206,9 +209,18 @@ def test_candidate_the_model_lacks_is_refused_naming_it(folder, capsys):
 
 
 def test_at_outside_the_protocol_refused(folder, capsys, monkeypatch):
+    import fused_stats.commands.grow as grow_cmd
+
+    load_folder = grow_cmd.load_folder
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before --at was checked against the listed candidates")
+
+    monkeypatch.setattr(grow_cmd, "load_folder", never)
     listed = write_protocol(folder, 'candidates = ["model.embed_tokens", "model.layers.0"]\n')
     fails(grow_argv(folder, listed, "model.layers.1"), capsys, folder, "--at 'model.layers.1'", "candidates")
     fails(grow_argv(folder, listed, "model.layers.0", "model.layers.0"), capsys, folder, "twice")
+    monkeypatch.setattr(grow_cmd, "load_folder", load_folder)  # "all" needs the model
     every = write_protocol(folder, 'candidates = "all"\n')
     fails(grow_argv(folder, every, "model.layers.9"), capsys, folder, "--at 'model.layers.9'")
 
