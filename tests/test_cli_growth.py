@@ -202,6 +202,11 @@ def test_bad_protocol_file_refused_before_the_model_loads(text, needles, folder,
     fails(grow_argv(folder, protocol, "model.layers.0"), capsys, folder, *needles)
 
 
+def test_cross_block_growth_is_not_saved_as_a_folder(folder, capsys):
+    protocol = write_protocol(folder, 'candidates = ["model.layers.0"]\nfamily = "cross_block"\n')
+    fails(grow_argv(folder, protocol, "model.layers.0"), capsys, folder, "cross_block", "from_pretrained")
+
+
 def test_candidate_the_model_lacks_is_refused_naming_it(folder, capsys):
     protocol = write_protocol(folder, 'candidates = ["model.layers.0", "model.layers.7"]\n')
     fails(probe_argv(folder, protocol), capsys, folder, "'model.layers.7'", "g.toml", "model.layers.1")

@@ -8,8 +8,9 @@ tokenizer files of ``DIR`` copied byte for byte. The config's growth record
 protocol's digest and, given ``--advice advice.json`` (written by ``fused-stats advise`` under the
 same protocol, on the same model), the ``cross_frob2``, ``p_value`` and ``p_adjusted`` that
 motivated it. Everything is checked before anything is written: a non-empty ``--out`` without
-``--force``, ``--out`` equal to ``DIR``, a bad protocol file, ``--at`` outside the protocol, an
-advice of another protocol or model.
+``--force``, ``--out`` equal to ``DIR``, a bad protocol file, family ``cross_block`` (a hooked-in
+block that ``from_pretrained`` cannot rebuild), ``--at`` outside the protocol, an advice of another
+protocol or model.
 """
 
 from __future__ import annotations
@@ -160,6 +161,11 @@ def cmd_grow(args) -> int:
             f"--out {str(out)!r} is the model folder itself; write the grown model elsewhere"
         )
     growth = read_protocol_file(args.protocol)
+    if growth.arguments.get("family") == "cross_block":
+        raise FusedStatsError(
+            f"{growth.where}: family 'cross_block' hooks the probe's block onto a module, which "
+            "from_pretrained cannot rebuild, so it cannot be saved as a model folder; use 'layer' or 'mlp_width'"
+        )
     if growth.candidates is not None:  # listed: --at is checked before the model loads
         check_at(args.at, growth.candidates)
     if args.init is not None:
