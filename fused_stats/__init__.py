@@ -18,6 +18,7 @@ from .accumulators import (
 from .accumulators.cross_stats import Saturation
 from .api.growth.advise import Advice, advise
 from .api.growth.architecture import growth_points
+from .api.growth.gradmax import gradmax_directions
 from .api.growth.grow import GrowthResult, grow
 from .api.growth.insert import insert_zero_block, remove_inserted_block
 from .api.growth.intervene import intervene
@@ -53,6 +54,7 @@ __all__ = [
     "advise",
     "causal_lm_loss",
     "classification_loss",
+    "gradmax_directions",
     "grow",
     "growth_history",
     "growth_points",

@@ -792,7 +792,7 @@ def test_gradmax_directions_from_measured_cross_gradient(gen):
     """From a CrossStats (identity activation, a random full-column-rank w_in): the rows are the
     top right singular vectors of C = mean_i Σ_t q zᵀ, computed here directly from the samples and
     checked through eigh of CᵀC (another algorithm); they beat random orthonormal rows."""
-    from fused_stats.api.growth.grow import gradmax_directions
+    from fused_stats import gradmax_directions
 
     d, r, k = 6, 9, 3
     q = torch.randn(20, 4, d, generator=gen, dtype=F64)
@@ -801,7 +801,7 @@ def test_gradmax_directions_from_measured_cross_gradient(gen):
     acc = fs.CrossStats(d, w_in, activation="identity")
     acc.update(q, z)  # the accumulator applies w_in: c_i = Σ_t q_t (W_in z_t)ᵀ
     c_ref = torch.einsum("btd,bte->de", q, z) / q.shape[0]
-    rows = gradmax_directions(acc, k)
+    rows = gradmax_directions(acc, None, k)
     assert rows.shape == (k, d)
     torch.testing.assert_close(rows @ rows.T, torch.eye(k, dtype=F64), rtol=0, atol=1e-10)
     evals, evecs = torch.linalg.eigh(c_ref.T @ c_ref)
@@ -812,18 +812,19 @@ def test_gradmax_directions_from_measured_cross_gradient(gen):
     for _ in range(5):
         rand, _ = torch.linalg.qr(torch.randn(d, k, generator=gen, dtype=F64))
         assert (c_ref @ rand).pow(2).sum() < gain
-    assert torch.equal(gradmax_directions(c_ref, k), gradmax_directions(c_ref.clone(), k))
+    assert torch.equal(gradmax_directions(c_ref, None, k), gradmax_directions(c_ref.clone(), None, k))
     given = fs.CrossStats(d, None, activation="identity", rank=d, dtype=F64)  # features-given mode
-    given.update(q, z)  # c_i = Σ_t q_t z_tᵀ with the features taken as they are
-    torch.testing.assert_close(gradmax_directions(given, k), rows, rtol=0, atol=1e-8)
+    given.update(q, z)  # c_i = Σ_t q_t z_tᵀ, but nothing says which space z is in
+    with pytest.raises(fs.FusedStatsError, match="features given"):
+        gradmax_directions(given, None, k)
     with pytest.raises(fs.FusedStatsError, match="identity"):
-        gradmax_directions(fs.CrossStats(d, w_in, activation="gelu"), k)
+        gradmax_directions(fs.CrossStats(d, w_in, activation="gelu"), None, k)
     with pytest.raises(fs.FusedStatsError, match="full column rank"):
         low = fs.CrossStats(d, w_in[:4], activation="identity")
         low.update(q, z)
-        gradmax_directions(low, k)
+        gradmax_directions(low, None, k)
     with pytest.raises(fs.FusedStatsError, match="k must be"):
-        gradmax_directions(c_ref, d + 1)
+        gradmax_directions(c_ref, None, d + 1)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

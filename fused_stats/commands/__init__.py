@@ -12,5 +12,6 @@ COMMANDS = (
     "report",
     "suite",
     "advise",
+    "grow",
     "grow_demo",
 )

@@ -15,6 +15,11 @@ Train and test streams: for a file, the first 90 % of the windows feed the train
 last 10 % (disjoint text) the test stream; for the default data, training and held-out files.
 Per-sample losses are :func:`fused_stats.causal_lm_loss` (mean next-token cross-entropy per
 sequence). Writes ``report.json``, ``report.md`` and ``report.png`` to ``--out``.
+
+``--growth PROTOCOL.toml`` (:mod:`fused_stats.api.growth.protocol_file`) probes the protocol's
+candidates with the exact tangent of the block ``fs.grow`` would insert at each
+(``fs.Probe(model, cross=protocol)``); its report, which records the protocol and its digest, is
+what ``fused-stats advise`` reads. Refused with ``--cross``, ``--points``, ``--stream-blocks``.
 """
 
 from __future__ import annotations
@@ -94,6 +99,14 @@ def register(sub) -> None:
         help="also measure the depth probe's cross-gradient |C| and its saturation test "
         "for a zero-output block of RANK features (activation one of "
         f"{', '.join(ACTIVATIONS)}; default: off, gelu when only RANK is given)",
+    )
+    p.add_argument(
+        "--growth",
+        default=None,
+        metavar="PROTOCOL.toml",
+        help="probe a growth protocol file's candidates with the exact tangent of the block growth "
+        "would insert there (fs.Probe(model, cross=protocol)); the report records the protocol and "
+        "its digest, for 'fused-stats advise' (default: off)",
     )
     p.add_argument(
         "--second-moment",
@@ -399,9 +412,31 @@ def _batches(rows, batch_size: int, count: int, device):
 
 # ---------------------------------------------------------------------------- command
 def check_arguments(args):
-    """Every check that needs neither the model nor the data; returns ``(device, out)``."""
+    """Every check that needs neither the model nor the data; returns ``(device, out, protocol
+    file or None)``."""
     import torch
 
+    growth = None
+    if args.growth is not None:
+        for given, option in ((args.cross, "--cross"), (args.stream_blocks, "--stream-blocks")):
+            if given:
+                raise FusedStatsError(
+                    f"--growth probes the protocol's own block; it cannot be combined with {option}"
+                    + (
+                        " (the tangent probe needs the whole model in memory)"
+                        if option == "--stream-blocks"
+                        else ""
+                    )
+                )
+        if args.points:
+            raise FusedStatsError(
+                "--growth probes the protocol file's candidates; list the points there, not with --points"
+            )
+        if args.unit == "flat":
+            raise FusedStatsError("--growth needs --unit sample or position; got --unit flat")
+        from ..api.growth.protocol_file import read_protocol_file
+
+        growth = read_protocol_file(args.growth)
     if args.cross is not None and args.unit == "flat":
         raise FusedStatsError(
             "--cross needs --unit sample or position (the cross-gradient sums "
@@ -422,7 +457,7 @@ def check_arguments(args):
     from ..backend import resolve_backend
 
     resolve_backend("auto", device)  # CUDA without Triton: refused here, before the model loads
-    return device, check_out_folder(args.out, args.force)
+    return device, check_out_folder(args.out, args.force), growth
 
 
 def check_data(args, model, train, test):
@@ -465,7 +500,7 @@ def cmd_probe(args) -> int:
     from ..demo.experiment import certificates_at
     from ..progress import Progress, quiet_hf_progress, stderr_is_terminal
 
-    device, out = check_arguments(args)
+    device, out, growth = check_arguments(args)
     progress = not args.no_progress
     if not (progress and stderr_is_terminal()):
         quiet_hf_progress()  # the loading bars redraw with \r: only on a terminal
@@ -473,6 +508,8 @@ def cmd_probe(args) -> int:
         model, tokenizer, model_what = load_streamed(args.model, device, args.dtype)
     else:
         model, tokenizer, model_what = load_model(args.model, args.seed, args.dtype)
+    # the candidates are checked against the model before any data is read
+    protocol = None if growth is None else growth.resolve(model)
     train, test, data_what = load_tokens(args, tokenizer)
     check_data(args, model, train, test)
     if not args.stream_blocks:
@@ -480,13 +517,13 @@ def cmd_probe(args) -> int:
     mask = args.mask or ("labels" if args.unit == "position" else "attention")
     second_moment = args.second_moment or default_second_moment(args)
     cross = (
-        None
+        protocol
         if args.cross is None
         else fs.CrossSpec(rank=args.cross[0], activation=args.cross[1], seed=args.seed)
     )
-    probe = fs.Probe(
-        model, points=args.points or "residual", unit=args.unit, second_moment=second_moment, cross=cross
-    )
+    # a growth protocol's probe measures its candidates (points=None)
+    points = None if protocol is not None else args.points or "residual"
+    probe = fs.Probe(model, points=points, unit=args.unit, second_moment=second_moment, cross=cross)
     test_count = args.test_batches or args.batches
     counts = {}
     for stream, rows, count in (("train", train, args.batches), ("test", test, test_count)):
@@ -506,7 +543,9 @@ def cmd_probe(args) -> int:
         "mask": mask,
         "device": str(device),
     }
-    if cross is not None:
+    if protocol is not None:
+        meta["growth_protocol_file"] = str(args.growth)
+    elif cross is not None:
         meta["cross"] = {"rank": cross.rank, "activation": cross.activation, "seed": cross.seed}
     report = probe.report(meta=meta, misalignment_trials=args.trials)
     if args.split:

@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ...accumulators import CrossStats
 from ...errors import FusedStatsError
 from .architecture import Architecture, Boundary, boundary
 from .blocks import cross_spec, new_block, new_units, stream_width, widen_block
+from .gradmax import gradmax_directions  # noqa: F401  (the init_directions source, importable beside grow)
 from .insert import INSERTED_NAME, insert_zero_block
 from .protocol import GrowthProtocol, _intermediate_size, check_init
 from .record import check_step_and_evidence, record_growth
@@ -90,55 +90,6 @@ class GrowthResult:
             "optimizer_groups": dict(self.optimizer_groups),
             "optimizer_extended": self.optimizer_extended,
         }
-
-
-def gradmax_directions(source, k: int) -> torch.Tensor:
-    """The ``k`` input directions that maximise the first gradient of zero-output new units.
-
-    GradMax (Evci et al. 2022, "GradMax: growing neural networks using gradient information",
-    section 3): for a new unit with input row ``w`` (``|w| = 1``) and a zero output column, the
-    output column's gradient is ``E[Σ_t q_t σ(wᵀ x_t)]``, to first order in small ``w`` proportional
-    to ``C w`` with ``C = E[Σ_t q_t x_tᵀ]``; ``k`` orthonormal rows maximising ``Σ |C w_j|²`` are
-    ``C``'s top ``k`` right singular vectors. ``source``: ``C`` itself, a (d_out, d_in) tensor, or
-    a :class:`~fused_stats.CrossStats` measured with ``activation="identity"`` and a ``w_in`` of
-    full column rank (``C = (Σ c_i / n) (W_inᵀ)⁺``) or in features-given mode (``C = Σ c_i / n``,
-    e.g. an ``mlp_width`` or exact-tangent probe's). Returns (k, d_in) fp64, each row's largest
-    entry positive (a fixed sign). Pass it to :func:`grow` as ``init_directions``.
-    """
-    if isinstance(source, CrossStats):
-        if source.activation != "identity":
-            raise FusedStatsError(
-                f"gradmax_directions needs a CrossStats with activation 'identity', got {source.activation!r}"
-            )
-        if source.n < 1:
-            raise FusedStatsError("gradmax_directions: the CrossStats has no samples")
-        if source.w_in is None:  # features given: Σ c_i / n is C itself
-            matrix = source.c_sum.to(torch.float64).cpu() / source.n
-            return _top_directions(matrix, k)
-        w_in = source.w_in.to(torch.float64).cpu()
-        if source.rank < source.in_dim or torch.linalg.matrix_rank(w_in) < source.in_dim:
-            raise FusedStatsError(
-                f"gradmax_directions: w_in of shape {tuple(w_in.shape)} does not have full column rank, "
-                f"so C = E[q zᵀ] cannot be recovered from C W_inᵀ"
-            )
-        matrix = (source.c_sum.to(torch.float64).cpu() / source.n) @ torch.linalg.pinv(w_in.T)
-    elif isinstance(source, torch.Tensor) and source.dim() == 2:
-        matrix = source.detach().to(torch.float64).cpu()
-    else:
-        shape = tuple(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__
-        raise FusedStatsError(f"gradmax_directions needs a (d_out, d_in) tensor or a CrossStats, got {shape}")
-    return _top_directions(matrix, k)
-
-
-def _top_directions(matrix: torch.Tensor, k) -> torch.Tensor:
-    if not torch.isfinite(matrix).all():
-        raise FusedStatsError("gradmax_directions: the cross-gradient has non-finite entries")
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(matrix.shape):
-        raise FusedStatsError(f"gradmax_directions: k must be an int in 1..{min(matrix.shape)}, got {k!r}")
-    _, _, vh = torch.linalg.svd(matrix, full_matrices=False)
-    rows = vh[:k]
-    sign = torch.sign(rows.gather(1, rows.abs().argmax(dim=1, keepdim=True)))
-    return rows * sign
 
 
 def _check_optimizer(model: nn.Module, optimizer) -> None:

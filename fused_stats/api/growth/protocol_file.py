@@ -1,0 +1,152 @@
+"""The growth protocol as a TOML file, for the command line (``probe --growth``, ``grow --protocol``).
+
+Role: a protocol file holds the keys of :class:`~fused_stats.GrowthProtocol` at its top level:
+``candidates`` (a list of point names, or ``"all"``: :func:`fused_stats.growth_points` of the
+model), ``family``, ``init``, ``seed``, ``width``, ``projection`` and ``budget = [M, K]``; a key
+left out takes the protocol's default (TOML has no null: an unset ``width`` is an absent key).
+Every key and type is checked when the file is read, before any model is loaded, with the key
+named in the message; ``"all"`` and the candidates' existence need the model
+(:meth:`ProtocolFile.resolve`). :func:`protocol_from_table` checks one table, so a section of
+another file (a suite's ``[growth]``) can use the same rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from ...errors import FusedStatsError
+from .architecture import growth_points
+from .protocol import FAMILIES, INITS, GrowthProtocol
+
+KEYS = ("candidates", "family", "init", "seed", "width", "projection", "budget")
+ALL_CANDIDATES = "all"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_table(table, where: str) -> dict:
+    """The protocol keys of ``table`` checked for names and types (``where`` prefixes every
+    message, e.g. ``"protocol file 'g.toml'"``); returns a dict of GrowthProtocol arguments with
+    ``candidates`` either a tuple of names or ``"all"``."""
+    if not isinstance(table, dict):
+        raise FusedStatsError(f"{where}: the protocol must be a table of keys, got {type(table).__name__}")
+    unknown = sorted(set(table) - set(KEYS))
+    if unknown:
+        raise FusedStatsError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(KEYS))})")
+    if "candidates" not in table:
+        raise FusedStatsError(f"{where}: needs 'candidates' (a list of point names, or \"all\")")
+    cands = table["candidates"]
+    if cands != ALL_CANDIDATES and not (
+        isinstance(cands, list) and cands and all(isinstance(c, str) and c for c in cands)
+    ):
+        raise FusedStatsError(
+            f'{where}: candidates must be "all" or a non-empty list of point names, got {cands!r}'
+        )
+    out: dict = {"candidates": cands if cands == ALL_CANDIDATES else tuple(cands)}
+    for key, choices in (("family", FAMILIES), ("init", INITS)):
+        if key in table:
+            if table[key] not in choices:
+                raise FusedStatsError(
+                    f"{where}: {key} must be one of {', '.join(map(repr, choices))}, got {table[key]!r}"
+                )
+            out[key] = table[key]
+    if "seed" in table:
+        if not _is_int(table["seed"]) or table["seed"] < 0:
+            raise FusedStatsError(f"{where}: seed must be an integer >= 0, got {table['seed']!r}")
+        out["seed"] = table["seed"]
+    for key in ("width", "projection"):
+        if key in table:
+            if not _is_int(table[key]) or table[key] < 1:
+                raise FusedStatsError(f"{where}: {key} must be an integer >= 1, got {table[key]!r}")
+            out[key] = table[key]
+    if "budget" in table:
+        budget = table["budget"]
+        if not (isinstance(budget, list) and len(budget) == 2 and all(_is_int(v) and v >= 1 for v in budget)):
+            raise FusedStatsError(f"{where}: budget must be [M, K], two integers >= 1, got {budget!r}")
+        out["budget"] = tuple(budget)
+    # the rules that need no model (duplicates, family/init/width combinations) are checked now;
+    # "all" stands in as one name until the model lists its points
+    listed = out["candidates"] if out["candidates"] != ALL_CANDIDATES else (ALL_CANDIDATES,)
+    build({**out, "candidates": listed}, where)
+    return out
+
+
+def build(arguments: dict, where: str) -> GrowthProtocol:
+    """``GrowthProtocol(**arguments)``, its refusals prefixed with ``where``."""
+    try:
+        return GrowthProtocol(**arguments)
+    except FusedStatsError as exc:
+        raise FusedStatsError(f"{where}: {exc}") from None
+
+
+def protocol_from_table(table, where: str, model: nn.Module | None = None) -> GrowthProtocol:
+    """The protocol a table describes; ``candidates = "all"`` needs ``model``, and with ``model``
+    every candidate is checked against it (:meth:`GrowthProtocol.check`)."""
+    arguments = check_table(table, where)
+    if arguments["candidates"] == ALL_CANDIDATES:
+        if model is None:
+            raise FusedStatsError(f'{where}: candidates = "all" needs the model to list its growth points')
+        arguments = {**arguments, "candidates": tuple(growth_points(model))}
+    protocol = build(arguments, where)
+    if model is not None:
+        try:
+            protocol.check(model)
+        except FusedStatsError as exc:
+            raise FusedStatsError(f"{where}: {exc}") from None
+    return protocol
+
+
+@dataclass(frozen=True)
+class ProtocolFile:
+    """A checked protocol file; :meth:`resolve` gives its protocol on a model."""
+
+    path: Path
+    arguments: dict
+
+    @property
+    def where(self) -> str:
+        return f"protocol file {str(self.path)!r}"
+
+    @property
+    def candidates(self) -> tuple[str, ...] | None:
+        """The listed candidates (None for ``"all"``: they depend on the model)."""
+        cands = self.arguments["candidates"]
+        return None if cands == ALL_CANDIDATES else cands
+
+    def resolve(self, model: nn.Module) -> GrowthProtocol:
+        """The protocol on ``model``, every candidate checked against it."""
+        return protocol_from_table(
+            {k: list(v) if isinstance(v, tuple) else v for k, v in self.arguments.items()}, self.where, model
+        )
+
+
+def read_protocol_file(path) -> ProtocolFile:
+    """Read and check a protocol file (module docstring); raises naming the file and the key."""
+    path = Path(path)
+    try:
+        payload = path.read_bytes()
+    except OSError as exc:
+        raise FusedStatsError(f"cannot read protocol file {str(path)!r}: {exc}") from None
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the same parser as a package
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise FusedStatsError(
+                "protocol files need Python >= 3.11 (tomllib) or: pip install tomli"
+            ) from None
+    try:
+        table = tomllib.loads(payload.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise FusedStatsError(f"protocol file {str(path)!r} is not valid TOML: {exc}") from None
+    where = f"protocol file {str(path)!r}"
+    return ProtocolFile(path, check_table(table, where))
+
+
+__all__ = ["ALL_CANDIDATES", "KEYS", "ProtocolFile", "protocol_from_table", "read_protocol_file"]
