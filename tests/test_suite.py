@@ -890,9 +890,9 @@ def test_growth_table_trends_and_plot(grown):
 
 GROWTH_BAD = [
     (("[growth]", "[growth]\nbogus = 1"), "unknown key 'bogus' in [growth]"),
-    (('family = "layer"', 'family = "deep"'), "[growth] family must be one of"),
-    (("seed = 5", 'seed = "5"'), "[growth] seed must be an integer >= 0"),
-    (("budget = [8, 8]", "budget = [8]"), "[growth] budget must be [M, K]"),
+    (('family = "layer"', 'family = "deep"'), "[growth]: family must be one of"),
+    (("seed = 5", 'seed = "5"'), "[growth]: seed must be an integer >= 0"),
+    (("budget = [8, 8]", "budget = [8]"), "[growth]: budget must be [M, K]"),
     (("candidates = [0, 0.5, 1.0]", 'candidates = [0.5, "model.layers.0"]'), "[growth] candidates must be"),
     (("candidates = [0, 0.5, 1.0]", "candidates = [1.5]"), "[growth] candidates must be"),
     (("candidates = [0, 0.5, 1.0]", "candidates = [0.5, 0.5]"), "[growth] candidates lists 0.5 twice"),

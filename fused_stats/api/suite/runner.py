@@ -20,6 +20,7 @@ writes the suite files.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass

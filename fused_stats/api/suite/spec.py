@@ -246,9 +246,10 @@ def _check_probe(path: Path, probe: dict) -> dict:
 
 def _check_growth(path: Path, growth: dict, probe: dict) -> dict:
     """The [growth] section: candidates as point names, as relative depths in [0, 1] (mapped per
-    model by :func:`growth_candidates`) or "all"; the other fields as fs.GrowthProtocol takes them
-    (checked here by building one protocol, so a bad value is named before any model loads)."""
-    from ..growth.protocol import FAMILIES, INITS
+    model by :func:`growth_candidates`) or "all"; the other keys by the protocol file's rules
+    (:func:`fused_stats.api.growth.protocol_file.check_table`), so a bad value is named before any
+    model loads; plus ``alpha``, the advisor's level."""
+    from ..growth.protocol_file import check_table
 
     for key in ("points", "cross"):
         if key in probe:
@@ -289,36 +290,28 @@ def _check_growth(path: Path, growth: dict, probe: dict) -> dict:
             path,
             f"[growth] candidates lists {sorted(c for c in set(cands) if cands.count(c) > 1)[0]!r} twice",
         )
+    # the protocol's own keys by the protocol file's rules (one checker for both files); relative
+    # depths stand in as "all" until each model maps them to its points (growth_candidates)
+    keys = {k: v for k, v in growth.items() if k != "alpha"}
+    if depths:
+        keys["candidates"] = "all"
+    try:
+        arguments = check_table(keys, "[growth]")
+    except FusedStatsError as exc:
+        _fail(path, str(exc))
     out = {
         "candidates": cands,
-        "family": _choice(path, "[growth] family", growth.get("family", "layer"), FAMILIES),
-        "init": _choice(path, "[growth] init", growth.get("init", "zero"), INITS),
-        "seed": _int(path, "[growth] seed", growth.get("seed", 0), low=0),
-        "width": None if growth.get("width") is None else _int(path, "[growth] width", growth["width"]),
-        "projection": (
-            None
-            if growth.get("projection") is None
-            else _int(path, "[growth] projection", growth["projection"])
-        ),
-        "budget": None,
+        "family": arguments.get("family", "layer"),
+        "init": arguments.get("init", "zero"),
+        "seed": arguments.get("seed", 0),
+        "width": arguments.get("width"),
+        "projection": arguments.get("projection"),
+        "budget": None if "budget" not in arguments else list(arguments["budget"]),
     }
-    if "budget" in growth:
-        budget = growth["budget"]
-        if not (
-            isinstance(budget, list)
-            and len(budget) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in budget)
-        ):
-            _fail(path, f"[growth] budget must be [M, K], two integers >= 1, got {budget!r}")
-        out["budget"] = list(budget)
     alpha = growth.get("alpha", 0.05)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha < 1:
         _fail(path, f"[growth] alpha must be a number in (0, 1), got {alpha!r}")
     out["alpha"] = float(alpha)
-    try:  # the cross-field rules (width for mlp_width, init per family) are the protocol's own
-        protocol_for(out, ["x"])
-    except FusedStatsError as exc:
-        _fail(path, f"[growth]: {exc}")
     return out
 
 
