@@ -23,6 +23,7 @@ from .api.growth.insert import insert_zero_block, remove_inserted_block
 from .api.growth.intervene import intervene
 from .api.growth.protocol import GrowthProtocol
 from .api.growth.record import growth_history
+from .api.growth.scores import CurvatureGain, curvature_gain
 from .api.probe.driver import Probe
 from .api.probe.losses import causal_lm_loss, classification_loss
 from .api.probe.points import residual_points
@@ -39,6 +40,7 @@ __all__ = [
     "CrossEstimate",
     "CrossSpec",
     "CrossStats",
+    "CurvatureGain",
     "Estimate",
     "FusedStatsError",
     "GradStats",
@@ -53,6 +55,7 @@ __all__ = [
     "advise",
     "causal_lm_loss",
     "classification_loss",
+    "curvature_gain",
     "grow",
     "growth_history",
     "growth_points",

@@ -102,7 +102,8 @@ def curvature_gain(model: nn.Module, protocol, point: str, batches, loss_fn) -> 
     and ``gᵀHg = ⟨∇(g_b · v), v⟩`` summed over the batches with ``v = g`` fixed (a second pass
     with a double backward). Cost: one forward-backward per batch plus one forward, a backward
     with ``create_graph`` and a second backward per batch (about 4 training steps' compute per
-    batch), and a copy of the model in memory. Run in ``eval()`` mode, like the probe.
+    batch), and a copy of the model in memory. Run in ``eval()`` mode, like the probe; an HF
+    model's copy runs eager attention (the fused kernels have no double backward).
     """
     from .grow import grow
 
@@ -115,6 +116,10 @@ def curvature_gain(model: nn.Module, protocol, point: str, batches, loss_fn) -> 
     grown = copy.deepcopy(model)
     result = grow(grown, protocol, at=[point])
     grown.eval()
+    attention = getattr(getattr(grown, "config", None), "_attn_implementation", None)
+    if attention not in (None, "eager") and callable(getattr(grown, "set_attn_implementation", None)):
+        # fused attention kernels have no double backward (CPU SDPA): eager is the same function
+        grown.set_attn_implementation("eager")
     named = dict(grown.named_parameters())
     params = [named[name] for name in result.new_parameters]
     if not params:
