@@ -187,7 +187,35 @@ def test_adam_prediction_is_not_available_under_a_projection(setting):
     probe.run(test, fs.causal_lm_loss, stream="test", mask="none", progress=False)
     advice = advise(probe, projected)
     assert all(c.predicted_change_adam is None for c in advice.ranked)
-    assert all(c.predicted_change_sgd is not None for c in advice.ranked)
+    data = probe.report(misalignment_trials=0).data
+    assert all(v["adam_inner"] is None for v in data["growth_protocol"]["scores"].values())
+    # a record claiming an Adam value under a projection is not believed either
+    for v in data["growth_protocol"]["scores"].values():
+        v["adam_inner"] = 1.0
+    assert all(c.predicted_change_adam is None for c in advise(data, projected).ranked)
+    # SGD: (r/k) <C_M Pᵀ, C_K Pᵀ>, of mean <C_M, C_K> over P, from per-sample gradients of the
+    # zero maps [o_proj | down_proj] (the tangent's column order)
+    point = "model.layers.0"
+    candidate = next(c for c in advice.ranked if c.point == point)
+    p_matrix = probe.cross_stats[point].w_in.to(torch.float64)
+    means = []
+    for data_batches in (train, test):
+        grown, _ = grown_at(model, projected, point)
+        maps = [
+            grown.get_submodule("model.layers.1.self_attn.o_proj").weight,
+            grown.get_submodule("model.layers.1.mlp.down_proj").weight,
+        ]
+        total, count = 0, 0
+        for b in data_batches:
+            for i in range(b["input_ids"].shape[0]):
+                loss = fs.causal_lm_loss(grown, {"input_ids": b["input_ids"][i : i + 1]})[0]
+                total = total + torch.cat(torch.autograd.grad(loss, maps), dim=1)
+                count += 1
+        means.append(total / count @ p_matrix.T)
+    r, k = p_matrix.shape[1], p_matrix.shape[0]
+    assert (r, k) == (8 + 12, 4)
+    want = -(r / k) * float((means[0] * means[1]).sum())
+    assert candidate.predicted_change_sgd == pytest.approx(want, rel=1e-9)
     assert advice.to_dict()["adam_available"] is False
     assert "not available under a random projection" in advice.to_markdown()
     with pytest.raises(fs.FusedStatsError, match=r"adam_first_step.*projection"):
