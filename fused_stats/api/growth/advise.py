@@ -17,8 +17,14 @@ point, and ranks the candidates by ``|C|_F²`` (docs/design.md, sections 2.4, 2.
   the zero parameters (``ΔL ≈ −η |∇L|²`` with ``∇L = C`` at the zero block). A negative unbiased
   estimate (possible when ``C`` is near 0) predicts nothing: ``predicted_change`` is None and
   reads "no detectable gain", never a change of the loss.
-* The verdict names the candidate of largest ``|C|_F²`` among the significant ones (Holm-adjusted
-  ``p̃ ≤ alpha``) only; with none, "saturated everywhere at alpha".
+* ``predicted_change_sgd = −⟨C_M, C_K⟩`` and ``predicted_change_adam = −⟨s_M, C_K⟩``
+  (``s_M = C_M/(|C_M| + ε)``, ``ε = protocol.adam_eps``): the first SGD and zero-state Adam/AdamW
+  step's change of the mean test loss per unit step, and ``signal_fraction = |C|_F²/E|c_i|²``
+  (:mod:`.scores`), from the report's ``growth_protocol.scores``; None where the report has none,
+  and the Adam one under a projection.
+* Ranked by ``protocol.score`` (:func:`score_of`; default ``cross_frob2``). The verdict names the
+  candidate of largest score among the significant ones (Holm-adjusted ``p̃ ≤ alpha``) only; with
+  none, "saturated everywhere at alpha".
 * With ``protocol.projection = k`` the probe measures ``|C Pᵀ|_F²``, whose mean over the
   ``N(0, 1/r)`` Gaussian ``P`` is ``(k/r)|C|_F²``; ``cross_frob2``, ``se`` and the predicted
   change are rescaled by ``r/k`` (``r``: the point's tangent width, recorded in the report), so
