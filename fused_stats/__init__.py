@@ -23,7 +23,7 @@ from .api.growth.insert import insert_zero_block, remove_inserted_block
 from .api.growth.intervene import intervene
 from .api.growth.protocol import GrowthProtocol
 from .api.growth.record import growth_history
-from .api.growth.scores import CurvatureGain, curvature_gain
+from .api.growth.scores import CurvatureGain, SplitAdamScore, curvature_gain, split_adam_score
 from .api.probe.driver import Probe
 from .api.probe.losses import causal_lm_loss, classification_loss
 from .api.probe.points import residual_points
@@ -51,6 +51,7 @@ __all__ = [
     "Probe",
     "Report",
     "Saturation",
+    "SplitAdamScore",
     "__version__",
     "advise",
     "causal_lm_loss",
@@ -65,5 +66,6 @@ __all__ = [
     "realized_alignment",
     "remove_inserted_block",
     "residual_points",
+    "split_adam_score",
     "stream_blocks",
 ]

@@ -258,3 +258,21 @@ def test_curvature_gain_against_an_explicit_hessian(setting):
     assert result.grad_sq == pytest.approx(float(g @ g), rel=1e-10)
     assert result.ghg == pytest.approx(ghg, rel=1e-8)
     assert result.gain == pytest.approx(float(g @ g) ** 2 / (2 * ghg), rel=1e-8)
+
+
+def test_split_adam_score_against_per_sample_gradients(setting):
+    model, protocol, train, test, _ = setting
+    data = train + test  # five batches: A = 0, 2, 4 (18 samples), B = 1, 3 (12)
+    point = "model.layers.1"
+    result = fs.split_adam_score(model, protocol, point, data, fs.causal_lm_loss)
+    half_a = per_sample_tangents(model, protocol, point, data[0::2]).mean(0)
+    half_b = per_sample_tangents(model, protocol, point, data[1::2]).mean(0)
+    a_on_b = float((half_a / (half_a.abs() + 1e-8)) @ half_b)
+    b_on_a = float((half_b / (half_b.abs() + 1e-8)) @ half_a)
+    assert (result.n_a, result.n_b) == (18, 12)
+    assert result.a_on_b == pytest.approx(a_on_b, rel=1e-9) and result.b_on_a == pytest.approx(
+        b_on_a, rel=1e-9
+    )
+    assert result.score == pytest.approx((a_on_b + b_on_a) / 2, rel=1e-9)
+    with pytest.raises(fs.FusedStatsError, match="at least 2 batches"):
+        fs.split_adam_score(model, protocol, point, data[:1], fs.causal_lm_loss)

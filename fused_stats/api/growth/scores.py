@@ -14,6 +14,8 @@ tangents of the zero parameters (the gradient of the mean loss there):
   ``C Pᵀ`` the sign of the projection is not the projection of the sign: not available.
 * Signal fraction ``|C|_F² / E|c_i|_F²`` (unbiased ``|C|_F²`` over ``Σ|c_i|²/n``): the share of
   the per-sample tangent that the samples have in common, free of the features' scale.
+* Split Adam score ``⟨s_A, C_B⟩`` (:func:`split_adam_score`): ``s`` from one half of the train
+  batches, ``C`` from the other (batch parity), so its mean is ``E[s_A]·C``.
 * Curvature-aware gain ``|g|⁴ / (2 gᵀHg)``: the loss drop of the best step along ``g`` under the
   quadratic model ``L(−t g) ≈ L − t|g|² + t² gᵀHg / 2`` (minimum at ``t = |g|²/gᵀHg``); a
   rescaling of the new parameters ``θ → aθ`` scales ``|g|²`` by ``1/a²`` and ``gᵀHg`` by
@@ -85,6 +87,68 @@ class CurvatureGain:
         }
 
 
+@dataclass(frozen=True)
+class SplitAdamScore:
+    """:func:`split_adam_score`'s result: ``⟨s_A, C_B⟩``, ``⟨s_B, C_A⟩``, their mean and the
+    halves' sample counts."""
+
+    point: str
+    a_on_b: float
+    b_on_a: float
+    score: float
+    n_a: int
+    n_b: int
+
+
+def _grown_copy(model: nn.Module, protocol, point: str):
+    from .grow import grow
+
+    protocol.index(point)
+    grown = copy.deepcopy(model)
+    result = grow(grown, protocol, at=[point])
+    grown.eval()
+    named = dict(grown.named_parameters())
+    params = [named[name] for name in result.new_parameters]
+    if not params:
+        raise FusedStatsError(f"growth at {point!r} adds no new parameters: nothing to score")
+    wanted = {id(p) for p in params}
+    for p in grown.parameters():
+        if id(p) not in wanted:
+            p.requires_grad_(False)
+    return grown, params, tuple(result.new_parameters)
+
+
+def split_adam_score(model: nn.Module, protocol, point: str, batches, loss_fn, eps=None) -> SplitAdamScore:
+    """``⟨s_A, C_B⟩`` on two disjoint halves of ``batches`` (A: batches 0, 2, 4, …; B: 1, 3, …),
+    ``s_A = C_A/(|C_A| + ε)`` from the mean tangent of half A: with the batches independent,
+    ``s_A`` and ``C_B`` are, so its mean is ``E[s_A]·C`` (no noise-on-noise term, unlike
+    ``⟨s_M, C_M⟩`` on one stream). ``score`` averages it with ``⟨s_B, C_A⟩`` (also unbiased for
+    the same quantity when the halves are equal in size). The tangents are the gradients of the
+    halves' mean losses on a grown copy's new parameters (one forward-backward per batch); ``ε``:
+    the protocol's ``adam_eps`` unless given."""
+    if loss_fn is None or not callable(loss_fn):
+        raise FusedStatsError("split_adam_score needs loss_fn(model, batch) -> per-sample losses (B,)")
+    batches = list(batches)
+    if len(batches) < 2:
+        raise FusedStatsError(f"split_adam_score needs at least 2 batches (two halves), got {len(batches)}")
+    eps = getattr(protocol, "adam_eps", ADAM_EPS) if eps is None else float(eps)
+    grown, params, _ = _grown_copy(model, protocol, point)
+    sums = [[torch.zeros_like(p, dtype=F64) for p in params] for _ in range(2)]
+    counts = [0, 0]
+    for index, batch in enumerate(batches):
+        losses = _per_sample(loss_fn(grown, batch))
+        counts[index % 2] += losses.shape[0]
+        for acc, g in zip(sums[index % 2], torch.autograd.grad(losses.sum(), params, allow_unused=True)):
+            if g is not None:
+                acc += g.to(F64)
+    if min(counts) == 0:
+        raise FusedStatsError(f"split_adam_score: a half holds no samples (counts {counts})")
+    means = [torch.cat([t.reshape(-1) for t in half]) / n for half, n in zip(sums, counts)]
+    a_on_b = float(adam_direction(means[0], eps) @ means[1])
+    b_on_a = float(adam_direction(means[1], eps) @ means[0])
+    return SplitAdamScore(point, a_on_b, b_on_a, (a_on_b + b_on_a) / 2, counts[0], counts[1])
+
+
 def _per_sample(losses) -> torch.Tensor:
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
         raise FusedStatsError(
@@ -105,29 +169,16 @@ def curvature_gain(model: nn.Module, protocol, point: str, batches, loss_fn) -> 
     batch), and a copy of the model in memory. Run in ``eval()`` mode, like the probe; an HF
     model's copy runs eager attention (the fused kernels have no double backward).
     """
-    from .grow import grow
-
     if loss_fn is None or not callable(loss_fn):
         raise FusedStatsError("curvature_gain needs loss_fn(model, batch) -> per-sample losses (B,)")
     batches = list(batches)
     if not batches:
         raise FusedStatsError("curvature_gain needs at least one batch")
-    protocol.index(point)
-    grown = copy.deepcopy(model)
-    result = grow(grown, protocol, at=[point])
-    grown.eval()
+    grown, params, names = _grown_copy(model, protocol, point)
     attention = getattr(getattr(grown, "config", None), "_attn_implementation", None)
     if attention not in (None, "eager") and callable(getattr(grown, "set_attn_implementation", None)):
         # fused attention kernels have no double backward (CPU SDPA): eager is the same function
         grown.set_attn_implementation("eager")
-    named = dict(grown.named_parameters())
-    params = [named[name] for name in result.new_parameters]
-    if not params:
-        raise FusedStatsError(f"growth at {point!r} adds no new parameters: no curvature to measure")
-    wanted = {id(p) for p in params}
-    for p in grown.parameters():
-        if id(p) not in wanted:
-            p.requires_grad_(False)
     grads = [torch.zeros_like(p, dtype=F64) for p in params]
     n = 0
     for batch in batches:
@@ -151,7 +202,15 @@ def curvature_gain(model: nn.Module, protocol, point: str, batches, loss_fn) -> 
     ghg /= n
     grad_sq = float(sum((v * v).sum() for v in direction))
     gain = grad_sq**2 / (2.0 * ghg) if ghg > 0 and math.isfinite(ghg) else None
-    return CurvatureGain(point, grad_sq, ghg, gain, n, tuple(result.new_parameters))
+    return CurvatureGain(point, grad_sq, ghg, gain, n, names)
 
 
-__all__ = ["ADAM_EPS", "CurvatureGain", "adam_direction", "candidate_scores", "curvature_gain"]
+__all__ = [
+    "ADAM_EPS",
+    "CurvatureGain",
+    "SplitAdamScore",
+    "adam_direction",
+    "candidate_scores",
+    "curvature_gain",
+    "split_adam_score",
+]
