@@ -24,6 +24,7 @@ from .api.growth.insert import insert_zero_block, remove_inserted_block
 from .api.growth.intervene import intervene
 from .api.growth.protocol import GrowthProtocol
 from .api.growth.record import growth_history
+from .api.growth.scores import CurvatureGain, SplitAdamScore, curvature_gain, split_adam_score
 from .api.probe.driver import Probe
 from .api.probe.losses import causal_lm_loss, classification_loss
 from .api.probe.points import residual_points
@@ -40,6 +41,7 @@ __all__ = [
     "CrossEstimate",
     "CrossSpec",
     "CrossStats",
+    "CurvatureGain",
     "Estimate",
     "FusedStatsError",
     "GradStats",
@@ -50,10 +52,12 @@ __all__ = [
     "Probe",
     "Report",
     "Saturation",
+    "SplitAdamScore",
     "__version__",
     "advise",
     "causal_lm_loss",
     "classification_loss",
+    "curvature_gain",
     "gradmax_directions",
     "grow",
     "growth_history",
@@ -64,5 +68,6 @@ __all__ = [
     "realized_alignment",
     "remove_inserted_block",
     "residual_points",
+    "split_adam_score",
     "stream_blocks",
 ]

@@ -131,3 +131,12 @@ def test_grow_resnet_tiny(tmp_path):
     assert errors[1e-4] <= 1e-2, out
     for eta in (1e-3, 1e-4):
         assert 8.5 <= errors[eta] / errors[eta / 10] <= 11.5, out
+
+
+def test_first_step_predictions(tmp_path):
+    out = run_example("first_step_predictions.py", "--width", "16", "--depth", "2", tmp_path=tmp_path)
+    rows = re.findall(r"\| (SGD|Adam) \| ([0-9.e-]+) \| .* \| ([0-9.]+) \|\n", out)
+    assert len(rows) == 12, out
+    # measured / predicted at the smallest step (the ratios themselves are tested in test_growth_scores.py)
+    assert all(abs(float(ratio) - 1) < 0.01 for _, eta, ratio in rows if float(eta) == 1e-4), rows
+    assert "curvature gain at" in out and "x one forward-backward" in out

@@ -79,6 +79,8 @@ def test_report_records_the_protocol_verbatim(probed, tmp_path):
     data = json.loads(probe.report(misalignment_trials=0).to_json(tmp_path / "r.json").read_text())
     # and the width r = d + f of the full tangent at each candidate (LLaMA: no zero biases)
     ranks = dict.fromkeys(CANDIDATES, 16 + 24)
+    # per-candidate first-step scores (checked against per-sample gradients in test_growth_scores.py)
+    assert set(data["growth_protocol"].pop("scores")) == set(CANDIDATES)
     assert data["growth_protocol"] == {
         "digest": protocol.digest,
         "protocol": protocol.to_dict(),

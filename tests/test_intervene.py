@@ -152,6 +152,67 @@ def hand_reference(model, point, train, test, kind, w_in, activation, etas, feat
     return float((g_m * g_k).sum()), base, measured
 
 
+def hand_adam_reference(model, point, train, test, kind, w_in, activation, etas, feature_dim):
+    """One step of a fresh torch.optim.Adam (lr = η) on a hooked zero θ per η, on the gradient of
+    the mean train loss: ``(<Δθ/(−η), g_K>, [measured per η])`` (as :func:`hand_reference`)."""
+    d = w_in.shape[1]
+    theta = torch.zeros(d if kind == "bias" else (d, w_in.shape[0]), dtype=F64, requires_grad=True)
+
+    def hook(module, args, out):
+        if kind == "bias":
+            shape = [1] * out.dim()
+            shape[feature_dim] = d
+            return out + theta.view(shape)
+        zz = out.movedim(feature_dim, -1)
+        return out + (PHI[activation](zz @ w_in.T) @ theta.T).movedim(-1, feature_dim)
+
+    def mean_loss(batches):
+        return sum(loss_fn(model, b).sum() for b in batches) / sum(b[1].shape[0] for b in batches)
+
+    handle = model.get_submodule(point).register_forward_hook(hook)
+    was = model.training
+    model.eval()
+    try:
+        g_m = torch.autograd.grad(mean_loss(train), theta)[0]
+        g_k = torch.autograd.grad(mean_loss(test), theta)[0]
+        with torch.no_grad():
+            base = float(mean_loss(test))
+        measured, inner = [], None
+        for eta in etas:
+            with torch.no_grad():
+                theta.zero_()
+            opt = torch.optim.Adam([theta], lr=eta)
+            theta.grad = g_m.clone()
+            opt.step()
+            with torch.no_grad():
+                if inner is None:
+                    inner = float((theta / -eta * g_k).sum())
+                measured.append(float(mean_loss(test)) - base)
+    finally:
+        handle.remove()
+        model.train(was)
+    return inner, measured
+
+
+@pytest.mark.parametrize("kind", ["bias", "block"])
+def test_adam_table_against_real_adam_steps(trained, kind):
+    model, train, test = trained
+    w_in = torch.randn(8, 16, generator=torch.Generator().manual_seed(3), dtype=F64) / 4
+    spec = fs.CrossSpec(w_in=w_in, activation="gelu")
+    etas = [1e-2, 1e-3, 1e-4]
+    result = fs.intervene(model, "blocks.1", train, test, etas, kind=kind, loss_fn=loss_fn, spec=spec)
+    inner, measured = hand_adam_reference(model, "blocks.1", train, test, kind, w_in, "gelu", etas, -1)
+    assert result.adam_inner == pytest.approx(inner, rel=1e-9) and result.adam_eps == 1e-8
+    errors = []
+    for r, want in zip(result.adam_rows, measured):
+        assert r.predicted == pytest.approx(-r.eta * inner, rel=1e-9)
+        assert r.measured == pytest.approx(want, rel=1e-8, abs=1e-15)
+        errors.append(abs(r.ratio - 1))
+    assert errors[-1] < 1e-2 and all(b < a for a, b in itertools.pairwise(errors)), errors
+    assert "Zero-state Adam/AdamW first step" in result.to_markdown()
+    assert len(result.to_dict()["adam_rows"]) == 3
+
+
 def plain_test_loss(model, test):
     was = model.training
     model.eval()
@@ -201,9 +262,9 @@ def test_trained_resmlp_ratio_tends_to_one(trained, kind):
     assert abs(result.inner) > 1e-5  # a real signal
     check_rows(result, f"resmlp {kind}", measured)
     table = result.to_markdown()
-    assert (
-        "| eta | predicted | measured | ratio |" in table and table.count("\n|") == len(ETAS) + 2
-    )  # header rule + rows
+    assert "| eta | predicted | measured | ratio |" in table and table.count("\n|") == 2 * (
+        len(ETAS) + 2
+    )  # header rule + rows, for SGD and for Adam
     assert result.to_dict()["rows"][0]["eta"] == 1.0
 
 

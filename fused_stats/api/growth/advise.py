@@ -17,8 +17,14 @@ point, and ranks the candidates by ``|C|_F²`` (docs/design.md, sections 2.4, 2.
   the zero parameters (``ΔL ≈ −η |∇L|²`` with ``∇L = C`` at the zero block). A negative unbiased
   estimate (possible when ``C`` is near 0) predicts nothing: ``predicted_change`` is None and
   reads "no detectable gain", never a change of the loss.
-* The verdict names the candidate of largest ``|C|_F²`` among the significant ones (Holm-adjusted
-  ``p̃ ≤ alpha``) only; with none, "saturated everywhere at alpha".
+* ``predicted_change_sgd = −⟨C_M, C_K⟩`` and ``predicted_change_adam = −⟨s_M, C_K⟩``
+  (``s_M = C_M/(|C_M| + ε)``, ``ε = protocol.adam_eps``): the first SGD and zero-state Adam/AdamW
+  step's change of the mean test loss per unit step, and ``signal_fraction = |C|_F²/E|c_i|²``
+  (:mod:`.scores`), from the report's ``growth_protocol.scores``; None where the report has none,
+  and the Adam one under a projection.
+* Ranked by ``protocol.score`` (:func:`score_of`; default ``cross_frob2``). The verdict names the
+  candidate of largest score among the significant ones (Holm-adjusted ``p̃ ≤ alpha``) only; with
+  none, "saturated everywhere at alpha".
 * With ``protocol.projection = k`` the probe measures ``|C Pᵀ|_F²``, whose mean over the
   ``N(0, 1/r)`` Gaussian ``P`` is ``(k/r)|C|_F²``; ``cross_frob2``, ``se`` and the predicted
   change are rescaled by ``r/k`` (``r``: the point's tangent width, recorded in the report), so
@@ -42,7 +48,8 @@ from pathlib import Path
 from ...accumulators.estimators import Estimate
 from ...errors import FusedStatsError
 from ..report.document import Report, fmt, fmt_se, save_figure
-from .protocol import GrowthProtocol
+from .protocol import DEFAULT_ADAM_EPS, DEFAULT_SCORE, GrowthProtocol
+from .scores import NO_ADAM_UNDER_PROJECTION
 
 CORRECTION = "Holm-Bonferroni"
 NO_DETECTABLE_GAIN = "no detectable gain"
@@ -69,6 +76,10 @@ class Candidate:
     n: int
     rank: int
     features: int | None = None  # r, the full tangent's width (rank: k under a projection)
+    # scores.py: first-step predictions of the mean test loss per unit step, and the signal fraction
+    predicted_change_sgd: float | None = None  # −⟨C_M, C_K⟩
+    predicted_change_adam: float | None = None  # −⟨s_M, C_K⟩; None under a projection
+    signal_fraction: float | None = None  # |C|_F² / E|c_i|_F² (train stream)
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,8 @@ class Advice:
     K: int | None
     model: dict | None = None
     zero_parameters: dict | None = None
+    score: str = DEFAULT_SCORE  # the protocol's ranking score
+    adam_eps: float = DEFAULT_ADAM_EPS
 
     @property
     def saturated_everywhere(self) -> bool:
@@ -93,9 +106,9 @@ class Advice:
 
     @property
     def top(self) -> Candidate | None:
-        """The significant candidate of largest ``|C|_F²`` (None: saturated everywhere)."""
+        """The significant candidate of largest ranking score (None: saturated everywhere)."""
         significant = [c for c in self.ranked if not c.saturated]
-        return max(significant, key=lambda c: c.cross_frob2) if significant else None
+        return max(significant, key=lambda c: score_of(c, self.score)) if significant else None
 
     @property
     def verdict(self) -> str:
@@ -111,7 +124,9 @@ class Advice:
         return (
             f"Not saturated at {len(grow)} of {m} candidates (C = 0 rejected at family-wise level "
             f"alpha={self.alpha:g}, {ADJUSTED_TEST}, {self.correction}): {', '.join(grow)}. Largest "
-            f"significant first-order gain: {top.point} (|C|_F² = {fmt(top.cross_frob2)}, "
+            f"significant {SCORE_LABELS[self.score]}: {top.point} ("
+            + ("" if self.score == DEFAULT_SCORE else f"{self.score} = {fmt(score_of(top, self.score))}, ")
+            + f"|C|_F² = {fmt(top.cross_frob2)}, "
             f"Holm-adjusted p = {fmt(top.p_adjusted)})."
         )
 
@@ -128,6 +143,9 @@ class Advice:
             "zero_parameters": self.zero_parameters,
             "M": self.M,
             "K": self.K,
+            "score": self.score,
+            "adam_eps": self.adam_eps,
+            "adam_available": self.protocol.get("projection") is None,
             "saturated_everywhere": self.saturated_everywhere,
             "verdict": self.verdict,
             "ranked": [asdict(c) for c in self.ranked],
@@ -188,7 +206,11 @@ class Advice:
             "(unadjusted, as probe.saturation gives it), p (Holm) the adjusted one; certificate at "
             + (f"M = {self.M}, K = {self.K}" if self.M else "the report's M = train n, K = test n")
             + "; predicted change = −|C|_F² per unit SGD step on the new zero parameters "
-            f"({NO_DETECTABLE_GAIN!r} where the unbiased estimate is negative)."
+            f"({NO_DETECTABLE_GAIN!r} where the unbiased estimate is negative); ranked by "
+            f"`{self.score}`. First step on the mean test loss per unit step: SGD −⟨C_M, C_K⟩, "
+            f"zero-state Adam/AdamW −⟨s_M, C_K⟩ with s_M = C_M/(|C_M|+ε), ε = {self.adam_eps:g}"
+            + ("" if self.protocol.get("projection") is None else f" (Adam: {NO_ADAM_UNDER_PROJECTION})")
+            + "; signal fraction = |C|_F²/E|c_i|_F² (train); '-': not in the report."
             + (
                 ""
                 if self.protocol.get("projection") is None
@@ -197,8 +219,8 @@ class Advice:
             ),
             "",
             "| rank | point | n | r | ‖C‖_F² | se | z | p | p (Holm) | saturated | d_align | B_exact "
-            "| predicted ΔL per unit step |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+            "| predicted ΔL per unit step | ΔL SGD | ΔL Adam | signal fraction |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         for i, c in enumerate(self.ranked, 1):
             lines.append(
@@ -206,7 +228,9 @@ class Advice:
                 f"| {fmt(c.z)} "
                 f"| {fmt(c.p_value)} | {fmt(c.p_adjusted)} | {'yes' if c.saturated else 'no'} "
                 f"| {fmt(c.d_align)} | {fmt(c.b_exact)} | "
-                f"{NO_DETECTABLE_GAIN if c.predicted_change is None else fmt(c.predicted_change)} |"
+                f"{NO_DETECTABLE_GAIN if c.predicted_change is None else fmt(c.predicted_change)} "
+                f"| {_cell(c.predicted_change_sgd)} | {_cell(c.predicted_change_adam)} "
+                f"| {_cell(c.signal_fraction)} |"
             )
         lines += ["", self.verdict, ""]
         return "\n".join(lines)
@@ -238,6 +262,28 @@ class Advice:
         fig.suptitle(f"growth advice, protocol {self.digest[:12]}", fontsize=10)
         fig.tight_layout()
         return save_figure(fig, path)
+
+
+def _cell(value) -> str:
+    return "-" if value is None else fmt(value)
+
+
+SCORE_LABELS = {
+    "cross_frob2": "first-order gain",
+    "signal_fraction": "signal fraction |C|_F²/E|c|²",
+    "adam_first_step": "predicted zero-state Adam first-step drop",
+}
+
+
+def score_of(candidate: Candidate, score: str) -> float:
+    """The ranking value of ``candidate`` under ``score`` (larger: better; a missing one last)."""
+    if score == "cross_frob2":
+        return candidate.cross_frob2
+    if score == "signal_fraction":
+        value = candidate.signal_fraction
+        return -math.inf if value is None else value
+    value = candidate.predicted_change_adam
+    return -math.inf if value is None else -value
 
 
 def holm(p_values: list[float]) -> list[float]:
@@ -401,8 +447,10 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
             reasons.append(f"{short} probed, but the test needs at least 2 samples in the train stream")
         raise FusedStatsError("candidates without a saturation result: " + "; ".join(reasons))
     ranks: dict[str, int] = {}
+    scores: dict[str, dict] = {}
     for rec in records:
         ranks.update(rec.get("feature_ranks") or {})
+        scores.update(rec.get("scores") or {})
     if protocol.projection is not None:
         unknown = [c for c in protocol.candidates if c not in ranks]
         if unknown:
@@ -427,6 +475,8 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
     for (name, sat, d_align, b_exact), p_adj in zip(rows, adjusted):
         # E_P |C Pᵀ|² = (k/r)|C|² (module docstring): one scale for candidates of different r
         scale = 1.0 if protocol.projection is None else ranks[name] / protocol.projection
+        extra = scores.get(name) or {}
+        sgd, adam, sq = extra.get("sgd_inner"), extra.get("adam_inner"), extra.get("mean_sq_norm")
         ranked.append(
             Candidate(
                 point=name,
@@ -442,9 +492,13 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
                 n=int(sat["n"]),
                 rank=int(sat["rank"]),
                 features=ranks.get(name),
+                predicted_change_sgd=None if sgd is None else -scale * sgd,
+                predicted_change_adam=None if adam is None or protocol.projection is not None else -adam,
+                # E_P of both terms scales by k/r: the fraction is rescaled by neither
+                signal_fraction=None if not sq else float(sat["cross_frob2"]) / sq,
             )
         )
-    ranked.sort(key=lambda c: -c.cross_frob2)
+    ranked.sort(key=lambda c: -score_of(c, protocol.score))
     model = reports[0]["model"]
     return Advice(
         tuple(ranked),
@@ -456,7 +510,9 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
         K,
         model={k: model[k] for k in ("class", "num_parameters", "fingerprint") if k in model},
         zero_parameters=records[0].get("model_zero_parameters"),
+        score=protocol.score,
+        adam_eps=protocol.adam_eps,
     )
 
 
-__all__ = ["Advice", "Candidate", "advise", "holm"]
+__all__ = ["Advice", "Candidate", "advise", "holm", "score_of"]

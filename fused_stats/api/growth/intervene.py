@@ -18,6 +18,11 @@ probe's ``q_i`` are per-sample gradients, so the step direction is their mean:
   Σ_t q_t φ(W_in z_t)ᵀ``, so ``C_M = (Σ_i c_i)/M`` (the train CrossStats' ``c_sum / M``), the step
   is ``W_out = −η C_M`` and the predicted change is ``−η <C_M, C_K>_F``.
 
+Beside the SGD step, the zero-state Adam / AdamW first step ``−η s`` with ``s = d/(|d| + ε)``
+elementwise (``d`` the SGD direction above: bias-corrected moments of one gradient; weight decay
+of a zero parameter is zero) is taken from the zero block too, predicted ``−η ⟨s, g_K⟩``
+(``adam_rows``; :mod:`.scores`).
+
 The measured change is ``L_K(after) − L_K(zero block)``, both the mean of the per-sample losses
 over every test sample, computed in ``eval()`` mode like the probe. For small ``η`` the ratio
 measured / predicted tends to 1 (the remainder is ``O(η²)``); run the model in fp64 to see it at
@@ -39,6 +44,7 @@ from torch import nn
 from ...errors import FusedStatsError
 from ..probe.spec import CrossSpec
 from .insert import insert_zero_block, remove_inserted_block
+from .scores import ADAM_EPS, adam_direction
 
 F64 = torch.float64
 KINDS = ("bias", "block")
@@ -63,6 +69,9 @@ class Intervention:
     base_loss: float  # mean test loss with the zero block (= the unmodified model's)
     inner: float  # μ_Mᵀ g_K (bias) or <C_M, C_K>_F (block)
     rows: list[InterventionRow] = field(default_factory=list)
+    adam_inner: float = math.nan  # <s, g_K> with s = d/(|d| + eps), d the SGD direction
+    adam_rows: list[InterventionRow] = field(default_factory=list)
+    adam_eps: float = ADAM_EPS
 
     def to_dict(self) -> dict:
         return {
@@ -73,6 +82,9 @@ class Intervention:
             "base_loss": self.base_loss,
             "inner": self.inner,
             "rows": [r.__dict__.copy() for r in self.rows],
+            "adam_eps": self.adam_eps,
+            "adam_inner": self.adam_inner,
+            "adam_rows": [r.__dict__.copy() for r in self.adam_rows],
         }
 
     def to_markdown(self) -> str:
@@ -87,6 +99,16 @@ class Intervention:
         ]
         for r in self.rows:
             lines.append(f"| {r.eta:.3g} | {r.predicted:.4g} | {r.measured:.4g} | {r.ratio:.4f} |")
+        if self.adam_rows:
+            lines += [
+                "",
+                f"Zero-state Adam/AdamW first step (eps = {self.adam_eps:g}): <s, g_K> = {self.adam_inner:.4g}",
+                "",
+                "| eta | predicted | measured | ratio |",
+                "|---:|---:|---:|---:|",
+            ]
+            for r in self.adam_rows:
+                lines.append(f"| {r.eta:.3g} | {r.predicted:.4g} | {r.measured:.4g} | {r.ratio:.4f} |")
         return "\n".join(lines)
 
 
@@ -136,6 +158,7 @@ def intervene(
     spec: CrossSpec | None = None,
     feature_dim: int | None = None,
     backend: str = "auto",
+    adam_eps: float = ADAM_EPS,
 ) -> Intervention:
     """Measured vs predicted test-loss change of one gradient step on a parameter inserted at
     ``point`` (module docstring).
@@ -156,6 +179,8 @@ def intervene(
         The block's features for ``kind="block"`` (default ``CrossSpec()``).
     feature_dim : int, optional
         The stream's feature axis (default: the probe's choice, 1 for NCHW maps, else -1).
+    adam_eps : float
+        The ε of the zero-state Adam step (default torch's 1e-8).
 
     Returns
     -------
@@ -169,6 +194,8 @@ def intervene(
     if loss_fn is None or not callable(loss_fn):
         raise FusedStatsError("intervene needs loss_fn(model, batch) -> per-sample losses (B,)")
     etas = _etas(eta)
+    if isinstance(adam_eps, bool) or not isinstance(adam_eps, (int, float)) or not 0 < adam_eps < math.inf:
+        raise FusedStatsError(f"adam_eps must be a finite float > 0, got {adam_eps!r}")
     if kind == "block":
         spec = spec or CrossSpec()
         if not isinstance(spec, CrossSpec):
@@ -195,6 +222,9 @@ def intervene(
     else:
         step_dir = probe.cross_stats[point].c_sum / M
         inner = float((step_dir * (probe.test_cross_stats[point].c_sum / K)).sum())
+    test_dir = test.raw_sum() / K if kind == "bias" else probe.test_cross_stats[point].c_sum / K
+    adam_dir = adam_direction(step_dir, adam_eps)
+    adam_inner = float((adam_dir * test_dir).sum())
     fd = probe.feature_dims[point]
     modes = [(m, m.training) for m in model.modules()]
     block = insert_zero_block(model, point, kind, spec, feature_dim=fd, dim=probe.dims[point])
@@ -205,16 +235,20 @@ def intervene(
             block.w_in = probe.cross_stats[point].w_in.to(dtype=block.w_in.dtype, device=block.w_in.device)
         model.eval()
         base, count = _mean_loss(model, test_batches, loss_fn)
-        rows = []
-        for e in etas:
-            with torch.no_grad():
-                param.copy_((-e * step_dir).to(dtype=param.dtype, device=param.device))
-            loss, _ = _mean_loss(model, test_batches, loss_fn)
-            predicted = -e * inner
-            measured = loss - base
-            rows.append(
-                InterventionRow(e, predicted, measured, measured / predicted if predicted != 0 else math.nan)
-            )
+        tables = {}
+        for label, direction, per_unit in (("sgd", step_dir, inner), ("adam", adam_dir, adam_inner)):
+            rows = tables[label] = []
+            for e in etas:
+                with torch.no_grad():
+                    param.copy_((-e * direction).to(dtype=param.dtype, device=param.device))
+                loss, _ = _mean_loss(model, test_batches, loss_fn)
+                predicted = -e * per_unit
+                measured = loss - base
+                rows.append(
+                    InterventionRow(
+                        e, predicted, measured, measured / predicted if predicted != 0 else math.nan
+                    )
+                )
     finally:
         remove_inserted_block(model, point)
         for m, training in modes:
@@ -224,4 +258,15 @@ def intervene(
             f"intervene: the probe counted K={K} test samples but the loss "
             f"averaged {count}; every test sample needs at least one position"
         )
-    return Intervention(point=point, kind=kind, M=M, K=K, base_loss=base, inner=inner, rows=rows)
+    return Intervention(
+        point=point,
+        kind=kind,
+        M=M,
+        K=K,
+        base_loss=base,
+        inner=inner,
+        rows=tables["sgd"],
+        adam_inner=adam_inner,
+        adam_rows=tables["adam"],
+        adam_eps=float(adam_eps),
+    )

@@ -41,6 +41,11 @@ from .architecture import ADAPTERS, RESNET_BLOCKS, Architecture, boundary, descr
 FAMILIES = ("layer", "mlp_width", "cross_block")
 INITS = ("zero", "copy", "random")
 PROTOCOL_VERSION = 1
+# what fs.advise ranks by (docs/design.md 2.13): the unbiased |C|_F² (SGD's first-step gain), the
+# signal fraction |C|_F²/E|c|², or zero-state Adam's first-step gain on the test stream
+SCORES = ("cross_frob2", "signal_fraction", "adam_first_step")
+DEFAULT_SCORE = "cross_frob2"
+DEFAULT_ADAM_EPS = 1e-8  # torch.optim.Adam / AdamW's default
 
 ZERO_STATE_RULE = (
     "new parameters, and the new slices of widened parameters, start with zero optimizer state "
@@ -116,8 +121,11 @@ class GrowthProtocol:
     optional rank of a fixed random projection of the probed features, drawn from ``seed``.
     ``budget``: optional ``(M, K)``, the train and test sample sizes at which the advisor evaluates
     the width certificate (declared with the protocol, like everything the verdict depends on;
-    None: the report's own sizes). Only a set budget enters :meth:`to_dict`, so protocols without
-    one keep the record and digest they had before the field existed.
+    None: the report's own sizes). ``score``: what :func:`fused_stats.advise` ranks by, one of
+    :data:`SCORES` (default ``"cross_frob2"``, the unbiased ``|C|_F²``); ``adam_eps``: the ε of
+    the Adam first-step prediction (default torch's 1e-8). Only a set budget and non-default
+    score / eps enter :meth:`to_dict`, so protocols without them keep the record and digest they
+    had before the fields existed.
     """
 
     candidates: tuple[str, ...]
@@ -127,6 +135,8 @@ class GrowthProtocol:
     width: int | None = None
     projection: int | None = None
     budget: tuple[int, int] | None = None
+    score: str = DEFAULT_SCORE
+    adam_eps: float = DEFAULT_ADAM_EPS
 
     def __post_init__(self):
         cands = self.candidates
@@ -176,6 +186,18 @@ class GrowthProtocol:
                     f"GrowthProtocol budget must be None or (M, K), two positive ints, got {self.budget!r}"
                 )
             object.__setattr__(self, "budget", budget)
+        if self.score not in SCORES:
+            raise FusedStatsError(f"GrowthProtocol score must be one of {SCORES}, got {self.score!r}")
+        eps = self.adam_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and eps < float("inf")):
+            raise FusedStatsError(f"GrowthProtocol adam_eps must be a finite float > 0, got {eps!r}")
+        object.__setattr__(self, "adam_eps", float(eps))
+        if self.score == "adam_first_step" and self.projection is not None:
+            raise FusedStatsError(
+                "GrowthProtocol score 'adam_first_step' needs the full tangent: under projection="
+                f"{self.projection} the Adam prediction is not available (the sign of C P^T is not "
+                "the projection of the sign of C)"
+            )
         if self.family == "mlp_width" and self.width is None:
             raise FusedStatsError(
                 "GrowthProtocol family 'mlp_width' needs width= (the number of new hidden units)"
@@ -212,6 +234,10 @@ class GrowthProtocol:
         if self.budget is not None:
             # absent, not null, when unset: digests of protocols recorded before stay valid
             record["budget"] = list(self.budget)
+        if self.score != DEFAULT_SCORE:
+            record["score"] = self.score
+        if self.adam_eps != DEFAULT_ADAM_EPS:
+            record["adam_eps"] = self.adam_eps
         return record
 
     @classmethod
@@ -226,6 +252,8 @@ class GrowthProtocol:
                 width=record.get("width"),
                 projection=record.get("projection"),
                 budget=record.get("budget"),
+                score=record.get("score", DEFAULT_SCORE),
+                adam_eps=record.get("adam_eps", DEFAULT_ADAM_EPS),
             )
         except (KeyError, TypeError) as exc:
             raise FusedStatsError(f"not a GrowthProtocol record: missing or bad entry {exc}") from None
@@ -325,4 +353,12 @@ def _check_untied(model: nn.Module, arch: Architecture, bounds, family: str) -> 
                 )
 
 
-__all__ = ["FAMILIES", "INITS", "WIDTH_STATE_RULE", "ZERO_STATE_RULE", "GrowthProtocol", "check_init"]
+__all__ = [
+    "FAMILIES",
+    "INITS",
+    "SCORES",
+    "WIDTH_STATE_RULE",
+    "ZERO_STATE_RULE",
+    "GrowthProtocol",
+    "check_init",
+]

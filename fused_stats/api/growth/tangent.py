@@ -65,6 +65,7 @@ from ...ops.cross_twin import apply_activation, seeded_w_in
 from ..probe.fold import cross_view
 from . import blocks
 from .architecture import boundary
+from .scores import ADAM_EPS, candidate_scores
 
 
 def zero_map_width(name: str, module: nn.Module) -> tuple[int, bool]:
@@ -358,6 +359,19 @@ class GrowthTangent:
         block is built here."""
         built = self.protocol.candidates if self.family == "mlp_width" else list(self.maps)
         return {point: self.raw_rank(point) for point in built}
+
+    def candidate_scores(self, probe) -> dict[str, dict]:
+        """Per candidate the probe has measured: the first-step inner products and the mean
+        per-sample squared norm (:func:`.scores.candidate_scores`, for the report)."""
+        eps = getattr(self.protocol, "adam_eps", ADAM_EPS)
+        projected = self.projection is not None
+        return {
+            point: candidate_scores(
+                probe.cross_stats.get(point), probe.test_cross_stats.get(point), eps, projected
+            )
+            for point in self.protocol.candidates
+            if probe.cross_stats.get(point) is not None
+        }
 
     def feature_w_in(self, point: str, dtype=torch.float32, device=None) -> torch.Tensor | None:
         """None (the exact tangent: the features are given to CrossStats as they are, no r × r

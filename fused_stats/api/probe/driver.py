@@ -761,7 +761,7 @@ class Probe:
             "points": points,
             **(
                 {"growth_protocol": protocol_with_model_entries(record, self.model)}
-                if (record := protocol_record(self.cross))
+                if (record := protocol_record(self.cross, self))
                 else {}
             ),
             "meta": dict(meta or {}),

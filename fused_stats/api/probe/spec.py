@@ -290,10 +290,11 @@ def cross_w_in(cross, point: str, dim: int, dtype, device) -> tuple[torch.Tensor
     return cross.projection(dim, dtype=dtype, device=device), cross.activation
 
 
-def protocol_record(cross) -> dict | None:
-    """The growth protocol behind a feature source, verbatim with its digest (for reports), and
-    the width ``r`` of the full tangent at each point the source has measured (``feature_ranks``:
-    a projected ``|C Pᵀ|²`` is rescaled by ``r / k`` from it)."""
+def protocol_record(cross, probe=None) -> dict | None:
+    """The growth protocol behind a feature source, verbatim with its digest (for reports), the
+    width ``r`` of the full tangent at each point the source has measured (``feature_ranks``:
+    a projected ``|C Pᵀ|²`` is rescaled by ``r / k`` from it) and, given the ``probe``, the
+    source's per-candidate scores from its accumulators (``scores``: ``candidate_scores(probe)``)."""
     protocol = getattr(cross, "protocol", None)
     if protocol is None or not hasattr(protocol, "to_dict"):
         return None
@@ -301,4 +302,7 @@ def protocol_record(cross) -> dict | None:
     ranks = getattr(cross, "feature_ranks", None)
     if callable(ranks):
         record["feature_ranks"] = dict(ranks())
+    scores = getattr(cross, "candidate_scores", None)
+    if probe is not None and callable(scores):
+        record["scores"] = scores(probe)
     return record

@@ -1,0 +1,216 @@
+"""Per-candidate scores beside ``|C|_F²``: first-step predictions per optimizer, the signal
+fraction, and the curvature-aware gain.
+
+Role: the advisor's numbers as predictions a user can check (docs/design.md, section 2.13).
+With ``C_M = c_sum/M`` (train stream) and ``C_K = c_sum/K`` (test stream) the mean per-sample
+tangents of the zero parameters (the gradient of the mean loss there):
+
+* SGD (and SGD with momentum, whose first step is SGD's): one step ``θ = −η C_M`` changes the
+  mean test loss by ``−η ⟨C_M, C_K⟩ + O(η²)``.
+* Zero-state Adam / AdamW: the bias-corrected moments of one gradient are ``g`` and ``g²``, so the
+  first update is ``−η g / (|g| + ε)`` elementwise (weight decay of a zero parameter is zero) and
+  the change is ``−η ⟨s_M, C_K⟩`` with ``s_M = C_M / (|C_M| + ε)``. The sum runs over the
+  entries of ``C``, whatever their arrangement into parameter tensors. Under a random projection
+  ``C Pᵀ`` the sign of the projection is not the projection of the sign: not available.
+* Signal fraction ``|C|_F² / E|c_i|_F²`` (unbiased ``|C|_F²`` over ``Σ|c_i|²/n``): the share of
+  the per-sample tangent that the samples have in common, free of the features' scale.
+* Split Adam score ``⟨s_A, C_B⟩`` (:func:`split_adam_score`): ``s`` from one half of the train
+  batches, ``C`` from the other (batch parity), so its mean is ``E[s_A]·C``.
+* Curvature-aware gain ``|g|⁴ / (2 gᵀHg)``: the loss drop of the best step along ``g`` under the
+  quadratic model ``L(−t g) ≈ L − t|g|² + t² gᵀHg / 2`` (minimum at ``t = |g|²/gᵀHg``); a
+  rescaling of the new parameters ``θ → aθ`` scales ``|g|²`` by ``1/a²`` and ``gᵀHg`` by
+  ``1/a⁴``, so the gain is unchanged. :func:`curvature_gain` gets ``gᵀHg`` from one
+  Hessian-vector product (double backward, Pearlmutter 1994) on the grown model's new parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...errors import FusedStatsError
+from .protocol import DEFAULT_ADAM_EPS
+
+F64 = torch.float64
+ADAM_EPS = DEFAULT_ADAM_EPS
+NO_ADAM_UNDER_PROJECTION = (
+    "not available under a random projection (the sign of C Pᵀ is not the projection of the sign of C)"
+)
+
+
+def adam_direction(c_mean: torch.Tensor, eps: float) -> torch.Tensor:
+    """``s = g / (|g| + ε)`` elementwise: zero-state Adam's first update per unit step, negated."""
+    return c_mean / (c_mean.abs() + eps)
+
+
+def candidate_scores(train, test, eps: float = ADAM_EPS, projected: bool = False) -> dict:
+    """The raw first-step inner products and the signal fraction of one candidate from its train
+    and test CrossStats (module docstring), in the probed (possibly projected) coordinates."""
+    out = {"adam_eps": eps, "sgd_inner": None, "adam_inner": None, "mean_sq_norm": None}
+    if train is None or train.n == 0:
+        return out
+    c_train = train.c_sum.detach().to(device="cpu", dtype=F64) / train.n
+    out["mean_sq_norm"] = float(train.sq_norm_sum) / train.n
+    if test is None or test.n == 0:
+        return out
+    c_test = test.c_sum.detach().to(device="cpu", dtype=F64) / test.n
+    out["sgd_inner"] = float((c_train * c_test).sum())
+    if not projected:
+        out["adam_inner"] = float((adam_direction(c_train, eps) * c_test).sum())
+    return out
+
+
+@dataclass(frozen=True)
+class CurvatureGain:
+    """:func:`curvature_gain`'s result: ``|g|²``, ``gᵀHg``, the gain ``|g|⁴/(2 gᵀHg)`` (None when
+    ``gᵀHg ≤ 0``: the quadratic model has no minimum along ``g``), samples and new parameters."""
+
+    point: str
+    grad_sq: float
+    ghg: float
+    gain: float | None
+    n: int
+    parameters: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "point": self.point,
+            "grad_sq": self.grad_sq,
+            "ghg": self.ghg,
+            "gain": self.gain,
+            "n": self.n,
+            "parameters": list(self.parameters),
+        }
+
+
+@dataclass(frozen=True)
+class SplitAdamScore:
+    """:func:`split_adam_score`'s result: ``⟨s_A, C_B⟩``, ``⟨s_B, C_A⟩``, their mean and the
+    halves' sample counts."""
+
+    point: str
+    a_on_b: float
+    b_on_a: float
+    score: float
+    n_a: int
+    n_b: int
+
+
+def _grown_copy(model: nn.Module, protocol, point: str):
+    from .grow import grow
+
+    protocol.index(point)
+    grown = copy.deepcopy(model)
+    result = grow(grown, protocol, at=[point])
+    grown.eval()
+    named = dict(grown.named_parameters())
+    params = [named[name] for name in result.new_parameters]
+    if not params:
+        raise FusedStatsError(f"growth at {point!r} adds no new parameters: nothing to score")
+    wanted = {id(p) for p in params}
+    for p in grown.parameters():
+        if id(p) not in wanted:
+            p.requires_grad_(False)
+    return grown, params, tuple(result.new_parameters)
+
+
+def split_adam_score(model: nn.Module, protocol, point: str, batches, loss_fn, eps=None) -> SplitAdamScore:
+    """``⟨s_A, C_B⟩`` on two disjoint halves of ``batches`` (A: batches 0, 2, 4, …; B: 1, 3, …),
+    ``s_A = C_A/(|C_A| + ε)`` from the mean tangent of half A: with the batches independent,
+    ``s_A`` and ``C_B`` are, so its mean is ``E[s_A]·C`` (no noise-on-noise term, unlike
+    ``⟨s_M, C_M⟩`` on one stream). ``score`` averages it with ``⟨s_B, C_A⟩`` (also unbiased for
+    the same quantity when the halves are equal in size). The tangents are the gradients of the
+    halves' mean losses on a grown copy's new parameters (one forward-backward per batch); ``ε``:
+    the protocol's ``adam_eps`` unless given."""
+    if loss_fn is None or not callable(loss_fn):
+        raise FusedStatsError("split_adam_score needs loss_fn(model, batch) -> per-sample losses (B,)")
+    batches = list(batches)
+    if len(batches) < 2:
+        raise FusedStatsError(f"split_adam_score needs at least 2 batches (two halves), got {len(batches)}")
+    eps = getattr(protocol, "adam_eps", ADAM_EPS) if eps is None else float(eps)
+    grown, params, _ = _grown_copy(model, protocol, point)
+    sums = [[torch.zeros_like(p, dtype=F64) for p in params] for _ in range(2)]
+    counts = [0, 0]
+    for index, batch in enumerate(batches):
+        losses = _per_sample(loss_fn(grown, batch))
+        counts[index % 2] += losses.shape[0]
+        for acc, g in zip(sums[index % 2], torch.autograd.grad(losses.sum(), params, allow_unused=True)):
+            if g is not None:
+                acc += g.to(F64)
+    if min(counts) == 0:
+        raise FusedStatsError(f"split_adam_score: a half holds no samples (counts {counts})")
+    means = [torch.cat([t.reshape(-1) for t in half]) / n for half, n in zip(sums, counts)]
+    a_on_b = float(adam_direction(means[0], eps) @ means[1])
+    b_on_a = float(adam_direction(means[1], eps) @ means[0])
+    return SplitAdamScore(point, a_on_b, b_on_a, (a_on_b + b_on_a) / 2, counts[0], counts[1])
+
+
+def _per_sample(losses) -> torch.Tensor:
+    if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+        raise FusedStatsError(
+            "loss_fn must return per-sample losses of shape (B,), got "
+            f"{getattr(losses, 'shape', type(losses).__name__)}"
+        )
+    return losses
+
+
+def curvature_gain(model: nn.Module, protocol, point: str, batches, loss_fn) -> CurvatureGain:
+    """``|g|⁴ / (2 gᵀHg)`` at ``point`` for the mean per-sample loss over ``batches``.
+
+    A deep copy of ``model`` is grown at ``point`` by :func:`fused_stats.grow` (``model`` is left
+    untouched), ``g`` is the gradient of the mean loss on the copy's new parameters (one pass)
+    and ``gᵀHg = ⟨∇(g_b · v), v⟩`` summed over the batches with ``v = g`` fixed (a second pass
+    with a double backward). Cost: one forward-backward per batch plus one forward, a backward
+    with ``create_graph`` and a second backward per batch (about 4 training steps' compute per
+    batch), and a copy of the model in memory. Run in ``eval()`` mode, like the probe; an HF
+    model's copy runs eager attention (the fused kernels have no double backward).
+    """
+    if loss_fn is None or not callable(loss_fn):
+        raise FusedStatsError("curvature_gain needs loss_fn(model, batch) -> per-sample losses (B,)")
+    batches = list(batches)
+    if not batches:
+        raise FusedStatsError("curvature_gain needs at least one batch")
+    grown, params, names = _grown_copy(model, protocol, point)
+    attention = getattr(getattr(grown, "config", None), "_attn_implementation", None)
+    if attention not in (None, "eager") and callable(getattr(grown, "set_attn_implementation", None)):
+        # fused attention kernels have no double backward (CPU SDPA): eager is the same function
+        grown.set_attn_implementation("eager")
+    grads = [torch.zeros_like(p, dtype=F64) for p in params]
+    n = 0
+    for batch in batches:
+        losses = _per_sample(loss_fn(grown, batch))
+        n += losses.shape[0]
+        for acc, g in zip(grads, torch.autograd.grad(losses.sum(), params, allow_unused=True)):
+            if g is not None:
+                acc += g.to(F64)
+    if n == 0:
+        raise FusedStatsError("curvature_gain: the batches hold no samples")
+    direction = [g / n for g in grads]
+    ghg = 0.0
+    for batch in batches:
+        losses = _per_sample(loss_fn(grown, batch))
+        g = torch.autograd.grad(losses.sum(), params, create_graph=True, allow_unused=True)
+        dot = sum((gi.to(F64) * v).sum() for gi, v in zip(g, direction) if gi is not None)
+        if not isinstance(dot, torch.Tensor) or not dot.requires_grad:
+            continue  # the gradient does not depend on the new parameters: no curvature here
+        hv = torch.autograd.grad(dot, params, allow_unused=True)
+        ghg += sum(float((h.to(F64) * v).sum()) for h, v in zip(hv, direction) if h is not None)
+    ghg /= n
+    grad_sq = float(sum((v * v).sum() for v in direction))
+    gain = grad_sq**2 / (2.0 * ghg) if ghg > 0 and math.isfinite(ghg) else None
+    return CurvatureGain(point, grad_sq, ghg, gain, n, names)
+
+
+__all__ = [
+    "ADAM_EPS",
+    "CurvatureGain",
+    "SplitAdamScore",
+    "adam_direction",
+    "candidate_scores",
+    "curvature_gain",
+    "split_adam_score",
+]
