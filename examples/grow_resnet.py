@@ -40,6 +40,11 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=60, help="SGD steps before and after growth")
 parser.add_argument("--width", type=int, default=8, help="channels of the first stage")
 parser.add_argument(
+    "--at",
+    default=None,
+    help="grow at this candidate whatever the advice says (default: advice.top, no growth when None)",
+)
+parser.add_argument(
     "--out", default=None, help="output folder for advice.md, advice.png (default: a new temporary folder)"
 )
 args = parser.parse_args()
@@ -84,13 +89,14 @@ for i, c in enumerate(advice.ranked, 1):
     print(f"{i:<5} {c.point:<10} {c.n:<4} {c.cross_frob2:<11.4e} {c.p_adjusted:<9.3g} {c.saturated}")
 print(advice.verdict)
 
-if advice.top is None:
+if args.at is None and advice.top is None:
     # saturated everywhere: no candidate's first-order gain is significant, so the advice is not
     # to grow; the example stops here (growing at the largest raw |C|^2 would ignore the test)
     print("no growth: saturated everywhere")
     print(f"wrote {out / 'advice.md'}, {out / 'advice.png'}")
     raise SystemExit(0)
-top = advice.top.point  # the Holm-significant candidate of largest |C|_F^2
+# the Holm-significant candidate of largest |C|_F^2, unless --at names one
+top = args.at if args.at is not None else advice.top.point
 x_check, _ = sample(8)
 with torch.no_grad():
     before = model(x_check)
