@@ -6,8 +6,10 @@
    shift (docs/design.md, section 2.10), held-out images as the test stream;
 3. ``fs.advise``: the candidates ranked by ``|C|_F²`` with Holm-corrected saturation tests and the
    width certificate at the same point (markdown and a plot in ``--out``);
-4. ``fs.grow`` at the top candidate with the optimizer carried (new parameters start with zero
-   momentum): the eval-mode logits are bit-identical, then training continues;
+4. ``fs.grow`` at ``advice.top`` (the Holm-significant candidate of largest ``|C|_F²``; None when
+   saturated everywhere: the example then says "no growth" and stops) with the optimizer carried
+   (new parameters start with zero momentum): the eval-mode logits are bit-identical, then
+   training continues;
 5. one SGD step on the new parameters against the first-order prediction ``-eta |grad|^2``: the
    relative error shrinks in proportion to eta (ratio ~10 per decade), down to where no ReLU
    further down changes sign. The new block is ``x + F(x)`` without a trailing ReLU
@@ -37,6 +39,11 @@ from fused_stats.networks.resnet import cifar_resnet20
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=60, help="SGD steps before and after growth")
 parser.add_argument("--width", type=int, default=8, help="channels of the first stage")
+parser.add_argument(
+    "--at",
+    default=None,
+    help="grow at this candidate whatever the advice says (default: advice.top, no growth when None)",
+)
 parser.add_argument(
     "--out", default=None, help="output folder for advice.md, advice.png (default: a new temporary folder)"
 )
@@ -82,7 +89,14 @@ for i, c in enumerate(advice.ranked, 1):
     print(f"{i:<5} {c.point:<10} {c.n:<4} {c.cross_frob2:<11.4e} {c.p_adjusted:<9.3g} {c.saturated}")
 print(advice.verdict)
 
-top = advice.ranked[0].point
+if args.at is None and advice.top is None:
+    # saturated everywhere: no candidate's first-order gain is significant, so the advice is not
+    # to grow; the example stops here (growing at the largest raw |C|^2 would ignore the test)
+    print("no growth: saturated everywhere")
+    print(f"wrote {out / 'advice.md'}, {out / 'advice.png'}")
+    raise SystemExit(0)
+# the Holm-significant candidate of largest |C|_F^2, unless --at names one
+top = args.at if args.at is not None else advice.top.point
 x_check, _ = sample(8)
 with torch.no_grad():
     before = model(x_check)

@@ -115,9 +115,19 @@ def test_missing_peer_library_names_the_install_command(name, module, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_grow_resnet_tiny(tmp_path):
+def test_grow_resnet_tiny_saturated_grows_nothing(tmp_path):
+    """6 steps at width 4: saturated everywhere (advice.top is None), so no growth."""
     out = run_example("grow_resnet.py", "--steps", "6", "--width", "4", tmp_path=tmp_path)
-    assert "eval logits bit-identical: True" in out
+    assert "Saturated everywhere" in out and "no growth: saturated everywhere" in out
+    assert "grown at" not in out and "first SGD step" not in out
+    written = Path(re.search(r"^wrote (\S+)/advice\.md,", out, flags=re.M).group(1))
+    shutil.rmtree(written)
+
+
+def test_grow_resnet_tiny(tmp_path):
+    # saturated everywhere at this size (previous test): --at grows at the largest |C|^2 anyway
+    out = run_example("grow_resnet.py", "--steps", "6", "--width", "4", "--at", "layer3.2", tmp_path=tmp_path)
+    assert "grown at layer3.2:" in out and "eval logits bit-identical: True" in out
     # no --out: the advice goes to a new temporary folder, nothing into the working directory
     written = Path(re.search(r"^wrote (\S+)/advice\.md,", out, flags=re.M).group(1))
     assert list(tmp_path.iterdir()) == [] and not written.is_relative_to(tmp_path)

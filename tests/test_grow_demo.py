@@ -34,7 +34,10 @@ def test_quick_run_end_to_end(quick_run):
         ranked = [c["point"] for c in run["advice"]["ranked"]]
         assert sorted(ranked) == sorted(run["candidates"]) and len(ranked) == cfg["depth"] + 1
         arms = run["arms"]
-        assert arms["top"]["point"] == arms["copy"]["point"] == ranked[0]
+        # the advisor's choice: the Holm-significant candidate of largest |C|², or no growth
+        significant = [c for c in run["advice"]["ranked"] if not c["saturated"]]
+        top = max(significant, key=lambda c: c["cross_frob2"])["point"] if significant else None
+        assert arms["top"]["point"] == arms["copy"]["point"] == top
         assert arms["last"]["point"] == ranked[-1]
         assert arms["scratch_steps"]["steps"] == cfg["steps1"] + cfg["steps2"]
         # equal FLOPs: within one scratch step of the grown run's training FLOPs
@@ -50,6 +53,28 @@ def test_quick_run_end_to_end(quick_run):
     summary = record["summary"]["held_out_loss"]["top"]
     assert summary["mean"] == pytest.approx(sum(losses) / 2, rel=1e-12)
     assert "Held-out loss" in text and "rank correlation" in text and "not a test" in text
+
+
+def test_saturated_everywhere_grows_nothing(tmp_path, monkeypatch):
+    """advice.top None (saturated everywhere): the "top" and "copy" arms are the shallow model
+    trained on, not grown: same loss, the shallow model's FLOPs per token, init "none"."""
+    from fused_stats.api.growth.advise import Advice
+    from fused_stats.demo.growth import GrowthDemoConfig, run_growth_demo
+
+    monkeypatch.setattr(Advice, "top", property(lambda self: None))
+    cfg = GrowthDemoConfig.quick(
+        seeds=(0,), steps1=2, steps2=2, short_steps=1, probe_batches=1, eval_batches=1
+    )
+    lines = []
+    record = run_growth_demo(cfg, tmp_path, echo=lines.append)
+    arms = record["runs"][0]["arms"]
+    assert arms["top"]["point"] is None and arms["copy"]["point"] is None
+    assert arms["top"]["init"] == arms["copy"]["init"] == "none"
+    assert arms["top"]["held_out_loss"] == arms["copy"]["held_out_loss"]
+    shallow = build_llama(cfg.width, cfg.depth, cfg.seq_len, 0)
+    tokens = (cfg.steps1 + cfg.steps2) * cfg.batch_size * cfg.seq_len
+    assert arms["top"]["flops"] == pytest.approx(training_flops_per_token(shallow) * tokens, rel=1e-12)
+    assert any("advisor top none (saturated everywhere: no growth)" in line for line in lines)
 
 
 def test_paired_sign_flip_test():

@@ -9,10 +9,12 @@ models (:mod:`.models`), small enough for a few minutes on 2 CPU cores. Per seed
    layer at every block boundary) on the reserved train / held-out windows and rank the
    boundaries with :func:`fused_stats.advise` (Holm–Bonferroni);
 3. grow one zero-output layer (:func:`fused_stats.grow`, optimizer carried: new parameters
-   start with zero Adam state) at the advisor's top candidate (``top``), at the candidate it
-   ranks last (``last``), at the middle boundary (``even``: evenly spaced growth of one block),
-   and a G_stack-style copy of the neighbour at the top candidate (``copy``); train each for
-   ``steps2`` more steps on the same text;
+   start with zero Adam state) at the advisor's top candidate (``top``: ``advice.top``, the
+   Holm-significant candidate of largest ``|C|_F²``), at the candidate it ranks last (``last``),
+   at the middle boundary (``even``: evenly spaced growth of one block), and a G_stack-style copy
+   of the neighbour at the top candidate (``copy``); train each for ``steps2`` more steps on the
+   same text. Saturated everywhere (``advice.top`` is None): the advisor says not to grow, so
+   ``top`` and ``copy`` train the shallow model on unchanged (recorded as ``init="none"``);
 4. train the final architecture (``depth + 1`` blocks) from scratch for ``steps1 + steps2``
    steps (``scratch_steps``) and for the steps that cost the grown run's training FLOPs
    (``scratch_flops``; FLOPs per token ``6 × (non-embedding parameters + LM head)``, Kaplan et
@@ -174,14 +176,20 @@ def run_seed(corpus, cfg: GrowthDemoConfig, seed: int, echo=print) -> dict:
             probe.step({"input_ids": ids}, fs.causal_lm_loss, stream=stream)
     advice = fs.advise(probe, protocol, alpha=cfg.alpha)
     ranked = [c.point for c in advice.ranked]
+    # the advisor's choice: its top Holm-significant candidate; saturated everywhere (None) means
+    # it advises no growth, so "top" and "copy" then continue the shallow model unchanged
+    top = advice.top.point if advice.top is not None else None
     even = candidates[len(candidates) // 2]
-    where = {"top": (ranked[0], "zero"), "last": (ranked[-1], "zero"), "even": (even, "zero")}
-    where["copy"] = (ranked[0], "copy")
+    where = {"top": (top, "zero"), "last": (ranked[-1], "zero"), "even": (even, "zero")}
+    where["copy"] = (top, "copy")
 
     arms: dict[str, dict] = {}
     for arm, (point, init) in where.items():
         model, o, s = copy.deepcopy((shallow, opt, sched))
-        fs.grow(model, protocol, at=[point], init=init, optimizer=o)
+        if point is None:
+            init = "none"
+        else:
+            fs.grow(model, protocol, at=[point], init=init, optimizer=o)
         tokens2 = _steps(model, o, s, text(cfg.steps1, cfg.steps2))
         arms[arm] = {
             "point": point,
@@ -233,7 +241,9 @@ def run_seed(corpus, cfg: GrowthDemoConfig, seed: int, echo=print) -> dict:
         "seconds": time.perf_counter() - t0,
     }
     echo(
-        f"seed {seed}: shallow held-out {base_loss:.4f}; advisor top {ranked[0]}, last {ranked[-1]}; "
+        f"seed {seed}: shallow held-out {base_loss:.4f}; advisor top "
+        + (top if top is not None else "none (saturated everywhere: no growth)")
+        + f", last {ranked[-1]}; "
         + ", ".join(f"{a} {v['held_out_loss']:.4f}" for a, v in arms.items())
         + f"; rho(|C|², drop) = {rho:.2f} (p = {p:.2f}); {out['seconds']:.0f} s"
     )
@@ -302,7 +312,7 @@ def _verdict(summary: dict, n: int) -> list[str]:
     p = summary["paired_vs_scratch_flops"]
     min_p = 2 / 2**n
     for arm, label in (
-        ("top", "grown at the advisor's top candidate"),
+        ("top", "grown at the advisor's top candidate (not grown where it found none significant)"),
         ("scratch_steps", "scratch at equal steps"),
     ):
         d = p[arm]
@@ -340,8 +350,9 @@ def _verdict(summary: dict, n: int) -> list[str]:
 
 
 def plot_growth_demo(runs: list[dict], path) -> Path:
-    """Left: held-out loss per arm, one line per seed. Right: measured |C|_F² against the
-    realised held-out drop per candidate (log x), one colour per seed."""
+    """Left: held-out loss per arm, a tick at the mean over seeds and one dot per seed (the arms
+    are categories: no lines join them). Right: measured |C|_F² against the realised held-out
+    drop per candidate (log x), one colour per seed."""
     from ..api.report.plots import figure_classes, save_figure
 
     Figure, Canvas = figure_classes()
@@ -349,13 +360,20 @@ def plot_growth_demo(runs: list[dict], path) -> Path:
     Canvas(fig)
     a1, a2 = fig.subplots(1, 2)
     xs = list(range(len(ARMS)))
+    losses = [[run["arms"][a]["held_out_loss"] for run in runs] for a in ARMS]
+    means = [sum(v) / len(v) for v in losses]
+    # the mean as a short bar-width tick, not a bar: the loss axis does not start at zero
+    a1.scatter(xs, means, marker="_", s=700, linewidths=1.5, color="black", label="mean over seeds", zorder=2)
+    spread = 0.35 / max(len(runs), 1)
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
-        a1.plot(
-            xs,
+        offset = (i - (len(runs) - 1) / 2) * spread
+        a1.scatter(
+            [x + offset for x in xs],
             [run["arms"][a]["held_out_loss"] for a in ARMS],
-            "o-",
             color=color,
+            s=22,
+            zorder=3,
             label=f"seed {run['seed']}",
         )
         gains = [max(run["candidate_gain"][c], 1e-12) for c in run["candidates"]]
@@ -372,8 +390,8 @@ def plot_growth_demo(runs: list[dict], path) -> Path:
     a2.set_xlabel("measured |C|_F² before growth")
     a2.set_ylabel("held-out drop, new layer trained alone")
     a2.set_title("first-order gain vs realised drop per candidate", fontsize=9)
-    for ax in (a1, a2):
-        ax.legend(fontsize=7)
+    a1.legend(fontsize=7, loc="upper left", markerscale=0.6)
+    a2.legend(fontsize=7)
     fig.tight_layout()
     return save_figure(fig, path)
 

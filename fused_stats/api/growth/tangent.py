@@ -35,7 +35,9 @@ ResNet tangent below). A branch scale ``β`` (Granite ``residual_multiplier``) m
 features; at the input boundary the block runs on ``s z`` (Granite ``embedding_multiplier``) and
 the features are divided by ``s``, as the probe's ``q`` there is ``s`` times the stream gradient.
 :meth:`GrowthTangent.check_point` checks one sample of this against autograd at each candidate's
-first use.
+first use; every other kind below has its own check (``check_cross_block_point``,
+``check_width_point``, ``check_channel_point``): one sample, a seeded random gradient, autograd
+through an fp64 copy of what ``fs.grow`` would produce.
 
 ResNet blocks (``family="layer"``): the zero parameters are the last BatchNorm's scale ``γ`` and
 shift ``β``; the new block is ``z + γ ⊙ x̂ + β`` with no ReLU after the sum (``out_relu=False``,
@@ -322,6 +324,12 @@ class GrowthTangent:
 
     def unit_features(self, point: str, module: nn.Module, u: torch.Tensor) -> torch.Tensor:
         """``h_t`` (B, T, width): the new hidden units of the MLP ``module`` on its input ``u``."""
+        if self.self_check and point not in self.checked:
+            self.checked.add(point)
+            self.check_errors[point] = self.check_width_point(point, u)
+        return self._unit_features(point, module, u)
+
+    def _unit_features(self, point: str, module: nn.Module, u: torch.Tensor) -> torch.Tensor:
         units = self.new_units(point)
         pre = []
         for name in self._mlp_inputs:
@@ -386,8 +394,7 @@ class GrowthTangent:
         normalised with its running statistics, the block run on the candidate's output ``act``
         (B, C, H, W), whose channels (axis 1) the probe must read as its features."""
         block = self.block(point)
-        name, channels, _ = self.maps[point][0]
-        bn = block.get_submodule(name)
+        _, channels, _ = self.maps[point][0]
         if act.dim() != 4 or act.shape[1] != channels:
             raise FusedStatsError(
                 f"new block at {point!r}: the point's output has shape {tuple(act.shape)}, expected "
@@ -399,6 +406,13 @@ class GrowthTangent:
                 f"{tuple(act.shape)}), but the probe reads axis {feature_dim} as the features; "
                 "leave feature_dim at its default for this point"
             )
+        if self.self_check and point not in self.checked:
+            self.checked.add(point)
+            self.check_errors[point] = self.check_channel_point(point, act)
+        return self._map_features(point, block, act)
+
+    def _map_features(self, point: str, block: nn.Module, act: torch.Tensor) -> torch.Tensor:
+        bn = block.get_submodule(self.maps[point][0][0])
         seen: list[torch.Tensor] = []
         handle = bn.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
         try:
@@ -450,7 +464,10 @@ class GrowthTangent:
         inputs of its origin norms, times :meth:`feature_scale`."""
         block = self.block(point)
         if self.family == "cross_block":
-            return apply_activation(z.to(block.w_in.dtype) @ block.w_in.T, block.activation)
+            if self.self_check and point not in self.checked:
+                self.checked.add(point)
+                self.check_errors[point] = self.check_cross_block_point(point, z)
+            return _cross_block_features(block, z)
         kwargs = block_call_kwargs(kwargs)
         if self.self_check and point not in self.checked:
             self.checked.add(point)
@@ -515,14 +532,7 @@ class GrowthTangent:
             units = {
                 name: self._unit_norm(name, block.get_submodule(name)) for name, _, _ in self.maps[point]
             }
-        gen = torch.Generator().manual_seed(blocks.candidate_seed(self.protocol, point) % (2**31))
-        q = torch.randn(z1.shape, generator=gen, dtype=torch.float64)
-        if q.dim() == 3 and q.shape[1] > CHECKED_POSITIONS:
-            # q at a few positions only: a norm computing in fp32 (Gemma's) sums its scale
-            # gradient over the positions in fp32, whose rounding would grow with T
-            keep = torch.randperm(q.shape[1], generator=gen)[:CHECKED_POSITIONS]
-            q = q * torch.zeros(q.shape[1], 1, dtype=q.dtype).index_fill_(0, keep, 1.0)
-        q = q.to(z1.device)
+        q = self._check_gradient(point, z1, limit_positions=True)
         scale = self.stream_scale(point)
         x = self._features(point, block, units, z1, kw1).to(torch.float64)
         q_point = q * scale
@@ -553,19 +563,105 @@ class GrowthTangent:
                 if bias:
                     columns.append(pieces.pop(0)[:, None])
             ref = torch.cat(columns, dim=1)
+        return self._verdict(point, ours, ref, "the new block")
+
+    def _verdict(self, point: str, ours: torch.Tensor, ref: torch.Tensor, through: str) -> float:
+        """The relative error of the feature code's tangent ``ours`` against autograd's ``ref``;
+        :class:`FusedStatsError` above :data:`SELF_CHECK_TOLERANCE`, naming the point and the
+        model_type."""
         error = float((ours - ref).norm() / ref.norm().clamp_min(torch.finfo(torch.float64).tiny))
         if not error <= SELF_CHECK_TOLERANCE:
             raise FusedStatsError(
                 f"tangent self-check failed at {point!r} (model_type {self.adapter.model_type!r}): the "
-                f"feature code's tangent differs from autograd through the new block by {error:.3g} "
-                f"(relative; tolerance {SELF_CHECK_TOLERANCE}); the growth adapter of this model_type "
-                "does not describe the block exactly"
+                f"feature code's tangent (family {self.family!r}) differs from autograd through "
+                f"{through} by {error:.3g} (relative; tolerance {SELF_CHECK_TOLERANCE}); the growth "
+                "adapter of this model_type does not describe the block exactly"
             )
         return error
+
+    def _check_gradient(self, point: str, like: torch.Tensor, limit_positions: bool) -> torch.Tensor:
+        """The self-check's seeded random gradient, shaped like ``like`` (fp64); with
+        ``limit_positions``, zero but at :data:`CHECKED_POSITIONS` random positions of axis 1."""
+        gen = torch.Generator().manual_seed(blocks.candidate_seed(self.protocol, point) % (2**31))
+        q = torch.randn(like.shape, generator=gen, dtype=torch.float64)
+        if limit_positions and q.dim() == 3 and q.shape[1] > CHECKED_POSITIONS:
+            # q at a few positions only: a norm computing in fp32 (Gemma's) sums its scale
+            # gradient over the positions in fp32, whose rounding would grow with T
+            keep = torch.randperm(q.shape[1], generator=gen)[:CHECKED_POSITIONS]
+            q = q * torch.zeros(q.shape[1], 1, dtype=q.dtype).index_fill_(0, keep, 1.0)
+        return q.to(like.device)
+
+    def check_cross_block_point(self, point: str, z: torch.Tensor) -> float:
+        """The self-check of ``family="cross_block"``: ``Σ_t q_t φ(W_in z_t)ᵀ`` from the feature
+        code against ``∂⟨q, h(z)⟩/∂W_out`` by autograd through an fp64 copy of the block ``h``
+        (one sample of ``z``, ``q`` seeded random). Returns the relative error."""
+        block = copy.deepcopy(self.block(point)).to(torch.float64)
+        z1 = _finite_sample(z).to(torch.float64)
+        q = self._check_gradient(point, z1, limit_positions=False)
+        ours = torch.einsum("btk,btr->kr", q, _cross_block_features(block, z1).to(torch.float64))
+        block.w_out.requires_grad_(True)
+        with torch.enable_grad():
+            (ref,) = torch.autograd.grad((q * block(z1)).sum(), [block.w_out])
+        return self._verdict(point, ours, ref, "the new block")
+
+    def check_channel_point(self, point: str, act: torch.Tensor) -> float:
+        """The self-check of a ResNet candidate: ``Σ_t`` of :meth:`channel_terms` on
+        :meth:`map_features` against ``∂⟨q, h(a)⟩/∂(γ, β)`` by autograd through an fp64 copy of
+        the new block ``h`` (its output, ``a + F(a)``, as the model adds it), on one sample ``a``
+        of the point's output and a seeded random ``q`` (B, C, H, W). Returns the relative error."""
+        block = copy.deepcopy(self.block(point)).to(torch.float64)
+        a1 = _finite_sample(act).to(torch.float64)
+        q = self._check_gradient(point, a1, limit_positions=False)
+        q2, x2 = self.channel_terms(point, cross_view(q, 1), a1, self._map_features(point, block, a1))
+        ours = torch.einsum("btk,btr->kr", q2, x2)
+        bn = block.get_submodule(self.maps[point][0][0])
+        params = [bn.weight, bn.bias]
+        for p in params:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            grads = torch.autograd.grad((q * block(a1)).sum(), params)
+        ref = torch.cat([g.flatten() for g in grads])[None, :]
+        return self._verdict(point, ours, ref, "the new block")
+
+    def check_width_point(self, point: str, u: torch.Tensor) -> float:
+        """The self-check of ``family="mlp_width"``: ``Σ_t q'_t h_tᵀ`` from the feature code
+        (:meth:`unit_features`) against ``∂⟨q', β·mlp'(u)⟩/∂W_new`` by autograd, ``mlp'`` an fp64
+        copy of the widened MLP of the block ``fs.grow`` would produce, ``W_new`` the new columns
+        of its output map, ``u`` one sample of the MLP input the probe saw, ``q'`` seeded random
+        and ``β`` the branch scale (checked against the whole block by the ``layer`` family's
+        check). Returns the relative error."""
+        grown = self._new_block(self.model, self.protocol, point)
+        mlp_name, _, out_name = self.adapter.mlp_output.rpartition(".")
+        mlp = copy.deepcopy(grown.get_submodule(mlp_name)).to(torch.float64).eval()
+        mlp.requires_grad_(False)
+        u1 = _finite_sample(u).to(torch.float64)
+        q = self._check_gradient(point, u1, limit_positions=False)
+        ours = torch.einsum("btk,btr->kr", q, self._unit_features(point, mlp, u1).to(torch.float64))
+        out_map = mlp.get_submodule(out_name)
+        out_map.weight.requires_grad_(True)
+        with torch.enable_grad():
+            out = mlp(u1)
+            (g,) = torch.autograd.grad((q * out).sum() * self.branch_scale, [out_map.weight])
+        k = int(self.protocol.width)
+        ref = g[-k:].T if self.adapter.conv1d else g[:, -k:]  # Conv1D stores (in, out)
+        return self._verdict(point, ours, ref, "the widened MLP")
 
 
 SELF_CHECK_TOLERANCE = 1e-6
 CHECKED_POSITIONS = 4
+
+
+def _cross_block_features(block: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """``φ(W_in z)``: the input of the cross block's zero map ``W_out``."""
+    return apply_activation(z.to(block.w_in.dtype) @ block.w_in.T, block.activation)
+
+
+def _finite_sample(t: torch.Tensor) -> torch.Tensor:
+    """The first sample (row of axis 0) of ``t`` with only finite values (else the first), as a
+    batch of one, detached."""
+    B = t.shape[0]
+    sample = next((b for b in range(B) if bool(torch.isfinite(t[b]).all())), 0)
+    return t[sample : sample + 1].detach()
 
 
 def _one_sample(value, b: int, batch: int):
