@@ -18,6 +18,7 @@ A second run takes the real gpu tests: on CPU they are collected and all skipped
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -227,3 +228,34 @@ def test_without_a_gpu_the_real_run_refuses(tmp_path):
         env=env,
     )
     assert proc.returncode == 1 and "no CUDA device" in proc.stdout
+
+
+def test_tests_left_when_the_phase_runs_out_of_time_are_reported_not_run(tmp_path, monkeypatch):
+    """In process, with a phase deadline shorter than --test-timeout: the test running then is killed
+    and named, and the ones after it are listed as not run, so a short lease loses nothing silently."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    gpu_check = importlib.import_module("gpu_check")
+    stand_in = tmp_path / "stand_in_gpu_tests.py"
+    stand_in.write_text(STAND_IN_TESTS)
+    args = gpu_check.parse_args(
+        [
+            "--dry-run",
+            "--out",
+            str(tmp_path),
+            "--tests",
+            f"{stand_in}::test_passes",
+            f"{stand_in}::test_hangs",
+        ]
+        + [f"{stand_in}::test_after_the_hang", "--test-timeout", "600"]
+    )
+    run = gpu_check.Run(args, tmp_path / "gpu_check_dry_run.json")
+    gpu_check.run_gpu_tests(run, args, deadline=gpu_check.time.time() + 8)
+    tests = run.sections["gpu_tests"]
+    got = {nodeid.split("::")[-1]: r for nodeid, r in tests["results"].items()}
+    assert {name: r["outcome"] for name, r in got.items()} == {
+        "test_passes": "passed",
+        "test_hangs": "hung",
+        "test_after_the_hang": "not run",
+    }
+    assert "--tests-timeout" in got["test_hangs"]["message"]
+    assert tests["status"] == "error" and tests["seconds"] < 60
