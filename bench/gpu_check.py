@@ -42,6 +42,7 @@ tiny sizes through Triton's interpreter, timed by the wall clock (its figures me
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -66,7 +67,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="tiny sizes; on a machine without CUDA, through Triton's interpreter, no timing",
+        help="tiny sizes (checks the launcher); without CUDA the gpu tests skip and the kernels run "
+        "through Triton's interpreter, timings meaningless",
     )
     p.add_argument("--out", default=None, help="directory for gpu_check.json")
     p.add_argument("--tokens", type=int, default=65536, help="B x T of the capture/GEMM problems")
@@ -995,6 +997,13 @@ def run_gpu_tests(run, args, deadline: float) -> None:
     results: dict = {}
     collected: list = []
     entry: dict = {"status": "ok", "command": f"pytest -m gpu {' '.join(args.tests)}"}
+    if importlib.util.find_spec("pytest") is None:
+        entry.update(status="error", error="pytest is not installed (pip install pytest): no gpu test ran")
+        print(f"    error: {entry['error']}", flush=True)
+        run.row("gpu tests", "not run", None, note=entry["error"], ok=False)
+        run.sections["gpu_tests"] = entry
+        run.write()
+        return
     with tempfile.TemporaryDirectory(prefix="gpu_tests_") as tmp:
         for attempt in range(args.max_restarts + 1):
             log = Path(tmp) / f"log{attempt}.jsonl"
@@ -1004,7 +1013,7 @@ def run_gpu_tests(run, args, deadline: float) -> None:
             results.update(new)
             victim = killed_in or (running[0] if running else None)
             if isinstance(ended, int):  # pytest exited by itself: 0 passed, 1 failed, 5 none selected
-                if ended not in (0, 1, 5):
+                if ended not in (0, 1, 5) or not collected:
                     entry.update(
                         status="error", error=f"pytest exit code {ended}", output_tail=output[-3000:]
                     )
