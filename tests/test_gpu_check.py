@@ -259,3 +259,4 @@ def test_tests_left_when_the_phase_runs_out_of_time_are_reported_not_run(tmp_pat
     }
     assert "--tests-timeout" in got["test_hangs"]["message"]
     assert tests["status"] == "error" and tests["seconds"] < 60
+    assert tests["error"] == "2 of 3 gpu tests did not pass"  # no pytest started past the deadline
