@@ -169,7 +169,8 @@ class Run:
             "argv": sys.argv[1:],
             "dry_run": bool(args.dry_run),
             "python": platform.python_version(),
-            "isolation": "in-process" if args.in_process else "one child process per section",
+            "isolation": "gpu tests in a watched pytest child; sections "
+            + ("in-process" if args.in_process else "one child process each"),
         }
 
     def row(self, section, metric, value, unit="", reference=None, target=None, note="", ok=None):
