@@ -62,7 +62,8 @@ def rand(request):
     gen = torch.Generator(device=DEVICE).manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
     def make(*shape, dtype=torch.float32, scale=1.0, shift=0.0):
-        x = torch.randn(*shape, generator=gen, device=DEVICE, dtype=torch.float32)
+        # fp64 values drawn in fp64: fp32-valued ones would hide an fp64 path that rounds to fp32
+        x = torch.randn(*shape, generator=gen, device=DEVICE, dtype=F64 if dtype == F64 else torch.float32)
         return (x * scale + shift).to(dtype)
 
     make.gen = gen
