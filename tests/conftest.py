@@ -50,3 +50,17 @@ def llama_json(here):
     path = here / "llama.json"
     path.write_text(json.dumps(TINY_LLAMA_CONFIG))
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped without a CUDA device. ``FUSED_STATS_GPU_TESTS_ON_CPU=1``
+    runs tests/test_gpu_kernels.py on CPU at tiny sizes (a check of those tests' own code)."""
+    if torch.cuda.is_available():
+        return
+    import os
+
+    on_cpu = os.environ.get("FUSED_STATS_GPU_TESTS_ON_CPU") == "1"
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not (on_cpu and item.path.name == "test_gpu_kernels.py"):
+            item.add_marker(skip)
