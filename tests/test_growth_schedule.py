@@ -267,3 +267,106 @@ def test_bad_schedules_are_refused(kwargs, message):
     kwargs.setdefault("probe_batches", probe_batches())
     with pytest.raises(FusedStatsError, match=message):
         fs.GrowthSchedule(fs.GrowthProtocol(CANDIDATES), **kwargs)
+
+
+# ---------------------------------------------------------------------------- Lightning
+LR, GA, STEPS = 3e-3, 2, 5
+
+
+def linear_decay(step):
+    return 1.0 - step / (STEPS + 1)
+
+
+def lightning_module():
+    L = pytest.importorskip("lightning")
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lm = tiny_llama()
+
+        def training_step(self, batch, batch_idx):
+            return self.lm(**batch).loss
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.AdamW(self.lm.parameters(), lr=LR)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_decay)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return LM()
+
+
+def loader():
+    return torch.utils.data.DataLoader(train_data(), batch_size=3, shuffle=False)
+
+
+def lightning_fit(callbacks, module=None, max_steps=STEPS, **kw):
+    L = pytest.importorskip("lightning")
+    module = module or lightning_module()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        accumulate_grad_batches=GA,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        **kw,
+    )
+    trainer.fit(module, loader())
+    return module, trainer
+
+
+def hand_written_loop(protocol, at_steps, batches, alpha=0.05, max_growths=None):
+    """The Lightning run written as a plain loop, the schedule by hand."""
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_decay)
+    step, grown = 0, 0
+    epochs = (batch for _ in range(STEPS) for batch in loader())
+    for i, batch in enumerate(epochs):
+        (model(**batch).loss / GA).backward()
+        if (i + 1) % GA:
+            continue
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        step += 1
+        if step in at_steps and (max_growths is None or grown < max_growths):
+            probe = fs.Probe(model, points=list(protocol.candidates), cross=protocol)
+            for b in batches:
+                probe.step(b, fs.causal_lm_loss)
+            advice = fs.advise(probe, protocol, alpha=alpha)
+            fs.grow(model, protocol, at=[advice.top.point], optimizer=optimizer, step=step, evidence=advice)
+            grown += 1
+        if step == STEPS:
+            break
+    return model, optimizer
+
+
+def test_lightning_callback_equals_the_hand_written_loop():
+    from fused_stats.integrations.lightning import GrowthScheduleLightningCallback
+
+    protocol = fs.GrowthProtocol(CANDIDATES, family="layer", seed=2)
+    batches = probe_batches()
+    schedule = fs.GrowthSchedule(protocol, at_steps=[2, 4], probe_batches=batches)
+    module, trainer = lightning_fit([GrowthScheduleLightningCallback(schedule, model_of=lambda m: m.lm)])
+    model, optimizer = hand_written_loop(protocol, {2, 4}, batches)
+    ours = dict(module.lm.named_parameters())
+    ref = dict(model.named_parameters())
+    assert list(ours) == list(ref) and module.lm.config.num_hidden_layers == 4
+    for name in ref:
+        assert torch.equal(ours[name], ref[name]), name
+    a, b = trainer.optimizers[0].state_dict(), optimizer.state_dict()
+    assert a["param_groups"] == b["param_groups"] and sorted(a["state"]) == sorted(b["state"])
+    for i in a["state"]:
+        for key in a["state"][i]:
+            assert torch.equal(a["state"][i][key], b["state"][i][key]), (i, key)
+    assert fs.growth_history(module.lm) == fs.growth_history(model)
+    assert [e["step"] for e in fs.growth_history(model)] == [2, 4]
+    assert [e["step"] for e in schedule.events] == [2, 4]
+    # the LambdaLR of configure_optimizers drives the grown groups
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == scheduler.get_last_lr()

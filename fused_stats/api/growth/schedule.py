@@ -151,7 +151,7 @@ class GrowthSchedule:
         return sum(e["event"] == GREW for e in self.events)
 
     def is_scheduled(self, step: int) -> bool:
-        if self.stopped or any(e["step"] == step for e in self.events):
+        if step < 1 or self.stopped or any(e["step"] == step for e in self.events):
             return False
         if self.at_steps is not None:
             return step in self.at_steps
