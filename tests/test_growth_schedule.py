@@ -370,3 +370,31 @@ def test_lightning_callback_equals_the_hand_written_loop():
     # the LambdaLR of configure_optimizers drives the grown groups
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     assert [g["lr"] for g in trainer.optimizers[0].param_groups] == scheduler.get_last_lr()
+
+
+def test_trainer_resumed_after_a_growth_event_matches_the_uninterrupted_run(tmp_path):
+    protocol = fs.GrowthProtocol(CANDIDATES, family="layer", seed=2)
+    batches = probe_batches()
+
+    def schedule():
+        # max_growths=2 over three scheduled steps: the resumed run must know it grew once already
+        return fs.GrowthSchedule(protocol, at_steps=[2, 4, 5], probe_batches=batches, max_growths=2)
+
+    save = dict(save_strategy="steps", save_steps=3)
+    whole = schedule()
+    model, trainer = run(tmp_path / "a", lambda: GrowthScheduleCallback(whole), **save)
+    assert [e["step"] for e in whole.events] == [2, 4] and whole.stopped
+    checkpoint = tmp_path / "a" / "checkpoint-3"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert reloaded.config.num_hidden_layers == 3 and [e["step"] for e in fs.growth_history(reloaded)] == [2]
+    resumed_schedule = schedule()
+    resumed = transformers.Trainer(
+        model=reloaded,
+        args=args(tmp_path / "b", 5, **save),
+        train_dataset=train_data(),
+        callbacks=[GrowthScheduleCallback(resumed_schedule)],
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed_schedule.events == whole.events and resumed_schedule.stopped
+    assert_same_run((model, trainer), (reloaded, resumed))
+    assert resumed.lr_scheduler.get_last_lr() == trainer.lr_scheduler.get_last_lr()
