@@ -131,3 +131,14 @@ def test_grow_resnet_tiny(tmp_path):
     assert errors[1e-4] <= 1e-2, out
     for eta in (1e-3, 1e-4):
         assert 8.5 <= errors[eta] / errors[eta / 10] <= 11.5, out
+
+
+def test_grow_during_training(tmp_path):
+    out = run_example("grow_during_training.py", "--steps", "5", tmp_path=tmp_path)
+    # every 2nd step with at most 2 growths over 5 steps: decisions at 2 and 4, then stopped
+    assert re.search(r"step 2: grew model\.layers\.\d", out) and re.search(
+        r"step 4: grew model\.layers\.\d", out
+    )
+    assert "stopped: True | layers now: 4" in out
+    assert len(re.findall(r"growth record: step=[24] point=model\.layers\.\d", out)) == 2
+    assert out.count("'fused_stats/growth/grew': 1.0") == 2

@@ -231,6 +231,7 @@ class GrowthSchedule:
         if grew:
             out["fused_stats/growth/cross_frob2"] = float(event["cross_frob2"])
             out["fused_stats/growth/p_value"] = float(event["p_value"])
+            out["fused_stats/growth/p_adjusted"] = float(event["p_adjusted"])
             out["fused_stats/growth/point_index"] = float(self.protocol.index(event["point"]))
         return out
 
