@@ -44,6 +44,11 @@ SATURATED = "saturated everywhere"
 GREW = "grew"
 
 
+def _world() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _positive_int(name: str, value) -> int:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise FusedStatsError(f"{name} must be a positive int, got {value!r}")
@@ -177,10 +182,14 @@ class GrowthSchedule:
 
     # ------------------------------------------------------------------ the decision
     def decide(self, model: nn.Module):
-        """The advice on ``model`` from the probe batches (nothing changes)."""
+        """The advice on ``model`` from the probe batches (nothing changes). Under
+        ``torch.distributed`` each rank folds its own ``probe_batches`` and the probe is
+        all-reduced, so the advice is that of all ranks' batches together."""
         probe = Probe(model, points=list(self.protocol.candidates), cross=self.protocol)
         for batch in self.probe_batches:
             probe.step(batch, self.loss_fn, stream="train")
+        if _world() > 1:
+            probe.all_reduce()
         return advise(probe, self.protocol, alpha=self.alpha)
 
     def maybe_grow(self, model: nn.Module, step: int, optimizer=None, training_batches=()) -> dict | None:
@@ -198,15 +207,18 @@ class GrowthSchedule:
             raise FusedStatsError(
                 f"GrowthSchedule: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise FusedStatsError(
+                "GrowthSchedule: pass the module inside DistributedDataParallel (ddp.module) and wrap "
+                "the grown model in a new DistributedDataParallel after a growth event"
+            )
         self.check_not_training_batches(training_batches)
         advice = self.decide(model)
         top = advice.top
         if top is None:
             event = {"step": step, "event": SATURATED, "point": None, "cross_frob2": None, "p_value": None}
-            event["verdict"] = advice.verdict
-            self.stopped = True
+            event.update(p_adjusted=None, verdict=advice.verdict)
         else:
-            grow(model, self.protocol, at=[top.point], optimizer=optimizer, step=step, evidence=advice)
             event = {
                 "step": step,
                 "event": GREW,
@@ -216,6 +228,17 @@ class GrowthSchedule:
                 "p_adjusted": top.p_adjusted,
                 "verdict": advice.verdict,
             }
+        if _world() > 1:
+            # every rank holds the same reduced statistics; rank 0's event is taken everywhere, so
+            # a last-bit difference between ranks cannot split the decision
+            shared = [event]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            event = shared[0]
+        if event["event"] == SATURATED:
+            self.stopped = True
+        else:
+            evidence = {event["point"]: {k: event[k] for k in ("cross_frob2", "p_value", "p_adjusted")}}
+            grow(model, self.protocol, at=[event["point"]], optimizer=optimizer, step=step, evidence=evidence)
             if self.max_growths is not None and self.growths + 1 >= self.max_growths:
                 self.stopped = True
         self.events.append(event)
