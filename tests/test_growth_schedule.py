@@ -300,7 +300,7 @@ def loader():
     return torch.utils.data.DataLoader(train_data(), batch_size=3, shuffle=False)
 
 
-def lightning_fit(callbacks, module=None, max_steps=STEPS, **kw):
+def lightning_fit(callbacks, module=None, max_steps=STEPS, enable_checkpointing=False, ckpt_path=None):
     L = pytest.importorskip("lightning")
     module = module or lightning_module()
     trainer = L.Trainer(
@@ -309,13 +309,12 @@ def lightning_fit(callbacks, module=None, max_steps=STEPS, **kw):
         max_steps=max_steps,
         accumulate_grad_batches=GA,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=enable_checkpointing,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=list(callbacks),
-        **kw,
     )
-    trainer.fit(module, loader())
+    trainer.fit(module, loader(), ckpt_path=ckpt_path)
     return module, trainer
 
 
@@ -398,3 +397,62 @@ def test_trainer_resumed_after_a_growth_event_matches_the_uninterrupted_run(tmp_
     assert resumed_schedule.events == whole.events and resumed_schedule.stopped
     assert_same_run((model, trainer), (reloaded, resumed))
     assert resumed.lr_scheduler.get_last_lr() == trainer.lr_scheduler.get_last_lr()
+
+
+def test_bf16_mixed_precision_keeps_working(tmp_path):
+    # Trainer's CPU autocast (bf16) around forward and loss; the decision runs outside it, on the
+    # fp32 parameters, so both schedules still agree bit for bit
+    protocol = fs.GrowthProtocol(CANDIDATES, family="layer", seed=2)
+    batches = probe_batches()
+    schedule = fs.GrowthSchedule(protocol, at_steps=[2], probe_batches=batches)
+    ours = run(tmp_path / "a", lambda: GrowthScheduleCallback(schedule), max_steps=3, bf16=True)
+    hand = run(tmp_path / "b", lambda: HandWritten(protocol, {2}, batches, 0.05), max_steps=3, bf16=True)
+    assert_same_run(ours, hand)
+    assert [e["step"] for e in fs.growth_history(ours[0])] == [2]
+    assert all(p.dtype == torch.float32 for p in ours[0].parameters())
+
+
+def test_lightning_resumed_after_a_growth_event_matches_the_uninterrupted_run(tmp_path):
+    L = pytest.importorskip("lightning")
+    from fused_stats.integrations.lightning import GrowthScheduleLightningCallback
+
+    protocol = fs.GrowthProtocol(CANDIDATES, family="layer", seed=2)
+    batches = probe_batches()
+
+    def callbacks(directory):
+        schedule = fs.GrowthSchedule(protocol, at_steps=[2, 4, 5], probe_batches=batches, max_growths=2)
+        keep = L.pytorch.callbacks.ModelCheckpoint(dirpath=directory, every_n_train_steps=4, save_top_k=-1)
+        return schedule, [GrowthScheduleLightningCallback(schedule, model_of=lambda m: m.lm), keep]
+
+    whole, cbs = callbacks(tmp_path / "a")
+    module, trainer = lightning_fit(cbs, enable_checkpointing=True)
+    assert [e["step"] for e in whole.events] == [2, 4] and whole.stopped
+    checkpoint = next((tmp_path / "a").glob("*step=4*.ckpt"))  # an epoch's end: 4 steps an epoch
+    # the grown architecture, from the growth record's count of layers, holds the checkpoint
+    grown = lightning_module()
+    config = grown.lm.config
+    config.num_hidden_layers = 4
+    torch.manual_seed(1)
+    grown.lm = transformers.LlamaForCausalLM(config)
+    resumed, cbs = callbacks(tmp_path / "b")
+    module_b, trainer_b = lightning_fit(
+        cbs, module=grown, enable_checkpointing=True, ckpt_path=str(checkpoint)
+    )
+    assert resumed.events == whole.events and resumed.stopped
+    a, b = dict(module.lm.named_parameters()), dict(module_b.lm.named_parameters())
+    assert list(a) == list(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    sa, sb = trainer.optimizers[0].state_dict(), trainer_b.optimizers[0].state_dict()
+    for i in sa["state"]:
+        for key in sa["state"][i]:
+            assert torch.equal(sa["state"][i][key], sb["state"][i][key]), (i, key)
+    assert fs.growth_history(module_b.lm) == fs.growth_history(module.lm)
+
+
+def test_only_scheduled_optimizer_steps_are_decided():
+    protocol = fs.GrowthProtocol(CANDIDATES)
+    every = fs.GrowthSchedule(protocol, every=2, probe_batches=probe_batches())
+    assert [s for s in range(7) if every.is_scheduled(s)] == [2, 4, 6]  # never step 0 (no step yet)
+    at = fs.GrowthSchedule(protocol, at_steps=[5, 1], probe_batches=probe_batches())
+    assert at.at_steps == (1, 5) and [s for s in range(7) if at.is_scheduled(s)] == [1, 5]

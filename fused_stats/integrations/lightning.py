@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import Callback
 
+from ..api.growth.record import RECORD_KEY, growth_history
 from ..api.training.step_logging import check_callback_args, merged_probe, metrics_of, step_record
 from ..errors import FusedStatsError
 
@@ -125,7 +126,8 @@ class GrowthScheduleLightningCallback(Callback):
     a probe batch that is one of the step's training micro-batches, manual optimisation, more
     than one optimizer, and more than one process (the strategy's DDP wrapper would need
     rebuilding). :meth:`state_dict` / :meth:`load_state_dict` carry the schedule's state in
-    Lightning checkpoints.
+    Lightning checkpoints, and the model's growth record travels in the checkpoint too (resume
+    by building the grown architecture, e.g. from the record's count of new layers).
     """
 
     def __init__(self, schedule, model_of=None):
@@ -149,6 +151,15 @@ class GrowthScheduleLightningCallback(Callback):
 
     def load_state_dict(self, state_dict) -> None:
         self.schedule.load_state_dict(state_dict["schedule_state"])
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        # a Lightning checkpoint holds no HF config: the growth record travels beside the weights
+        checkpoint[RECORD_KEY] = growth_history(self.model_of(pl_module))
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        if RECORD_KEY in checkpoint:
+            model = self.model_of(pl_module)
+            setattr(getattr(model, "config", None) or model, RECORD_KEY, list(checkpoint[RECORD_KEY]))
 
     def on_train_start(self, trainer, pl_module):
         if trainer.world_size > 1:
@@ -175,8 +186,8 @@ class GrowthScheduleLightningCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = int(trainer.global_step)
-        if step == self._batches_step or not self.schedule.is_scheduled(step):
-            return  # inside an accumulation window, or not a scheduled step
+        if not self.schedule.is_scheduled(step):
+            return  # also inside an accumulation window: its step was decided at the window's end
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         event = self.schedule.maybe_grow(
             self.model_of(pl_module), step, optimizer, training_batches=self._step_batches

@@ -263,13 +263,6 @@ class FusedStatsTrainerMixin:
         return [c for c in self.callback_handler.callbacks if isinstance(c, kinds)]
 
 
-def _inner_optimizer(optimizer):
-    """The torch optimizer under accelerate's ``AcceleratedOptimizer`` (which delegates to it)."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 class GrowthScheduleCallback(TrainerCallback, ExportableState):
     """Grow the Trainer's model by a :class:`fused_stats.GrowthSchedule` (its module docstring).
 
@@ -337,8 +330,8 @@ class GrowthScheduleCallback(TrainerCallback, ExportableState):
             return control
         if model is None:
             raise FusedStatsError(f"GrowthScheduleCallback at step {step}: the Trainer passed no model")
-        opt = None if optimizer is None else _inner_optimizer(optimizer)
-        event = self.schedule.maybe_grow(model, step, opt, training_batches=self._step_batches)
+        # accelerate's AcceleratedOptimizer delegates param_groups and state to the torch optimizer
+        event = self.schedule.maybe_grow(model, step, optimizer, training_batches=self._step_batches)
         self._pending = self.schedule.metrics(event)
         control.should_log = True
         return control
