@@ -456,3 +456,16 @@ def test_only_scheduled_optimizer_steps_are_decided():
     assert [s for s in range(7) if every.is_scheduled(s)] == [2, 4, 6]  # never step 0 (no step yet)
     at = fs.GrowthSchedule(protocol, at_steps=[5, 1], probe_batches=probe_batches())
     assert at.at_steps == (1, 5) and [s for s in range(7) if at.is_scheduled(s)] == [1, 5]
+
+
+def test_probe_batches_follow_the_model_device():
+    from collections import namedtuple
+
+    from fused_stats.api.growth.schedule import _on_device
+
+    Pair = namedtuple("Pair", "x y")
+    batch = {"input_ids": torch.arange(4).view(1, 4), "extra": [Pair(torch.ones(2), 3)]}
+    moved = _on_device(batch, torch.device("meta"))
+    assert moved["input_ids"].device.type == "meta" and moved["extra"][0].x.device.type == "meta"
+    assert isinstance(moved["extra"][0], Pair) and moved["extra"][0].y == 3
+    assert batch["input_ids"].device.type == "cpu"  # the user's batch is left as it was

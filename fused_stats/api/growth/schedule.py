@@ -65,6 +65,19 @@ def _tensors(batch) -> list[torch.Tensor]:
     return []
 
 
+def _on_device(batch, device):
+    if device is None:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _on_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [_on_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
 def _same_batch(a, b) -> bool:
     """Whether two batches are the same data: a shared tensor object, or equal token tensors."""
     ta, tb = _tensors(a), _tensors(b)
@@ -186,8 +199,10 @@ class GrowthSchedule:
         ``torch.distributed`` each rank folds its own ``probe_batches`` and the probe is
         all-reduced, so the advice is that of all ranks' batches together."""
         probe = Probe(model, points=list(self.protocol.candidates), cross=self.protocol)
+        device = next((p.device for p in model.parameters()), None)
         for batch in self.probe_batches:
-            probe.step(batch, self.loss_fn, stream="train")
+            # the Trainer moves its own batches to the model's device; the held-out ones follow
+            probe.step(_on_device(batch, device), self.loss_fn, stream="train")
         if _world() > 1:
             probe.all_reduce()
         return advise(probe, self.protocol, alpha=self.alpha)
