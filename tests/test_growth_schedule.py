@@ -194,8 +194,10 @@ def test_all_saturated_stops_growing_and_says_so(tmp_path):
     protocol = fs.GrowthProtocol(CANDIDATES, family="layer")
     # alpha below every p-value this little probe can produce: saturated everywhere by construction
     schedule = fs.GrowthSchedule(protocol, every=2, probe_batches=probe_batches(), alpha=1e-30)
-    model, trainer = run(tmp_path, lambda: GrowthScheduleCallback(schedule), max_steps=5)
+    callback = GrowthScheduleCallback(schedule)
+    model, trainer = run(tmp_path, lambda: callback, max_steps=5)
     assert schedule.stopped and len(schedule.events) == 1  # decided at step 2, never again
+    assert len(callback._step_batches) == 2  # only the last step's micro-batches are kept
     event = schedule.events[0]
     assert event["event"] == "saturated everywhere" and event["step"] == 2 and event["point"] is None
     assert "Saturated everywhere" in event["verdict"]
