@@ -24,6 +24,7 @@ from .api.growth.insert import insert_zero_block, remove_inserted_block
 from .api.growth.intervene import intervene
 from .api.growth.protocol import GrowthProtocol
 from .api.growth.record import growth_history
+from .api.growth.schedule import GrowthSchedule
 from .api.growth.scores import CurvatureGain, SplitAdamScore, curvature_gain, split_adam_score
 from .api.probe.driver import Probe
 from .api.probe.losses import causal_lm_loss, classification_loss
@@ -47,6 +48,7 @@ __all__ = [
     "GradStats",
     "GrowthProtocol",
     "GrowthResult",
+    "GrowthSchedule",
     "Misalignment",
     "MonitorLog",
     "Probe",

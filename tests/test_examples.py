@@ -150,3 +150,14 @@ def test_first_step_predictions(tmp_path):
     # measured / predicted at the smallest step (the ratios themselves are tested in test_growth_scores.py)
     assert all(abs(float(ratio) - 1) < 0.01 for _, eta, ratio in rows if float(eta) == 1e-4), rows
     assert "curvature gain at" in out and "x one forward-backward" in out
+
+
+def test_grow_during_training(tmp_path):
+    out = run_example("grow_during_training.py", "--steps", "5", tmp_path=tmp_path)
+    # every 2nd step with at most 2 growths over 5 steps: decisions at 2 and 4, then stopped
+    assert re.search(r"step 2: grew model\.layers\.\d", out) and re.search(
+        r"step 4: grew model\.layers\.\d", out
+    )
+    assert "stopped: True | layers now: 4" in out
+    assert len(re.findall(r"growth record: step=[24] point=model\.layers\.\d", out)) == 2
+    assert out.count("'fused_stats/growth/grew': 1.0") == 2

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import Callback
 
+from ..api.growth.record import RECORD_KEY, growth_history
 from ..api.training.step_logging import check_callback_args, merged_probe, metrics_of, step_record
 from ..errors import FusedStatsError
 
@@ -108,3 +109,87 @@ class FusedStatsLightningCallback(Callback):
         # training raised between on_train_batch_start and on_after_backward: the hooks must not
         # stay on the model, nor the captured outputs in memory
         self._drop()
+
+
+class GrowthScheduleLightningCallback(Callback):
+    """Grow the LightningModule's model by a :class:`fused_stats.GrowthSchedule` during ``fit``.
+
+    ``model_of(pl_module)``: the module the schedule's protocol names points in (default: the
+    LightningModule itself). After the micro-batch that completes a scheduled optimizer step
+    (``on_train_batch_end`` with a new ``global_step``: ``accumulate_grad_batches`` windows are
+    whole), the schedule decides and grows in place, extending ``trainer.optimizers[0]``; the lr
+    schedulers of ``configure_optimizers`` write the lr of that optimizer's groups, which the new
+    parameters joined. Events go into the growth record, :attr:`events`, and the loggers
+    (``pl_module.log_dict``: ``fused_stats/growth/...``).
+
+    Refused with nothing changed: a scheduled step beyond ``max_steps`` (at ``on_train_start``),
+    a probe batch that is one of the step's training micro-batches, manual optimisation, more
+    than one optimizer, and more than one process (the strategy's DDP wrapper would need
+    rebuilding). :meth:`state_dict` / :meth:`load_state_dict` carry the schedule's state in
+    Lightning checkpoints, and the model's growth record travels in the checkpoint too (resume
+    by building the grown architecture, e.g. from the record's count of new layers).
+    """
+
+    def __init__(self, schedule, model_of=None):
+        from ..api.growth.schedule import GrowthSchedule
+
+        if not isinstance(schedule, GrowthSchedule):
+            raise FusedStatsError(
+                f"GrowthScheduleLightningCallback needs a fused_stats.GrowthSchedule, got {type(schedule).__name__}"
+            )
+        self.schedule = schedule
+        self.model_of = model_of or (lambda pl_module: pl_module)
+        self._step_batches: list = []
+        self._batches_step = -1
+
+    @property
+    def events(self) -> list[dict]:
+        return self.schedule.events
+
+    def state_dict(self) -> dict:
+        return {"schedule_state": self.schedule.state_dict()}
+
+    def load_state_dict(self, state_dict) -> None:
+        self.schedule.load_state_dict(state_dict["schedule_state"])
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        # a Lightning checkpoint holds no HF config: the growth record travels beside the weights
+        checkpoint[RECORD_KEY] = growth_history(self.model_of(pl_module))
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        if RECORD_KEY in checkpoint:
+            model = self.model_of(pl_module)
+            setattr(getattr(model, "config", None) or model, RECORD_KEY, list(checkpoint[RECORD_KEY]))
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.world_size > 1:
+            raise FusedStatsError(
+                f"GrowthScheduleLightningCallback runs in one process (world size {trainer.world_size}): "
+                "growing a model inside the strategy's DDP wrapper is not supported"
+            )
+        if not pl_module.automatic_optimization:
+            raise FusedStatsError("GrowthScheduleLightningCallback needs automatic optimisation")
+        if len(trainer.optimizers) != 1:
+            raise FusedStatsError(
+                f"GrowthScheduleLightningCallback needs exactly one optimizer, got {len(trainer.optimizers)}"
+            )
+        max_steps = int(trainer.max_steps)
+        if max_steps < 0:
+            max_steps = int(trainer.estimated_stepping_batches)
+        self.schedule.check_training_length(max_steps)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != self._batches_step:
+            # a new optimizer step's first micro-batch
+            self._batches_step, self._step_batches = int(trainer.global_step), []
+        self._step_batches.append(batch)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = int(trainer.global_step)
+        if not self.schedule.is_scheduled(step):
+            return  # also inside an accumulation window: its step was decided at the window's end
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        event = self.schedule.maybe_grow(
+            self.model_of(pl_module), step, optimizer, training_batches=self._step_batches
+        )
+        pl_module.log_dict(self.schedule.metrics(event), on_step=True, on_epoch=False, sync_dist=False)

@@ -39,7 +39,9 @@ from __future__ import annotations
 import math
 import numbers
 
+import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from ..api.training.step_logging import check_callback_args, merged_probe, metrics_of, step_record
 from ..errors import FusedStatsError
@@ -257,4 +259,100 @@ class FusedStatsTrainerMixin:
                 callback.close()
 
     def _fused_stats_callbacks(self):
-        return [c for c in self.callback_handler.callbacks if isinstance(c, FusedStatsCallback)]
+        kinds = (FusedStatsCallback, GrowthScheduleCallback)
+        return [c for c in self.callback_handler.callbacks if isinstance(c, kinds)]
+
+
+class GrowthScheduleCallback(TrainerCallback, ExportableState):
+    """Grow the Trainer's model by a :class:`fused_stats.GrowthSchedule` (its module docstring).
+
+    After each optimizer step (``on_step_end``: gradient accumulation's micro-batches are done and
+    the gradients zeroed) the schedule decides at its scheduled steps and grows the model in place,
+    extending the Trainer's optimizer; the Trainer's ``LambdaLR`` writes the lr of the optimizer's
+    groups, which the new parameters joined, so it drives them from the next step on. Each event
+    goes into the model's growth record (step, ``cross_frob2``, ``p_value``), :attr:`events`, and
+    the Trainer's logs (``fused_stats/growth/...``; mix :class:`FusedStatsTrainerMixin` into the
+    Trainer to have them before TensorBoard / W&B see the logs, as for :class:`FusedStatsCallback`).
+
+    Refused with nothing changed: a scheduled step beyond ``max_steps`` (at ``on_train_begin``),
+    a probe batch equal to one of the step's training micro-batches (their ``input_ids``, seen by
+    a forward pre-hook, or the same tensor), a scheduled step without an optimizer, and more than
+    one process (a grown model would need its DDP wrapper rebuilt, which the Trainer does not do
+    inside a step). The schedule's state travels in ``trainer_state.json`` (``state()``), so a
+    run resumed from a checkpoint written after a growth event keeps its events and stop flag.
+    """
+
+    def __init__(self, schedule):
+        from ..api.growth.schedule import GrowthSchedule
+
+        if not isinstance(schedule, GrowthSchedule):
+            raise FusedStatsError(
+                f"GrowthScheduleCallback needs a fused_stats.GrowthSchedule, got {type(schedule).__name__}"
+            )
+        self.schedule = schedule
+        self._hook = None
+        self._step_batches: list[dict] = []
+        self._pending: dict[str, float] = {}
+
+    @property
+    def events(self) -> list[dict]:
+        return self.schedule.events
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"schedule_state": self.schedule.state_dict()}}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        world = max(int(getattr(args, "world_size", 1) or 1), 1)
+        if world > 1:
+            raise FusedStatsError(
+                f"GrowthScheduleCallback runs in one process (world size {world} seen): growing a model "
+                "inside the Trainer's DDP wrapper is not supported"
+            )
+        self.schedule.check_training_length(int(state.max_steps))
+        saved_states = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__) or []
+        for saved in saved_states if isinstance(saved_states, list) else [saved_states]:
+            # a resumed run: trainer_state.json of the checkpoint holds the schedule's events
+            if isinstance(saved, dict) and "schedule_state" in saved.get("attributes", {}):
+                self.schedule.load_state_dict(saved["attributes"]["schedule_state"])
+        if self._hook is None and model is not None:
+            self._hook = model.register_forward_pre_hook(self._see_batch, with_kwargs=True)
+
+    def _see_batch(self, module, args, kwargs):
+        if torch.is_grad_enabled() and module.training:
+            self._step_batches.append({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step_batches = []
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        step = int(state.global_step)
+        if not self.schedule.is_scheduled(step):
+            return control
+        if model is None:
+            raise FusedStatsError(f"GrowthScheduleCallback at step {step}: the Trainer passed no model")
+        # accelerate's AcceleratedOptimizer delegates param_groups and state to the torch optimizer
+        event = self.schedule.maybe_grow(model, step, optimizer, training_batches=self._step_batches)
+        self._pending = self.schedule.metrics(event)
+        control.should_log = True
+        return control
+
+    def pop_metrics(self) -> dict[str, float]:
+        out, self._pending = self._pending, {}
+        return out
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = self.pop_metrics()
+        if not metrics or logs is None:
+            return control
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
