@@ -80,6 +80,18 @@ def test_grad_commit_many_equals_sequential(modes, warm, stacked, gen):
     assert all(a.n == (5 if warm else 0) + 24 for a in accs)
 
 
+def test_grad_prepare_many_defaults_to_no_mask_and_the_last_axis(gen):
+    """``prepare_many(accs, grads)`` without masks or feature dims: each batch as ``prepare``
+    takes it by default (nothing masked, features on the last axis)."""
+    accs = grad_accs(gen, ("dense", "pool"))
+    refs = [a.copy() for a in accs]
+    grads = [torch.randn(4, 3, 6, generator=gen) for _ in accs]
+    GradStats.commit_many(accs, GradStats.prepare_many(accs, grads))
+    for ref, g in zip(refs, grads):
+        ref.update(g)
+    assert_same(accs, refs)
+
+
 @pytest.mark.parametrize("unit", ["sample", "position"])
 @pytest.mark.parametrize("mode", ["dense", "pool"])
 def test_grad_commit_many_masked_batches_equal_sequential(unit, mode, gen):

@@ -189,3 +189,23 @@ def test_prepare_from_features_is_prepare_from_the_activation_bit_for_bit(unit, 
     with pytest.raises(FusedStatsError, match=r"features of shape \(4, 3, 2\)"):
         from_phi.prepare(grad, mask=mask, unit=unit, features=phi[..., :2])
     assert state_differences(snap, from_phi.state_dict()) == []
+
+
+def test_features_given_mode_takes_the_features_as_the_activation(gen):
+    """Features-given mode (w_in=None): ``prepare(grad, x, mask)`` reads ``x`` as the features,
+    the same as ``prepare(grad, mask=mask, features=x)``, with ``c_i = Σ_t q_t x_tᵀ`` over the
+    sample's counted positions (the U-statistic written out)."""
+    positional = CrossStats(3, None, "identity", rank=4, dtype=F64)
+    keyword = CrossStats(3, None, "identity", rank=4, dtype=F64)
+    cs = []
+    for _ in range(2):
+        grad = torch.randn(5, 2, 3, generator=gen, dtype=F64)
+        x = torch.randn(5, 2, 4, generator=gen, dtype=F64)
+        mask = torch.ones(5, 2, dtype=torch.bool)
+        mask[2, 1] = False
+        positional.commit(positional.prepare(grad, x, mask))
+        keyword.commit(keyword.prepare(grad, mask=mask, features=x))
+        cs += [sum(torch.outer(grad[b, t], x[b, t]) for t in range(2) if mask[b, t]) for b in range(5)]
+    assert state_differences(positional.state_dict(), keyword.state_dict()) == []
+    assert positional.n == len(cs)
+    assert positional.cross_frob2() == pytest.approx(u_stat(cs), rel=1e-10)
