@@ -1,6 +1,6 @@
 """``commit_many`` (the points of a probe committed together) against committing one by one.
 
-Also ``prepare_stacked`` / ``commit_stacked`` (one stacked batch for several accumulators) against
+Also ``prepare_many`` / ``commit_many`` given a stack (one stacked batch for several accumulators) against
 one ``update`` each, what they decline, refuse and skip, and the probe's stacked fold against its
 general path (the same bits).
 
@@ -78,6 +78,18 @@ def test_grad_commit_many_equals_sequential(modes, warm, stacked, gen):
             prepared = [a.prepare(g) for a, g in zip(accs, grads)]
         commit_both(GradStats, accs, prepared)
     assert all(a.n == (5 if warm else 0) + 24 for a in accs)
+
+
+def test_grad_prepare_many_defaults_to_no_mask_and_the_last_axis(gen):
+    """``prepare_many(accs, grads)`` without masks or feature dims: each batch as ``prepare``
+    takes it by default (nothing masked, features on the last axis)."""
+    accs = grad_accs(gen, ("dense", "pool"))
+    refs = [a.copy() for a in accs]
+    grads = [torch.randn(4, 3, 6, generator=gen) for _ in accs]
+    GradStats.commit_many(accs, GradStats.prepare_many(accs, grads))
+    for ref, g in zip(refs, grads):
+        ref.update(g)
+    assert_same(accs, refs)
 
 
 @pytest.mark.parametrize("unit", ["sample", "position"])
@@ -215,58 +227,60 @@ def test_cross_commit_many_after_a_single_sample_batch_drops_the_carry(gen):
     assert all(a.carry is None for a in accs)
 
 
-# ---------------------------------------------------------------------------- prepare_stacked / commit_stacked
-def test_grad_prepare_stacked_declines_what_it_does_not_take(gen):
+# ---------------------------------------------------------------- prepare_many / commit_many of a stack
+def test_grad_prepare_many_of_a_stack_declines_what_it_does_not_take(gen):
     accs = grad_accs(gen, ("dense",) * 2)
     g = torch.randn(2, 8, 6, generator=gen)
-    assert GradStats.prepare_stacked(accs, g) is not None
-    assert GradStats.prepare_stacked(accs, g, unit="position") is None
-    assert GradStats.prepare_stacked(accs, g[:, :, :5]) is None  # dim 5 vs 6: prepare says why
-    assert GradStats.prepare_stacked(accs, g[:1]) is None  # one stack row for two accumulators
-    assert GradStats.prepare_stacked(accs, g[:, :0]) is None  # no sample
+    assert GradStats.prepare_many(accs, g) is not None
+    assert GradStats.prepare_many(accs, g, unit="position") is None
+    assert GradStats.prepare_many(accs, g[:, :, :5]) is None  # dim 5 vs 6: prepare says why
+    assert GradStats.prepare_many(accs, g[:1]) is None  # one stack row for two accumulators
+    assert GradStats.prepare_many(accs, g[:, :0]) is None  # no sample
     fresh = grad_accs(gen, ("dense",), warm=False)
-    assert GradStats.prepare_stacked([accs[0], fresh[0]], g) is None  # no centre yet
-    assert GradStats.prepare_stacked(accs, g.double()) is not None
+    assert GradStats.prepare_many([accs[0], fresh[0]], g) is None  # no centre yet
+    assert GradStats.prepare_many(accs, g.double()) is not None
+    with pytest.raises(FusedStatsError, match=r"stacked batch .* takes no masks"):
+        GradStats.prepare_many(accs, g, [None, torch.ones(8)])
 
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])
-def test_grad_commit_stacked_refuses_or_skips_as_commit(policy, gen):
+def test_grad_commit_many_of_a_stack_refuses_or_skips_as_commit(policy, gen):
     accs = grad_accs(gen, ("dense",) * 3)
     for a in accs:
         a.nonfinite = policy
     g = torch.randn(3, 8, 6, generator=gen)
     g[1, 2, 3] = float("inf")
-    stacked = GradStats.prepare_stacked(accs, g)
+    stacked = GradStats.prepare_many(accs, g)
     assert stacked.finite == [True, False, True]
     refs = [a.copy() for a in accs]
     if policy == "raise":
         with pytest.raises(FusedStatsError, match=r"non-finite gradient .*'p1'"):
-            GradStats.commit_stacked(accs, stacked)
+            GradStats.commit_many(accs, stacked)
         assert_same(accs[1:], refs[1:])  # the one refused and those after it are untouched
     else:
-        GradStats.commit_stacked(accs, stacked)
+        GradStats.commit_many(accs, stacked)
         assert accs[1].skipped_batches == 1 and accs[1].n == 5
         assert accs[0].n == accs[2].n == 13
     # stale: prepared before another update
-    stacked = GradStats.prepare_stacked(accs, torch.randn(3, 4, 6, generator=gen))
+    stacked = GradStats.prepare_many(accs, torch.randn(3, 4, 6, generator=gen))
     accs[0].update(torch.randn(2, 6, generator=gen))
     with pytest.raises(FusedStatsError, match="stale prepared batch at point 'p0'"):
-        GradStats.commit_stacked(accs, stacked)
+        GradStats.commit_many(accs, stacked)
 
 
-def test_grad_commit_stacked_equals_commit_of_each(gen):
+def test_grad_commit_many_of_a_stack_equals_commit_of_each(gen):
     accs = grad_accs(gen, ("dense", "pool", "auto"))
     g = torch.randn(3, 8, 6, generator=gen) * 2 + 0.1
     refs = [a.copy() for a in accs]
     for ref, x in zip(refs, g):
         ref.update(x)
-    GradStats.commit_stacked(accs, GradStats.prepare_stacked(accs, g))
+    GradStats.commit_many(accs, GradStats.prepare_many(accs, g))
     for acc, ref in zip(accs, refs):  # one prepare each vs one batched reduction: fp64 rounding
         assert_close_states(acc, ref, 1e-13)
 
 
 @pytest.mark.parametrize("B", [1, 6])
-def test_cross_commit_stacked_equals_commit_of_each(B, gen):
+def test_cross_commit_many_of_a_stack_equals_commit_of_each(B, gen):
     accs = cross_accs(gen)
     refs = [a.copy() for a in accs]
     for _ in range(2):
@@ -274,25 +288,27 @@ def test_cross_commit_stacked_equals_commit_of_each(B, gen):
         z = torch.randn(3, B, 1, 4, generator=gen)
         for ref, x, y in zip(refs, g, z):
             ref.update(x, y)
-        stacked = CrossStats.prepare_stacked(accs, g, z)
+        stacked = CrossStats.prepare_many(accs, g, z)
         assert stacked is not None
-        CrossStats.commit_stacked(accs, stacked)
+        CrossStats.commit_many(accs, stacked)
     for acc, ref in zip(accs, refs):
         assert_close_states(acc, ref, 1e-12)
 
 
-def test_cross_prepare_stacked_declines_what_it_does_not_take(gen):
+def test_cross_prepare_many_of_a_stack_declines_what_it_does_not_take(gen):
     accs = cross_accs(gen, 2)
     g, z = torch.randn(2, 6, 1, 5, generator=gen), torch.randn(2, 6, 1, 4, generator=gen)
-    assert CrossStats.prepare_stacked(accs, g, z) is not None
-    assert CrossStats.prepare_stacked(accs, g, z, unit="position") is None
-    assert CrossStats.prepare_stacked(accs, g, z[..., :3]) is None  # in_dim 3 vs 4
-    assert CrossStats.prepare_stacked(accs, g, z[:, :4]) is None  # batch sizes differ
+    assert CrossStats.prepare_many(accs, g, z) is not None
+    assert CrossStats.prepare_many(accs, g, z, unit="position") is None
+    assert CrossStats.prepare_many(accs, g, z[..., :3]) is None  # in_dim 3 vs 4
+    assert CrossStats.prepare_many(accs, g, z[:, :4]) is None  # batch sizes differ
     # many positions per sample: the ghost form does not pay, one call each (prepare) instead
     long_g, long_z = torch.randn(2, 6, 40, 5, generator=gen), torch.randn(2, 6, 40, 4, generator=gen)
-    assert CrossStats.prepare_stacked(accs, long_g, long_z) is None
+    assert CrossStats.prepare_many(accs, long_g, long_z) is None
     other = CrossStats(5, torch.randn(6, 4, generator=gen, dtype=F64), activation="relu")
-    assert CrossStats.prepare_stacked([accs[0], other], g, z) is None  # another block
+    assert CrossStats.prepare_many([accs[0], other], g, z) is None  # another block
+    with pytest.raises(FusedStatsError, match=r"stacked batch .* takes no masks"):
+        CrossStats.prepare_many(accs, g, z, [None, None])
 
 
 # ---------------------------------------------------------------------------- the probe's stacked fold
@@ -319,9 +335,9 @@ def test_probe_stacked_fold_equals_the_general_path_bit_for_bit(second_moment, c
     options = {"second_moment": second_moment, "cross": fs.CrossSpec(rank=5) if cross else None}
     fast, general = residual_probe(3, **options), residual_probe(3, **options)
     taken = []
-    original = GradStats.commit_stacked
+    original = GradStats._commit_stacked
     monkeypatch.setattr(
-        GradStats, "commit_stacked", classmethod(lambda cls, *a: taken.append(1) or original(*a))
+        GradStats, "_commit_stacked", classmethod(lambda cls, *a: taken.append(1) or original(*a))
     )
     general_fold = fs.Probe._fold_stacked
     for step in range(4):

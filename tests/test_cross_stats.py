@@ -157,3 +157,55 @@ def test_given_features_are_zero_where_the_mask_is_zero_even_if_not_finite(gen):
     want[~mask] = 0.0
     assert torch.equal(got, want)
     assert torch.equal(acc.features(x[1:, 1:], None), x[1:, 1:])
+
+
+@pytest.mark.parametrize("unit", ["sample", "position"])
+def test_prepare_from_features_is_prepare_from_the_activation_bit_for_bit(unit, gen):
+    """``prepare(grad, mask=, unit=, features=features(act, mask))`` (what the in-backward probe
+    keeps) folds the same state as ``prepare(grad, act, mask, unit)``, and matches the U-statistic
+    written out; passing both or neither of the activation and ``features=`` is refused with the
+    state unchanged."""
+    w_in = torch.randn(4, 3, generator=gen, dtype=F64)
+    from_act = CrossStats(5, w_in, "gelu", backend="torch", group_size=2)
+    from_phi = CrossStats(5, w_in, "gelu", backend="torch", group_size=2)
+    cs = []
+    for _ in range(2):
+        grad = torch.randn(4, 3, 5, generator=gen, dtype=F64)
+        act = torch.randn(4, 3, 3, generator=gen, dtype=F64)
+        mask = torch.ones(4, 3, dtype=torch.bool)
+        mask[1, 2] = mask[3, 0] = False
+        from_act.commit(from_act.prepare(grad, act, mask, unit))
+        phi = from_phi.features(act, mask)
+        from_phi.commit(from_phi.prepare(grad, mask=mask, unit=unit, features=phi))
+        cs.extend(explicit_cs(grad, act, mask, w_in, unit))
+    assert state_differences(from_act.state_dict(), from_phi.state_dict()) == []
+    assert from_phi.n == len(cs) == (8 if unit == "sample" else 20)
+    assert from_phi.cross_frob2() == pytest.approx(u_stat(cs), rel=1e-10)
+    snap = from_phi.state_dict()
+    with pytest.raises(FusedStatsError, match="exactly one of the activation and features="):
+        from_phi.prepare(grad, act, mask, unit, features=phi)
+    with pytest.raises(FusedStatsError, match="exactly one of the activation and features="):
+        from_phi.prepare(grad, mask=mask, unit=unit)
+    with pytest.raises(FusedStatsError, match=r"features of shape \(4, 3, 2\)"):
+        from_phi.prepare(grad, mask=mask, unit=unit, features=phi[..., :2])
+    assert state_differences(snap, from_phi.state_dict()) == []
+
+
+def test_features_given_mode_takes_the_features_as_the_activation(gen):
+    """Features-given mode (w_in=None): ``prepare(grad, x, mask)`` reads ``x`` as the features,
+    the same as ``prepare(grad, mask=mask, features=x)``, with ``c_i = Σ_t q_t x_tᵀ`` over the
+    sample's counted positions (the U-statistic written out)."""
+    positional = CrossStats(3, None, "identity", rank=4, dtype=F64)
+    keyword = CrossStats(3, None, "identity", rank=4, dtype=F64)
+    cs = []
+    for _ in range(2):
+        grad = torch.randn(5, 2, 3, generator=gen, dtype=F64)
+        x = torch.randn(5, 2, 4, generator=gen, dtype=F64)
+        mask = torch.ones(5, 2, dtype=torch.bool)
+        mask[2, 1] = False
+        positional.commit(positional.prepare(grad, x, mask))
+        keyword.commit(keyword.prepare(grad, mask=mask, features=x))
+        cs += [sum(torch.outer(grad[b, t], x[b, t]) for t in range(2) if mask[b, t]) for b in range(5)]
+    assert state_differences(positional.state_dict(), keyword.state_dict()) == []
+    assert positional.n == len(cs)
+    assert positional.cross_frob2() == pytest.approx(u_stat(cs), rel=1e-10)

@@ -70,6 +70,9 @@ def old():
             "from .table import KINDS, STREAMS,",
             "KINDS = ('grad', 'cross', 'norm_hist')\nfrom .table import STREAMS,",
         )
+        # the stacked entry points are prepare_many / commit_many given a stack now
+        .replace(".prepare_stacked(", ".prepare_many(")
+        .replace(".commit_stacked(", ".commit_many(")
     )
     module = _load("fused_stats.api.probe._old_driver", driver)
     twin = _load("fused_stats.ops._old_cross_twin", _git_show("fused_stats/ops/cross_twin.py"))
@@ -571,7 +574,7 @@ def test_a_registered_kind_checkpoints_and_resumes(gen, tmp_path):
 
 def test_few_position_cross_step_agrees_with_the_old_shared_product(old, gen, monkeypatch):
     """The one case that is not bit for bit: ``cross=`` on (B, T, d) points with so few positions
-    that the old fold shared one batched product across points (``CrossStats.prepare_stacked``,
+    that the old fold shared one batched product across points (``CrossStats._prepare_stacked``,
     unmasked, ``unit="sample"``); the hooks fire one point at a time. The sums then agree to fp64
     rounding; the GradStats, which never took that product for T > 1, stay bit for bit."""
     OldProbe, old_cross_reduce = old
@@ -580,10 +583,10 @@ def test_few_position_cross_step_agrees_with_the_old_shared_product(old, gen, mo
     options = {"cross": fs.CrossSpec(rank=5, seed=1), "second_moment": "pool"}
     new, ref = fs.Probe(model, **options), OldProbe(model, **options)
     shared = []
-    original = fs.CrossStats.prepare_stacked.__func__
+    original = fs.CrossStats._prepare_stacked.__func__
     monkeypatch.setattr(
         fs.CrossStats,
-        "prepare_stacked",
+        "_prepare_stacked",
         classmethod(lambda cls, *a, **k: shared.append(1) or original(cls, *a, **k)),
     )
     differs = False

@@ -99,7 +99,7 @@ class Prepared:
 class StackedPrepared:
     """One batch for each of several accumulators (the points of a probe), reduced by one set of
     batched calls and held stacked (``tensors``, leading dimension = accumulator), waiting for the
-    class's ``commit_stacked``. ``base_n``: each accumulator's ``n`` when prepared; ``finite``:
+    class's ``commit_many``. ``base_n``: each accumulator's ``n`` when prepared; ``finite``:
     whether each one's sums are finite."""
 
     unit: str

@@ -243,18 +243,27 @@ class CrossStats(Accumulator):
     def prepare(
         self,
         grad: torch.Tensor,
-        act: torch.Tensor,
+        act: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         unit: CrossUnit = "sample",
+        *,
+        features: torch.Tensor | None = None,
     ) -> Prepared:
         """Check one batch and compute its sums WITHOUT changing the state; :meth:`commit` adds
         them. Callers that must update several accumulators all-or-nothing (the probe) prepare
-        every one before committing any.
+        every one before committing any. ``features``: instead of ``act``, the block's features
+        of it from :meth:`features` (same ``mask``): the same batch, bit for bit.
 
         Raises :class:`FusedStatsError` for bad shapes, devices, masks or units; a batch with
         non-finite sums comes back with ``finite=False`` (``commit`` applies ``nonfinite``)."""
-        if self.w_in is None:  # features given: act holds them
-            return self.prepare_features(grad, act, mask, unit)
+        if (act is None) == (features is None):
+            raise FusedStatsError(
+                f"cross gradient{self._where()}: give exactly one of the activation and features="
+            )
+        if features is None and self.w_in is None:  # features given at construction: act holds them
+            features = act
+        if features is not None:
+            return self._prepare_features(grad, features, mask, unit)
         grad, act = self._checked(grad, act, mask, unit)
         batch = ops.cross_reduce(
             grad, act, mask, self.w_in, self.activation, unit, self.group_size, self.backend
@@ -264,7 +273,7 @@ class CrossStats(Accumulator):
 
     def features(self, act: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The block's features ``φ(W_in z_t)`` (B, T, rank) of ``act`` (B, T, d_in), zero where
-        ``mask`` (B, T) is 0, for :meth:`prepare_features`: a caller that keeps these instead of
+        ``mask`` (B, T) is 0, for ``prepare(features=)``: a caller that keeps these instead of
         ``act`` (r numbers a position instead of d_in) prepares the same batch, bit for bit."""
         if act.dim() == 2:
             act = act.unsqueeze(1)
@@ -290,15 +299,12 @@ class CrossStats(Accumulator):
             return torch.where(keep, act, torch.zeros((), dtype=act.dtype, device=act.device))
         return ops.cross_features(act, mask, self.w_in, self.activation, self.backend)
 
-    def prepare_features(
-        self,
-        grad: torch.Tensor,
-        phi: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        unit: CrossUnit = "sample",
-    ) -> Prepared:
-        """:meth:`prepare` from the features ``phi`` of :meth:`features` (same ``mask``) instead of
-        the activation; nothing changes."""
+    def _prepare_features(self, grad, phi, mask, unit) -> Prepared:
+        """:meth:`prepare` from the features ``phi`` of :meth:`features`."""
+        if not isinstance(phi, torch.Tensor):
+            raise FusedStatsError(
+                f"cross gradient{self._where()}: features must be a tensor, got {type(phi).__name__}"
+            )
         if phi.dim() == 2:
             phi = phi.unsqueeze(1)
         grad, _ = self._checked(grad, None, mask, unit)
@@ -313,7 +319,7 @@ class CrossStats(Accumulator):
 
     def _checked(self, grad, act, mask, unit):
         """The checks of :meth:`prepare`; returns ``grad`` and ``act`` viewed as (B, T, ·)
-        (``act`` None: :meth:`prepare_features`, which checks its features itself)."""
+        (``act`` None: :meth:`_prepare_features`, which checks its features itself)."""
         w = self._where()
         if unit not in UNITS:
             raise FusedStatsError(f"cross gradient{w}: unit must be one of {UNITS}, got {unit!r}")
@@ -350,12 +356,22 @@ class CrossStats(Accumulator):
         return grad, act
 
     @classmethod
-    def prepare_many(cls, accumulators, grads, acts, masks, unit: CrossUnit = "sample") -> list[Prepared]:
+    def prepare_many(
+        cls, accumulators, grads, acts, masks=None, unit: CrossUnit = "sample"
+    ) -> list[Prepared] | StackedPrepared | None:
         """:meth:`prepare` for several accumulators at once (the points of a probe), each with its
-        own batch; nothing changes. Batches of one shape, unmasked, go through
-        :meth:`prepare_stacked` where it applies; any other mix is prepared one accumulator at a
-        time."""
+        own batch; nothing changes. ``grads``, ``acts`` lists (``masks`` a list or None for none)
+        give a list of :class:`Prepared`: batches of one shape, unmasked, share batched calls
+        where they apply, any other mix is prepared one accumulator at a time. ``grads`` (P, B,
+        T, d) and ``acts`` (P, B, T, d_in) tensors (one unmasked batch per accumulator) give one
+        :class:`StackedPrepared` for :meth:`commit_many`, or None where the batched calls do not
+        apply (:meth:`_prepare_stacked`)."""
         accs = list(accumulators)
+        if isinstance(grads, torch.Tensor):
+            if masks is not None:
+                raise FusedStatsError("prepare_many: a stacked batch (P, B, T, d) takes no masks")
+            return cls._prepare_stacked(accs, grads, acts, unit)
+        masks = [None] * len(accs) if masks is None else list(masks)
         if any(acc.w_in is None for acc in accs):
             return [acc.prepare(g, a, m, unit=unit) for acc, g, a, m in zip(accs, grads, acts, masks)]
         checked = [acc._checked(g, a, m, unit) for acc, g, a, m in zip(accs, grads, acts, masks)]
@@ -365,7 +381,7 @@ class CrossStats(Accumulator):
                 g.shape == g0.shape and a.shape == a0.shape and g.dtype == g0.dtype and a.dtype == a0.dtype
                 for g, a in checked
             ):
-                stacked = cls.prepare_stacked(
+                stacked = cls._prepare_stacked(
                     accs, torch.stack([g for g, _ in checked]), torch.stack([a for _, a in checked]), unit
                 )
                 if stacked is not None:
@@ -377,7 +393,7 @@ class CrossStats(Accumulator):
         return (self._dtype, self.activation, self.group_size, self.rank, self.backend, self.device)
 
     @classmethod
-    def prepare_stacked(
+    def _prepare_stacked(
         cls, accumulators, grads: torch.Tensor, acts: torch.Tensor, unit: CrossUnit = "sample"
     ) -> StackedPrepared | None:
         """The batches ``grads[i]`` (B, T, d) and ``acts[i]`` (B, T, d_in) of P accumulators,
@@ -430,7 +446,7 @@ class CrossStats(Accumulator):
 
     @classmethod
     def _split_stacked(cls, accs, stacked: StackedPrepared) -> list[Prepared]:
-        """Per-accumulator :class:`Prepared` from :meth:`prepare_stacked`."""
+        """Per-accumulator :class:`Prepared` from :meth:`_prepare_stacked`."""
         n = stacked.tensors[2]
         p2, p3, p4 = tuple_counts(n)
         return [
@@ -484,10 +500,16 @@ class CrossStats(Accumulator):
 
     @classmethod
     def commit_many(cls, accumulators, prepared) -> None:
-        """:meth:`commit` of several accumulators' batches (the points of a probe), folded
-        together (:meth:`_fold_together`) where every batch holds more than one sample (no
-        single-sample pairing) and is one ``commit`` would fold; otherwise one by one."""
-        accs, prepared = list(accumulators), list(prepared)
+        """:meth:`commit` of several accumulators' batches (the points of a probe): ``prepared``
+        a list of :class:`Prepared` or one :class:`StackedPrepared` of :meth:`prepare_many`.
+        Folded together (:meth:`_fold_together`) where every batch holds more than one sample (no
+        single-sample pairing) and is one ``commit`` would fold; otherwise one by one (a stale or
+        non-finite batch goes through ``commit``, which refuses or skips it)."""
+        accs = list(accumulators)
+        if isinstance(prepared, StackedPrepared):
+            cls._commit_stacked(accs, prepared)
+            return
+        prepared = list(prepared)
         if (
             len(accs) < 2
             or not cls._all_fold(accs, prepared, [a.device for a in accs])
@@ -507,11 +529,8 @@ class CrossStats(Accumulator):
         )
 
     @classmethod
-    def commit_stacked(cls, accumulators, stacked: StackedPrepared) -> None:
-        """Fold the batches of :meth:`prepare_stacked` into the same accumulators, as
-        :meth:`commit_many` would (a stale or non-finite batch goes through ``commit``, which
-        refuses or skips it; single-sample batches are paired there)."""
-        accs = list(accumulators)
+    def _commit_stacked(cls, accs, stacked: StackedPrepared) -> None:
+        """:meth:`commit_many` of the batches of :meth:`_prepare_stacked`."""
         n = stacked.tensors[2]
         if n < 2 or not stacked.folds_into(accs):
             cls.commit_many(accs, cls._split_stacked(accs, stacked))

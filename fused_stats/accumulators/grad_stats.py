@@ -381,23 +381,34 @@ class GradStats(Accumulator):
             )
 
     @classmethod
-    def prepare_many(cls, accumulators, grads, masks, unit: Unit, feature_dims) -> list[Prepared]:
+    def prepare_many(
+        cls, accumulators, grads, masks=None, unit: Unit = "sample", feature_dims=None
+    ) -> list[Prepared] | StackedPrepared | None:
         """:meth:`prepare` for several accumulators at once (the points of a probe), each with its
-        own batch; nothing changes. Unmasked ``unit="sample"`` batches of one shape with one row
-        per sample go through :meth:`prepare_stacked` where it applies; anything else one at a
-        time."""
+        own batch; nothing changes. ``grads``: a list (``masks``, ``feature_dims``: lists or None
+        for none / -1 each) gives a list of :class:`Prepared`; unmasked ``unit="sample"`` batches
+        of one shape with one row per sample share batched calls where they apply, anything else
+        is prepared one at a time. ``grads`` a (P, B, d) tensor (one batch per accumulator,
+        unmasked) gives one :class:`StackedPrepared` for :meth:`commit_many`, or None where the
+        batched calls do not apply (:meth:`_prepare_stacked`)."""
         accs = list(accumulators)
+        if isinstance(grads, torch.Tensor):
+            if masks is not None:
+                raise FusedStatsError("prepare_many: a stacked batch (P, B, d) takes no masks")
+            return cls._prepare_stacked(accs, grads, unit)
+        masks = [None] * len(accs) if masks is None else list(masks)
+        feature_dims = [-1] * len(accs) if feature_dims is None else list(feature_dims)
         if len(accs) > 1 and unit == "sample" and all(m is None for m in masks):
             views = [acc._as_batch(g, None, unit, fd) for acc, g, fd in zip(accs, grads, feature_dims)]
             g0 = views[0][0]
             if g0.shape[1] == 1 and all(g.shape == g0.shape and g.dtype == g0.dtype for g, _ in views):
-                stacked = cls.prepare_stacked(accs, torch.stack([g[:, 0] for g, _ in views]), unit)
+                stacked = cls._prepare_stacked(accs, torch.stack([g[:, 0] for g, _ in views]), unit)
                 if stacked is not None:
                     return cls._split_stacked(accs, stacked)
         return [acc.prepare(g, m, unit, fd) for acc, g, m, fd in zip(accs, grads, masks, feature_dims)]
 
     @classmethod
-    def prepare_stacked(
+    def _prepare_stacked(
         cls, accumulators, grads: torch.Tensor, unit: Unit = "sample"
     ) -> StackedPrepared | None:
         """The batches ``grads[i]`` (B, d) of P accumulators past their first batch, stacked as
@@ -447,7 +458,7 @@ class GradStats(Accumulator):
 
     @classmethod
     def _split_stacked(cls, accs, stacked: StackedPrepared) -> list[Prepared]:
-        """Per-accumulator :class:`Prepared` from :meth:`prepare_stacked`."""
+        """Per-accumulator :class:`Prepared` from :meth:`_prepare_stacked`."""
         rows, parts, maxima = cls._stacked_parts(stacked)
         valid = torch.ones(rows[0].shape[0], dtype=torch.bool, device=rows[0].device)
         return [
@@ -485,10 +496,16 @@ class GradStats(Accumulator):
 
     @classmethod
     def commit_many(cls, accumulators, prepared) -> None:
-        """:meth:`commit` of several accumulators' batches (the points of a probe), folded
-        together (:meth:`_fold_together`) where every batch is one ``commit`` would fold;
-        otherwise one by one."""
-        accs, prepared = list(accumulators), list(prepared)
+        """:meth:`commit` of several accumulators' batches (the points of a probe): ``prepared``
+        a list of :class:`Prepared` or one :class:`StackedPrepared` of :meth:`prepare_many`.
+        Folded together (:meth:`_fold_together`) where every batch is one ``commit`` would fold;
+        otherwise one by one (a stale or non-finite batch goes through ``commit``, which refuses
+        or skips it)."""
+        accs = list(accumulators)
+        if isinstance(prepared, StackedPrepared):
+            cls._commit_stacked(accs, prepared)
+            return
+        prepared = list(prepared)
         devices = [getattr(getattr(p, "centre", None), "device", None) for p in prepared]
         if len(accs) < 2 or not cls._all_fold(accs, prepared, devices):
             super().commit_many(accs, prepared)
@@ -510,11 +527,8 @@ class GradStats(Accumulator):
         )
 
     @classmethod
-    def commit_stacked(cls, accumulators, stacked: StackedPrepared) -> None:
-        """Fold the batches of :meth:`prepare_stacked` into the same accumulators, as
-        :meth:`commit_many` would fold them one by one (a stale or non-finite batch goes through
-        ``commit``, which refuses or skips it)."""
-        accs = list(accumulators)
+    def _commit_stacked(cls, accs, stacked: StackedPrepared) -> None:
+        """:meth:`commit_many` of the batches of :meth:`_prepare_stacked`."""
         if not stacked.folds_into(accs):
             cls.commit_many(accs, cls._split_stacked(accs, stacked))
             return

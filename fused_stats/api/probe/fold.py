@@ -3,13 +3,13 @@ in-backward fold of :meth:`fused_stats.Probe.step` (docs/design.md, section 5).
 
 **Kinds.** :data:`REGISTRY` maps an accumulator kind to a :class:`Kind`: when a probe keeps it,
 how it is made, and what it reads (``"grad"``: ``prepare(grad, mask, unit, feature_dim)``;
-``"cross"``: ``prepare_features(grad, φ, mask, unit)`` from the features computed in the forward).
+``"cross"``: ``prepare(grad, mask=mask, unit=unit, features=φ)`` from the features computed in the forward).
 A new statistic is one :func:`register_kind` call; the folds below never branch on a kind's name.
 
 **Staged fold** (:func:`fold`): every point's output ``z`` and gradient ``∂L/∂z`` given at once
 (:meth:`Probe.fold`, used by :meth:`Probe.observe` and by steps with callbacks or one row per
 sample); every accumulator is prepared before any is committed (all or nothing), the points of a
-kind share batched calls (``prepare_many``/``commit_many``, the stacked path for (B, d) points).
+kind share batched calls (``prepare_many``/``commit_many``, given a stack for (B, d) points).
 
 **In-backward fold** (:class:`StepFold`): the forward hook of each point registers a tensor hook
 on its output and keeps only what the gradient's reduction needs — the point's mask and, with
@@ -322,7 +322,7 @@ def fold_stacked(probe, stream: str, activations, grads) -> bool:
     """:func:`fold` of the common case with the fewest calls: ``unit="sample"``, nothing
     masked, every point's accumulators already made, every point's output and gradient of
     one (B, d) shape, kinds ``grad`` and ``cross`` only, no callbacks. The points' gradients
-    are stacked once for both kinds (``prepare_stacked`` / ``commit_stacked``); the result is
+    are stacked once for both kinds (``prepare_many`` / ``commit_many`` of the stack); the result is
     the general path's, bit for bit. Returns False with nothing changed where that does not
     apply or a batch is not finite: the general path then folds, refuses or skips it."""
     points, kinds = probe.points, probe.kinds
@@ -359,17 +359,17 @@ def fold_stacked(probe, stream: str, activations, grads) -> bool:
         gs.append(g)
         acts.append(a.detach())
     G = torch.stack(gs)
-    grad_batch = GradStats.prepare_stacked(gaccs, G)
+    grad_batch = GradStats.prepare_many(gaccs, G)
     if grad_batch is None or not all(grad_batch.finite):
         return False
     if caccs:
         A = torch.stack(acts)
-        cross_batch = CrossStats.prepare_stacked(caccs, G.unsqueeze(2), A.unsqueeze(2))
+        cross_batch = CrossStats.prepare_many(caccs, G.unsqueeze(2), A.unsqueeze(2))
         if cross_batch is None or not all(cross_batch.finite):
             return False
-    GradStats.commit_stacked(gaccs, grad_batch)
+    GradStats.commit_many(gaccs, grad_batch)
     if caccs:
-        CrossStats.commit_stacked(caccs, cross_batch)
+        CrossStats.commit_many(caccs, cross_batch)
     probe.steps[stream] += 1
     return True
 
@@ -533,7 +533,7 @@ class StepFold:
             if REGISTRY[kind].reads == "cross":
                 cg = cross_view(g, pt.fd)
                 cm = cross_mask(pt.cross_mask, cg.shape[0], cg.shape[1])
-                out[kind] = acc.prepare_features(cg, pt.phi, cm, unit)
+                out[kind] = acc.prepare(cg, mask=cm, unit=unit, features=pt.phi)
             else:
                 if acc is None:
                     acc = pt.accs[kind] = probe.new_accumulator(
