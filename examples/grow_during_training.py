@@ -79,6 +79,9 @@ def main():
         print(f"  {event['verdict']}")
     print("stopped:", schedule.stopped, "| layers now:", model.config.num_hidden_layers)
     for entry in fs.growth_history(model):
+        if entry["event"] != "grew":
+            print(f"growth record: step={entry['step']} {entry['event']}")
+            continue
         print(
             f"growth record: step={entry['step']} point={entry['point']} position={entry['position']} "
             f"cross_frob2={entry['cross_frob2']:.3g} p_value={entry['p_value']:.3g} "

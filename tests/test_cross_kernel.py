@@ -278,7 +278,7 @@ def test_gpu_check_cross_section_dry_run(tmp_path):
     spec.loader.exec_module(module)
     args = module.parse_args(["--dry-run", "--out", str(tmp_path)])
     out = module.section_cross(module.Run(args, tmp_path / "gpu_check.json"), module.Ctx(args))
-    B, T, d, r = out["shape"]
+    B, T, _, r = out["shape"]
     assert r == 8 and B * T >= 24, out
     for unit in ("sample", "position"):
         entry = out[unit]

@@ -37,7 +37,7 @@ def test_each_growth_event_is_recorded_and_survives_save_and_reload(tmp_path):
     assert [e["point"] for e in history] == points
     new = new_names_by_identity(model, original)
     for entry in history:
-        assert entry["family"] == "layer" and entry["init"] == "zero"
+        assert entry["event"] == "grew" and entry["family"] == "layer" and entry["init"] == "zero"
         assert entry["protocol_digest"] == protocol.digest and entry["step"] == 120
         assert entry["position"] == result.positions[entry["point"]]
         under = {n for n in new if n.startswith(entry["position"] + ".")}

@@ -201,7 +201,11 @@ def test_all_saturated_stops_growing_and_says_so(tmp_path):
     event = schedule.events[0]
     assert event["event"] == "saturated everywhere" and event["step"] == 2 and event["point"] is None
     assert "Saturated everywhere" in event["verdict"]
-    assert fs.growth_history(model) == [] and model.config.num_hidden_layers == 2
+    assert model.config.num_hidden_layers == 2
+    (entry,) = fs.growth_history(model)  # the decision is in the model's record, nothing grown
+    assert entry["event"] == "saturated everywhere" and entry["step"] == 2 and entry["point"] is None
+    assert entry["protocol_digest"] == protocol.digest and entry["new_parameters"] == []
+    assert entry["verdict"] == event["verdict"]
     logged = [e for e in trainer.state.log_history if "fused_stats/growth/saturated" in e]
     assert [e["step"] for e in logged] == [2] and logged[0]["fused_stats/growth/saturated"] == 1.0
 

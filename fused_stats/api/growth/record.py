@@ -5,10 +5,13 @@ dicts, so ``save_pretrained`` writes it into ``config.json`` and ``from_pretrain
 (a model without an HF config, such as the project's ResNets, keeps the list as the attribute
 ``fused_stats_growth`` of the model). :func:`growth_history` reads it.
 
-Entry keys: ``point`` (the candidate grown at), ``family``, ``init``, ``protocol_digest``,
+Entry keys: ``event`` (``"grew"``, or ``"saturated everywhere"``: a scheduled decision that
+found no significant candidate and stopped growing, :func:`record_saturation`), ``point`` (the
+candidate grown at; None for saturation), ``family``, ``init``, ``protocol_digest``,
 ``position`` (the module that now holds the growth), ``new_parameters`` and ``widened`` (full
 names in the grown model), and ``step``, ``cross_frob2``, ``p_value``, ``p_adjusted`` where the
-caller gave them (None otherwise): the training step and the evidence that motivated the growth.
+caller gave them (None otherwise): the training step and the evidence that motivated the growth;
+a saturation entry also holds the advice's ``verdict``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from torch import nn
 from ...errors import FusedStatsError
 
 RECORD_KEY = "fused_stats_growth"
+GREW = "grew"
+SATURATED = "saturated everywhere"
 EVIDENCE_KEYS = ("cross_frob2", "p_value", "p_adjusted")
 
 
@@ -93,6 +98,7 @@ def record_growth(model: nn.Module, result, step=None, evidence: dict | None = N
     for point, position in result.positions.items():
         prefix = position + "."
         entry = {
+            "event": GREW,
             "point": point,
             "family": result.family,
             "init": result.init,
@@ -105,9 +111,33 @@ def record_growth(model: nn.Module, result, step=None, evidence: dict | None = N
         for key in EVIDENCE_KEYS:
             entry[key] = evidence.get(point, {}).get(key)
         added.append(entry)
-    holder = _holder(model)
-    setattr(holder, RECORD_KEY, growth_history(model) + copy.deepcopy(added))
+    _append(model, added)
     return added
 
 
-__all__ = ["RECORD_KEY", "growth_history", "record_growth"]
+def record_saturation(model: nn.Module, protocol, step, verdict: str) -> dict:
+    """Append the decision "saturated everywhere" (no candidate of ``protocol`` significant at
+    ``step``; the model is unchanged) to the model's record; returns the entry."""
+    check_step_and_evidence(step, None, ())
+    entry = {
+        "event": SATURATED,
+        "point": None,
+        "family": protocol.family,
+        "init": protocol.init,
+        "protocol_digest": protocol.digest,
+        "position": None,
+        "new_parameters": [],
+        "widened": [],
+        "step": step,
+        **{key: None for key in EVIDENCE_KEYS},
+        "verdict": str(verdict),
+    }
+    _append(model, [entry])
+    return entry
+
+
+def _append(model: nn.Module, entries: list[dict]) -> None:
+    setattr(_holder(model), RECORD_KEY, growth_history(model) + copy.deepcopy(entries))
+
+
+__all__ = ["GREW", "RECORD_KEY", "SATURATED", "growth_history", "record_growth", "record_saturation"]

@@ -39,9 +39,7 @@ from ..probe.losses import causal_lm_loss
 from .advise import advise
 from .grow import grow
 from .protocol import GrowthProtocol
-
-SATURATED = "saturated everywhere"
-GREW = "grew"
+from .record import GREW, SATURATED, record_saturation
 
 
 def _world() -> int:
@@ -250,6 +248,7 @@ class GrowthSchedule:
             torch.distributed.broadcast_object_list(shared, src=0)
             event = shared[0]
         if event["event"] == SATURATED:
+            record_saturation(model, self.protocol, step, event["verdict"])
             self.stopped = True
         else:
             evidence = {event["point"]: {k: event[k] for k in ("cross_frob2", "p_value", "p_adjusted")}}
