@@ -48,7 +48,8 @@ Checkpoints, the all-reduce, merges and logs iterate the table. Drivers other th
 :meth:`feature_dim`, :meth:`new_accumulator` and :attr:`needs_activations`.
 
 **Train and test streams.** :attr:`stats` (train) and :attr:`test_stats` (held-out) hold one
-accumulator per point. :meth:`realized_alignment` is ``s_trainᵀ s_test/(M K)``;
+accumulator per point. The results are a view over the table (:attr:`Probe.results`,
+:class:`~fused_stats.api.probe.results.ProbeResults`; the methods below delegate to it). :meth:`realized_alignment` is ``s_trainᵀ s_test/(M K)``;
 :meth:`certificate` evaluates the width paper's Theorem 1 at ``M`` = train n, ``K`` = test n with
 the moments estimated from the *pooled* train + test samples (both streams sample the same
 population, so pooling gives the lower-variance unbiased estimate); :meth:`misalignment` draws
