@@ -81,6 +81,7 @@ class _PartlyRefusing:
 
     def __init__(self, results):
         self.inner = results
+        self.misalignment_calls = 0
 
     def estimate(self, point, stream="train"):
         if stream == "test":
@@ -91,6 +92,7 @@ class _PartlyRefusing:
         raise fs.FusedStatsError("no test stream")
 
     def misalignment(self, point, trials):
+        self.misalignment_calls += 1
         return self.inner.misalignment(point, trials=trials)
 
     def realized_alignment(self, point):
@@ -121,7 +123,9 @@ def test_report_data_reads_any_results_and_leaves_refused_entries_none():
     assert entry["realized_alignment"] == pytest.approx(float(q_train.mean(0) @ q_test.mean(0)), rel=1e-12)
     assert data["meta"] == {"width": 4} and data["model"]["class"] == "Linear"
     assert "growth_protocol" not in data
+    calls = results.misalignment_calls
     no_mis = report_data(results, model, dims={"a": 4}, norm_histograms={}, misalignment_trials=0, **common)
     assert no_mis["points"][0]["misalignment"] is None
+    assert results.misalignment_calls == calls  # 0 trials: not drawn at all
     with pytest.raises(fs.FusedStatsError, match=r"nothing probed yet"):
         report_data(results, model, dims={}, norm_histograms={}, **common)
