@@ -71,7 +71,6 @@ from ...accumulators import (
     Alignment,
     Certificate,
     CrossEstimate,
-    CrossStats,
     Estimate,
     GradStats,
     Misalignment,
@@ -622,12 +621,6 @@ class Probe:
         """The results view of :attr:`table` (:class:`~fused_stats.api.probe.results.ProbeResults`):
         live, so later steps show in it; the result methods below delegate to it."""
         return ProbeResults(self.table, self.points, has_cross=self.cross is not None)
-
-    def _acc(self, point: str, stream: str = "train") -> GradStats:
-        return self.results.grad_accumulator(point, stream)
-
-    def _cross_acc(self, point: str, stream: str) -> CrossStats:
-        return self.results.cross_accumulator(point, stream)
 
     def estimate(self, point: str, stream: str = "train") -> Estimate:
         """The unbiased :class:`~fused_stats.Estimate` at ``point`` from ``stream`` alone."""
