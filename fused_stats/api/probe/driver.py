@@ -48,7 +48,8 @@ Checkpoints, the all-reduce, merges and logs iterate the table. Drivers other th
 :meth:`feature_dim`, :meth:`new_accumulator` and :attr:`needs_activations`.
 
 **Train and test streams.** :attr:`stats` (train) and :attr:`test_stats` (held-out) hold one
-accumulator per point. :meth:`realized_alignment` is ``s_trainᵀ s_test/(M K)``;
+accumulator per point. The results are a view over the table (:attr:`Probe.results`,
+:class:`~fused_stats.api.probe.results.ProbeResults`; the methods below delegate to it). :meth:`realized_alignment` is ``s_trainᵀ s_test/(M K)``;
 :meth:`certificate` evaluates the width paper's Theorem 1 at ``M`` = train n, ``K`` = test n with
 the moments estimated from the *pooled* train + test samples (both streams sample the same
 population, so pooling gives the lower-variance unbiased estimate); :meth:`misalignment` draws
@@ -59,7 +60,6 @@ from __future__ import annotations
 
 import contextlib
 import copy as _copy
-import datetime as _dt
 import weakref
 from collections.abc import Mapping
 
@@ -71,27 +71,26 @@ from ...accumulators import (
     Alignment,
     Certificate,
     CrossEstimate,
-    CrossStats,
     Estimate,
     GradStats,
     Misalignment,
     NormHistogram,
-    misalignment_probability,
-    realized_alignment,
 )
 from ...accumulators.base import Nonfinite
 from ...accumulators.grad_stats import NONFINITE_POLICIES, SECOND_MOMENTS, UNITS, SecondMoment, Unit
 from ...backend import Backend, validate_backend
 from ...contracts import all_finite
 from ...errors import FusedStatsError
+from ..report.data import report_data
 from .feature_axis import resolve_feature_dim
 from .fold import REGISTRY, SAME_MASK, PointCapture, StepFold, fold_stacked  # noqa: F401  (PointCapture re-exported)
 from .fold import fold as fold_batch
 from .hooks import ActivationCapture, FrozenEval, submodule
 from .masks import MASK_MODES, counted_positions  # noqa: F401  (MASK_MODES re-exported)
 from .points import residual_points, resolve_points
+from .results import ProbeResults
 from .spec import PointKwargs, gradient_points, is_feature_source, protocol_record, source_points
-from .table import STREAMS, TableView
+from .table import STREAMS, TableView, check_stream
 
 
 def model_summary(model: nn.Module, points: list[str] | None = None) -> dict:
@@ -274,9 +273,7 @@ class Probe:
         return TableView(self.table, "cross", "test", self.points)
 
     def check_stream(self, stream: str) -> str:
-        if stream not in STREAMS:
-            raise FusedStatsError(f"stream must be one of {STREAMS}, got {stream!r}")
-        return stream
+        return check_stream(stream)
 
     def clear_stream(self, stream: str) -> None:
         """Drop every accumulator of ``stream`` (the next step creates fresh ones)."""
@@ -351,30 +348,6 @@ class Probe:
         ``φ(W_in z)`` of ``acc`` (:meth:`CrossStats.features`). ``module`` and its forward
         ``kwargs`` (e.g. an attention mask) are there for specs whose features need them."""
         return acc.features(z, mask)
-
-    def saturation(self, point: str, alpha: float = 0.05, stream: str = "train"):
-        """The depth-saturation test at ``point`` (:class:`~fused_stats.Saturation`): unbiased
-        ``|C|_F²`` with its standard error and the decision at level ``alpha``, plus ``AG_max`` and
-        the mean per-sample norm from the point's GradStats in ``stream``."""
-        acc = self._acc(point, stream)
-        cross = self._cross_acc(point, stream)
-        return cross.saturation(alpha, ag_max=float(acc.norm_max), ag_mean=float(acc.norm_sum) / acc.n)
-
-    def _cross_acc(self, point: str, stream: str) -> CrossStats:
-        if self.cross is None:
-            raise FusedStatsError("saturation() needs a Probe built with cross=fs.CrossSpec(...)")
-        self.check_stream(stream)
-        cross = self.table.get(("cross", stream, point))
-        if cross is None:
-            raise FusedStatsError(f"point {point!r} has no cross-gradient samples in the {stream} stream")
-        return cross
-
-    def cross_estimate(self, point: str, stream: str = "train") -> CrossEstimate:
-        """The cross-gradient at ``point`` (:class:`~fused_stats.accumulators.CrossEstimate`):
-        the unbiased ``|C|_F²``, the plug-in ``|C̄|_F²`` and ``C̄`` itself."""
-        if point not in self.points:
-            raise FusedStatsError(f"{point!r} is not a point of this probe; points: {self.points}")
-        return self._cross_acc(point, stream).estimate()
 
     @property
     def model(self) -> nn.Module:
@@ -643,46 +616,27 @@ class Probe:
         return load_probe_state(self, directory)
 
     # ------------------------------------------------------------------ results
-    def _acc(self, point: str, stream: str = "train") -> GradStats:
-        if point not in self.points:
-            raise FusedStatsError(f"{point!r} is not a point of this probe; points: {self.points}")
-        self.check_stream(stream)
-        acc = self.table.get(("grad", stream, point))
-        if acc is None or acc.n == 0:
-            raise FusedStatsError(f"point {point!r} has no samples in the {stream} stream yet")
-        return acc
+    @property
+    def results(self) -> ProbeResults:
+        """The results view of :attr:`table` (:class:`~fused_stats.api.probe.results.ProbeResults`):
+        live, so later steps show in it; the result methods below delegate to it."""
+        return ProbeResults(self.table, self.points, has_cross=self.cross is not None)
 
     def estimate(self, point: str, stream: str = "train") -> Estimate:
         """The unbiased :class:`~fused_stats.Estimate` at ``point`` from ``stream`` alone."""
-        return self._acc(point, stream).estimate()
+        return self.results.estimate(point, stream)
 
     def estimates(self, stream: str = "train") -> dict[str, Estimate]:
         """Point name -> :class:`Estimate` for ``stream`` (raises for a point with n < 4)."""
-        return {p: self.estimate(p, stream) for p in self.points}
+        return self.results.estimates(stream)
 
     def pooled(self, point: str) -> GradStats:
         """A new accumulator holding the train and test samples of ``point`` (exact merge)."""
-        out = self._acc(point, "train").copy()
-        test = self.table.get(("grad", "test", point))
-        if test is not None and test.n:
-            out.merge(test)
-        return out
+        return self.results.pooled(point)
 
     def realized_alignment(self, point: str) -> Alignment:
         """``μ_Mᵀ g_K = s_trainᵀ s_test / (M K)`` at ``point`` (needs both streams)."""
-        return realized_alignment(self._acc(point, "train"), self._acc(point, "test"))
-
-    def _sizes(self, point, M, K):
-        M = self._acc(point, "train").n if M is None else M
-        if K is None:
-            test = self.table.get(("grad", "test", point))
-            if test is None or test.n == 0:
-                raise FusedStatsError(
-                    f"point {point!r}: K defaults to the test stream's n, which is empty; "
-                    "run test batches (stream='test') or pass K"
-                )
-            K = test.n
-        return M, K
+        return self.results.realized_alignment(point)
 
     def certificate(
         self,
@@ -692,80 +646,44 @@ class Probe:
         pooled: bool = True,
         stream: str | None = None,
     ) -> Certificate:
-        """Theorem 1 at ``(M, K)`` (default: train n, test n). The moments come from the pooled
-        train + test estimate, or from ``stream`` alone when it is given (``pooled=False`` is
-        ``stream="train"``)."""
-        M, K = self._sizes(point, M, K)
-        if stream is None and not pooled:
-            stream = "train"
-        acc = self.pooled(point) if stream is None else self._acc(point, stream)
-        return acc.estimate().certificate(M, K)
+        """Theorem 1 at ``(M, K)``: :meth:`ProbeResults.certificate
+        <fused_stats.api.probe.results.ProbeResults.certificate>`."""
+        return self.results.certificate(point, M, K, pooled, stream)
 
     def misalignment(
         self, point: str, M: int | None = None, K: int | None = None, trials: int = 10_000, seed: int = 0
     ) -> Misalignment:
-        """Fraction of random disjoint (M, K) splits of the pooled pool with ``μ_Mᵀg_K ≤ 0``.
+        """Fraction of random disjoint (M, K) splits of the pooled pool with ``μ_Mᵀg_K ≤ 0``:
+        :meth:`ProbeResults.misalignment <fused_stats.api.probe.results.ProbeResults.misalignment>`."""
+        return self.results.misalignment(point, M, K, trials, seed)
 
-        Defaults ``M`` = train n, ``K`` = test n: each split then partitions the whole pooled
-        sample (a permutation estimate at the certificate's sizes). Needs a pool
-        (``second_moment="pool"``, or ``"auto"`` before it turned dense).
-        """
-        M, K = self._sizes(point, M, K)
-        return misalignment_probability(self.pooled(point), M, K, trials=trials, seed=seed)
+    def saturation(self, point: str, alpha: float = 0.05, stream: str = "train"):
+        """The depth-saturation test at ``point`` (:class:`~fused_stats.Saturation`):
+        :meth:`ProbeResults.saturation <fused_stats.api.probe.results.ProbeResults.saturation>`."""
+        return self.results.saturation(point, alpha, stream)
+
+    def cross_estimate(self, point: str, stream: str = "train") -> CrossEstimate:
+        """The cross-gradient at ``point`` (:class:`~fused_stats.accumulators.CrossEstimate`):
+        the unbiased ``|C|_F²``, the plug-in ``|C̄|_F²`` and ``C̄`` itself."""
+        return self.results.cross_estimate(point, stream)
 
     # ------------------------------------------------------------------ report
     def _report_data(self, meta: dict | None = None, misalignment_trials: int = 2000) -> dict:
-        """The version-1 report dict (see :mod:`fused_stats.api.report.document`); weak points get None."""
-        from ..._version import __version__
-        from ..report.identity import model_fingerprint, protocol_with_model_entries
-
-        if not self.dims:
-            raise FusedStatsError("nothing probed yet: run Probe.step (or run) before a report")
-
-        def attempt(fn, *args, **kwargs):
-            try:
-                result = fn(*args, **kwargs)
-            except FusedStatsError:
-                return None
-            return result.to_dict() if hasattr(result, "to_dict") else result
-
-        points = []
-        for index, name in enumerate(self.points):
-            mis = None
-            if misalignment_trials:
-                mis = attempt(self.misalignment, name, trials=misalignment_trials)
-            hist = self.table.get(("norm_hist", "train", name))
-            realized = attempt(self.realized_alignment, name)
-            points.append(
-                {
-                    "name": name,
-                    "index": index,
-                    "dim": self.dims[name],
-                    "train": attempt(self.estimate, name, "train"),
-                    "test": attempt(self.estimate, name, "test"),
-                    "certificate": attempt(self.certificate, name),
-                    "misalignment": mis,
-                    "realized_alignment": None if realized is None else realized["value"],
-                    "saturation": attempt(self.saturation, name) if self.cross is not None else None,
-                    **({} if hist is None else {"norm_histogram": hist.to_dict()}),
-                }
-            )
-        return {
-            "format": "fused_stats.report",
-            "version": 1,
-            "fused_stats_version": __version__,
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "model": {**model_summary(self.model, self.points), "fingerprint": model_fingerprint(self.model)},
-            "unit": self.unit,
-            "second_moment": self.second_moment,
-            "points": points,
-            **(
-                {"growth_protocol": protocol_with_model_entries(record, self.model)}
-                if (record := protocol_record(self.cross, self))
-                else {}
-            ),
-            "meta": dict(meta or {}),
-        }
+        """The version-1 report dict (:func:`fused_stats.api.report.data.report_data`)."""
+        return report_data(
+            self.results,
+            self.model,
+            points=self.points,
+            dims=self.dims,
+            unit=self.unit,
+            second_moment=self.second_moment,
+            summary=model_summary(self.model, self.points),
+            norm_histograms=self.accumulators("norm_hist", "train"),
+            protocol=protocol_record(self.cross, self),
+            with_saturation=self.cross is not None,
+            meta=meta,
+            misalignment_trials=misalignment_trials,
+        )
 
     def report(self, meta: dict | None = None, misalignment_trials: int = 2000):
         """A :class:`fused_stats.api.report.document.Report` of every point (train, test, certificate,

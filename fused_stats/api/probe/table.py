@@ -18,6 +18,13 @@ from ...errors import FusedStatsError
 STREAMS: tuple[str, ...] = ("train", "test")
 
 
+def check_stream(stream: str) -> str:
+    """``stream`` if it is one of :data:`STREAMS`, else refused."""
+    if stream not in STREAMS:
+        raise FusedStatsError(f"stream must be one of {STREAMS}, got {stream!r}")
+    return stream
+
+
 class MissingEntry(FusedStatsError, KeyError):
     """A point a :class:`TableView` has no accumulator for. Also a ``KeyError``, so ``get``,
     ``in`` and ``pop`` of the mapping protocol keep working."""
