@@ -14,7 +14,7 @@ import transformers
 import fused_stats as fs
 from fused_stats.api.streaming.plan import plan_tangent
 from fused_stats.cli import main
-from fused_stats.demo.growth import paired_test, training_flops_per_token
+from fused_stats.demo.growth import SCORES, paired_test, stratified_rank_test, training_flops_per_token
 from fused_stats.demo.models import build_llama
 
 
@@ -49,6 +49,29 @@ def test_quick_run_end_to_end(quick_run):
             scipy.stats.spearmanr(gains, drops)[0], abs=1e-12
         )
         assert all(torch.isfinite(torch.tensor(v["held_out_loss"])) for v in arms.values())
+        # every score of every candidate, oriented as a predicted drop, and its rho with the drop
+        by_point = {c["point"]: c for c in run["advice"]["ranked"]}
+        for point in run["candidates"]:
+            scores = run["candidate_scores"][point]
+            assert scores["cross_frob2"] == by_point[point]["cross_frob2"]
+            assert scores["gain_sgd"] == -by_point[point]["predicted_change_sgd"]
+            assert scores["gain_adam"] == -by_point[point]["predicted_change_adam"]
+            assert scores["signal_fraction"] == by_point[point]["signal_fraction"]
+            assert scores["curvature_gain"] == pytest.approx(
+                scores["grad_sq"] ** 2 / (2 * scores["ghg"]), rel=1e-12
+            )
+        for name in SCORES:
+            xs = [run["candidate_scores"][c][name] for c in run["candidates"]]
+            assert run["score_rank_correlation"][name]["rho"] == pytest.approx(
+                scipy.stats.spearmanr(xs, drops)[0], abs=1e-12
+            )
+    for name in SCORES:
+        rhos = [r["score_rank_correlation"][name]["rho"] for r in record["runs"]]
+        pooled = record["summary"]["scores"][name]
+        assert pooled["rho_per_seed"] == rhos
+        assert pooled["mean_rho"] == pytest.approx(sum(rhos) / len(rhos), abs=1e-12)
+        assert pooled["p_sign_flip"] == paired_test(rhos)
+    assert "Which candidate" in text and "curvature_gain" in text
     losses = [r["arms"]["top"]["held_out_loss"] for r in record["runs"]]
     summary = record["summary"]["held_out_loss"]["top"]
     assert summary["mean"] == pytest.approx(sum(losses) / 2, rel=1e-12)
@@ -82,6 +105,36 @@ def test_paired_sign_flip_test():
     diffs = [0.3, -0.1, 0.2, 0.05]
     sums = [abs(sum(s * d for s, d in zip(signs, diffs))) for signs in itertools.product((1, -1), repeat=4)]
     assert paired_test(diffs) == sum(v >= abs(sum(diffs)) - 1e-12 for v in sums) / 16
+
+
+def test_stratified_rank_test_against_brute_force():
+    """Exact: every joint within-seed permutation of the drops, the mean of scipy's per-seed rho
+    (ties included); the random branch agrees within its Monte Carlo error."""
+    gen = torch.Generator().manual_seed(3)
+    groups = [
+        (torch.randn(3, generator=gen).tolist(), torch.randn(3, generator=gen).tolist()),
+        ([0.5, 0.1, 0.1, 0.9], torch.randn(4, generator=gen).tolist()),
+    ]
+
+    def mean_rho(ys_list):
+        return sum(scipy.stats.spearmanr(xs, ys)[0] for (xs, _), ys in zip(groups, ys_list)) / len(groups)
+
+    observed = mean_rho([ys for _, ys in groups])
+    null = [
+        mean_rho([list(a), list(b)])
+        for a in itertools.permutations(groups[0][1])
+        for b in itertools.permutations(groups[1][1])
+    ]
+    expected_p = sum(abs(v) >= abs(observed) - 1e-12 for v in null) / len(null)
+    rho, p = stratified_rank_test(groups)
+    assert rho == pytest.approx(observed, abs=1e-12) and p == pytest.approx(expected_p, abs=1e-12)
+    assert len(null) == 144 and 0 < p < 1
+    rho_mc, p_mc = stratified_rank_test(groups, permutations=100, seed=1)  # 144 > 100: random branch
+    assert rho_mc == rho and abs(p_mc - expected_p) < 0.15
+    # a constant side leaves its group out; none left: undefined
+    assert stratified_rank_test(groups + [([1.0, 1.0, 1.0], [0.3, 0.2, 0.1])]) == (rho, p)
+    nan_rho, nan_p = stratified_rank_test([([1.0, 1.0, 1.0], [0.3, 0.2, 0.1])])
+    assert nan_rho != nan_rho and nan_p != nan_p
 
 
 def test_flops_per_token_counts_blocks_and_head():

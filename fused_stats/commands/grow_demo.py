@@ -14,17 +14,18 @@ def register(sub) -> None:
         "the exact tangent of a new layer at every block boundary, grow one zero layer at the "
         "advisor's top candidate (controls: its last, the middle boundary, a copy), continue "
         "training, and compare held-out loss with the deeper model trained from scratch at "
-        "equal FLOPs and equal steps, over seeds; also the rank correlation of |C|_F^2 with the "
-        "realised drop per candidate.",
+        "equal FLOPs and equal steps, over seeds; per candidate every advisor score (|C|_F^2, signal "
+        "fraction, SGD and Adam first-step predictions, split Adam score, curvature gain) and its "
+        "rank correlation with the realised drop of the new layer trained alone, pooled over seeds.",
     )
     p.add_argument("--quick", action="store_true", help="tiny run for a smoke test")
     p.add_argument("--out", default="fused_stats_out/grow_demo", help="output folder")
     p.add_argument(
         "--force", action="store_true", help="write into an --out folder that is not empty (default: refuse)"
     )
-    p.add_argument("--seeds", type=int_list(0), nargs="+", help="seeds (default: 0 1 2; --quick: 0 1)")
+    p.add_argument("--seeds", type=int_list(0), nargs="+", help="seeds (default: 0 1 2 3 4; --quick: 0 1)")
     p.add_argument("--width", type=positive_int, help="model width, a multiple of 16 (default: 32)")
-    p.add_argument("--depth", type=positive_int, help="depth of the shallow model (default: 4)")
+    p.add_argument("--depth", type=positive_int, help="depth of the shallow model (default: 6)")
     p.add_argument("--steps1", type=positive_int, help="training steps before growth (default: 96)")
     p.add_argument("--steps2", type=positive_int, help="training steps after growth (default: 48)")
     p.add_argument(
