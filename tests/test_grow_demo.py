@@ -131,8 +131,9 @@ def test_stratified_rank_test_against_brute_force():
     assert len(null) == 144 and 0 < p < 1
     rho_mc, p_mc = stratified_rank_test(groups, permutations=100, seed=1)  # 144 > 100: random branch
     assert rho_mc == rho and abs(p_mc - expected_p) < 0.15
-    # a constant side leaves its group out; none left: undefined
+    # a constant side or fewer than 3 pairs leaves its group out; none left: undefined
     assert stratified_rank_test(groups + [([1.0, 1.0, 1.0], [0.3, 0.2, 0.1])]) == (rho, p)
+    assert stratified_rank_test(groups + [([0.1, 0.2], [0.4, 0.3])]) == (rho, p)
     nan_rho, nan_p = stratified_rank_test([([1.0, 1.0, 1.0], [0.3, 0.2, 0.1])])
     assert nan_rho != nan_rho and nan_p != nan_p
 
