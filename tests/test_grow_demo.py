@@ -179,3 +179,31 @@ def test_plan_counts_the_tangent(capsys):
         # the kept new layer: fewer parameters than the bound with one KV head of two
         kept = sum(p.numel() for p in probe.cross.blocks["model.layers.0"].parameters())
         assert kept == t["block_params"] - 2 * 12 * 6  # k_proj, v_proj are 12 x 6, not 12 x 12
+
+
+def test_depth_ladder_quick(tmp_path):
+    """grow-demo --ladder --quick: one layer a rung, the stay arm's steps at equal FLOPs (explicit
+    parameter counts), the realised gain as stay minus grown, rho across rungs against scipy."""
+    out = tmp_path / "ladder"
+    assert main(["grow-demo", "--ladder", "--quick", "--out", str(out)]) == 0
+    record = json.loads((out / "depth_ladder.json").read_text())
+    cfg = record["config"]
+    d, f, V = cfg["width"], 4 * cfg["width"], 256
+
+    def per_token(depth):  # 6 x (blocks, final norm and LM head)
+        return 6 * (depth * (4 * d * d + 3 * d * f + 2 * d) + d + V * d)
+
+    assert len(record["runs"]) == 2
+    for index, run in enumerate(record["runs"]):
+        rungs = run["rungs"]
+        assert [g["depth"] for g in rungs] == list(range(1, cfg["rungs"] + 1))
+        for g in rungs:
+            assert g["stay_steps"] == round(cfg["budget"] * per_token(g["depth"] + 1) / per_token(g["depth"]))
+            assert g["realised_gain"] == g["stay_loss"] - g["grown_loss"]
+            assert g["saturated_everywhere"] == (g["top_p_adjusted"] > cfg["alpha"])
+        for name in SCORES:
+            xs = [g["scores"][name] for g in rungs]
+            ys = [g["realised_gain"] for g in rungs]
+            got = record["summary"]["scores"][name]["rho_per_seed"][index]
+            assert got == pytest.approx(scipy.stats.spearmanr(xs, ys)[0], abs=1e-12)
+    assert "When to stop" in (out / "depth_ladder.md").read_text()

@@ -31,12 +31,25 @@ def register(sub) -> None:
     p.add_argument(
         "--lr", type=positive_float, help="base learning rate, scaled by 32/width (default: 0.003)"
     )
+    p.add_argument(
+        "--ladder",
+        action="store_true",
+        help="run the 'when to stop' depth ladder instead (depth 1, grow one layer a rung at the advisor's "
+        "choice, compare with staying at the same depth for the same FLOPs)",
+    )
+    p.add_argument("--rungs", type=positive_int, help="ladder: growths per seed (default: 6; --quick: 3)")
+    p.add_argument(
+        "--budget", type=positive_int, help="ladder: training steps after each growth (default: 48)"
+    )
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     p.set_defaults(func=cmd_grow_demo)
 
 
 def cmd_grow_demo(args) -> int:
     from ..demo.growth import GrowthDemoConfig, run_growth_demo
+
+    if args.ladder:
+        return _ladder(args)
 
     overrides = {}
     if args.seeds:
@@ -58,4 +71,25 @@ def cmd_grow_demo(args) -> int:
 
     torch.set_num_threads(args.threads)
     run_growth_demo(cfg, args.out)
+    return 0
+
+
+def _ladder(args) -> int:
+    from ..demo.ladder import LadderConfig, run_ladder
+
+    overrides = {}
+    if args.seeds:
+        overrides["seeds"] = tuple(v for group in args.seeds for v in group)
+    for arg, key in (("width", "width"), ("rungs", "rungs"), ("budget", "budget"), ("lr", "base_lr")):
+        value = getattr(args, arg)
+        if value is not None:
+            overrides[key] = value
+    cfg = LadderConfig.quick(**overrides) if args.quick else LadderConfig(**overrides)
+    cfg.validate()
+    out = args.out if args.out != "fused_stats_out/grow_demo" else "fused_stats_out/depth_ladder"
+    check_out_folder(out, args.force)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    run_ladder(cfg, out)
     return 0
