@@ -245,7 +245,7 @@ def run_seed(corpus, cfg: GrowthDemoConfig, seed: int, echo=print) -> dict:
             if stream == "train":
                 train_batches.append({"input_ids": ids})
     advice = fs.advise(probe, protocol, alpha=cfg.alpha)
-    scores = _candidate_scores(shallow, protocol, advice, train_batches, cfg)
+    scores = scores_before_growth(shallow, protocol, advice.ranked, train_batches, cfg.curvature_batches)
     ranked = [c.point for c in advice.ranked]
     # the advisor's choice: its top Holm-significant candidate; saturated everywhere (None) means
     # it advises no growth, so "top" and "copy" then continue the shallow model unchanged
@@ -332,15 +332,16 @@ def run_seed(corpus, cfg: GrowthDemoConfig, seed: int, echo=print) -> dict:
     return out
 
 
-def _candidate_scores(shallow, protocol, advice, train_batches, cfg) -> dict:
-    """Every score of every candidate before growth (``SCORES``; None where undefined), each
-    oriented so that larger predicts a larger held-out drop."""
+def scores_before_growth(shallow, protocol, candidates, train_batches, curvature_batches: int) -> dict:
+    """Every score (``SCORES``; None where undefined) of each advised candidate (the advisor's
+    ``Candidate`` entries) before growth, each oriented so that larger predicts a larger
+    held-out drop; the curvature gain on the first ``curvature_batches`` train batches."""
     import fused_stats as fs
 
     out = {}
-    for c in advice.ranked:
+    for c in candidates:
         curvature = fs.curvature_gain(
-            shallow, protocol, c.point, train_batches[: cfg.curvature_batches], fs.causal_lm_loss
+            shallow, protocol, c.point, train_batches[:curvature_batches], fs.causal_lm_loss
         )
         split = fs.split_adam_score(shallow, protocol, c.point, train_batches, fs.causal_lm_loss)
         out[c.point] = {

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import FusedStatsError
-from .growth import SCORES, _candidate_scores, stratified_rank_test, training_flops_per_token
+from .growth import SCORES, scores_before_growth, stratified_rank_test, training_flops_per_token
 
 
 @dataclass
@@ -112,9 +112,9 @@ def ladder_seed(corpus, cfg: LadderConfig, seed: int, echo=print) -> dict:
                     train_batches.append({"input_ids": ids})
         advice = fs.advise(probe, protocol, alpha=cfg.alpha)
         first = advice.ranked[0]
-        top_only = copy.copy(advice)
-        object.__setattr__(top_only, "ranked", (first,))
-        scores = _candidate_scores(model, protocol, top_only, train_batches, cfg)[first.point]
+        scores = scores_before_growth(model, protocol, [first], train_batches, cfg.curvature_batches)[
+            first.point
+        ]
         stay, stay_opt = copy.deepcopy((model, opt))
         fs.grow(model, protocol, at=[first.point], init="zero", optimizer=opt)
         _train(model, opt, text(cfg.budget, position))
