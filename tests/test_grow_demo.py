@@ -71,6 +71,12 @@ def test_quick_run_end_to_end(quick_run):
         assert pooled["rho_per_seed"] == rhos
         assert pooled["mean_rho"] == pytest.approx(sum(rhos) / len(rhos), abs=1e-12)
         assert pooled["p_sign_flip"] == paired_test(rhos)
+        best = [
+            max(r["candidates"], key=lambda c: r["candidate_scores"][c][name])
+            == max(r["candidates"], key=lambda c: r["candidate_drop"][c])
+            for r in record["runs"]
+        ]
+        assert pooled["top_is_best"] == sum(best)
     assert "Which candidate" in text and "curvature_gain" in text
     losses = [r["arms"]["top"]["held_out_loss"] for r in record["runs"]]
     summary = record["summary"]["held_out_loss"]["top"]
@@ -85,6 +91,20 @@ def test_saturated_everywhere_grows_nothing(tmp_path, monkeypatch):
     from fused_stats.demo.growth import GrowthDemoConfig, run_growth_demo
 
     monkeypatch.setattr(Advice, "top", property(lambda self: None))
+    # record what the scorers return, to check the demo files the symmetric split score and the gain
+    returned = {}
+    real_split, real_curvature = fs.split_adam_score, fs.curvature_gain
+
+    def split(model, protocol, point, *rest):
+        returned[("split", point)] = result = real_split(model, protocol, point, *rest)
+        return result
+
+    def curvature(model, protocol, point, *rest):
+        returned[("curvature", point)] = result = real_curvature(model, protocol, point, *rest)
+        return result
+
+    monkeypatch.setattr(fs, "split_adam_score", split)
+    monkeypatch.setattr(fs, "curvature_gain", curvature)
     cfg = GrowthDemoConfig.quick(
         seeds=(0,), steps1=2, steps2=2, short_steps=1, probe_batches=2, curvature_batches=1, eval_batches=1
     )
@@ -98,6 +118,13 @@ def test_saturated_everywhere_grows_nothing(tmp_path, monkeypatch):
     tokens = (cfg.steps1 + cfg.steps2) * cfg.batch_size * cfg.seq_len
     assert arms["top"]["flops"] == pytest.approx(training_flops_per_token(shallow) * tokens, rel=1e-12)
     assert any("advisor top none (saturated everywhere: no growth)" in line for line in lines)
+    run = record["runs"][0]
+    for point in run["candidates"]:
+        scores, result = run["candidate_scores"][point], returned[("split", point)]
+        assert scores["split_adam"] == (result.a_on_b + result.b_on_a) / 2 and result.a_on_b != result.b_on_a
+        assert scores["curvature_gain"] == returned[("curvature", point)].gain
+        assert returned[("curvature", point)].n == cfg.curvature_batches * cfg.batch_size
+        assert result.n_a + result.n_b == cfg.probe_batches * cfg.batch_size
 
 
 def test_paired_sign_flip_test():
