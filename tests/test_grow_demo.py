@@ -14,7 +14,7 @@ import transformers
 import fused_stats as fs
 from fused_stats.api.streaming.plan import plan_tangent
 from fused_stats.cli import main
-from fused_stats.demo.growth import paired_test, training_flops_per_token
+from fused_stats.demo.growth import SCORES, paired_test, stratified_rank_test, training_flops_per_token
 from fused_stats.demo.models import build_llama
 
 
@@ -49,6 +49,35 @@ def test_quick_run_end_to_end(quick_run):
             scipy.stats.spearmanr(gains, drops)[0], abs=1e-12
         )
         assert all(torch.isfinite(torch.tensor(v["held_out_loss"])) for v in arms.values())
+        # every score of every candidate, oriented as a predicted drop, and its rho with the drop
+        by_point = {c["point"]: c for c in run["advice"]["ranked"]}
+        for point in run["candidates"]:
+            scores = run["candidate_scores"][point]
+            assert scores["cross_frob2"] == by_point[point]["cross_frob2"]
+            assert scores["gain_sgd"] == -by_point[point]["predicted_change_sgd"]
+            assert scores["gain_adam"] == -by_point[point]["predicted_change_adam"]
+            assert scores["signal_fraction"] == by_point[point]["signal_fraction"]
+            assert scores["curvature_gain"] == pytest.approx(
+                scores["grad_sq"] ** 2 / (2 * scores["ghg"]), rel=1e-12
+            )
+        for name in SCORES:
+            xs = [run["candidate_scores"][c][name] for c in run["candidates"]]
+            assert run["score_rank_correlation"][name]["rho"] == pytest.approx(
+                scipy.stats.spearmanr(xs, drops)[0], abs=1e-12
+            )
+    for name in SCORES:
+        rhos = [r["score_rank_correlation"][name]["rho"] for r in record["runs"]]
+        pooled = record["summary"]["scores"][name]
+        assert pooled["rho_per_seed"] == rhos
+        assert pooled["mean_rho"] == pytest.approx(sum(rhos) / len(rhos), abs=1e-12)
+        assert pooled["p_sign_flip"] == paired_test(rhos)
+        best = [
+            max(r["candidates"], key=lambda c: r["candidate_scores"][c][name])
+            == max(r["candidates"], key=lambda c: r["candidate_drop"][c])
+            for r in record["runs"]
+        ]
+        assert pooled["top_is_best"] == sum(best)
+    assert "Which candidate" in text and "curvature_gain" in text
     losses = [r["arms"]["top"]["held_out_loss"] for r in record["runs"]]
     summary = record["summary"]["held_out_loss"]["top"]
     assert summary["mean"] == pytest.approx(sum(losses) / 2, rel=1e-12)
@@ -62,8 +91,22 @@ def test_saturated_everywhere_grows_nothing(tmp_path, monkeypatch):
     from fused_stats.demo.growth import GrowthDemoConfig, run_growth_demo
 
     monkeypatch.setattr(Advice, "top", property(lambda self: None))
+    # record what the scorers return, to check the demo files the symmetric split score and the gain
+    returned = {}
+    real_split, real_curvature = fs.split_adam_score, fs.curvature_gain
+
+    def split(model, protocol, point, *rest):
+        returned[("split", point)] = result = real_split(model, protocol, point, *rest)
+        return result
+
+    def curvature(model, protocol, point, *rest):
+        returned[("curvature", point)] = result = real_curvature(model, protocol, point, *rest)
+        return result
+
+    monkeypatch.setattr(fs, "split_adam_score", split)
+    monkeypatch.setattr(fs, "curvature_gain", curvature)
     cfg = GrowthDemoConfig.quick(
-        seeds=(0,), steps1=2, steps2=2, short_steps=1, probe_batches=1, eval_batches=1
+        seeds=(0,), steps1=2, steps2=2, short_steps=1, probe_batches=2, curvature_batches=1, eval_batches=1
     )
     lines = []
     record = run_growth_demo(cfg, tmp_path, echo=lines.append)
@@ -75,6 +118,13 @@ def test_saturated_everywhere_grows_nothing(tmp_path, monkeypatch):
     tokens = (cfg.steps1 + cfg.steps2) * cfg.batch_size * cfg.seq_len
     assert arms["top"]["flops"] == pytest.approx(training_flops_per_token(shallow) * tokens, rel=1e-12)
     assert any("advisor top none (saturated everywhere: no growth)" in line for line in lines)
+    run = record["runs"][0]
+    for point in run["candidates"]:
+        scores, result = run["candidate_scores"][point], returned[("split", point)]
+        assert scores["split_adam"] == (result.a_on_b + result.b_on_a) / 2 and result.a_on_b != result.b_on_a
+        assert scores["curvature_gain"] == returned[("curvature", point)].gain
+        assert returned[("curvature", point)].n == cfg.curvature_batches * cfg.batch_size
+        assert result.n_a + result.n_b == cfg.probe_batches * cfg.batch_size
 
 
 def test_paired_sign_flip_test():
@@ -82,6 +132,37 @@ def test_paired_sign_flip_test():
     diffs = [0.3, -0.1, 0.2, 0.05]
     sums = [abs(sum(s * d for s, d in zip(signs, diffs))) for signs in itertools.product((1, -1), repeat=4)]
     assert paired_test(diffs) == sum(v >= abs(sum(diffs)) - 1e-12 for v in sums) / 16
+
+
+def test_stratified_rank_test_against_brute_force():
+    """Exact: every joint within-seed permutation of the drops, the mean of scipy's per-seed rho
+    (ties included); the random branch agrees within its Monte Carlo error."""
+    gen = torch.Generator().manual_seed(3)
+    groups = [
+        (torch.randn(3, generator=gen).tolist(), torch.randn(3, generator=gen).tolist()),
+        ([0.5, 0.1, 0.1, 0.9], torch.randn(4, generator=gen).tolist()),
+    ]
+
+    def mean_rho(ys_list):
+        return sum(scipy.stats.spearmanr(xs, ys)[0] for (xs, _), ys in zip(groups, ys_list)) / len(groups)
+
+    observed = mean_rho([ys for _, ys in groups])
+    null = [
+        mean_rho([list(a), list(b)])
+        for a in itertools.permutations(groups[0][1])
+        for b in itertools.permutations(groups[1][1])
+    ]
+    expected_p = sum(abs(v) >= abs(observed) - 1e-12 for v in null) / len(null)
+    rho, p = stratified_rank_test(groups)
+    assert rho == pytest.approx(observed, abs=1e-12) and p == pytest.approx(expected_p, abs=1e-12)
+    assert len(null) == 144 and 0 < p < 1
+    rho_mc, p_mc = stratified_rank_test(groups, permutations=100, seed=1)  # 144 > 100: random branch
+    assert rho_mc == rho and abs(p_mc - expected_p) < 0.15
+    # a constant side or fewer than 3 pairs leaves its group out; none left: undefined
+    assert stratified_rank_test(groups + [([1.0, 1.0, 1.0], [0.3, 0.2, 0.1])]) == (rho, p)
+    assert stratified_rank_test(groups + [([0.1, 0.2], [0.4, 0.3])]) == (rho, p)
+    nan_rho, nan_p = stratified_rank_test([([1.0, 1.0, 1.0], [0.3, 0.2, 0.1])])
+    assert nan_rho != nan_rho and nan_p != nan_p
 
 
 def test_flops_per_token_counts_blocks_and_head():
@@ -125,3 +206,31 @@ def test_plan_counts_the_tangent(capsys):
         # the kept new layer: fewer parameters than the bound with one KV head of two
         kept = sum(p.numel() for p in probe.cross.blocks["model.layers.0"].parameters())
         assert kept == t["block_params"] - 2 * 12 * 6  # k_proj, v_proj are 12 x 6, not 12 x 12
+
+
+def test_depth_ladder_quick(tmp_path):
+    """grow-demo --ladder --quick: one layer a rung, the stay arm's steps at equal FLOPs (explicit
+    parameter counts), the realised gain as stay minus grown, rho across rungs against scipy."""
+    out = tmp_path / "ladder"
+    assert main(["grow-demo", "--ladder", "--quick", "--out", str(out)]) == 0
+    record = json.loads((out / "depth_ladder.json").read_text())
+    cfg = record["config"]
+    d, f, V = cfg["width"], 4 * cfg["width"], 256
+
+    def per_token(depth):  # 6 x (blocks, final norm and LM head)
+        return 6 * (depth * (4 * d * d + 3 * d * f + 2 * d) + d + V * d)
+
+    assert len(record["runs"]) == 2
+    for index, run in enumerate(record["runs"]):
+        rungs = run["rungs"]
+        assert [g["depth"] for g in rungs] == list(range(1, cfg["rungs"] + 1))
+        for g in rungs:
+            assert g["stay_steps"] == round(cfg["budget"] * per_token(g["depth"] + 1) / per_token(g["depth"]))
+            assert g["realised_gain"] == g["stay_loss"] - g["grown_loss"]
+            assert g["saturated_everywhere"] == (g["top_p_adjusted"] > cfg["alpha"])
+        for name in SCORES:
+            xs = [g["scores"][name] for g in rungs]
+            ys = [g["realised_gain"] for g in rungs]
+            got = record["summary"]["scores"][name]["rho_per_seed"][index]
+            assert got == pytest.approx(scipy.stats.spearmanr(xs, ys)[0], abs=1e-12)
+    assert "When to stop" in (out / "depth_ladder.md").read_text()

@@ -19,9 +19,20 @@ models (:mod:`.models`), small enough for a few minutes on 2 CPU cores. Per seed
    steps (``scratch_steps``) and for the steps that cost the grown run's training FLOPs
    (``scratch_flops``; FLOPs per token ``6 × (non-embedding parameters + LM head)``, Kaplan et
    al. 2020, "Scaling laws for neural language models", section 2.1);
-5. per candidate, insert a zero layer, train only it for ``short_steps`` steps, and record the
-   held-out loss drop; Spearman's ρ between the measured ``|C|_F²`` and that drop, with the exact
-   permutation p-value (:func:`fused_stats.accumulators.trends.rank_correlation`).
+5. per candidate, every score before growth (``SCORES``: ``|C|_F²``, the signal fraction, the
+   predicted first-step drops per unit step for SGD ``⟨C_M, C_K⟩`` and zero-state Adam
+   ``⟨s_M, C_K⟩``, the split Adam score ``⟨s_A, C_B⟩`` on the train probe batches, and the
+   curvature-aware gain ``|g|⁴/(2gᵀHg)`` on ``curvature_batches`` of them); then insert a zero
+   layer, train only it for ``short_steps`` AdamW steps, and record the held-out loss drop.
+   Per score and seed, Spearman's ρ with that drop and its exact permutation p-value
+   (:func:`fused_stats.accumulators.trends.rank_correlation`); pooled over seeds, the mean of the
+   per-seed ρ with a stratified permutation test (:func:`stratified_rank_test`: candidates
+   shuffled within each seed, exact when there are at most ``10_000`` joint permutations) and
+   the exact sign-flip test of the per-seed ρ (:func:`paired_test`).
+
+The scores answer "does a descent direction exist at this point, and how steep is it for one
+small step"; the realised drop answers "which point gains most after a few Adam steps": the
+rank correlation is the check of the first against the second.
 
 Held-out loss: mean next-byte cross-entropy on ``eval_batches`` batches of held-out files. Arms
 are compared across seeds by the paired difference to ``scratch_flops`` (mean, sd, range) and an
@@ -45,19 +56,30 @@ import torch
 from ..errors import FusedStatsError
 
 ARMS = ("top", "last", "even", "copy", "scratch_steps", "scratch_flops")
+# every score oriented so that larger predicts a larger held-out drop
+SCORES = ("cross_frob2", "signal_fraction", "gain_sgd", "gain_adam", "split_adam", "curvature_gain")
+SCORE_LABELS = {
+    "cross_frob2": "|C|_F²",
+    "signal_fraction": "signal fraction |C|²/E|c|²",
+    "gain_sgd": "SGD first step ⟨C_M,C_K⟩",
+    "gain_adam": "Adam first step ⟨s_M,C_K⟩",
+    "split_adam": "split Adam ⟨s_A,C_B⟩",
+    "curvature_gain": "curvature gain |g|⁴/2gᵀHg",
+}
 
 
 @dataclass
 class GrowthDemoConfig:
     width: int = 32
-    depth: int = 4
-    seeds: tuple = (0, 1, 2)
+    depth: int = 6
+    seeds: tuple = (0, 1, 2, 3, 4)
     seq_len: int = 64
     batch_size: int = 16
     steps1: int = 96
     steps2: int = 48
     short_steps: int = 12
     probe_batches: int = 6
+    curvature_batches: int = 2
     eval_batches: int = 8
     base_lr: float = 3e-3
     alpha: float = 0.05
@@ -73,6 +95,7 @@ class GrowthDemoConfig:
             steps2=4,
             short_steps=2,
             probe_batches=2,
+            curvature_batches=1,
             eval_batches=2,
         )
         base.update(overrides)
@@ -85,11 +108,17 @@ class GrowthDemoConfig:
             raise FusedStatsError(f"depth must be >= 1, got {self.depth}")
         if len(self.seeds) < 1 or len(set(self.seeds)) != len(self.seeds):
             raise FusedStatsError(f"seeds must be distinct, got {self.seeds}")
-        for name in ("steps1", "steps2", "short_steps", "probe_batches", "eval_batches"):
+        for name in ("steps1", "steps2", "short_steps", "probe_batches", "curvature_batches", "eval_batches"):
             if getattr(self, name) < 1:
                 raise FusedStatsError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.probe_batches * self.batch_size < 4:
             raise FusedStatsError("the probe needs >= 4 samples per stream")
+        if self.probe_batches < 2:
+            raise FusedStatsError(f"the split Adam score needs probe_batches >= 2, got {self.probe_batches}")
+        if self.curvature_batches > self.probe_batches:
+            raise FusedStatsError(
+                f"curvature_batches ({self.curvature_batches}) must be <= probe_batches ({self.probe_batches})"
+            )
 
 
 def training_flops_per_token(model) -> float:
@@ -137,6 +166,44 @@ def paired_test(diffs: list[float]) -> float:
     return hits / 2**n
 
 
+def stratified_rank_test(groups, permutations: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """Mean over groups (seeds) of Spearman's ρ of paired ``(xs, ys)``, and its two-sided
+    permutation p-value with the ``ys`` shuffled within each group independently (the null: no
+    relation within any seed). Exact over all joint permutations when there are at most
+    ``permutations`` of them, else ``(hits + 1)/(permutations + 1)`` from random ones. Groups
+    whose ρ is undefined (constant side, fewer than 3 finite pairs) are left out."""
+    import numpy as np
+
+    from ..accumulators.trends import _finite_pairs, average_ranks
+
+    centred = []
+    for xs, ys in groups:
+        pairs = _finite_pairs(xs, ys)
+        if len(pairs) < 3:
+            continue
+        rx = average_ranks([a for a, _ in pairs])
+        ry = average_ranks([b for _, b in pairs])
+        cx, cy = rx - rx.mean(), ry - ry.mean()
+        scale = math.sqrt(float(cx @ cx) * float(cy @ cy))
+        if scale > 0:
+            centred.append((cx / scale, cy))
+    if not centred:
+        return math.nan, math.nan
+    observed = sum(float(cx @ cy) for cx, cy in centred) / len(centred)
+    threshold = abs(observed) - 1e-12
+    joint = math.prod(math.factorial(len(cy)) for _, cy in centred)
+    if joint <= permutations:
+        per_group = [np.array(list(itertools.permutations(cy))) @ cx for cx, cy in centred]
+        means = sum(np.meshgrid(*per_group, indexing="ij")) / len(centred)
+        return observed, float((np.abs(means) >= threshold).mean())
+    rng = np.random.default_rng(seed)
+    total = np.zeros(permutations)
+    for cx, cy in centred:
+        total += rng.permuted(np.tile(cy, (permutations, 1)), axis=1) @ cx
+    hits = int((np.abs(total / len(centred)) >= threshold).sum())
+    return observed, (hits + 1) / (permutations + 1)
+
+
 def _spread(values: list[float]) -> dict:
     return {
         "mean": statistics.fmean(values),
@@ -171,10 +238,14 @@ def run_seed(corpus, cfg: GrowthDemoConfig, seed: int, echo=print) -> dict:
     candidates = [arch.input_point] + [f"model.layers.{i}" for i in range(cfg.depth)]
     protocol = fs.GrowthProtocol(candidates, family="layer", init="zero", seed=seed)
     probe = fs.Probe(shallow, points=candidates, cross=protocol, second_moment="dense")
+    train_batches = []
     for stream, split in (("train", "train"), ("test", "test")):
         for ids in corpus.probe_batches(split, B, cfg.probe_batches):
             probe.step({"input_ids": ids}, fs.causal_lm_loss, stream=stream)
+            if stream == "train":
+                train_batches.append({"input_ids": ids})
     advice = fs.advise(probe, protocol, alpha=cfg.alpha)
+    scores = scores_before_growth(shallow, protocol, advice.ranked, train_batches, cfg.curvature_batches)
     ranked = [c.point for c in advice.ranked]
     # the advisor's choice: its top Holm-significant candidate; saturated everywhere (None) means
     # it advises no growth, so "top" and "copy" then continue the shallow model unchanged
@@ -229,9 +300,20 @@ def run_seed(corpus, cfg: GrowthDemoConfig, seed: int, echo=print) -> dict:
     from ..accumulators.trends import rank_correlation
 
     rho, p = rank_correlation([gains[c] for c in candidates], [drops[c] for c in candidates])
+    score_rho = {
+        name: dict(
+            zip(
+                ("rho", "p_value"),
+                rank_correlation([scores[c][name] for c in candidates], [drops[c] for c in candidates]),
+            )
+        )
+        for name in SCORES
+    }
     out = {
         "seed": seed,
         "shallow_held_out_loss": base_loss,
+        "candidate_scores": scores,
+        "score_rank_correlation": score_rho,
         "candidates": candidates,
         "advice": advice.to_dict(),
         "arms": arms,
@@ -248,6 +330,35 @@ def run_seed(corpus, cfg: GrowthDemoConfig, seed: int, echo=print) -> dict:
         + f"; rho(|C|², drop) = {rho:.2f} (p = {p:.2f}); {out['seconds']:.0f} s"
     )
     return out
+
+
+def scores_before_growth(shallow, protocol, candidates, train_batches, curvature_batches: int) -> dict:
+    """Every score (``SCORES``; None where undefined) of each advised candidate (the advisor's
+    ``Candidate`` entries) before growth, each oriented so that larger predicts a larger
+    held-out drop; the curvature gain on the first ``curvature_batches`` train batches."""
+    import fused_stats as fs
+
+    out = {}
+    for c in candidates:
+        curvature = fs.curvature_gain(
+            shallow, protocol, c.point, train_batches[:curvature_batches], fs.causal_lm_loss
+        )
+        split = fs.split_adam_score(shallow, protocol, c.point, train_batches, fs.causal_lm_loss)
+        out[c.point] = {
+            "cross_frob2": c.cross_frob2,
+            "signal_fraction": c.signal_fraction,
+            "gain_sgd": None if c.predicted_change_sgd is None else -c.predicted_change_sgd,
+            "gain_adam": None if c.predicted_change_adam is None else -c.predicted_change_adam,
+            "split_adam": split.score,
+            "curvature_gain": curvature.gain,
+            "grad_sq": curvature.grad_sq,
+            "ghg": curvature.ghg,
+        }
+    return out
+
+
+def _finite(value) -> float:
+    return math.nan if value is None else float(value)
 
 
 def summarize(cfg: GrowthDemoConfig, runs: list[dict]) -> tuple[dict, list[str]]:
@@ -274,6 +385,7 @@ def summarize(cfg: GrowthDemoConfig, runs: list[dict]) -> tuple[dict, list[str]]
         "rank_correlation_pooled": {"rho": pooled[0], "p_value": pooled[1]},
         "rank_correlation_per_seed": [r["rank_correlation"] for r in runs],
         "saturated_everywhere": [r["advice"]["saturated_everywhere"] for r in runs],
+        "scores": _score_summary(runs),
     }
     n = len(runs)
     lines = [
@@ -302,8 +414,78 @@ def summarize(cfg: GrowthDemoConfig, runs: list[dict]) -> tuple[dict, list[str]]
     lines.append(
         f"advisor verdict: saturated everywhere in {sum(sat)} of {n} seeds (Holm-Bonferroni, alpha {cfg.alpha})"
     )
+    lines += _score_lines(summary["scores"], cfg, n)
     lines += _verdict(summary, n)
     return summary, lines
+
+
+def _score_summary(runs: list[dict]) -> dict:
+    """Per score: the per-seed ρ with the realised drop, their mean with the stratified
+    permutation p, the sign-flip p of the per-seed ρ, and how often the score's top candidate was
+    the candidate of largest realised drop."""
+    out = {}
+    for name in SCORES:
+        groups = [
+            (
+                [_finite(r["candidate_scores"][c][name]) for c in r["candidates"]],
+                [r["candidate_drop"][c] for c in r["candidates"]],
+            )
+            for r in runs
+        ]
+        rhos = [r["score_rank_correlation"][name]["rho"] for r in runs]
+        defined = [v for v in rhos if not math.isnan(v)]
+        mean_rho, p_perm = stratified_rank_test(groups)
+        hits = 0
+        for r in runs:
+            finite = {c: _finite(r["candidate_scores"][c][name]) for c in r["candidates"]}
+            finite = {c: v for c, v in finite.items() if math.isfinite(v)}
+            best = max(r["candidate_drop"], key=r["candidate_drop"].get)
+            hits += bool(finite) and max(finite, key=finite.get) == best
+        out[name] = {
+            "rho_per_seed": rhos,
+            "mean_rho": mean_rho,
+            "p_stratified_permutation": p_perm,
+            "p_sign_flip": paired_test(defined),
+            "positive_seeds": sum(v > 0 for v in defined),
+            "seeds_defined": len(defined),
+            "top_is_best": hits,
+        }
+    return out
+
+
+def _score_lines(scores: dict, cfg: GrowthDemoConfig, n: int) -> list[str]:
+    lines = [
+        f"Which candidate: Spearman rho of each score (before growth) with the realised held-out drop of a "
+        f"zero layer trained alone for {cfg.short_steps} AdamW steps, {cfg.depth + 1} candidates per seed:",
+        f"{'score':<16} {'rho per seed':<{7 * n}} {'mean':>6} {'p perm':>7} {'p flip':>7} {'rho>0':>6} {'top=best':>8}",
+    ]
+    for name in SCORES:
+        v = scores[name]
+        per_seed = " ".join(f"{x:+.2f}" if not math.isnan(x) else "  nan" for x in v["rho_per_seed"])
+        lines.append(
+            f"{name:<16} {per_seed:<{7 * n}} {v['mean_rho']:+6.2f} {v['p_stratified_permutation']:7.3f} "
+            f"{v['p_sign_flip']:7.3f} {v['positive_seeds']:>3}/{v['seeds_defined']:<2} {v['top_is_best']:>5}/{n}"
+        )
+    lines.append(
+        "(p perm: candidates shuffled within each seed, statistic the mean rho; p flip: exact sign-flip of "
+        f"the per-seed rho, smallest attainable {2 / 2**n:.3f}; top=best: seeds where the score's top "
+        "candidate had the largest realised drop)"
+    )
+    significant = [m for m in SCORES if scores[m]["p_stratified_permutation"] <= 0.05]
+    lines.append(
+        "- which candidate: the scores are first-order (and one quadratic) predictions of one small step; "
+        "the realised drop is after several Adam steps, so rho says how far the first predicts the second. "
+        + (
+            "Rank-correlated with the realised drop across seeds (stratified permutation p <= 0.05; the sign "
+            "of the mean rho says which way): "
+            + ", ".join(f"{m} (mean rho {scores[m]['mean_rho']:+.2f})" for m in significant)
+            + "; the others: no evidence either way."
+            if significant
+            else "No score is significantly rank-correlated with the realised drop across seeds "
+            "(stratified permutation p > 0.05 for all)."
+        )
+    )
+    return lines
 
 
 def _verdict(summary: dict, n: int) -> list[str]:
@@ -350,15 +532,17 @@ def _verdict(summary: dict, n: int) -> list[str]:
 
 
 def plot_growth_demo(runs: list[dict], path) -> Path:
-    """Left: held-out loss per arm, a tick at the mean over seeds and one dot per seed (the arms
-    are categories: no lines join them). Right: measured |C|_F² against the realised held-out
-    drop per candidate (log x), one colour per seed."""
+    """First panel: held-out loss per arm, a tick at the mean over seeds and one dot per seed
+    (the arms are categories: no lines join them). Then one panel per score: the score before
+    growth (symmetric-log x: some scores can be negative) against the realised held-out drop per
+    candidate, one colour per seed, each dot labelled with its boundary."""
     from ..api.report.plots import figure_classes, save_figure
 
     Figure, Canvas = figure_classes()
-    fig = Figure(figsize=(11, 4.2))
+    fig = Figure(figsize=(15, 7.5))
     Canvas(fig)
-    a1, a2 = fig.subplots(1, 2)
+    axes = fig.subplots(2, 4).ravel()
+    a1 = axes[0]
     xs = list(range(len(ARMS)))
     losses = [[run["arms"][a]["held_out_loss"] for run in runs] for a in ARMS]
     means = [sum(v) / len(v) for v in losses]
@@ -366,32 +550,49 @@ def plot_growth_demo(runs: list[dict], path) -> Path:
     a1.scatter(xs, means, marker="_", s=700, linewidths=1.5, color="black", label="mean over seeds", zorder=2)
     spread = 0.35 / max(len(runs), 1)
     for i, run in enumerate(runs):
-        color = f"C{i % 10}"
         offset = (i - (len(runs) - 1) / 2) * spread
         a1.scatter(
             [x + offset for x in xs],
             [run["arms"][a]["held_out_loss"] for a in ARMS],
-            color=color,
+            color=f"C{i % 10}",
             s=22,
             zorder=3,
             label=f"seed {run['seed']}",
         )
-        gains = [max(run["candidate_gain"][c], 1e-12) for c in run["candidates"]]
-        drops = [run["candidate_drop"][c] for c in run["candidates"]]
-        a2.scatter(gains, drops, color=color, label=f"seed {run['seed']}")
-        for c, g, d in zip(run["candidates"], gains, drops):
-            a2.annotate(c.rsplit(".", 1)[-1], (g, d), fontsize=7, xytext=(3, 3), textcoords="offset points")
     a1.set_xticks(xs)
     a1.set_xticklabels(ARMS, rotation=30, ha="right", fontsize=8)
     a1.set_ylabel("held-out loss (nats/byte)")
     a1.set_title("after growth vs from scratch", fontsize=9)
-    a2.set_xscale("log")
-    a2.axhline(0.0, color="black", lw=0.8)
-    a2.set_xlabel("measured |C|_F² before growth")
-    a2.set_ylabel("held-out drop, new layer trained alone")
-    a2.set_title("first-order gain vs realised drop per candidate", fontsize=9)
-    a1.legend(fontsize=7, loc="upper left", markerscale=0.6)
-    a2.legend(fontsize=7)
+    a1.legend(fontsize=6, loc="upper left", markerscale=0.6)
+    for ax, name in zip(axes[1:], SCORES):
+        values = [abs(_finite(r["candidate_scores"][c][name])) for r in runs for c in r["candidates"]]
+        nonzero = [v for v in values if math.isfinite(v) and v > 0]
+        for i, run in enumerate(runs):
+            pts = [
+                (_finite(run["candidate_scores"][c][name]), run["candidate_drop"][c], c)
+                for c in run["candidates"]
+            ]
+            pts = [p for p in pts if math.isfinite(p[0])]
+            rho = run["score_rank_correlation"][name]["rho"]
+            ax.scatter(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                color=f"C{i % 10}",
+                s=16,
+                label=f"seed {run['seed']} (ρ {rho:+.2f})",
+            )
+            for x, y, c in pts:
+                ax.annotate(
+                    c.rsplit(".", 1)[-1], (x, y), fontsize=5, xytext=(2, 2), textcoords="offset points"
+                )
+        if nonzero:
+            ax.set_xscale("symlog", linthresh=min(nonzero))
+        ax.axhline(0.0, color="black", lw=0.6)
+        ax.set_xlabel(SCORE_LABELS[name] + " before growth", fontsize=8)
+        ax.set_ylabel("held-out drop, new layer alone", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=5)
+    axes[-1].set_visible(len(SCORES) + 1 >= len(axes))
     fig.tight_layout()
     return save_figure(fig, path)
 
