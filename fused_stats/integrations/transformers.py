@@ -282,9 +282,18 @@ class GrowthScheduleCallback(TrainerCallback, ExportableState):
     run resumed from a checkpoint written after a growth event keeps its events and stop flag.
     """
 
-    def __init__(self, schedule):
+    def __init__(self, schedule=None):
         from ..api.growth.schedule import GrowthSchedule
 
+        if schedule is None:
+            # the Trainer's restore_callback_states_from_checkpoint rebuilds callbacks without
+            # arguments; this one restores its schedule's state itself from trainer_state.json
+            raise FusedStatsError(
+                "GrowthScheduleCallback needs its GrowthSchedule (GrowthScheduleCallback(schedule)); with "
+                "TrainingArguments(restore_callback_states_from_checkpoint=True) the Trainer rebuilds "
+                "callbacks without arguments: leave that flag off, the callback restores the schedule's "
+                "state from trainer_state.json itself"
+            )
         if not isinstance(schedule, GrowthSchedule):
             raise FusedStatsError(
                 f"GrowthScheduleCallback needs a fused_stats.GrowthSchedule, got {type(schedule).__name__}"

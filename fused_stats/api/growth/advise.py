@@ -498,6 +498,19 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
                 signal_fraction=None if not sq else float(sat["cross_frob2"]) / sq,
             )
         )
+    if protocol.score != DEFAULT_SCORE:
+        # a score some candidates lack would rank them by their order in the protocol: refuse
+        missing = [c.point for c in ranked if score_of(c, protocol.score) == -math.inf]
+        if missing:
+            need = (
+                "a test stream (probe.step(..., stream='test')): the Adam prediction is <s_M, C_K>"
+                if protocol.score == "adam_first_step"
+                else "the per-sample squared norms of the tangent (a report made by this version)"
+            )
+            raise FusedStatsError(
+                f"the protocol ranks by score {protocol.score!r}, which is not available for {missing}: it "
+                f"needs {need}"
+            )
     ranked.sort(key=lambda c: -score_of(c, protocol.score))
     model = reports[0]["model"]
     return Advice(

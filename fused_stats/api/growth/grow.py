@@ -27,8 +27,8 @@ model order stays in model order: an optimizer built the same way over the saved
 model (HF Trainer's decay / no-decay groups) matches index for index, and ``load_state_dict`` of
 the grown optimizer's state resumes it. Widened parameters keep their slot: their state tensors
 are carried into the old slice of a zero tensor of the new shape, and the scalar ``step`` is
-kept, so the new slice has zero moments but shares the tensor's step count ``t``; Adam's bias
-corrections then make its first update ``(1-β₁)/(1-β₁ᵗ) · √((1-β₂ᵗ)/(1-β₂))`` times a zero-state
+kept, so the new slice has zero moments but shares the tensor's step count; with ``t`` the count
+of its first update after growth (the kept count plus one), Adam's bias corrections make that update ``(1-β₁)/(1-β₁ᵗ) · √((1-β₂ᵗ)/(1-β₂))`` times a zero-state
 start's (ε → 0). No construction with one step count per tensor is exact for all later steps
 (the bias correction multiplies the new gradients' terms by a factor that depends on ``t``), so
 this is the rule the protocol records for ``mlp_width``. An optimizer none of whose parameters
@@ -51,7 +51,7 @@ from .blocks import cross_spec, new_block, new_units, stream_width, widen_block
 from .gradmax import gradmax_directions  # noqa: F401  (the init_directions source, importable beside grow)
 from .insert import INSERTED_NAME, insert_zero_block
 from .protocol import GrowthProtocol, _intermediate_size, check_init
-from .record import check_step_and_evidence, record_growth
+from .record import check_step_and_evidence, growth_history, record_growth
 
 
 @dataclass
@@ -262,6 +262,7 @@ def grow(
         raise FusedStatsError(f"init_directions is for family 'mlp_width', not {protocol.family!r}")
     bounds = [boundary(arch, model, p) for p in points]
     motive = check_step_and_evidence(step, evidence, points)
+    growth_history(model)  # a record fs.grow cannot append to is refused before the surgery
     result = GrowthResult(protocol.family, init, protocol.digest)
     restore_config = _own_config(model)
     try:

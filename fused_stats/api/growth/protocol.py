@@ -22,8 +22,8 @@ Zero-state update rule (hashed with the protocol): new parameters start with no 
 so their first step after growth is the first step of a fresh optimizer on them: for SGD the loss
 changes by ``-η |∇_new L|²`` to first order (the depth paper's gain ``|C|_F²``); a zero gradient
 there (saturation) gives no change for SGD and Adam alike. Widened parameters (``mlp_width``)
-keep one scalar state per tensor, so their new slice shares Adam's step count ``t`` and its first
-update is ``(1-β₁)/(1-β₁ᵗ) · √((1-β₂ᵗ)/(1-β₂))`` times a zero-state start's (ε → 0)
+keep one scalar state per tensor, so their new slice shares Adam's step count, and its first
+update (at count ``t``: the count kept at growth plus one) is ``(1-β₁)/(1-β₁ᵗ) · √((1-β₂ᵗ)/(1-β₂))`` times a zero-state start's (ε → 0)
 (:data:`WIDTH_STATE_RULE`; the other families keep :data:`ZERO_STATE_RULE` and their digests).
 """
 

@@ -2,7 +2,8 @@
 
 Role: a protocol file holds the keys of :class:`~fused_stats.GrowthProtocol` at its top level:
 ``candidates`` (a list of point names, or ``"all"``: :func:`fused_stats.growth_points` of the
-model), ``family``, ``init``, ``seed``, ``width``, ``projection`` and ``budget = [M, K]``; a key
+model), ``family``, ``init``, ``seed``, ``width``, ``projection``, ``budget = [M, K]``, ``score``
+and ``adam_eps``; a key
 left out takes the protocol's default (TOML has no null: an unset ``width`` is an absent key).
 Every key and type is checked when the file is read, before any model is loaded, with the key
 named in the message; ``"all"`` and the candidates' existence need the model
@@ -19,9 +20,9 @@ from torch import nn
 
 from ...errors import FusedStatsError
 from .architecture import growth_points
-from .protocol import FAMILIES, INITS, GrowthProtocol
+from .protocol import FAMILIES, INITS, SCORES, GrowthProtocol
 
-KEYS = ("candidates", "family", "init", "seed", "width", "projection", "budget")
+KEYS = ("candidates", "family", "init", "seed", "width", "projection", "budget", "score", "adam_eps")
 ALL_CANDIDATES = "all"
 
 
@@ -64,6 +65,17 @@ def check_table(table, where: str) -> dict:
             if not _is_int(table[key]) or table[key] < 1:
                 raise FusedStatsError(f"{where}: {key} must be an integer >= 1, got {table[key]!r}")
             out[key] = table[key]
+    if "score" in table:
+        if table["score"] not in SCORES:
+            raise FusedStatsError(
+                f"{where}: score must be one of {', '.join(map(repr, SCORES))}, got {table['score']!r}"
+            )
+        out["score"] = table["score"]
+    if "adam_eps" in table:
+        eps = table["adam_eps"]
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+            raise FusedStatsError(f"{where}: adam_eps must be a number, got {eps!r}")
+        out["adam_eps"] = float(eps)
     if "budget" in table:
         budget = table["budget"]
         if not (isinstance(budget, list) and len(budget) == 2 and all(_is_int(v) and v >= 1 for v in budget)):

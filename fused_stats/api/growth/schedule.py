@@ -124,6 +124,18 @@ class GrowthSchedule:
             raise FusedStatsError(
                 f"protocol must be a fused_stats.GrowthProtocol, got {type(protocol).__name__}"
             )
+        if protocol.family == "mlp_width":
+            # a schedule grows at one candidate, and width growth must widen every block alike
+            raise FusedStatsError(
+                "GrowthSchedule grows at the one top candidate; family 'mlp_width' widens every block's MLP "
+                "at once (the config holds one intermediate size), so it cannot be scheduled: use family "
+                "'layer' or 'cross_block', or call fs.grow with every boundary"
+            )
+        if protocol.score == "adam_first_step":
+            raise FusedStatsError(
+                "GrowthSchedule probes its held-out batches as one stream, and score 'adam_first_step' needs "
+                "a train and a test stream (<s_M, C_K>): rank by 'cross_frob2' or 'signal_fraction'"
+            )
         if (at_steps is None) == (every is None):
             raise FusedStatsError("give exactly one of at_steps=[...] and every=N")
         if at_steps is not None:

@@ -44,7 +44,18 @@ SECTIONS = {
     "labels": {"path_regex"},
     "compare": {"trends", "point"},
     # the fs.GrowthProtocol fields, candidates also as relative depths or "all", and advise's alpha
-    "growth": {"candidates", "family", "init", "seed", "width", "projection", "budget", "alpha"},
+    "growth": {
+        "candidates",
+        "family",
+        "init",
+        "seed",
+        "width",
+        "projection",
+        "budget",
+        "score",
+        "adam_eps",
+        "alpha",
+    },
 }
 RUN_KEYS = {"model", "glob", "name", "labels"}
 UNITS = ("sample", "position", "flat")
@@ -307,6 +318,7 @@ def _check_growth(path: Path, growth: dict, probe: dict) -> dict:
         "width": arguments.get("width"),
         "projection": arguments.get("projection"),
         "budget": None if "budget" not in arguments else list(arguments["budget"]),
+        **{key: arguments[key] for key in ("score", "adam_eps") if key in arguments},
     }
     alpha = growth.get("alpha", 0.05)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha < 1:
@@ -327,6 +339,7 @@ def protocol_for(growth: dict, candidates: list[str]):
         width=growth["width"],
         projection=growth["projection"],
         budget=None if growth["budget"] is None else tuple(growth["budget"]),
+        **{key: growth[key] for key in ("score", "adam_eps") if key in growth},
     )
 
 
