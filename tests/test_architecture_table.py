@@ -280,7 +280,7 @@ def test_unsupported_model_type_refused_nothing_changed():
 def test_self_check_catches_a_wrong_adapter_entry(mutation, monkeypatch):
     """An adapter entry that misdescribes the block (a dropped scale, a wrong origin value or
     module) is caught by the self-check at the first step, naming the point and model_type; with
-    self_check=False the same probe runs."""
+    self_check=False the same probe runs, except for a wrong input scale, which is checked always."""
     model_type, change = mutation
     model = make(model_type)
     wrong = architecture.ADAPTERS[model_type].__class__(
@@ -313,6 +313,10 @@ def test_self_check_catches_a_wrong_adapter_entry(mutation, monkeypatch):
         with pytest.raises(fs.FusedStatsError, match=pattern):
             probe.step(batch, per_sample_loss)
         assert not probe.table
+    if "input_scale" in change:  # a fact of the model's forward: checked with self_check off too
+        with pytest.raises(fs.FusedStatsError, match=pattern):
+            GrowthTangent(protocol, model, self_check=False)
+        return
     off = fs.Probe(
         model,
         points=[checked],

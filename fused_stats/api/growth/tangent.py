@@ -180,7 +180,9 @@ class GrowthTangent:
         self.seed = int(getattr(protocol, "seed", 0))
         self.blocks: dict[str, nn.Module] = {}
         self.maps: dict[str, list[tuple[str, int, bool]]] = {}
-        if self_check and arch.input_point in protocol.candidates and self.family != "cross_block":
+        # the input scale is a fact of the model's forward (e.g. where an embedding scale is
+        # applied, which moved between transformers releases): checked even with self_check off
+        if arch.input_point in protocol.candidates and self.family != "cross_block":
             self.check_input_scale()
 
     def check_input_scale(self) -> float:
