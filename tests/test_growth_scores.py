@@ -162,6 +162,7 @@ def test_score_declares_the_ranking_and_every_score_is_reported(setting):
     for score, key in (
         ("signal_fraction", lambda c: -c.signal_fraction),
         ("adam_first_step", lambda c: c.predicted_change_adam),
+        ("split_adam", lambda c: -c.split_adam_score),
     ):
         declared = fs.GrowthProtocol(CANDIDATES, seed=2, score=score)
         assert declared.digest != protocol.digest and declared.to_dict()["score"] == score
@@ -189,6 +190,8 @@ def test_adam_prediction_is_not_available_under_a_projection(setting):
     assert all(c.predicted_change_adam is None for c in advice.ranked)
     data = probe.report(misalignment_trials=0).data
     assert all(v["adam_inner"] is None for v in data["growth_protocol"]["scores"].values())
+    assert all("split_a_on_b" not in v for v in data["growth_protocol"]["scores"].values())
+    assert all(c.split_adam_score is None for c in advice.ranked)
     # a record claiming an Adam value under a projection is not believed either
     for v in data["growth_protocol"]["scores"].values():
         v["adam_inner"] = 1.0
@@ -220,6 +223,8 @@ def test_adam_prediction_is_not_available_under_a_projection(setting):
     assert "not available under a random projection" in advice.to_markdown()
     with pytest.raises(fs.FusedStatsError, match=r"adam_first_step.*projection"):
         fs.GrowthProtocol(CANDIDATES, projection=4, score="adam_first_step")
+    with pytest.raises(fs.FusedStatsError, match=r"split_adam.*projection"):
+        fs.GrowthProtocol(CANDIDATES, projection=4, score="split_adam")
 
 
 class WithValues(torch.nn.Module):
@@ -276,3 +281,63 @@ def test_split_adam_score_against_per_sample_gradients(setting):
     assert result.score == pytest.approx((a_on_b + b_on_a) / 2, rel=1e-9)
     with pytest.raises(fs.FusedStatsError, match="at least 2 batches"):
         fs.split_adam_score(model, protocol, point, data[:1], fs.causal_lm_loss)
+
+
+def brute_split(model, protocol, point, train, eps=1e-8) -> tuple[float, float]:
+    """``⟨s_A, C_B⟩`` and ``⟨s_B, C_A⟩`` from per-sample gradients, A: train batches 0, 2, ..."""
+    half_a = per_sample_tangents(model, protocol, point, train[0::2]).mean(0)
+    half_b = per_sample_tangents(model, protocol, point, train[1::2]).mean(0)
+    return float((half_a / (half_a.abs() + eps)) @ half_b), float((half_b / (half_b.abs() + eps)) @ half_a)
+
+
+@pytest.mark.parametrize("point", CANDIDATES)
+def test_advice_reports_the_split_adam_score_against_per_sample_gradients(setting, point, tmp_path):
+    model, protocol, train, test, advice = setting
+    a_on_b, b_on_a = brute_split(model, protocol, point, train)
+    assert a_on_b != pytest.approx(b_on_a, rel=1e-3)  # the two terms are told apart below
+    candidate = next(c for c in advice.ranked if c.point == point)
+    assert candidate.split_adam_score == pytest.approx((a_on_b + b_on_a) / 2, rel=1e-9)
+    # the probe's halves are fs.split_adam_score's (batch parity)
+    direct = fs.split_adam_score(model, protocol, point, train, fs.causal_lm_loss)
+    assert candidate.split_adam_score == pytest.approx(direct.score, rel=1e-9)
+    # a saved and reloaded report gives the same advice, the split score included
+    probe = fs.Probe(model, points=CANDIDATES, cross=protocol)
+    probe.run(train, fs.causal_lm_loss, stream="train", mask="none", progress=False)
+    probe.run(test, fs.causal_lm_loss, stream="test", mask="none", progress=False)
+    report = probe.report(misalignment_trials=0)
+    record = report.data["growth_protocol"]["scores"][point]
+    assert record["split_n"] == [12, 6]
+    assert record["split_a_on_b"] == pytest.approx(a_on_b, rel=1e-9)
+    assert record["split_b_on_a"] == pytest.approx(b_on_a, rel=1e-9)
+    reloaded = fs.Report.from_json(report.to_json(tmp_path / "report.json"))
+    assert advise(reloaded.data, protocol).to_dict() == advise(probe, protocol).to_dict()
+    # a report made without the halves: no split score, the rest unchanged
+    for v in reloaded.data["growth_protocol"]["scores"].values():
+        for key in ("split_a_on_b", "split_b_on_a", "split_n"):
+            v.pop(key)
+    old = advise(reloaded.data, protocol)
+    assert all(c.split_adam_score is None for c in old.ranked)
+    assert [c.predicted_change_adam for c in old.ranked] == [c.predicted_change_adam for c in advice.ranked]
+
+
+def test_split_halves_follow_the_train_steps_only(setting):
+    model, protocol, train, test, _ = setting
+    point = "model.layers.0"
+    probe = fs.Probe(model, points=[point], cross=protocol)
+    # test steps in between do not shift the parity of the train steps
+    for batch in train:
+        probe.step(batch, fs.causal_lm_loss, stream="train", mask="none")
+        probe.step(test[0], fs.causal_lm_loss, stream="test", mask="none")
+    a_on_b, b_on_a = brute_split(model, protocol, point, train)
+    record = probe.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+    assert record["split_a_on_b"] == pytest.approx(a_on_b, rel=1e-9)
+    assert record["split_b_on_a"] == pytest.approx(b_on_a, rel=1e-9)
+    # a failed step leaves the halves as they were
+    with pytest.raises(RuntimeError, match="boom"):
+        probe.step(train[0], lambda m, b: (_ for _ in ()).throw(RuntimeError("boom")), stream="train")
+    again = probe.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+    assert again["split_a_on_b"] == pytest.approx(a_on_b, rel=1e-9)
+    # one train batch: half B is empty, no split score
+    single = fs.Probe(model, points=[point], cross=protocol)
+    single.step(train[0], fs.causal_lm_loss, stream="train", mask="none")
+    assert "split_a_on_b" not in single.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]

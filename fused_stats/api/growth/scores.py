@@ -47,14 +47,23 @@ def adam_direction(c_mean: torch.Tensor, eps: float) -> torch.Tensor:
     return c_mean / (c_mean.abs() + eps)
 
 
-def candidate_scores(train, test, eps: float = ADAM_EPS, projected: bool = False) -> dict:
+def candidate_scores(train, test, eps: float = ADAM_EPS, projected: bool = False, half=None) -> dict:
     """The raw first-step inner products and the signal fraction of one candidate from its train
-    and test CrossStats (module docstring), in the probed (possibly projected) coordinates."""
+    and test CrossStats (module docstring), in the probed (possibly projected) coordinates.
+    ``half``: ``(A sum, n_A)``, the tangent sum of the even train steps (B: the rest of the
+    stream), for ``split_a_on_b = ⟨s_A, C_B⟩`` and ``split_b_on_a``; None: not kept."""
     out = {"adam_eps": eps, "sgd_inner": None, "adam_inner": None, "mean_sq_norm": None}
     if train is None or train.n == 0:
         return out
     c_train = train.c_sum.detach().to(device="cpu", dtype=F64) / train.n
     out["mean_sq_norm"] = float(train.sq_norm_sum) / train.n
+    if half is not None and not projected and 0 < half[1] < train.n:
+        a_sum = half[0].detach().to(device="cpu", dtype=F64)
+        n_a, n_b = int(half[1]), train.n - int(half[1])
+        c_a, c_b = a_sum / n_a, (train.c_sum.detach().to(device="cpu", dtype=F64) - a_sum) / n_b
+        out["split_a_on_b"] = float((adam_direction(c_a, eps) * c_b).sum())
+        out["split_b_on_a"] = float((adam_direction(c_b, eps) * c_a).sum())
+        out["split_n"] = [n_a, n_b]
     if test is None or test.n == 0:
         return out
     c_test = test.c_sum.detach().to(device="cpu", dtype=F64) / test.n

@@ -180,6 +180,9 @@ class GrowthTangent:
         self.seed = int(getattr(protocol, "seed", 0))
         self.blocks: dict[str, nn.Module] = {}
         self.maps: dict[str, list[tuple[str, int, bool]]] = {}
+        # per candidate: the half-A sum of the train stream (even train steps), its samples, and
+        # the train samples seen by the step hooks (a mismatch: samples came another way)
+        self.split_halves: dict[str, list] = {}
         if self_check and arch.input_point in protocol.candidates and self.family != "cross_block":
             self.check_input_scale()
 
@@ -368,14 +371,68 @@ class GrowthTangent:
         built = self.protocol.candidates if self.family == "mlp_width" else list(self.maps)
         return {point: self.raw_rank(point) for point in built}
 
+    def before_step(self, probe, stream: str) -> None:
+        """Open the split of the train stream into halves by step parity (A: train steps 0, 2,
+        4, …; B: the rest, ``c_sum − A``): on an even step ``A −= c_sum`` now and
+        :meth:`after_step` adds ``c_sum`` back, so A gains exactly the step's tangent sum with one
+        d × r fp64 sum per candidate (no per-sample rows, no snapshot). Not under a projection."""
+        if stream != "train" or self.projection is not None:
+            return
+        even = probe.steps["train"] % 2 == 0
+        for point in self.protocol.candidates:
+            acc = probe.cross_stats.get(point)
+            if acc is None or acc.n == 0:
+                self.split_halves.pop(point, None)  # a fresh (or reset) stream starts a fresh split
+                n, c_sum = 0, None
+            else:
+                n, c_sum = acc.n, acc.c_sum
+            half = self.split_halves.setdefault(point, [None, 0, 0])
+            if half[2] != n:
+                half[:] = [None, 0, -1]  # samples came in another way (observe, merge, load): no split
+            if even and half[2] >= 0 and c_sum is not None:
+                half[0] = -c_sum.detach().clone() if half[0] is None else half[0].sub_(c_sum)
+                half[1] -= n
+            half.append(even)
+
+    def after_step(self, probe, stream: str) -> None:
+        """Close :meth:`before_step`'s split for the step (also after a refused or failed one,
+        whose unchanged ``c_sum`` cancels)."""
+        if stream != "train" or self.projection is not None:
+            return
+        for point in self.protocol.candidates:
+            half = self.split_halves.get(point)
+            if half is None or len(half) < 4:
+                continue
+            even = half.pop()
+            acc = probe.cross_stats.get(point)
+            n = 0 if acc is None else acc.n
+            if half[2] >= 0:
+                if even and acc is not None:
+                    half[0] = acc.c_sum.detach().clone() if half[0] is None else half[0].add_(acc.c_sum)
+                    half[1] += n
+                half[2] = n
+
+    def split_half(self, point: str, probe):
+        """``(A sum, n_A)`` at ``point`` or None (no split kept for the stream as it is now)."""
+        half = self.split_halves.get(point)
+        acc = probe.cross_stats.get(point)
+        if half is None or acc is None or half[2] != acc.n or half[0] is None or len(half) != 3:
+            return None
+        return half[0], half[1]
+
     def candidate_scores(self, probe) -> dict[str, dict]:
-        """Per candidate the probe has measured: the first-step inner products and the mean
-        per-sample squared norm (:func:`.scores.candidate_scores`, for the report)."""
+        """Per candidate the probe has measured: the first-step inner products, the mean
+        per-sample squared norm and the split Adam score (:func:`.scores.candidate_scores`, for
+        the report)."""
         eps = getattr(self.protocol, "adam_eps", ADAM_EPS)
         projected = self.projection is not None
         return {
             point: candidate_scores(
-                probe.cross_stats.get(point), probe.test_cross_stats.get(point), eps, projected
+                probe.cross_stats.get(point),
+                probe.test_cross_stats.get(point),
+                eps,
+                projected,
+                half=self.split_half(point, probe),
             )
             for point in self.protocol.candidates
             if probe.cross_stats.get(point) is not None
