@@ -341,3 +341,18 @@ def test_split_halves_follow_the_train_steps_only(setting):
     single = fs.Probe(model, points=[point], cross=protocol)
     single.step(train[0], fs.causal_lm_loss, stream="train", mask="none")
     assert "split_a_on_b" not in single.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+
+
+def test_no_split_score_when_train_samples_came_another_way(setting, tmp_path):
+    model, protocol, train, _, _ = setting
+    point = "model.layers.0"
+    saved = fs.Probe(model, points=[point], cross=protocol)
+    saved.run(train, fs.causal_lm_loss, stream="train", mask="none", progress=False)
+    saved.save_state(tmp_path / "state")
+    # restored accumulators carry no halves, and steps after the restore cannot rebuild them
+    restored = fs.Probe(model, points=[point], cross=fs.GrowthProtocol(CANDIDATES, seed=2))
+    restored.load_state(tmp_path / "state")
+    restored.step(train[0], fs.causal_lm_loss, stream="train", mask="none")
+    restored.step(train[1], fs.causal_lm_loss, stream="train", mask="none")
+    record = restored.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+    assert "split_a_on_b" not in record and record["mean_sq_norm"] is not None
