@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import transformers
 
 import fused_stats as fs
 from fused_stats.api.growth.advise import advise
+from fused_stats.api.growth.scores import candidate_scores
 
 CANDIDATES = ["model.embed_tokens", "model.layers.0", "model.layers.1"]
 ETAS = (1e-3, 1e-4, 1e-5)
@@ -196,6 +198,9 @@ def test_adam_prediction_is_not_available_under_a_projection(setting):
     for v in data["growth_protocol"]["scores"].values():
         v["adam_inner"] = 1.0
     assert all(c.predicted_change_adam is None for c in advise(data, projected).ranked)
+    for v in data["growth_protocol"]["scores"].values():
+        v["split_a_on_b"] = v["split_b_on_a"] = 1.0
+    assert all(c.split_adam_score is None for c in advise(data, projected).ranked)
     # SGD: (r/k) <C_M Pᵀ, C_K Pᵀ>, of mean <C_M, C_K> over P, from per-sample gradients of the
     # zero maps [o_proj | down_proj] (the tangent's column order)
     point = "model.layers.0"
@@ -356,3 +361,33 @@ def test_no_split_score_when_train_samples_came_another_way(setting, tmp_path):
     restored.step(train[1], fs.causal_lm_loss, stream="train", mask="none")
     record = restored.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
     assert "split_a_on_b" not in record and record["mean_sq_norm"] is not None
+    # accumulators replaced under a probe that kept halves: its halves no longer apply
+    other = fs.Probe(model, points=[point], cross=protocol)
+    other.run(train[:1], fs.causal_lm_loss, stream="train", mask="none", progress=False)
+    other.save_state(tmp_path / "short")
+    saved.load_state(tmp_path / "short")
+    assert "split_a_on_b" not in saved.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+
+
+def test_a_cleared_train_stream_starts_a_fresh_split(setting):
+    model, protocol, train, _, _ = setting
+    point = "model.layers.0"
+    probe = fs.Probe(model, points=[point], cross=protocol)
+    probe.run(train, fs.causal_lm_loss, stream="train", mask="none", progress=False)
+    probe.clear_stream("train")
+    probe.run(train, fs.causal_lm_loss, stream="train", mask="none", progress=False)
+    # three steps before: the parity runs on, so half A is now train batch 1
+    a_on_b, b_on_a = brute_split(model, protocol, point, train)
+    record = probe.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+    assert record["split_n"] == [6, 12]
+    assert record["split_a_on_b"] == pytest.approx(b_on_a, rel=1e-9)
+    assert record["split_b_on_a"] == pytest.approx(a_on_b, rel=1e-9)
+
+
+def test_candidate_scores_keep_no_split_under_a_projection():
+    # what candidate_scores reads of a CrossStats: c_sum, n, sq_norm_sum
+    g = torch.Generator().manual_seed(0)
+    train = SimpleNamespace(c_sum=torch.randn(3, 2, generator=g, dtype=torch.float64), n=4, sq_norm_sum=2.0)
+    half = (torch.randn(3, 2, generator=g, dtype=torch.float64), 2)
+    assert "split_a_on_b" in candidate_scores(train, None, half=half)
+    assert "split_a_on_b" not in candidate_scores(train, None, projected=True, half=half)
