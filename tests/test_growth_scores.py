@@ -362,11 +362,11 @@ def test_no_split_score_when_train_samples_came_another_way(setting, tmp_path):
     record = restored.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
     assert "split_a_on_b" not in record and record["mean_sq_norm"] is not None
     # accumulators replaced under a probe that kept halves: its halves no longer apply
-    other = fs.Probe(model, points=[point], cross=protocol)
-    other.run(train[:1], fs.causal_lm_loss, stream="train", mask="none", progress=False)
-    other.save_state(tmp_path / "short")
-    saved.load_state(tmp_path / "short")
-    assert "split_a_on_b" not in saved.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+    two = fs.Probe(model, points=[point], cross=fs.GrowthProtocol(CANDIDATES, seed=2))
+    two.run(train[:2], fs.causal_lm_loss, stream="train", mask="none", progress=False)
+    assert "split_a_on_b" in two.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+    two.load_state(tmp_path / "state")
+    assert "split_a_on_b" not in two.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
 
 
 def test_a_cleared_train_stream_starts_a_fresh_split(setting):
