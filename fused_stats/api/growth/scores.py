@@ -15,7 +15,9 @@ tangents of the zero parameters (the gradient of the mean loss there):
 * Signal fraction ``|C|_F² / E|c_i|_F²`` (unbiased ``|C|_F²`` over ``Σ|c_i|²/n``): the share of
   the per-sample tangent that the samples have in common, free of the features' scale.
 * Split Adam score ``⟨s_A, C_B⟩`` (:func:`split_adam_score`): ``s`` from one half of the train
-  batches, ``C`` from the other (batch parity), so its mean is ``E[s_A]·C``.
+  batches, ``C`` from the other (batch parity), so its mean is ``E[s_A]·C``. The probe's version
+  (:func:`candidate_scores` given ``half``): A the even train steps, whose tangent sum the
+  feature source keeps (``GrowthTangent.before_step``), B ``= c_sum − A``.
 * Curvature-aware gain ``|g|⁴ / (2 gᵀHg)``: the loss drop of the best step along ``g`` under the
   quadratic model ``L(−t g) ≈ L − t|g|² + t² gᵀHg / 2`` (minimum at ``t = |g|²/gᵀHg``); a
   rescaling of the new parameters ``θ → aθ`` scales ``|g|²`` by ``1/a²`` and ``gᵀHg`` by
