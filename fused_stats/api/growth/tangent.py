@@ -58,6 +58,7 @@ those gradients.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -97,6 +98,21 @@ def block_call_kwargs(kwargs: dict) -> dict:
     if "use_cache" in out:
         out["use_cache"] = False
     return out
+
+
+@dataclass
+class SplitHalf:
+    """Half A of one candidate's train stream: the tangent sum and samples of the even train
+    steps, and ``n_seen``, the stream's samples after the last step seen (−1: no split, samples
+    came in another way)."""
+
+    a_sum: torch.Tensor | None = None
+    n_a: int = 0
+    n_seen: int = 0
+    open_even: bool = False  # an even step is under way: A holds −c_sum until it ends
+
+    def off(self) -> None:
+        self.a_sum, self.n_a, self.n_seen = None, 0, -1
 
 
 class GrowthTangent:
@@ -180,9 +196,8 @@ class GrowthTangent:
         self.seed = int(getattr(protocol, "seed", 0))
         self.blocks: dict[str, nn.Module] = {}
         self.maps: dict[str, list[tuple[str, int, bool]]] = {}
-        # per candidate: the half-A sum of the train stream (even train steps), its samples, and
-        # the train samples seen by the step hooks (a mismatch: samples came another way)
-        self.split_halves: dict[str, list] = {}
+        # per candidate: half A of the train stream (:meth:`before_step`)
+        self.split_halves: dict[str, SplitHalf] = {}
         if self_check and arch.input_point in protocol.candidates and self.family != "cross_block":
             self.check_input_scale()
 
@@ -382,17 +397,15 @@ class GrowthTangent:
         for point in self.protocol.candidates:
             acc = probe.cross_stats.get(point)
             if acc is None or acc.n == 0:
-                self.split_halves.pop(point, None)  # a fresh (or reset) stream starts a fresh split
-                n, c_sum = 0, None
-            else:
-                n, c_sum = acc.n, acc.c_sum
-            half = self.split_halves.setdefault(point, [None, 0, 0])
-            if half[2] != n:
-                half[:] = [None, 0, -1]  # samples came in another way (observe, merge, load): no split
-            if even and half[2] >= 0 and c_sum is not None:
-                half[0] = -c_sum.detach().clone() if half[0] is None else half[0].sub_(c_sum)
-                half[1] -= n
-            half.append(even)
+                self.split_halves.pop(point, None)  # a fresh (or cleared) stream starts a fresh split
+            n = 0 if acc is None else acc.n
+            half = self.split_halves.setdefault(point, SplitHalf())
+            if half.n_seen != n:
+                half.off()  # samples came in another way (observe, load_state, all-reduce)
+            half.open_even = even and half.n_seen >= 0
+            if half.open_even and acc is not None:
+                half.a_sum = -acc.c_sum.detach().clone() if half.a_sum is None else half.a_sum.sub_(acc.c_sum)
+                half.n_a -= n
 
     def after_step(self, probe, stream: str) -> None:
         """Close :meth:`before_step`'s split for the step (also after a refused or failed one,
@@ -401,24 +414,22 @@ class GrowthTangent:
             return
         for point in self.protocol.candidates:
             half = self.split_halves.get(point)
-            if half is None or len(half) < 4:
+            if half is None or half.n_seen < 0:
                 continue
-            even = half.pop()
             acc = probe.cross_stats.get(point)
             n = 0 if acc is None else acc.n
-            if half[2] >= 0:
-                if even and acc is not None:
-                    half[0] = acc.c_sum.detach().clone() if half[0] is None else half[0].add_(acc.c_sum)
-                    half[1] += n
-                half[2] = n
+            if half.open_even and acc is not None:
+                half.a_sum = acc.c_sum.detach().clone() if half.a_sum is None else half.a_sum.add_(acc.c_sum)
+                half.n_a += n
+            half.open_even, half.n_seen = False, n
 
     def split_half(self, point: str, probe):
         """``(A sum, n_A)`` at ``point`` or None (no split kept for the stream as it is now)."""
         half = self.split_halves.get(point)
         acc = probe.cross_stats.get(point)
-        if half is None or acc is None or half[2] != acc.n or half[0] is None or len(half) != 3:
+        if half is None or acc is None or half.n_seen != acc.n or half.a_sum is None:
             return None
-        return half[0], half[1]
+        return half.a_sum, half.n_a
 
     def candidate_scores(self, probe) -> dict[str, dict]:
         """Per candidate the probe has measured: the first-step inner products, the mean
