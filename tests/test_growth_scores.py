@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import transformers
 
 import fused_stats as fs
 from fused_stats.api.growth.advise import advise
+from fused_stats.api.growth.scores import candidate_scores
 
 CANDIDATES = ["model.embed_tokens", "model.layers.0", "model.layers.1"]
 ETAS = (1e-3, 1e-4, 1e-5)
@@ -162,6 +164,7 @@ def test_score_declares_the_ranking_and_every_score_is_reported(setting):
     for score, key in (
         ("signal_fraction", lambda c: -c.signal_fraction),
         ("adam_first_step", lambda c: c.predicted_change_adam),
+        ("split_adam", lambda c: -c.split_adam_score),
     ):
         declared = fs.GrowthProtocol(CANDIDATES, seed=2, score=score)
         assert declared.digest != protocol.digest and declared.to_dict()["score"] == score
@@ -189,10 +192,15 @@ def test_adam_prediction_is_not_available_under_a_projection(setting):
     assert all(c.predicted_change_adam is None for c in advice.ranked)
     data = probe.report(misalignment_trials=0).data
     assert all(v["adam_inner"] is None for v in data["growth_protocol"]["scores"].values())
+    assert all("split_a_on_b" not in v for v in data["growth_protocol"]["scores"].values())
+    assert all(c.split_adam_score is None for c in advice.ranked)
     # a record claiming an Adam value under a projection is not believed either
     for v in data["growth_protocol"]["scores"].values():
         v["adam_inner"] = 1.0
     assert all(c.predicted_change_adam is None for c in advise(data, projected).ranked)
+    for v in data["growth_protocol"]["scores"].values():
+        v["split_a_on_b"] = v["split_b_on_a"] = 1.0
+    assert all(c.split_adam_score is None for c in advise(data, projected).ranked)
     # SGD: (r/k) <C_M Pᵀ, C_K Pᵀ>, of mean <C_M, C_K> over P, from per-sample gradients of the
     # zero maps [o_proj | down_proj] (the tangent's column order)
     point = "model.layers.0"
@@ -220,6 +228,8 @@ def test_adam_prediction_is_not_available_under_a_projection(setting):
     assert "not available under a random projection" in advice.to_markdown()
     with pytest.raises(fs.FusedStatsError, match=r"adam_first_step.*projection"):
         fs.GrowthProtocol(CANDIDATES, projection=4, score="adam_first_step")
+    with pytest.raises(fs.FusedStatsError, match=r"split_adam.*projection"):
+        fs.GrowthProtocol(CANDIDATES, projection=4, score="split_adam")
 
 
 class WithValues(torch.nn.Module):
@@ -276,3 +286,108 @@ def test_split_adam_score_against_per_sample_gradients(setting):
     assert result.score == pytest.approx((a_on_b + b_on_a) / 2, rel=1e-9)
     with pytest.raises(fs.FusedStatsError, match="at least 2 batches"):
         fs.split_adam_score(model, protocol, point, data[:1], fs.causal_lm_loss)
+
+
+def brute_split(model, protocol, point, train, eps=1e-8) -> tuple[float, float]:
+    """``⟨s_A, C_B⟩`` and ``⟨s_B, C_A⟩`` from per-sample gradients, A: train batches 0, 2, ..."""
+    half_a = per_sample_tangents(model, protocol, point, train[0::2]).mean(0)
+    half_b = per_sample_tangents(model, protocol, point, train[1::2]).mean(0)
+    return float((half_a / (half_a.abs() + eps)) @ half_b), float((half_b / (half_b.abs() + eps)) @ half_a)
+
+
+@pytest.mark.parametrize("point", CANDIDATES)
+def test_advice_reports_the_split_adam_score_against_per_sample_gradients(setting, point, tmp_path):
+    model, protocol, train, test, advice = setting
+    a_on_b, b_on_a = brute_split(model, protocol, point, train)
+    assert a_on_b != pytest.approx(b_on_a, rel=1e-3)  # the two terms are told apart below
+    candidate = next(c for c in advice.ranked if c.point == point)
+    assert candidate.split_adam_score == pytest.approx((a_on_b + b_on_a) / 2, rel=1e-9)
+    # the probe's halves are fs.split_adam_score's (batch parity)
+    direct = fs.split_adam_score(model, protocol, point, train, fs.causal_lm_loss)
+    assert candidate.split_adam_score == pytest.approx(direct.score, rel=1e-9)
+    # a saved and reloaded report gives the same advice, the split score included
+    probe = fs.Probe(model, points=CANDIDATES, cross=protocol)
+    probe.run(train, fs.causal_lm_loss, stream="train", mask="none", progress=False)
+    probe.run(test, fs.causal_lm_loss, stream="test", mask="none", progress=False)
+    report = probe.report(misalignment_trials=0)
+    record = report.data["growth_protocol"]["scores"][point]
+    assert record["split_n"] == [12, 6]
+    assert record["split_a_on_b"] == pytest.approx(a_on_b, rel=1e-9)
+    assert record["split_b_on_a"] == pytest.approx(b_on_a, rel=1e-9)
+    reloaded = fs.Report.from_json(report.to_json(tmp_path / "report.json"))
+    assert advise(reloaded.data, protocol).to_dict() == advise(probe, protocol).to_dict()
+    # a report made without the halves: no split score, the rest unchanged
+    for v in reloaded.data["growth_protocol"]["scores"].values():
+        for key in ("split_a_on_b", "split_b_on_a", "split_n"):
+            v.pop(key)
+    old = advise(reloaded.data, protocol)
+    assert all(c.split_adam_score is None for c in old.ranked)
+    assert [c.predicted_change_adam for c in old.ranked] == [c.predicted_change_adam for c in advice.ranked]
+
+
+def test_split_halves_follow_the_train_steps_only(setting):
+    model, protocol, train, test, _ = setting
+    point = "model.layers.0"
+    probe = fs.Probe(model, points=[point], cross=protocol)
+    # test steps in between do not shift the parity of the train steps
+    for batch in train:
+        probe.step(batch, fs.causal_lm_loss, stream="train", mask="none")
+        probe.step(test[0], fs.causal_lm_loss, stream="test", mask="none")
+    a_on_b, b_on_a = brute_split(model, protocol, point, train)
+    record = probe.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+    assert record["split_a_on_b"] == pytest.approx(a_on_b, rel=1e-9)
+    assert record["split_b_on_a"] == pytest.approx(b_on_a, rel=1e-9)
+    # a failed step leaves the halves as they were
+    with pytest.raises(RuntimeError, match="boom"):
+        probe.step(train[0], lambda m, b: (_ for _ in ()).throw(RuntimeError("boom")), stream="train")
+    again = probe.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+    assert again["split_a_on_b"] == pytest.approx(a_on_b, rel=1e-9)
+    # one train batch: half B is empty, no split score
+    single = fs.Probe(model, points=[point], cross=protocol)
+    single.step(train[0], fs.causal_lm_loss, stream="train", mask="none")
+    assert "split_a_on_b" not in single.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+
+
+def test_no_split_score_when_train_samples_came_another_way(setting, tmp_path):
+    model, protocol, train, _, _ = setting
+    point = "model.layers.0"
+    saved = fs.Probe(model, points=[point], cross=protocol)
+    saved.run(train, fs.causal_lm_loss, stream="train", mask="none", progress=False)
+    saved.save_state(tmp_path / "state")
+    # restored accumulators carry no halves, and steps after the restore cannot rebuild them
+    restored = fs.Probe(model, points=[point], cross=fs.GrowthProtocol(CANDIDATES, seed=2))
+    restored.load_state(tmp_path / "state")
+    restored.step(train[0], fs.causal_lm_loss, stream="train", mask="none")
+    restored.step(train[1], fs.causal_lm_loss, stream="train", mask="none")
+    record = restored.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+    assert "split_a_on_b" not in record and record["mean_sq_norm"] is not None
+    # accumulators replaced under a probe that kept halves: its halves no longer apply
+    two = fs.Probe(model, points=[point], cross=fs.GrowthProtocol(CANDIDATES, seed=2))
+    two.run(train[:2], fs.causal_lm_loss, stream="train", mask="none", progress=False)
+    assert "split_a_on_b" in two.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+    two.load_state(tmp_path / "state")
+    assert "split_a_on_b" not in two.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+
+
+def test_a_cleared_train_stream_starts_a_fresh_split(setting):
+    model, protocol, train, _, _ = setting
+    point = "model.layers.0"
+    probe = fs.Probe(model, points=[point], cross=protocol)
+    probe.run(train, fs.causal_lm_loss, stream="train", mask="none", progress=False)
+    probe.clear_stream("train")
+    probe.run(train, fs.causal_lm_loss, stream="train", mask="none", progress=False)
+    # three steps before: the parity runs on, so half A is now train batch 1
+    a_on_b, b_on_a = brute_split(model, protocol, point, train)
+    record = probe.report(misalignment_trials=0).data["growth_protocol"]["scores"][point]
+    assert record["split_n"] == [6, 12]
+    assert record["split_a_on_b"] == pytest.approx(b_on_a, rel=1e-9)
+    assert record["split_b_on_a"] == pytest.approx(a_on_b, rel=1e-9)
+
+
+def test_candidate_scores_keep_no_split_under_a_projection():
+    # what candidate_scores reads of a CrossStats: c_sum, n, sq_norm_sum
+    g = torch.Generator().manual_seed(0)
+    train = SimpleNamespace(c_sum=torch.randn(3, 2, generator=g, dtype=torch.float64), n=4, sq_norm_sum=2.0)
+    half = (torch.randn(3, 2, generator=g, dtype=torch.float64), 2)
+    assert "split_a_on_b" in candidate_scores(train, None, half=half)
+    assert "split_a_on_b" not in candidate_scores(train, None, projected=True, half=half)

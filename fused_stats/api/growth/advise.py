@@ -22,6 +22,11 @@ point, and ranks the candidates by ``|C|_F²`` (docs/design.md, sections 2.4, 2.
   step's change of the mean test loss per unit step, and ``signal_fraction = |C|_F²/E|c_i|²``
   (:mod:`.scores`), from the report's ``growth_protocol.scores``; None where the report has none,
   and the Adam one under a projection.
+* ``split_adam_score = (⟨s_A, C_B⟩ + ⟨s_B, C_A⟩)/2`` on the two halves of the train stream by
+  step parity (A: train steps 0, 2, …; the feature source keeps A's tangent sum, B is the rest):
+  each term's mean is ``E[s_A]·C``, no noise-on-noise term; it equals
+  :func:`fused_stats.split_adam_score` on the same batches. None under a projection, for a
+  report made without it, or when train samples came in other than by ``Probe.step``.
 * Ranked by ``protocol.score`` (:func:`score_of`; default ``cross_frob2``). The verdict names the
   candidate of largest score among the significant ones (Holm-adjusted ``p̃ ≤ alpha``) only; with
   none, "saturated everywhere at alpha".
@@ -80,6 +85,8 @@ class Candidate:
     predicted_change_sgd: float | None = None  # −⟨C_M, C_K⟩
     predicted_change_adam: float | None = None  # −⟨s_M, C_K⟩; None under a projection
     signal_fraction: float | None = None  # |C|_F² / E|c_i|_F² (train stream)
+    # (⟨s_A, C_B⟩ + ⟨s_B, C_A⟩)/2, halves A/B: even/odd train steps; None under a projection
+    split_adam_score: float | None = None
 
 
 @dataclass(frozen=True)
@@ -219,8 +226,8 @@ class Advice:
             ),
             "",
             "| rank | point | n | r | ‖C‖_F² | se | z | p | p (Holm) | saturated | d_align | B_exact "
-            "| predicted ΔL per unit step | ΔL SGD | ΔL Adam | signal fraction |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+            "| predicted ΔL per unit step | ΔL SGD | ΔL Adam | signal fraction | split Adam score |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for i, c in enumerate(self.ranked, 1):
             lines.append(
@@ -230,7 +237,7 @@ class Advice:
                 f"| {fmt(c.d_align)} | {fmt(c.b_exact)} | "
                 f"{NO_DETECTABLE_GAIN if c.predicted_change is None else fmt(c.predicted_change)} "
                 f"| {_cell(c.predicted_change_sgd)} | {_cell(c.predicted_change_adam)} "
-                f"| {_cell(c.signal_fraction)} |"
+                f"| {_cell(c.signal_fraction)} | {_cell(c.split_adam_score)} |"
             )
         lines += ["", self.verdict, ""]
         return "\n".join(lines)
@@ -272,6 +279,7 @@ SCORE_LABELS = {
     "cross_frob2": "first-order gain",
     "signal_fraction": "signal fraction |C|_F²/E|c|²",
     "adam_first_step": "predicted zero-state Adam first-step drop",
+    "split_adam": "split Adam score ⟨s_A, C_B⟩",
 }
 
 
@@ -281,6 +289,9 @@ def score_of(candidate: Candidate, score: str) -> float:
         return candidate.cross_frob2
     if score == "signal_fraction":
         value = candidate.signal_fraction
+        return -math.inf if value is None else value
+    if score == "split_adam":
+        value = candidate.split_adam_score
         return -math.inf if value is None else value
     value = candidate.predicted_change_adam
     return -math.inf if value is None else -value
@@ -477,6 +488,12 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
         scale = 1.0 if protocol.projection is None else ranks[name] / protocol.projection
         extra = scores.get(name) or {}
         sgd, adam, sq = extra.get("sgd_inner"), extra.get("adam_inner"), extra.get("mean_sq_norm")
+        a_on_b, b_on_a = extra.get("split_a_on_b"), extra.get("split_b_on_a")
+        split = (
+            None
+            if a_on_b is None or b_on_a is None or protocol.projection is not None
+            else (a_on_b + b_on_a) / 2
+        )
         ranked.append(
             Candidate(
                 point=name,
@@ -496,6 +513,7 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
                 predicted_change_adam=None if adam is None or protocol.projection is not None else -adam,
                 # E_P of both terms scales by k/r: the fraction is rescaled by neither
                 signal_fraction=None if not sq else float(sat["cross_frob2"]) / sq,
+                split_adam_score=split,
             )
         )
     if protocol.score != DEFAULT_SCORE:

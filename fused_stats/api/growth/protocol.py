@@ -43,7 +43,7 @@ INITS = ("zero", "copy", "random")
 PROTOCOL_VERSION = 1
 # what fs.advise ranks by (docs/design.md 2.13): the unbiased |C|_F² (SGD's first-step gain), the
 # signal fraction |C|_F²/E|c|², or zero-state Adam's first-step gain on the test stream
-SCORES = ("cross_frob2", "signal_fraction", "adam_first_step")
+SCORES = ("cross_frob2", "signal_fraction", "adam_first_step", "split_adam")
 DEFAULT_SCORE = "cross_frob2"
 DEFAULT_ADAM_EPS = 1e-8  # torch.optim.Adam / AdamW's default
 
@@ -192,9 +192,9 @@ class GrowthProtocol:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and eps < float("inf")):
             raise FusedStatsError(f"GrowthProtocol adam_eps must be a finite float > 0, got {eps!r}")
         object.__setattr__(self, "adam_eps", float(eps))
-        if self.score == "adam_first_step" and self.projection is not None:
+        if self.score in ("adam_first_step", "split_adam") and self.projection is not None:
             raise FusedStatsError(
-                "GrowthProtocol score 'adam_first_step' needs the full tangent: under projection="
+                f"GrowthProtocol score {self.score!r} needs the full tangent: under projection="
                 f"{self.projection} the Adam prediction is not available (the sign of C P^T is not "
                 "the projection of the sign of C)"
             )

@@ -15,7 +15,9 @@ tangents of the zero parameters (the gradient of the mean loss there):
 * Signal fraction ``|C|_F² / E|c_i|_F²`` (unbiased ``|C|_F²`` over ``Σ|c_i|²/n``): the share of
   the per-sample tangent that the samples have in common, free of the features' scale.
 * Split Adam score ``⟨s_A, C_B⟩`` (:func:`split_adam_score`): ``s`` from one half of the train
-  batches, ``C`` from the other (batch parity), so its mean is ``E[s_A]·C``.
+  batches, ``C`` from the other (batch parity), so its mean is ``E[s_A]·C``. The probe's version
+  (:func:`candidate_scores` given ``half``): A the even train steps, whose tangent sum the
+  feature source keeps (``GrowthTangent.before_step``), B ``= c_sum − A``.
 * Curvature-aware gain ``|g|⁴ / (2 gᵀHg)``: the loss drop of the best step along ``g`` under the
   quadratic model ``L(−t g) ≈ L − t|g|² + t² gᵀHg / 2`` (minimum at ``t = |g|²/gᵀHg``); a
   rescaling of the new parameters ``θ → aθ`` scales ``|g|²`` by ``1/a²`` and ``gᵀHg`` by
@@ -47,14 +49,23 @@ def adam_direction(c_mean: torch.Tensor, eps: float) -> torch.Tensor:
     return c_mean / (c_mean.abs() + eps)
 
 
-def candidate_scores(train, test, eps: float = ADAM_EPS, projected: bool = False) -> dict:
+def candidate_scores(train, test, eps: float = ADAM_EPS, projected: bool = False, half=None) -> dict:
     """The raw first-step inner products and the signal fraction of one candidate from its train
-    and test CrossStats (module docstring), in the probed (possibly projected) coordinates."""
+    and test CrossStats (module docstring), in the probed (possibly projected) coordinates.
+    ``half``: ``(A sum, n_A)``, the tangent sum of the even train steps (B: the rest of the
+    stream), for ``split_a_on_b = ⟨s_A, C_B⟩`` and ``split_b_on_a``; None: not kept."""
     out = {"adam_eps": eps, "sgd_inner": None, "adam_inner": None, "mean_sq_norm": None}
     if train is None or train.n == 0:
         return out
     c_train = train.c_sum.detach().to(device="cpu", dtype=F64) / train.n
     out["mean_sq_norm"] = float(train.sq_norm_sum) / train.n
+    if half is not None and not projected and 0 < half[1] < train.n:
+        a_sum = half[0].detach().to(device="cpu", dtype=F64)
+        n_a, n_b = int(half[1]), train.n - int(half[1])
+        c_a, c_b = a_sum / n_a, (train.c_sum.detach().to(device="cpu", dtype=F64) - a_sum) / n_b
+        out["split_a_on_b"] = float((adam_direction(c_a, eps) * c_b).sum())
+        out["split_b_on_a"] = float((adam_direction(c_b, eps) * c_a).sum())
+        out["split_n"] = [n_a, n_b]
     if test is None or test.n == 0:
         return out
     c_test = test.c_sum.detach().to(device="cpu", dtype=F64) / test.n

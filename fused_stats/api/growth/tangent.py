@@ -58,6 +58,7 @@ those gradients.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -97,6 +98,21 @@ def block_call_kwargs(kwargs: dict) -> dict:
     if "use_cache" in out:
         out["use_cache"] = False
     return out
+
+
+@dataclass
+class SplitHalf:
+    """Half A of one candidate's train stream: the tangent sum and samples of the even train
+    steps, and ``n_seen``, the stream's samples after the last step seen (−1: no split, samples
+    came in another way)."""
+
+    a_sum: torch.Tensor | None = None
+    n_a: int = 0
+    n_seen: int = 0
+    open_even: bool = False  # an even step is under way: A holds −c_sum until it ends
+
+    def off(self) -> None:
+        self.a_sum, self.n_a, self.n_seen = None, 0, -1
 
 
 class GrowthTangent:
@@ -180,6 +196,8 @@ class GrowthTangent:
         self.seed = int(getattr(protocol, "seed", 0))
         self.blocks: dict[str, nn.Module] = {}
         self.maps: dict[str, list[tuple[str, int, bool]]] = {}
+        # per candidate: half A of the train stream (:meth:`before_step`)
+        self.split_halves: dict[str, SplitHalf] = {}
         # the input scale is a fact of the model's forward (e.g. where an embedding scale is
         # applied, which moved between transformers releases): checked even with self_check off
         if arch.input_point in protocol.candidates and self.family != "cross_block":
@@ -370,14 +388,64 @@ class GrowthTangent:
         built = self.protocol.candidates if self.family == "mlp_width" else list(self.maps)
         return {point: self.raw_rank(point) for point in built}
 
+    def before_step(self, probe, stream: str) -> None:
+        """Open the split of the train stream into halves by step parity (A: train steps 0, 2,
+        4, …; B: the rest, ``c_sum − A``): on an even step ``A −= c_sum`` now and
+        :meth:`after_step` adds ``c_sum`` back, so A gains exactly the step's tangent sum with one
+        d × r fp64 sum per candidate (no per-sample rows, no snapshot). Not under a projection."""
+        if stream != "train" or self.projection is not None:
+            return
+        even = probe.steps["train"] % 2 == 0
+        for point in self.protocol.candidates:
+            acc = probe.cross_stats.get(point)
+            if acc is None or acc.n == 0:
+                self.split_halves.pop(point, None)  # a fresh (or cleared) stream starts a fresh split
+            n = 0 if acc is None else acc.n
+            half = self.split_halves.setdefault(point, SplitHalf())
+            if half.n_seen != n:
+                half.off()  # samples came in another way (observe, load_state, all-reduce)
+            half.open_even = even and half.n_seen >= 0
+            if half.open_even and acc is not None:
+                half.a_sum = -acc.c_sum.detach().clone() if half.a_sum is None else half.a_sum.sub_(acc.c_sum)
+                half.n_a -= n
+
+    def after_step(self, probe, stream: str) -> None:
+        """Close :meth:`before_step`'s split for the step (also after a refused or failed one,
+        whose unchanged ``c_sum`` cancels)."""
+        if stream != "train" or self.projection is not None:
+            return
+        for point in self.protocol.candidates:
+            half = self.split_halves.get(point)
+            if half is None or half.n_seen < 0:
+                continue
+            acc = probe.cross_stats.get(point)
+            n = 0 if acc is None else acc.n
+            if half.open_even and acc is not None:
+                half.a_sum = acc.c_sum.detach().clone() if half.a_sum is None else half.a_sum.add_(acc.c_sum)
+                half.n_a += n
+            half.open_even, half.n_seen = False, n
+
+    def split_half(self, point: str, probe):
+        """``(A sum, n_A)`` at ``point`` or None (no split kept for the stream as it is now)."""
+        half = self.split_halves.get(point)
+        acc = probe.cross_stats.get(point)
+        if half is None or acc is None or half.n_seen != acc.n or half.a_sum is None:
+            return None
+        return half.a_sum, half.n_a
+
     def candidate_scores(self, probe) -> dict[str, dict]:
-        """Per candidate the probe has measured: the first-step inner products and the mean
-        per-sample squared norm (:func:`.scores.candidate_scores`, for the report)."""
+        """Per candidate the probe has measured: the first-step inner products, the mean
+        per-sample squared norm and the split Adam score (:func:`.scores.candidate_scores`, for
+        the report)."""
         eps = getattr(self.protocol, "adam_eps", ADAM_EPS)
         projected = self.projection is not None
         return {
             point: candidate_scores(
-                probe.cross_stats.get(point), probe.test_cross_stats.get(point), eps, projected
+                probe.cross_stats.get(point),
+                probe.test_cross_stats.get(point),
+                eps,
+                projected,
+                half=self.split_half(point, probe),
             )
             for point in self.protocol.candidates
             if probe.cross_stats.get(point) is not None

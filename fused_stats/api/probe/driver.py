@@ -438,19 +438,26 @@ class Probe:
             model, self.points, on_output=folding.on_output, modules=gradient_points(self.cross, self.points)
         )
         calls = PointKwargs(model, self.points, self.cross)  # a feature source's block needs them
-        # only what changes is recorded and restored
-        with FrozenEval(model), torch.enable_grad():  # enable_grad: losses.sum() needs a graph
-            try:
-                with capture, calls:
-                    losses = loss_fn(model, batch)
-                self._backward(losses, capture, folding)
-            finally:
-                capture.remove()
-        self._point_calls = calls.calls
+        before, after = getattr(self.cross, "before_step", None), getattr(self.cross, "after_step", None)
+        if callable(before) and callable(after):  # a feature source's per-step state (split halves)
+            before(self, stream)
         try:
-            folding.finish()
+            # only what changes is recorded and restored
+            with FrozenEval(model), torch.enable_grad():  # enable_grad: losses.sum() needs a graph
+                try:
+                    with capture, calls:
+                        losses = loss_fn(model, batch)
+                    self._backward(losses, capture, folding)
+                finally:
+                    capture.remove()
+            self._point_calls = calls.calls
+            try:
+                folding.finish()
+            finally:
+                self._point_calls = None
         finally:
-            self._point_calls = None
+            if callable(before) and callable(after):
+                after(self, stream)
 
     def observe(
         self, loss_reduction: str | None = None, scale=None, mask=None, stream: str = "train", **options
