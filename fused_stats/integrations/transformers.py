@@ -47,7 +47,28 @@ from ..api.training.step_logging import check_callback_args, merged_probe, metri
 from ..errors import FusedStatsError
 
 
-class FusedStatsCallback(TrainerCallback):
+class PendingMetrics:
+    """The metrics a callback computed at a step, handed to the Trainer's next log once: into
+    ``logs`` and the step's ``log_history`` entry (used by :class:`FusedStatsTrainerMixin` too)."""
+
+    _pending: dict[str, float]
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The metrics of the last logged step, once."""
+        out, self._pending = self._pending, {}
+        return out
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = self.pop_metrics()
+        if not metrics or logs is None:
+            return control
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+        return control
+
+
+class FusedStatsCallback(PendingMetrics, TrainerCallback):
     """Collect ``probe``'s statistics during ``Trainer.train()`` (module docstring).
 
     Parameters
@@ -224,20 +245,6 @@ class FusedStatsCallback(TrainerCallback):
         self.records.append(record)
         self._pending = metrics_of(record["points"])
 
-    def pop_metrics(self) -> dict[str, float]:
-        """The metrics of the last logged step, once (used by :class:`FusedStatsTrainerMixin`)."""
-        out, self._pending = self._pending, {}
-        return out
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        metrics = self.pop_metrics()
-        if not metrics or logs is None:
-            return control
-        logs.update(metrics)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)
-        return control
-
 
 class FusedStatsTrainerMixin:
     """Put a :class:`FusedStatsCallback`'s metrics into ``Trainer.log`` before any callback
@@ -263,7 +270,7 @@ class FusedStatsTrainerMixin:
         return [c for c in self.callback_handler.callbacks if isinstance(c, kinds)]
 
 
-class GrowthScheduleCallback(TrainerCallback, ExportableState):
+class GrowthScheduleCallback(PendingMetrics, TrainerCallback, ExportableState):
     """Grow the Trainer's model by a :class:`fused_stats.GrowthSchedule` (its module docstring).
 
     After each optimizer step (``on_step_end``: gradient accumulation's micro-batches are done and
@@ -343,19 +350,6 @@ class GrowthScheduleCallback(TrainerCallback, ExportableState):
         event = self.schedule.maybe_grow(model, step, optimizer, training_batches=self._step_batches)
         self._pending = self.schedule.metrics(event)
         control.should_log = True
-        return control
-
-    def pop_metrics(self) -> dict[str, float]:
-        out, self._pending = self._pending, {}
-        return out
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        metrics = self.pop_metrics()
-        if not metrics or logs is None:
-            return control
-        logs.update(metrics)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):

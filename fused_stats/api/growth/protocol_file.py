@@ -19,6 +19,7 @@ from pathlib import Path
 from torch import nn
 
 from ...errors import FusedStatsError
+from ...tomlfile import read_toml
 from .architecture import growth_points
 from .protocol import FAMILIES, INITS, SCORES, GrowthProtocol
 
@@ -140,23 +141,7 @@ class ProtocolFile:
 def read_protocol_file(path) -> ProtocolFile:
     """Read and check a protocol file (module docstring); raises naming the file and the key."""
     path = Path(path)
-    try:
-        payload = path.read_bytes()
-    except OSError as exc:
-        raise FusedStatsError(f"cannot read protocol file {str(path)!r}: {exc}") from None
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10: the same parser as a package
-        try:
-            import tomli as tomllib
-        except ImportError:
-            raise FusedStatsError(
-                "protocol files need Python >= 3.11 (tomllib) or: pip install tomli"
-            ) from None
-    try:
-        table = tomllib.loads(payload.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise FusedStatsError(f"protocol file {str(path)!r} is not valid TOML: {exc}") from None
+    _, table = read_toml(path, "protocol file")
     where = f"protocol file {str(path)!r}"
     return ProtocolFile(path, check_table(table, where))
 

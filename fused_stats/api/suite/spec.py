@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import FusedStatsError
+from ...tomlfile import read_toml
 
 SECTIONS = {
     "data": {
@@ -111,21 +112,7 @@ def _choice(path, where: str, value, choices) -> str:
 def read_suite(path) -> SuiteSpec:
     """Parse and check a suite file; finds the runs (globs expanded, relative to the file's folder)."""
     path = Path(path)
-    try:
-        payload = path.read_bytes()
-    except OSError as exc:
-        raise FusedStatsError(f"cannot read suite file {str(path)!r}: {exc}") from None
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10: the same parser as a package
-        try:
-            import tomli as tomllib
-        except ImportError:
-            raise FusedStatsError("suite files need Python >= 3.11 (tomllib) or: pip install tomli") from None
-    try:
-        raw = tomllib.loads(payload.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise FusedStatsError(f"suite file {str(path)!r} is not valid TOML: {exc}") from None
+    payload, raw = read_toml(path, "suite file")
     unknown = sorted(set(raw) - set(SECTIONS) - {"runs"})
     if unknown:
         _fail(path, f"unknown section or key {unknown[0]!r} (known: {', '.join(sorted(SECTIONS))}, runs)")
