@@ -306,15 +306,9 @@ def _grow_layers(
         for key in arch.adapter.layer_lists:
             if getattr(config, key, None) is not None:
                 lists[key] = list(getattr(config, key))
-    # final index of each new block: its original position plus the new blocks before it
     by_container: dict[str, list[Boundary]] = {}
     for b in bounds:
         by_container.setdefault(b.container, []).append(b)
-    final: dict[str, int] = {}
-    for items in by_container.values():
-        items.sort(key=lambda b: b.position)
-        for j, b in enumerate(items):
-            final[b.point] = b.position + j
     for container, items in by_container.items():
         stack = model.get_submodule(container)
         for b in sorted(items, key=lambda b: b.position, reverse=True):
@@ -335,7 +329,7 @@ def _grow_layers(
                 if type(sub.__dict__.get("config")) is type(config):
                     sub.config = config
     for b in bounds:
-        name = f"{b.container}.{final[b.point]}"
+        name = f"{b.container}.{_final_index(bounds, b)}"
         result.positions[b.point] = name
         result.new_parameters.extend(f"{name}.{rel}" for rel, _ in blocks[b.point].named_parameters())
     if optimizer is not None:
