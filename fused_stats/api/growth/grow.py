@@ -48,7 +48,6 @@ from torch import nn
 from ...errors import FusedStatsError
 from .architecture import Architecture, Boundary, boundary
 from .blocks import cross_spec, new_block, new_units, stream_width, widen_block
-from .gradmax import gradmax_directions  # noqa: F401  (the init_directions source, importable beside grow)
 from .insert import INSERTED_NAME, insert_zero_block
 from .protocol import GrowthProtocol, _intermediate_size, check_init
 from .record import check_step_and_evidence, growth_history, record_growth

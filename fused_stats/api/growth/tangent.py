@@ -593,8 +593,7 @@ class GrowthTangent:
         ``s q``, the gradient at the point's output). Raises :class:`FusedStatsError` above 1e-6
         relative error, naming the point and the model_type; returns the error."""
         block = copy.deepcopy(self.block(point)).to(torch.float64)
-        B = z.shape[0]
-        sample = next((b for b in range(B) if bool(torch.isfinite(z[b]).all())), 0)
+        B, sample = z.shape[0], _finite_index(z)
         z1 = _one_sample(z, sample, B).detach().to(torch.float64)
         kw1 = _fp64(_one_sample(kwargs, sample, B))
         units = None
@@ -726,11 +725,14 @@ def _cross_block_features(block: nn.Module, z: torch.Tensor) -> torch.Tensor:
     return apply_activation(z.to(block.w_in.dtype) @ block.w_in.T, block.activation)
 
 
+def _finite_index(t: torch.Tensor) -> int:
+    """The first sample (row of axis 0) of ``t`` with only finite values, else 0."""
+    return next((b for b in range(t.shape[0]) if bool(torch.isfinite(t[b]).all())), 0)
+
+
 def _finite_sample(t: torch.Tensor) -> torch.Tensor:
-    """The first sample (row of axis 0) of ``t`` with only finite values (else the first), as a
-    batch of one, detached."""
-    B = t.shape[0]
-    sample = next((b for b in range(B) if bool(torch.isfinite(t[b]).all())), 0)
+    """:func:`_finite_index`'s sample of ``t`` as a batch of one, detached."""
+    sample = _finite_index(t)
     return t[sample : sample + 1].detach()
 
 
