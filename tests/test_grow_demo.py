@@ -14,8 +14,20 @@ import transformers
 import fused_stats as fs
 from fused_stats.api.streaming.plan import plan_tangent
 from fused_stats.cli import main
-from fused_stats.demo.growth import SCORES, paired_test, stratified_rank_test, training_flops_per_token
+from fused_stats.demo.growth import (
+    SCORES,
+    paired_test,
+    stratified_rank_test,
+    training_flops_per_token,
+)
 from fused_stats.demo.models import build_llama
+
+# the demo's checks of the scores: realised quantity, and whether the input boundary is left out
+CHECKS = {
+    "drop_alone": ("candidate_drop", False),
+    "gain_continued": ("candidate_gain_continued", False),
+    "gain_continued_blocks": ("candidate_gain_continued", True),
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +55,13 @@ def test_quick_run_end_to_end(quick_run):
         # equal FLOPs: within one scratch step of the grown run's training FLOPs
         step = arms["scratch_flops"]["flops"] / arms["scratch_flops"]["steps"]
         assert abs(arms["scratch_flops"]["flops"] - arms["top"]["flops"]) <= step / 2 + 1e-6 * step
-        gains = [run["candidate_gain"][c] for c in run["candidates"]]
-        drops = [run["candidate_drop"][c] for c in run["candidates"]]
-        assert run["rank_correlation"]["rho"] == pytest.approx(
-            scipy.stats.spearmanr(gains, drops)[0], abs=1e-12
-        )
+        # top, last and even are continued arms of their candidate; the gain is stay minus the arm
+        for arm in ("top", "last", "even"):
+            point = arms[arm]["point"]
+            assert run["candidate_gain_continued"][point] == (
+                arms["stay"]["held_out_loss"] - arms[arm]["held_out_loss"]
+            )
+        assert arms["stay"]["point"] is None and arms["stay"]["init"] == "none"
         assert all(torch.isfinite(torch.tensor(v["held_out_loss"])) for v in arms.values())
         # every score of every candidate, oriented as a predicted drop, and its rho with the drop
         by_point = {c["point"]: c for c in run["advice"]["ranked"]}
@@ -60,28 +74,98 @@ def test_quick_run_end_to_end(quick_run):
             assert scores["curvature_gain"] == pytest.approx(
                 scores["grad_sq"] ** 2 / (2 * scores["ghg"]), rel=1e-12
             )
+    for check, (key, blocks_only) in CHECKS.items():
         for name in SCORES:
-            xs = [run["candidate_scores"][c][name] for c in run["candidates"]]
-            assert run["score_rank_correlation"][name]["rho"] == pytest.approx(
-                scipy.stats.spearmanr(xs, drops)[0], abs=1e-12
-            )
-    for name in SCORES:
-        rhos = [r["score_rank_correlation"][name]["rho"] for r in record["runs"]]
-        pooled = record["summary"]["scores"][name]
-        assert pooled["rho_per_seed"] == rhos
-        assert pooled["mean_rho"] == pytest.approx(sum(rhos) / len(rhos), abs=1e-12)
-        assert pooled["p_sign_flip"] == paired_test(rhos)
-        best = [
-            max(r["candidates"], key=lambda c: r["candidate_scores"][c][name])
-            == max(r["candidates"], key=lambda c: r["candidate_drop"][c])
+            pooled = record["summary"]["scores"][check][name]
+            rhos = []
+            for r in record["runs"]:
+                points = [c for c in r["candidates"] if not (blocks_only and c == "model.embed_tokens")]
+                xs = [r["candidate_scores"][c][name] for c in points]
+                rhos.append(scipy.stats.spearmanr(xs, [r[key][c] for c in points])[0])
+            assert pooled["rho_per_seed"] == pytest.approx(rhos, abs=1e-12)
+            assert pooled["mean_rho"] == pytest.approx(sum(rhos) / len(rhos), abs=1e-12)
+            assert pooled["p_sign_flip"] == paired_test(pooled["rho_per_seed"])
+            best = [
+                max(points, key=lambda c: r["candidate_scores"][c][name])
+                == max(points, key=lambda c: r[key][c])
+                for r in record["runs"]
+                for points in [
+                    [c for c in r["candidates"] if not (blocks_only and c == "model.embed_tokens")]
+                ]
+            ]
+            assert pooled["top_is_best"] == sum(best)
+    by_candidate = record["summary"]["gain_continued_by_candidate"]
+    for point, v in by_candidate.items():
+        gains = [r["candidate_gain_continued"][point] for r in record["runs"]]
+        assert v["mean"] == pytest.approx(sum(gains) / len(gains), abs=1e-15)
+        assert (
+            v["min"] == min(gains) and v["max"] == max(gains) and v["positive"] == sum(g > 0 for g in gains)
+        )
+        assert v["best"] == sum(
+            max(r["candidates"], key=lambda c: r["candidate_gain_continued"][c]) == point
             for r in record["runs"]
-        ]
-        assert pooled["top_is_best"] == sum(best)
+        )
+    agreement = [
+        scipy.stats.spearmanr(
+            [r["candidate_drop"][c] for c in r["candidates"]],
+            [r["candidate_gain_continued"][c] for c in r["candidates"]],
+        )[0]
+        for r in record["runs"]
+    ]
+    assert record["summary"]["drop_vs_gain_continued"]["mean_rho"] == pytest.approx(
+        sum(agreement) / len(agreement), abs=1e-12
+    )
     assert "Which candidate" in text and "curvature_gain" in text
     losses = [r["arms"]["top"]["held_out_loss"] for r in record["runs"]]
     summary = record["summary"]["held_out_loss"]["top"]
     assert summary["mean"] == pytest.approx(sum(losses) / 2, rel=1e-12)
-    assert "Held-out loss" in text and "rank correlation" in text and "not a test" in text
+    assert "Held-out loss" in text and "Where growth helps" in text and "not a test" in text
+    assert "gain over no growth after" in text
+
+
+def test_continued_gain_replayed_by_hand(quick_run):
+    """Seed 0 replayed without the probe, the advisor or any deep copy: the shallow model trained
+    steps1 steps (AdamW, warm-up + cosine over steps1 + steps2), then (a) trained on ungrown
+    (the stay arm) and (b) grown by a zero layer at a boundary with its AdamW and schedule
+    carried, trained steps2 more steps on the next text. The record's losses and gains equal
+    the replay's."""
+    from fused_stats.demo.corpus import StdlibCorpus
+    from fused_stats.demo.models import eval_loss, lr_factor, lr_for
+
+    record, _ = quick_run
+    cfg, run = record["config"], record["runs"][0]
+    seed, B, total = run["seed"], cfg["batch_size"], cfg["steps1"] + cfg["steps2"]
+    corpus = StdlibCorpus(cfg["seq_len"], probe_windows=cfg["probe_batches"] * B)
+    held_out = list(corpus.batches("test", seed, B, cfg["eval_batches"]))
+    protocol = fs.GrowthProtocol(run["candidates"], family="layer", init="zero", seed=seed)
+
+    def train(model, opt, sched, start, count):
+        model.train()
+        for ids in corpus.batches("train", seed, B, count, start=start * B):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        model.eval()
+
+    def replay(point):
+        model = build_llama(cfg["width"], cfg["depth"], cfg["seq_len"], seed)
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=lr_for(cfg["width"], cfg["base_lr"]), betas=(0.9, 0.95), weight_decay=0.0
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(min(s, total - 1), total))
+        train(model, opt, sched, 0, cfg["steps1"])
+        assert eval_loss(model, held_out) == pytest.approx(run["shallow_held_out_loss"], abs=1e-12)
+        if point is not None:
+            fs.grow(model, protocol, at=[point], optimizer=opt)
+        train(model, opt, sched, cfg["steps1"], cfg["steps2"])
+        return eval_loss(model, held_out)
+
+    stay = replay(None)
+    assert run["arms"]["stay"]["held_out_loss"] == pytest.approx(stay, abs=1e-9)
+    for point in (run["candidates"][0], run["candidates"][-1]):
+        grown = replay(point)
+        assert run["candidate_gain_continued"][point] == pytest.approx(stay - grown, abs=1e-9)
 
 
 def test_saturated_everywhere_grows_nothing(tmp_path, monkeypatch):
@@ -91,6 +175,7 @@ def test_saturated_everywhere_grows_nothing(tmp_path, monkeypatch):
     from fused_stats.demo.growth import GrowthDemoConfig, run_growth_demo
 
     monkeypatch.setattr(Advice, "top", property(lambda self: None))
+    monkeypatch.setattr(Advice, "saturated_everywhere", property(lambda self: True))
     # record what the scorers return, to check the demo files the symmetric split score and the gain
     returned = {}
     real_split, real_curvature = fs.split_adam_score, fs.curvature_gain
@@ -113,11 +198,20 @@ def test_saturated_everywhere_grows_nothing(tmp_path, monkeypatch):
     arms = record["runs"][0]["arms"]
     assert arms["top"]["point"] is None and arms["copy"]["point"] is None
     assert arms["top"]["init"] == arms["copy"]["init"] == "none"
-    assert arms["top"]["held_out_loss"] == arms["copy"]["held_out_loss"]
+    assert arms["top"]["held_out_loss"] == arms["copy"]["held_out_loss"] == arms["stay"]["held_out_loss"]
     shallow = build_llama(cfg.width, cfg.depth, cfg.seq_len, 0)
     tokens = (cfg.steps1 + cfg.steps2) * cfg.batch_size * cfg.seq_len
     assert arms["top"]["flops"] == pytest.approx(training_flops_per_token(shallow) * tokens, rel=1e-12)
     assert any("advisor top none (saturated everywhere: no growth)" in line for line in lines)
+    # the verdict on that seed says how many boundaries gained after continued training anyway
+    gains = record["runs"][0]["candidate_gain_continued"]
+    said = [line for line in lines if "seed 0 was saturated everywhere" in line]
+    assert len(said) == 1
+    if any(v > 0 for v in gains.values()):
+        assert f"at {sum(v > 0 for v in gains.values())} of {len(gains)} boundaries" in said[0]
+        assert f"{max(gains.values()):+.4f} at {max(gains, key=gains.get)}" in said[0]
+    else:
+        assert "no zero layer gained" in said[0]
     run = record["runs"][0]
     for point in run["candidates"]:
         scores, result = run["candidate_scores"][point], returned[("split", point)]
@@ -234,3 +328,79 @@ def test_depth_ladder_quick(tmp_path):
             got = record["summary"]["scores"][name]["rho_per_seed"][index]
             assert got == pytest.approx(scipy.stats.spearmanr(xs, ys)[0], abs=1e-12)
     assert "When to stop" in (out / "depth_ladder.md").read_text()
+
+
+def test_summary_of_synthetic_runs_against_scipy():
+    """summarize on made-up runs whose two realised quantities rank the candidates differently:
+    each score's mean per-seed rho with each quantity, the drop-vs-gain agreement, the
+    per-boundary gains and the arm table, all against scipy and plain arithmetic."""
+    from fused_stats.demo.growth import ARMS, GrowthDemoConfig, summarize
+
+    gen = torch.Generator().manual_seed(11)
+    candidates = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2"]
+
+    def values():
+        return dict(
+            zip(candidates, torch.randn(len(candidates), generator=gen, dtype=torch.float64).tolist())
+        )
+
+    runs = []
+    for seed in range(3):
+        run = {
+            "seed": seed,
+            "candidates": candidates,
+            "input_point": "model.embed_tokens",
+            "candidate_drop": values(),
+            "candidate_gain_continued": values(),
+            "candidate_scores": {c: {} for c in candidates},
+            "arms": {a: {"held_out_loss": 2 + float(torch.rand((), generator=gen))} for a in ARMS},
+            # seed 1: saturated everywhere, so the advisor's top is None, not its first-ranked candidate
+            "advice": {"saturated_everywhere": seed == 1, "ranked": [{"point": candidates[seed]}]},
+        }
+        run["arms"]["top"]["point"] = None if seed == 1 else candidates[seed]
+        for name in SCORES:
+            for c, v in values().items():
+                run["candidate_scores"][c][name] = v
+        runs.append(run)
+    summary, lines = summarize(GrowthDemoConfig.quick(depth=3, seeds=(0, 1, 2)), runs)
+
+    def mean_rho(x_key, y_key):  # x_key, y_key: run -> candidate -> value
+        return sum(
+            scipy.stats.spearmanr([x_key(r)[c] for c in candidates], [y_key(r)[c] for c in candidates])[0]
+            for r in runs
+        ) / len(runs)
+
+    for check, (key, blocks_only) in CHECKS.items():
+        points = candidates[1:] if blocks_only else candidates
+        per_seed = {
+            name: [
+                scipy.stats.spearmanr(
+                    [r["candidate_scores"][c][name] for c in points], [r[key][c] for c in points]
+                )[0]
+                for r in runs
+            ]
+            for name in SCORES
+        }
+        for name in SCORES:
+            got = summary["scores"][check][name]
+            assert got["mean_rho"] == pytest.approx(sum(per_seed[name]) / 3, abs=1e-12)
+            minus = [a - b for a, b in zip(per_seed[name], per_seed["cross_frob2"])]
+            assert got["minus_default"]["mean"] == pytest.approx(sum(minus) / 3, abs=1e-12)
+            if name != "cross_frob2":
+                assert got["minus_default"]["p_sign_flip"] == paired_test(minus)
+    drops_vs_gains = mean_rho(lambda r: r["candidate_drop"], lambda r: r["candidate_gain_continued"])
+    assert summary["drop_vs_gain_continued"]["mean_rho"] == pytest.approx(drops_vs_gains, abs=1e-12)
+    assert abs(drops_vs_gains) < 0.99  # the two quantities differ, so a swap would be seen
+    for c in candidates:
+        gains = [r["candidate_gain_continued"][c] for r in runs]
+        assert summary["gain_continued_by_candidate"][c]["mean"] == pytest.approx(sum(gains) / 3, abs=1e-15)
+    stay = [r["arms"]["stay"]["held_out_loss"] - r["arms"]["scratch_flops"]["held_out_loss"] for r in runs]
+    assert summary["paired_vs_scratch_flops"]["stay"]["mean"] == pytest.approx(sum(stay) / 3, abs=1e-15)
+    assert summary["saturated_everywhere"] == [False, True, False]
+    assert any("saturated everywhere in 1 of 3 seeds" in line for line in lines)
+    skipped = runs[1]
+    first = skipped["candidate_gain_continued"][candidates[1]]
+    top = skipped["arms"]["stay"]["held_out_loss"] - skipped["arms"]["top"]["held_out_loss"]
+    said = [line for line in lines if "first-ranked candidate was not Holm-significant" in line]
+    assert len(said) == 1 and "in 1 of 3 seeds (1)" in said[0]
+    assert f"gained {first:+.4f} on average after continued training, the advisor's top {top:+.4f}" in said[0]

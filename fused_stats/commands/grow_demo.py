@@ -23,7 +23,7 @@ def register(sub) -> None:
     p.add_argument(
         "--force", action="store_true", help="write into an --out folder that is not empty (default: refuse)"
     )
-    p.add_argument("--seeds", type=int_list(0), nargs="+", help="seeds (default: 0 1 2 3 4; --quick: 0 1)")
+    p.add_argument("--seeds", type=int_list(0), nargs="+", help="seeds (default: 0 .. 9; --quick: 0 1)")
     p.add_argument("--width", type=positive_int, help="model width, a multiple of 16 (default: 32)")
     p.add_argument("--depth", type=positive_int, help="depth of the shallow model (default: 6)")
     p.add_argument("--steps1", type=positive_int, help="training steps before growth (default: 96)")

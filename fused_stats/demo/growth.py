@@ -8,13 +8,15 @@ models (:mod:`.models`), small enough for a few minutes on 2 CPU cores. Per seed
 2. probe it (:class:`fused_stats.Probe` with ``cross=protocol``: the exact tangent of a new
    layer at every block boundary) on the reserved train / held-out windows and rank the
    boundaries with :func:`fused_stats.advise` (Holm–Bonferroni);
-3. grow one zero-output layer (:func:`fused_stats.grow`, optimizer carried: new parameters
-   start with zero Adam state) at the advisor's top candidate (``top``: ``advice.top``, the
-   Holm-significant candidate of largest ``|C|_F²``), at the candidate it ranks last (``last``),
-   at the middle boundary (``even``: evenly spaced growth of one block), and a G_stack-style copy
-   of the neighbour at the top candidate (``copy``); train each for ``steps2`` more steps on the
-   same text. Saturated everywhere (``advice.top`` is None): the advisor says not to grow, so
-   ``top`` and ``copy`` train the shallow model on unchanged (recorded as ``init="none"``);
+3. continue training: the shallow model unchanged (``stay``: no growth) and, at every
+   candidate, the model grown by one zero-output layer (:func:`fused_stats.grow`, optimizer
+   carried: new parameters start with zero Adam state), each for ``steps2`` more steps on the
+   same text; a candidate's realised gain is the stay arm's held-out loss minus its own. The arms
+   ``top`` (the advisor's top candidate, ``advice.top``: the Holm-significant candidate of
+   largest ``|C|_F²``), ``last`` (the candidate it ranks last) and ``even`` (the middle boundary:
+   evenly spaced growth of one block) are three of these; ``copy`` is a G_stack-style copy of
+   the neighbour at the top candidate. Saturated everywhere (``advice.top`` is None): the
+   advisor says not to grow, so ``top`` and ``copy`` are the stay arm (``init="none"``);
 4. train the final architecture (``depth + 1`` blocks) from scratch for ``steps1 + steps2``
    steps (``scratch_steps``) and for the steps that cost the grown run's training FLOPs
    (``scratch_flops``; FLOPs per token ``6 × (non-embedding parameters + LM head)``, Kaplan et
@@ -24,15 +26,17 @@ models (:mod:`.models`), small enough for a few minutes on 2 CPU cores. Per seed
    ``⟨s_M, C_K⟩``, the split Adam score ``⟨s_A, C_B⟩`` on the train probe batches, and the
    curvature-aware gain ``|g|⁴/(2gᵀHg)`` on ``curvature_batches`` of them); then insert a zero
    layer, train only it for ``short_steps`` AdamW steps, and record the held-out loss drop.
-   Per score and seed, Spearman's ρ with that drop and its exact permutation p-value
+   Per score, seed and realised quantity (:data:`REALISED`: that drop, and the gain after
+   continued training of step 3), Spearman's ρ and its exact permutation p-value
    (:func:`fused_stats.accumulators.trends.rank_correlation`); pooled over seeds, the mean of the
    per-seed ρ with a stratified permutation test (:func:`stratified_rank_test`: candidates
    shuffled within each seed, exact when there are at most ``10_000`` joint permutations) and
    the exact sign-flip test of the per-seed ρ (:func:`paired_test`).
 
 The scores answer "does a descent direction exist at this point, and how steep is it for one
-small step"; the realised drop answers "which point gains most after a few Adam steps": the
-rank correlation is the check of the first against the second.
+small step"; the realised quantities answer "which point gains most after a few Adam steps of
+the new layer" and "after training the grown model on": the rank correlations check the first
+against the second.
 
 Held-out loss: mean next-byte cross-entropy on ``eval_batches`` batches of held-out files. Arms
 are compared across seeds by the paired difference to ``scratch_flops`` (mean, sd, range) and an
@@ -55,7 +59,20 @@ import torch
 
 from ..errors import FusedStatsError
 
-ARMS = ("top", "last", "even", "copy", "scratch_steps", "scratch_flops")
+ARMS = ("stay", "top", "last", "even", "copy", "scratch_steps", "scratch_flops")
+# what a candidate realised, per seed: the held-out drop of a zero layer there trained alone for
+# short_steps, and the held-out gain over no growth after steps2 steps of the whole grown model
+REALISED = {
+    "candidate_drop": "drop of the new layer trained alone",
+    "candidate_gain_continued": "gain over no growth, whole model trained on",
+}
+# each check of the scores: (realised quantity, whether the input boundary is left out); the
+# input boundary's features and stream gradient are on another scale than inside the stack
+SCORE_CHECKS = {
+    "drop_alone": ("candidate_drop", False),
+    "gain_continued": ("candidate_gain_continued", False),
+    "gain_continued_blocks": ("candidate_gain_continued", True),
+}
 # every score oriented so that larger predicts a larger held-out drop
 SCORES = ("cross_frob2", "signal_fraction", "gain_sgd", "gain_adam", "split_adam", "curvature_gain")
 SCORE_LABELS = {
@@ -72,7 +89,7 @@ SCORE_LABELS = {
 class GrowthDemoConfig:
     width: int = 32
     depth: int = 6
-    seeds: tuple = (0, 1, 2, 3, 4)
+    seeds: tuple = tuple(range(10))
     seq_len: int = 64
     batch_size: int = 16
     steps1: int = 96
@@ -89,7 +106,7 @@ class GrowthDemoConfig:
     def quick(cls, **overrides) -> GrowthDemoConfig:
         base = dict(
             width=16,
-            depth=2,
+            depth=3,
             seeds=(0, 1),
             steps1=8,
             steps2=4,
@@ -254,20 +271,33 @@ def run_seed(corpus, cfg: GrowthDemoConfig, seed: int, echo=print) -> dict:
     where = {"top": (top, "zero"), "last": (ranked[-1], "zero"), "even": (even, "zero")}
     where["copy"] = (top, "copy")
 
-    arms: dict[str, dict] = {}
-    for arm, (point, init) in where.items():
+    def continue_training(point, init: str) -> dict:
+        """The shallow model grown at ``point`` (None: not grown), optimizer carried, then
+        ``steps2`` more steps on the same text as every other arm."""
         model, o, s = copy.deepcopy((shallow, opt, sched))
-        if point is None:
-            init = "none"
-        else:
+        if point is not None:
             fs.grow(model, protocol, at=[point], init=init, optimizer=o)
         tokens2 = _steps(model, o, s, text(cfg.steps1, cfg.steps2))
-        arms[arm] = {
+        return {
             "point": point,
-            "init": init,
+            "init": init if point is not None else "none",
             "held_out_loss": eval_loss(model, held_out),
             "flops": training_flops_per_token(shallow) * tokens1 + training_flops_per_token(model) * tokens2,
         }
+
+    # realised gain of every candidate after continued training of the whole model, against no
+    # growth for the same steps (all candidates add the same layer, so their ranking does not
+    # depend on whether "no growth" gets equal steps or equal FLOPs)
+    stay = continue_training(None, "none")
+    continued = {point: continue_training(point, "zero") for point in candidates}
+    arms: dict[str, dict] = {"stay": stay}
+    for arm, (point, init) in where.items():
+        if point is None:
+            arms[arm] = dict(stay)
+        elif init == "zero":
+            arms[arm] = dict(continued[point])
+        else:
+            arms[arm] = continue_training(point, init)
     grown_flops = arms["top"]["flops"]
     deep = build_llama(cfg.width, cfg.depth + 1, cfg.seq_len, seed)
     per_step = training_flops_per_token(deep) * B * cfg.seq_len
@@ -296,38 +326,33 @@ def run_seed(corpus, cfg: GrowthDemoConfig, seed: int, echo=print) -> dict:
         o = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         _steps(model, o, None, text(cfg.steps1, cfg.short_steps))
         drops[point] = base_loss - eval_loss(model, held_out)
-    gains = {c.point: c.cross_frob2 for c in advice.ranked}
-    from ..accumulators.trends import rank_correlation
-
-    rho, p = rank_correlation([gains[c] for c in candidates], [drops[c] for c in candidates])
-    score_rho = {
-        name: dict(
-            zip(
-                ("rho", "p_value"),
-                rank_correlation([scores[c][name] for c in candidates], [drops[c] for c in candidates]),
-            )
-        )
-        for name in SCORES
+    realised = {
+        "candidate_drop": drops,
+        "candidate_gain_continued": {
+            c: stay["held_out_loss"] - continued[c]["held_out_loss"] for c in candidates
+        },
     }
     out = {
         "seed": seed,
         "shallow_held_out_loss": base_loss,
         "candidate_scores": scores,
-        "score_rank_correlation": score_rho,
         "candidates": candidates,
+        "input_point": arch.input_point,
         "advice": advice.to_dict(),
         "arms": arms,
-        "candidate_gain": gains,
-        "candidate_drop": drops,
-        "rank_correlation": {"rho": rho, "p_value": p, "n": len(candidates)},
+        **realised,
         "seconds": time.perf_counter() - t0,
     }
+    from ..accumulators.trends import rank_correlation
+
+    gains = realised["candidate_gain_continued"]
+    rho, _ = rank_correlation([scores[c]["cross_frob2"] for c in candidates], [gains[c] for c in candidates])
     echo(
         f"seed {seed}: shallow held-out {base_loss:.4f}; advisor top "
         + (top if top is not None else "none (saturated everywhere: no growth)")
         + f", last {ranked[-1]}; "
         + ", ".join(f"{a} {v['held_out_loss']:.4f}" for a, v in arms.items())
-        + f"; rho(|C|², drop) = {rho:.2f} (p = {p:.2f}); {out['seconds']:.0f} s"
+        + f"; rho(|C|², continued gain) = {rho:.2f}; {out['seconds']:.0f} s"
     )
     return out
 
@@ -363,9 +388,8 @@ def _finite(value) -> float:
 
 def summarize(cfg: GrowthDemoConfig, runs: list[dict]) -> tuple[dict, list[str]]:
     """Spread over seeds per arm, paired differences to ``scratch_flops`` with the sign-flip
-    test, the rank correlations, and sentences saying what the runs show."""
-    from ..accumulators.trends import rank_correlation
-
+    test, every candidate's gain after continued training, the rank correlations of every score
+    with both realised quantities, and sentences saying what the runs show."""
     table = {a: _spread([r["arms"][a]["held_out_loss"] for r in runs]) for a in ARMS}
     paired = {}
     for arm in ARMS:
@@ -374,18 +398,17 @@ def summarize(cfg: GrowthDemoConfig, runs: list[dict]) -> tuple[dict, list[str]]
         diffs = [r["arms"][arm]["held_out_loss"] - r["arms"]["scratch_flops"]["held_out_loss"] for r in runs]
         paired[arm] = {**_spread(diffs), "p_value": paired_test(diffs), "wins": sum(d < 0 for d in diffs)}
     top_vs_last = [r["arms"]["top"]["held_out_loss"] - r["arms"]["last"]["held_out_loss"] for r in runs]
-    pooled = rank_correlation(
-        [r["candidate_gain"][c] for r in runs for c in r["candidates"]],
-        [r["candidate_drop"][c] for r in runs for c in r["candidates"]],
+    agreement = stratified_rank_test(
+        [tuple([r[key][c] for c in r["candidates"]] for key in REALISED) for r in runs]
     )
     summary = {
         "held_out_loss": table,
         "paired_vs_scratch_flops": paired,
         "top_minus_last": {**_spread(top_vs_last), "p_value": paired_test(top_vs_last)},
-        "rank_correlation_pooled": {"rho": pooled[0], "p_value": pooled[1]},
-        "rank_correlation_per_seed": [r["rank_correlation"] for r in runs],
+        "gain_continued_by_candidate": _gain_by_candidate(runs),
+        "drop_vs_gain_continued": {"mean_rho": agreement[0], "p_stratified_permutation": agreement[1]},
         "saturated_everywhere": [r["advice"]["saturated_everywhere"] for r in runs],
-        "scores": _score_summary(runs),
+        "scores": {check: _score_summary(runs, *SCORE_CHECKS[check]) for check in SCORE_CHECKS},
     }
     n = len(runs)
     lines = [
@@ -404,43 +427,89 @@ def summarize(cfg: GrowthDemoConfig, runs: list[dict]) -> tuple[dict, list[str]]
         f"advisor's top minus its last candidate: mean {t['mean']:+.4f} (range {t['min']:+.4f} .. "
         f"{t['max']:+.4f}), sign-flip p = {t['p_value']:.3f}"
     )
-    lines.append(
-        "rank correlation of measured |C|_F² with the realised held-out drop of a zero layer trained "
-        f"alone for {cfg.short_steps} steps: per seed "
-        + ", ".join(f"{c['rho']:.2f} (p {c['p_value']:.2f})" for c in summary["rank_correlation_per_seed"])
-        + f"; pooled over seeds {pooled[0]:.2f} (p {pooled[1]:.3f})"
-    )
     sat = summary["saturated_everywhere"]
     lines.append(
         f"advisor verdict: saturated everywhere in {sum(sat)} of {n} seeds (Holm-Bonferroni, alpha {cfg.alpha})"
     )
-    lines += _score_lines(summary["scores"], cfg, n)
-    lines += _verdict(summary, n)
+    lines += _gain_lines(summary, cfg, n)
+    for check in SCORE_CHECKS:
+        lines += _score_lines(summary["scores"][check], cfg, n, check)
+    lines += _verdict(summary, runs)
     return summary, lines
 
 
-def _score_summary(runs: list[dict]) -> dict:
-    """Per score: the per-seed ρ with the realised drop, their mean with the stratified
-    permutation p, the sign-flip p of the per-seed ρ, and how often the score's top candidate was
-    the candidate of largest realised drop."""
+def _gain_by_candidate(runs: list[dict]) -> dict:
+    """Per boundary (the same list in every seed): the spread over seeds of its gain over no
+    growth after continued training, in how many seeds it was positive, and in how many it was
+    the seed's largest."""
+    out = {}
+    for c in runs[0]["candidates"]:
+        values = [r["candidate_gain_continued"][c] for r in runs]
+        best = sum(max(r["candidates"], key=r["candidate_gain_continued"].get) == c for r in runs)
+        out[c] = {**_spread(values), "positive": sum(v > 0 for v in values), "best": best}
+    return out
+
+
+def _gain_lines(summary: dict, cfg: GrowthDemoConfig, n: int) -> list[str]:
+    lines = [
+        f"Where growth helps: held-out gain over no growth (the 'stay' arm) after {cfg.steps2} more steps of "
+        "the whole model grown by one zero layer at each boundary (positive: the layer helped):",
+        f"{'boundary':<20} {'mean':>8} {'sd':>8} {'min':>8} {'max':>8} {'gain>0':>7} {'best':>5}",
+    ]
+    for c, v in summary["gain_continued_by_candidate"].items():
+        lines.append(
+            f"{c:<20} {v['mean']:+8.4f} {v['sd']:8.4f} {v['min']:+8.4f} {v['max']:+8.4f} "
+            f"{v['positive']:>4}/{n:<2} {v['best']:>3}/{n}"
+        )
+    a = summary["drop_vs_gain_continued"]
+    lines.append(
+        f"drop of the new layer trained alone vs gain after continued training: mean per-seed rho "
+        f"{a['mean_rho']:+.2f} (stratified permutation p = {a['p_stratified_permutation']:.3f})"
+    )
+    return lines
+
+
+def _checked_points(run: dict, blocks_only: bool) -> list[str]:
+    return [c for c in run["candidates"] if not (blocks_only and c == run["input_point"])]
+
+
+def score_rank_correlations(run: dict, key: str, blocks_only: bool = False) -> dict:
+    """Per score: Spearman's ρ and its exact permutation p of the score before growth with the
+    realised quantity ``key`` over one seed's candidates (:data:`SCORE_CHECKS`)."""
+    from ..accumulators.trends import rank_correlation
+
+    points = _checked_points(run, blocks_only)
+    realised = [run[key][c] for c in points]
+    return {
+        name: rank_correlation([_finite(run["candidate_scores"][c][name]) for c in points], realised)
+        for name in SCORES
+    }
+
+
+def _score_summary(runs: list[dict], key: str, blocks_only: bool) -> dict:
+    """Per score: the per-seed ρ with the realised quantity ``key`` (:data:`REALISED`), their
+    mean with the stratified permutation p, the sign-flip p of the per-seed ρ, the per-seed
+    difference to the protocol's default score's ρ with its sign-flip p (does another score
+    rank better?), and how often the score's top candidate was the candidate of largest
+    realised value."""
+    from ..api.growth.protocol import DEFAULT_SCORE
+
+    per_seed = [score_rank_correlations(r, key, blocks_only) for r in runs]
     out = {}
     for name in SCORES:
-        groups = [
-            (
-                [_finite(r["candidate_scores"][c][name]) for c in r["candidates"]],
-                [r["candidate_drop"][c] for c in r["candidates"]],
-            )
-            for r in runs
-        ]
-        rhos = [r["score_rank_correlation"][name]["rho"] for r in runs]
-        defined = [v for v in rhos if not math.isnan(v)]
-        mean_rho, p_perm = stratified_rank_test(groups)
+        groups = []
         hits = 0
         for r in runs:
-            finite = {c: _finite(r["candidate_scores"][c][name]) for c in r["candidates"]}
-            finite = {c: v for c, v in finite.items() if math.isfinite(v)}
-            best = max(r["candidate_drop"], key=r["candidate_drop"].get)
-            hits += bool(finite) and max(finite, key=finite.get) == best
+            points = _checked_points(r, blocks_only)
+            xs = [_finite(r["candidate_scores"][c][name]) for c in points]
+            groups.append((xs, [r[key][c] for c in points]))
+            finite = {c: x for c, x in zip(points, xs) if math.isfinite(x)}
+            hits += bool(finite) and max(finite, key=finite.get) == max(points, key=r[key].get)
+        rhos = [rho for rho, _ in (s[name] for s in per_seed)]
+        defined = [v for v in rhos if not math.isnan(v)]
+        versus = [rho - s[DEFAULT_SCORE][0] for rho, s in zip(rhos, per_seed)]
+        versus = [v for v in versus if not math.isnan(v)]
+        mean_rho, p_perm = stratified_rank_test(groups)
         out[name] = {
             "rho_per_seed": rhos,
             "mean_rho": mean_rho,
@@ -448,49 +517,56 @@ def _score_summary(runs: list[dict]) -> dict:
             "p_sign_flip": paired_test(defined),
             "positive_seeds": sum(v > 0 for v in defined),
             "seeds_defined": len(defined),
+            "minus_default": {
+                "default": DEFAULT_SCORE,
+                "mean": statistics.fmean(versus) if versus else math.nan,
+                "p_sign_flip": paired_test(versus),
+            },
             "top_is_best": hits,
         }
     return out
 
 
-def _score_lines(scores: dict, cfg: GrowthDemoConfig, n: int) -> list[str]:
+def _score_lines(scores: dict, cfg: GrowthDemoConfig, n: int, check: str) -> list[str]:
+    what = {
+        "drop_alone": f"the held-out drop of a zero layer trained alone for {cfg.short_steps} AdamW steps, "
+        f"{cfg.depth + 1} candidates",
+        "gain_continued": f"the held-out gain over no growth after {cfg.steps2} steps of the whole grown model, "
+        f"{cfg.depth + 1} candidates",
+        "gain_continued_blocks": f"the same gain over the {cfg.depth} block outputs only (the input boundary "
+        "left out)",
+    }[check]
+    from ..api.growth.protocol import DEFAULT_SCORE as default
+
     lines = [
-        f"Which candidate: Spearman rho of each score (before growth) with the realised held-out drop of a "
-        f"zero layer trained alone for {cfg.short_steps} AdamW steps, {cfg.depth + 1} candidates per seed:",
-        f"{'score':<16} {'rho per seed':<{7 * n}} {'mean':>6} {'p perm':>7} {'p flip':>7} {'rho>0':>6} {'top=best':>8}",
+        f"Which candidate: Spearman rho of each score (before growth) with {what} per seed:",
+        f"{'score':<16} {'rho per seed':<{7 * n}} {'mean':>6} {'p perm':>7} {'p flip':>7} {'rho>0':>6} "
+        f"{'top=best':>8}  {'- ' + default:>15} {'p flip':>7}",
     ]
     for name in SCORES:
         v = scores[name]
         per_seed = " ".join(f"{x:+.2f}" if not math.isnan(x) else "  nan" for x in v["rho_per_seed"])
+        d = v["minus_default"]
+        versus = f"{d['mean']:+15.2f} {d['p_sign_flip']:7.3f}" if name != default else f"{'':>15} {'':>7}"
         lines.append(
             f"{name:<16} {per_seed:<{7 * n}} {v['mean_rho']:+6.2f} {v['p_stratified_permutation']:7.3f} "
-            f"{v['p_sign_flip']:7.3f} {v['positive_seeds']:>3}/{v['seeds_defined']:<2} {v['top_is_best']:>5}/{n}"
+            f"{v['p_sign_flip']:7.3f} {v['positive_seeds']:>3}/{v['seeds_defined']:<2} {v['top_is_best']:>5}/{n}  "
+            + versus
         )
     lines.append(
         "(p perm: candidates shuffled within each seed, statistic the mean rho; p flip: exact sign-flip of "
         f"the per-seed rho, smallest attainable {2 / 2**n:.3f}; top=best: seeds where the score's top "
-        "candidate had the largest realised drop)"
-    )
-    significant = [m for m in SCORES if scores[m]["p_stratified_permutation"] <= 0.05]
-    lines.append(
-        "- which candidate: the scores are first-order (and one quadratic) predictions of one small step; "
-        "the realised drop is after several Adam steps, so rho says how far the first predicts the second. "
-        + (
-            "Rank-correlated with the realised drop across seeds (stratified permutation p <= 0.05; the sign "
-            "of the mean rho says which way): "
-            + ", ".join(f"{m} (mean rho {scores[m]['mean_rho']:+.2f})" for m in significant)
-            + "; the others: no evidence either way."
-            if significant
-            else "No score is significantly rank-correlated with the realised drop across seeds "
-            "(stratified permutation p > 0.05 for all)."
-        )
+        f"candidate had the largest realised value; - {default}: mean per-seed rho minus that of the "
+        "protocol's default score, with its sign-flip p)"
     )
     return lines
 
 
-def _verdict(summary: dict, n: int) -> list[str]:
+def _verdict(summary: dict, runs: list[dict]) -> list[str]:
     """What the runs show, in words (whatever they show)."""
-    out = []
+    from ..api.growth.protocol import DEFAULT_SCORE as default
+
+    out, n = [], len(runs)
     p = summary["paired_vs_scratch_flops"]
     min_p = 2 / 2**n
     for arm, label in (
@@ -508,91 +584,159 @@ def _verdict(summary: dict, n: int) -> list[str]:
         )
     t = summary["top_minus_last"]
     out.append(
-        "- the block placed where |C|_F² is largest ended "
+        "- the block placed at the advisor's top candidate ended "
         + ("lower" if t["mean"] < 0 else "not lower")
-        + f" than at the last-ranked place (mean difference {t['mean']:+.4f}, sign-flip p = {t['p_value']:.3f}, "
+        + f" than at its last-ranked one (mean difference {t['mean']:+.4f}, sign-flip p = {t['p_value']:.3f}, "
         + ("significant" if t["p_value"] <= 0.05 else "not significant")
         + ")."
     )
-    rho, rho_p = summary["rank_correlation_pooled"]["rho"], summary["rank_correlation_pooled"]["p_value"]
-    if math.isnan(rho):
-        out.append("- the rank correlation is undefined (constant gains or drops).")
-    else:
+    gains = summary["gain_continued_by_candidate"]
+    positive = sum(v["positive"] for v in gains.values())
+    out.append(
+        f"- a zero layer beat no growth after continued training in {positive} of {n * len(gains)} "
+        "(seed, boundary) pairs."
+    )
+    # the verdict's significance filter against the ranking alone: where the first-ranked
+    # candidate was not Holm-significant, what growing there would have gained instead
+    filtered = [r for r in runs if r["arms"]["top"]["point"] != r["advice"]["ranked"][0]["point"]]
+    if filtered:
+        first = [r["candidate_gain_continued"][r["advice"]["ranked"][0]["point"]] for r in filtered]
+        top = [r["arms"]["stay"]["held_out_loss"] - r["arms"]["top"]["held_out_loss"] for r in filtered]
         out.append(
-            f"- measured |C|_F² and the realised drop: pooled rank correlation rho = {rho:.2f} across "
-            f"candidates (permutation p = {rho_p:.3f}, "
-            + ("significant" if rho_p <= 0.05 else "not significant: no evidence of a relation either way")
-            + ")."
+            f"- in {len(filtered)} of {n} seeds (" + ", ".join(str(r["seed"]) for r in filtered) + ") the "
+            "advisor's first-ranked candidate was not Holm-significant, so its top was another candidate or "
+            f"none; there the first-ranked one gained {statistics.fmean(first):+.4f} on average after "
+            f"continued training, the advisor's top {statistics.fmean(top):+.4f}."
+        )
+    for run in runs:
+        if run["advice"]["saturated_everywhere"]:
+            realised = run["candidate_gain_continued"]
+            best = max(realised, key=realised.get)
+            out.append(
+                f"- seed {run['seed']} was saturated everywhere (no boundary significant after Holm), yet "
+                f"a zero layer gained after continued training at {sum(v > 0 for v in realised.values())} "
+                f"of {len(realised)} boundaries (largest {realised[best]:+.4f} at {best}): the test found no "
+                "first-order descent direction at this probe size, which is not evidence that none exists."
+                if any(v > 0 for v in realised.values())
+                else f"- seed {run['seed']} was saturated everywhere, and no zero layer gained after continued "
+                "training at any boundary."
+            )
+    labels = {
+        "drop_alone": "the drop of the new layer trained alone",
+        "gain_continued": "the gain over no growth after continued training",
+        "gain_continued_blocks": "that gain over the block outputs only",
+    }
+    for check, label in labels.items():
+        scores = summary["scores"][check]
+        significant = [m for m in SCORES if scores[m]["p_stratified_permutation"] <= 0.05]
+        better = [
+            m
+            for m in SCORES
+            if scores[m]["minus_default"]["p_sign_flip"] <= 0.05 and scores[m]["minus_default"]["mean"] > 0
+        ]
+        out.append(
+            f"- scores vs {label}: "
+            + (
+                "rank-correlated across seeds (stratified permutation p <= 0.05; the sign of the mean rho "
+                "says which way): "
+                + ", ".join(f"{m} (mean rho {scores[m]['mean_rho']:+.2f})" for m in significant)
+                + "; the others: no evidence either way"
+                if significant
+                else "no score is significantly rank-correlated across seeds (stratified permutation p > 0.05 "
+                "for all)"
+            )
+            + (
+                f"; ranks better than the default {default} (sign-flip p <= 0.05): " + ", ".join(better) + "."
+                if better
+                else f"; no score ranks significantly better than the default {default}"
+                + (
+                    f" (with {n} seeds the sign-flip test cannot reach p <= 0.05)."
+                    if 2 / 2**n > 0.05
+                    else " (sign-flip p > 0.05 for each)."
+                )
+            )
         )
     out.append(
-        "These are tiny models trained briefly, a few seeds: a description of these runs, not a test "
-        "of the papers' claims."
+        "The scores are first-order (one quadratic) predictions of one small step on the new parameters: "
+        "whether a descent direction exists there and how steep; the realised quantities are after many "
+        "steps, so rho says how far the first predicts the second. These are tiny models trained briefly, a "
+        "few seeds: a description of these runs, not a test of the papers' claims."
     )
     return out
 
 
 def plot_growth_demo(runs: list[dict], path) -> Path:
-    """First panel: held-out loss per arm, a tick at the mean over seeds and one dot per seed
-    (the arms are categories: no lines join them). Then one panel per score: the score before
-    growth (symmetric-log x: some scores can be negative) against the realised held-out drop per
-    candidate, one colour per seed, each dot labelled with its boundary."""
+    """Top row: held-out loss per arm (a tick at the mean over seeds, one dot per seed; the arms
+    are categories, no lines join them), and every boundary's gain over no growth after
+    continued training (one dot per seed). Then one row per realised quantity
+    (:data:`REALISED`), one panel per score: the score before growth (symmetric-log x: some
+    scores can be negative) against the realised value per candidate, one colour per seed, each
+    dot labelled with its boundary."""
     from ..api.report.plots import figure_classes, save_figure
 
     Figure, Canvas = figure_classes()
-    fig = Figure(figsize=(15, 7.5))
+    fig = Figure(figsize=(21, 10.5))
     Canvas(fig)
-    axes = fig.subplots(2, 4).ravel()
-    a1 = axes[0]
+    grid = fig.add_gridspec(len(REALISED) + 1, len(SCORES))
+    rhos = {key: [score_rank_correlations(run, key) for run in runs] for key in REALISED}
+    half = len(SCORES) // 2
+    a1, a2 = fig.add_subplot(grid[0, :half]), fig.add_subplot(grid[0, half:])
+    spread = 0.35 / max(len(runs), 1)
+
+    def offset(i):
+        return (i - (len(runs) - 1) / 2) * spread
+
     xs = list(range(len(ARMS)))
-    losses = [[run["arms"][a]["held_out_loss"] for run in runs] for a in ARMS]
-    means = [sum(v) / len(v) for v in losses]
+    means = [statistics.fmean(run["arms"][a]["held_out_loss"] for run in runs) for a in ARMS]
     # the mean as a short bar-width tick, not a bar: the loss axis does not start at zero
     a1.scatter(xs, means, marker="_", s=700, linewidths=1.5, color="black", label="mean over seeds", zorder=2)
-    spread = 0.35 / max(len(runs), 1)
+    candidates = runs[0]["candidates"]
     for i, run in enumerate(runs):
-        offset = (i - (len(runs) - 1) / 2) * spread
-        a1.scatter(
-            [x + offset for x in xs],
-            [run["arms"][a]["held_out_loss"] for a in ARMS],
-            color=f"C{i % 10}",
-            s=22,
-            zorder=3,
-            label=f"seed {run['seed']}",
+        style = dict(color=f"C{i % 10}", s=22, zorder=3, label=f"seed {run['seed']}")
+        a1.scatter([x + offset(i) for x in xs], [run["arms"][a]["held_out_loss"] for a in ARMS], **style)
+        a2.scatter(
+            [k + offset(i) for k in range(len(candidates))],
+            [run["candidate_gain_continued"][c] for c in candidates],
+            **style,
         )
     a1.set_xticks(xs)
     a1.set_xticklabels(ARMS, rotation=30, ha="right", fontsize=8)
     a1.set_ylabel("held-out loss (nats/byte)")
-    a1.set_title("after growth vs from scratch", fontsize=9)
+    a1.set_title("after growth vs from scratch ('stay': not grown)", fontsize=9)
     a1.legend(fontsize=6, loc="upper left", markerscale=0.6)
-    for ax, name in zip(axes[1:], SCORES):
-        values = [abs(_finite(r["candidate_scores"][c][name])) for r in runs for c in r["candidates"]]
-        nonzero = [v for v in values if math.isfinite(v) and v > 0]
-        for i, run in enumerate(runs):
-            pts = [
-                (_finite(run["candidate_scores"][c][name]), run["candidate_drop"][c], c)
-                for c in run["candidates"]
-            ]
-            pts = [p for p in pts if math.isfinite(p[0])]
-            rho = run["score_rank_correlation"][name]["rho"]
-            ax.scatter(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                color=f"C{i % 10}",
-                s=16,
-                label=f"seed {run['seed']} (ρ {rho:+.2f})",
-            )
-            for x, y, c in pts:
-                ax.annotate(
-                    c.rsplit(".", 1)[-1], (x, y), fontsize=5, xytext=(2, 2), textcoords="offset points"
+    a2.axhline(0.0, color="black", lw=0.6)
+    a2.set_xticks(range(len(candidates)))
+    a2.set_xticklabels([c.removeprefix("model.") for c in candidates], rotation=30, ha="right", fontsize=8)
+    a2.set_ylabel("held-out gain over 'stay'", fontsize=8)
+    a2.set_title("where growth helps: one zero layer at each boundary, whole model trained on", fontsize=9)
+    for row, (key, label) in enumerate(REALISED.items(), start=1):
+        for column, name in enumerate(SCORES):
+            ax = fig.add_subplot(grid[row, column])
+            values = [abs(_finite(r["candidate_scores"][c][name])) for r in runs for c in r["candidates"]]
+            nonzero = [v for v in values if math.isfinite(v) and v > 0]
+            for i, run in enumerate(runs):
+                pts = [(_finite(run["candidate_scores"][c][name]), run[key][c], c) for c in run["candidates"]]
+                pts = [q for q in pts if math.isfinite(q[0])]
+                rho = rhos[key][i][name][0]
+                ax.scatter(
+                    [q[0] for q in pts],
+                    [q[1] for q in pts],
+                    color=f"C{i % 10}",
+                    s=14,
+                    label=f"seed {run['seed']} (ρ {rho:+.2f})",
                 )
-        if nonzero:
-            ax.set_xscale("symlog", linthresh=min(nonzero))
-        ax.axhline(0.0, color="black", lw=0.6)
-        ax.set_xlabel(SCORE_LABELS[name] + " before growth", fontsize=8)
-        ax.set_ylabel("held-out drop, new layer alone", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.legend(fontsize=5)
-    axes[-1].set_visible(len(SCORES) + 1 >= len(axes))
+                for x, y, c in pts:
+                    ax.annotate(
+                        c.rsplit(".", 1)[-1], (x, y), fontsize=5, xytext=(2, 2), textcoords="offset points"
+                    )
+            if nonzero:
+                ax.set_xscale("symlog", linthresh=min(nonzero))
+            ax.axhline(0.0, color="black", lw=0.6)
+            ax.set_xlabel(SCORE_LABELS[name] + " before growth", fontsize=7)
+            if column == 0:
+                ax.set_ylabel(label.replace(", ", ",\n"), fontsize=7)
+            ax.tick_params(labelsize=6)
+            ax.legend(fontsize=5)
     fig.tight_layout()
     return save_figure(fig, path)
 
