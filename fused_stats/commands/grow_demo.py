@@ -11,12 +11,13 @@ def register(sub) -> None:
         "grow-demo",
         help="probe a shallow model, grow it where the advisor says (and controls), compare with scratch",
         description="Train a shallow byte-level LLaMA on this Python's standard-library source, probe "
-        "the exact tangent of a new layer at every block boundary, grow one zero layer at the "
-        "advisor's top candidate (controls: its last, the middle boundary, a copy), continue "
-        "training, and compare held-out loss with the deeper model trained from scratch at "
-        "equal FLOPs and equal steps, over seeds; per candidate every advisor score (|C|_F^2, signal "
-        "fraction, SGD and Adam first-step predictions, split Adam score, curvature gain) and its "
-        "rank correlation with the realised drop of the new layer trained alone, pooled over seeds.",
+        "the exact tangent of a new layer at every block boundary, grow one zero layer at each boundary "
+        "(the advisor's top, its last and the middle one among them; a copy as control), continue "
+        "training, and compare held-out loss with no growth and with the deeper model trained from "
+        "scratch at equal FLOPs and equal steps, over seeds; per candidate every advisor score (|C|_F^2, "
+        "signal fraction, SGD and Adam first-step predictions, split Adam score, curvature gain) and its "
+        "rank correlation with the realised drop of the new layer trained alone and with the realised "
+        "gain over no growth after continued training, pooled over seeds.",
     )
     p.add_argument("--quick", action="store_true", help="tiny run for a smoke test")
     p.add_argument("--out", default="fused_stats_out/grow_demo", help="output folder")
