@@ -275,6 +275,7 @@ def test_plan_counts_the_tangent(capsys):
     # minus 2 x 32000 x 4096 embeddings and the final norm, over 32 layers), 12.44 GiB in bf16 for
     # the 33 candidates (32 block outputs and the input boundary)
     assert "33 candidates" in text and "202.4M parameters each" in text and "12.44 GiB in bf16" in text
+    assert "about 4 training steps' compute per candidate and batch (132 per batch for all 33)" in text
     # against the state of a live tangent probe (fp32 tiny LLaMA, with and without projection)
     cfg = transformers.LlamaConfig(
         vocab_size=30,

@@ -167,6 +167,14 @@ def cmd_plan(args) -> int:
                 f"{human_count(t['block_params'])} parameters each (LLaMA, full KV heads): "
                 f"{human_bytes(2 * t['block_params'] * candidates)} in bf16"
             )
+            # fs.curvature_gain (scores.py): a forward-backward, then a forward, a create_graph
+            # backward and a second backward per batch, on a grown copy of the model
+            print(
+                f"  curvature gain (fs.curvature_gain, optional): about 4 training steps' compute per "
+                f"candidate and batch ({4 * candidates} per batch for all {candidates}), and a grown copy of "
+                f"the model in memory while it runs (the model plus one new layer of "
+                f"{human_count(t['block_params'])} parameters)"
+            )
     print(
         "bytes of fp64 accumulator state (acc = one point, one stream; total = points x streams). "
         "auto is a pool up to N* samples, dense after; without --pool it is shown at its dense bound."
