@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from ..api.growth.protocol import DEFAULT_SCORE
 from ..errors import FusedStatsError
 
 ARMS = ("stay", "top", "last", "even", "copy", "scratch_steps", "scratch_flops")
@@ -66,12 +67,28 @@ REALISED = {
     "candidate_drop": "drop of the new layer trained alone",
     "candidate_gain_continued": "gain over no growth, whole model trained on",
 }
-# each check of the scores: (realised quantity, whether the input boundary is left out); the
-# input boundary's features and stream gradient are on another scale than inside the stack
+# each check of the scores: the realised quantity, whether the input boundary is left out (its
+# features and stream gradient are on another scale than inside the stack), what the table's
+# header says (formatted with the config) and what the verdict calls it
 SCORE_CHECKS = {
-    "drop_alone": ("candidate_drop", False),
-    "gain_continued": ("candidate_gain_continued", False),
-    "gain_continued_blocks": ("candidate_gain_continued", True),
+    "drop_alone": (
+        "candidate_drop",
+        False,
+        "the held-out drop of a zero layer trained alone for {short_steps} AdamW steps, {candidates} candidates",
+        "the drop of the new layer trained alone",
+    ),
+    "gain_continued": (
+        "candidate_gain_continued",
+        False,
+        "the held-out gain over no growth after {steps2} steps of the whole grown model, {candidates} candidates",
+        "the gain over no growth after continued training",
+    ),
+    "gain_continued_blocks": (
+        "candidate_gain_continued",
+        True,
+        "the same gain over the {depth} block outputs only (the input boundary left out)",
+        "that gain over the block outputs only",
+    ),
 }
 # every score oriented so that larger predicts a larger held-out drop
 SCORES = ("cross_frob2", "signal_fraction", "gain_sgd", "gain_adam", "split_adam", "curvature_gain")
@@ -267,9 +284,6 @@ def run_seed(corpus, cfg: GrowthDemoConfig, seed: int, echo=print) -> dict:
     # the advisor's choice: its top Holm-significant candidate; saturated everywhere (None) means
     # it advises no growth, so "top" and "copy" then continue the shallow model unchanged
     top = advice.top.point if advice.top is not None else None
-    even = candidates[len(candidates) // 2]
-    where = {"top": (top, "zero"), "last": (ranked[-1], "zero"), "even": (even, "zero")}
-    where["copy"] = (top, "copy")
 
     def continue_training(point, init: str) -> dict:
         """The shallow model grown at ``point`` (None: not grown), optimizer carried, then
@@ -290,14 +304,13 @@ def run_seed(corpus, cfg: GrowthDemoConfig, seed: int, echo=print) -> dict:
     # depend on whether "no growth" gets equal steps or equal FLOPs)
     stay = continue_training(None, "none")
     continued = {point: continue_training(point, "zero") for point in candidates}
-    arms: dict[str, dict] = {"stay": stay}
-    for arm, (point, init) in where.items():
-        if point is None:
-            arms[arm] = dict(stay)
-        elif init == "zero":
-            arms[arm] = dict(continued[point])
-        else:
-            arms[arm] = continue_training(point, init)
+    arms = {
+        "stay": stay,
+        "top": dict(stay if top is None else continued[top]),
+        "last": dict(continued[ranked[-1]]),
+        "even": dict(continued[candidates[len(candidates) // 2]]),
+        "copy": dict(stay) if top is None else continue_training(top, "copy"),
+    }
     grown_flops = arms["top"]["flops"]
     deep = build_llama(cfg.width, cfg.depth + 1, cfg.seq_len, seed)
     per_step = training_flops_per_token(deep) * B * cfg.seq_len
@@ -408,7 +421,7 @@ def summarize(cfg: GrowthDemoConfig, runs: list[dict]) -> tuple[dict, list[str]]
         "gain_continued_by_candidate": _gain_by_candidate(runs),
         "drop_vs_gain_continued": {"mean_rho": agreement[0], "p_stratified_permutation": agreement[1]},
         "saturated_everywhere": [r["advice"]["saturated_everywhere"] for r in runs],
-        "scores": {check: _score_summary(runs, *SCORE_CHECKS[check]) for check in SCORE_CHECKS},
+        "scores": {check: _score_summary(runs, *SCORE_CHECKS[check][:2]) for check in SCORE_CHECKS},
     }
     n = len(runs)
     lines = [
@@ -469,46 +482,40 @@ def _gain_lines(summary: dict, cfg: GrowthDemoConfig, n: int) -> list[str]:
     return lines
 
 
-def _checked_points(run: dict, blocks_only: bool) -> list[str]:
-    return [c for c in run["candidates"] if not (blocks_only and c == run["input_point"])]
+def _pairs(run: dict, key: str, blocks_only: bool, name: str) -> tuple[list[str], list[float], list[float]]:
+    """One seed's checked candidates, the score ``name`` of each before growth (NaN where
+    undefined) and the realised quantity ``key``; ``blocks_only`` leaves the input boundary out."""
+    points = [c for c in run["candidates"] if not (blocks_only and c == run["input_point"])]
+    return points, [_finite(run["candidate_scores"][c][name]) for c in points], [run[key][c] for c in points]
 
 
-def score_rank_correlations(run: dict, key: str, blocks_only: bool = False) -> dict:
-    """Per score: Spearman's ρ and its exact permutation p of the score before growth with the
-    realised quantity ``key`` over one seed's candidates (:data:`SCORE_CHECKS`)."""
+def _rhos(runs: list[dict], key: str, blocks_only: bool, name: str) -> list[float]:
+    """Spearman's ρ per seed of the score ``name`` with the realised quantity ``key``."""
     from ..accumulators.trends import rank_correlation
 
-    points = _checked_points(run, blocks_only)
-    realised = [run[key][c] for c in points]
-    return {
-        name: rank_correlation([_finite(run["candidate_scores"][c][name]) for c in points], realised)
-        for name in SCORES
-    }
+    return [rank_correlation(*_pairs(r, key, blocks_only, name)[1:])[0] for r in runs]
 
 
 def _score_summary(runs: list[dict], key: str, blocks_only: bool) -> dict:
     """Per score: the per-seed ρ with the realised quantity ``key`` (:data:`REALISED`), their
     mean with the stratified permutation p, the sign-flip p of the per-seed ρ, the per-seed
     difference to the protocol's default score's ρ with its sign-flip p (does another score
-    rank better?), and how often the score's top candidate was the candidate of largest
-    realised value."""
-    from ..api.growth.protocol import DEFAULT_SCORE
-
-    per_seed = [score_rank_correlations(r, key, blocks_only) for r in runs]
+    rank better? None for the default itself), and how often the score's top candidate (its
+    unique largest value) was the candidate of largest realised value."""
+    default_rhos = _rhos(runs, key, blocks_only, DEFAULT_SCORE)
     out = {}
     for name in SCORES:
-        groups = []
-        hits = 0
+        groups, hits = [], 0
         for r in runs:
-            points = _checked_points(r, blocks_only)
-            xs = [_finite(r["candidate_scores"][c][name]) for c in points]
-            groups.append((xs, [r[key][c] for c in points]))
-            finite = {c: x for c, x in zip(points, xs) if math.isfinite(x)}
-            hits += bool(finite) and max(finite, key=finite.get) == max(points, key=r[key].get)
-        rhos = [rho for rho, _ in (s[name] for s in per_seed)]
+            points, xs, ys = _pairs(r, key, blocks_only, name)
+            groups.append((xs, ys))
+            finite = [x for x in xs if math.isfinite(x)]
+            # the score's top: its unique largest finite value (a constant score has none)
+            tops = [c for c, x in zip(points, xs) if finite and x == max(finite)]
+            hits += len(tops) == 1 and tops[0] == points[ys.index(max(ys))]
+        rhos = _rhos(runs, key, blocks_only, name)
         defined = [v for v in rhos if not math.isnan(v)]
-        versus = [rho - s[DEFAULT_SCORE][0] for rho, s in zip(rhos, per_seed)]
-        versus = [v for v in versus if not math.isnan(v)]
+        versus = [v for v in (a - b for a, b in zip(rhos, default_rhos)) if not math.isnan(v)]
         mean_rho, p_perm = stratified_rank_test(groups)
         out[name] = {
             "rho_per_seed": rhos,
@@ -517,7 +524,9 @@ def _score_summary(runs: list[dict], key: str, blocks_only: bool) -> dict:
             "p_sign_flip": paired_test(defined),
             "positive_seeds": sum(v > 0 for v in defined),
             "seeds_defined": len(defined),
-            "minus_default": {
+            "minus_default": None
+            if name == DEFAULT_SCORE
+            else {
                 "default": DEFAULT_SCORE,
                 "mean": statistics.fmean(versus) if versus else math.nan,
                 "p_sign_flip": paired_test(versus),
@@ -528,18 +537,10 @@ def _score_summary(runs: list[dict], key: str, blocks_only: bool) -> dict:
 
 
 def _score_lines(scores: dict, cfg: GrowthDemoConfig, n: int, check: str) -> list[str]:
-    what = {
-        "drop_alone": f"the held-out drop of a zero layer trained alone for {cfg.short_steps} AdamW steps, "
-        f"{cfg.depth + 1} candidates",
-        "gain_continued": f"the held-out gain over no growth after {cfg.steps2} steps of the whole grown model, "
-        f"{cfg.depth + 1} candidates",
-        "gain_continued_blocks": f"the same gain over the {cfg.depth} block outputs only (the input boundary "
-        "left out)",
-    }[check]
-    from ..api.growth.protocol import DEFAULT_SCORE as default
-
+    header = SCORE_CHECKS[check][2].format(candidates=cfg.depth + 1, **asdict(cfg))
+    default = DEFAULT_SCORE
     lines = [
-        f"Which candidate: Spearman rho of each score (before growth) with {what} per seed:",
+        f"Which candidate: Spearman rho of each score (before growth) with {header} per seed:",
         f"{'score':<16} {'rho per seed':<{7 * n}} {'mean':>6} {'p perm':>7} {'p flip':>7} {'rho>0':>6} "
         f"{'top=best':>8}  {'- ' + default:>15} {'p flip':>7}",
     ]
@@ -547,7 +548,7 @@ def _score_lines(scores: dict, cfg: GrowthDemoConfig, n: int, check: str) -> lis
         v = scores[name]
         per_seed = " ".join(f"{x:+.2f}" if not math.isnan(x) else "  nan" for x in v["rho_per_seed"])
         d = v["minus_default"]
-        versus = f"{d['mean']:+15.2f} {d['p_sign_flip']:7.3f}" if name != default else f"{'':>15} {'':>7}"
+        versus = f"{'':>15} {'':>7}" if d is None else f"{d['mean']:+15.2f} {d['p_sign_flip']:7.3f}"
         lines.append(
             f"{name:<16} {per_seed:<{7 * n}} {v['mean_rho']:+6.2f} {v['p_stratified_permutation']:7.3f} "
             f"{v['p_sign_flip']:7.3f} {v['positive_seeds']:>3}/{v['seeds_defined']:<2} {v['top_is_best']:>5}/{n}  "
@@ -564,9 +565,7 @@ def _score_lines(scores: dict, cfg: GrowthDemoConfig, n: int, check: str) -> lis
 
 def _verdict(summary: dict, runs: list[dict]) -> list[str]:
     """What the runs show, in words (whatever they show)."""
-    from ..api.growth.protocol import DEFAULT_SCORE as default
-
-    out, n = [], len(runs)
+    out, n, default = [], len(runs), DEFAULT_SCORE
     p = summary["paired_vs_scratch_flops"]
     min_p = 2 / 2**n
     for arm, label in (
@@ -621,18 +620,13 @@ def _verdict(summary: dict, runs: list[dict]) -> list[str]:
                 else f"- seed {run['seed']} was saturated everywhere, and no zero layer gained after continued "
                 "training at any boundary."
             )
-    labels = {
-        "drop_alone": "the drop of the new layer trained alone",
-        "gain_continued": "the gain over no growth after continued training",
-        "gain_continued_blocks": "that gain over the block outputs only",
-    }
-    for check, label in labels.items():
+    for check, (*_, label) in SCORE_CHECKS.items():
         scores = summary["scores"][check]
         significant = [m for m in SCORES if scores[m]["p_stratified_permutation"] <= 0.05]
         better = [
             m
             for m in SCORES
-            if scores[m]["minus_default"]["p_sign_flip"] <= 0.05 and scores[m]["minus_default"]["mean"] > 0
+            if (d := scores[m]["minus_default"]) is not None and d["p_sign_flip"] <= 0.05 and d["mean"] > 0
         ]
         out.append(
             f"- scores vs {label}: "
@@ -678,7 +672,7 @@ def plot_growth_demo(runs: list[dict], path) -> Path:
     fig = Figure(figsize=(21, 10.5))
     Canvas(fig)
     grid = fig.add_gridspec(len(REALISED) + 1, len(SCORES))
-    rhos = {key: [score_rank_correlations(run, key) for run in runs] for key in REALISED}
+    rhos = {(key, name): _rhos(runs, key, False, name) for key in REALISED for name in SCORES}
     half = len(SCORES) // 2
     a1, a2 = fig.add_subplot(grid[0, :half]), fig.add_subplot(grid[0, half:])
     spread = 0.35 / max(len(runs), 1)
@@ -717,7 +711,7 @@ def plot_growth_demo(runs: list[dict], path) -> Path:
             for i, run in enumerate(runs):
                 pts = [(_finite(run["candidate_scores"][c][name]), run[key][c], c) for c in run["candidates"]]
                 pts = [q for q in pts if math.isfinite(q[0])]
-                rho = rhos[key][i][name][0]
+                rho = rhos[key, name][i]
                 ax.scatter(
                     [q[0] for q in pts],
                     [q[1] for q in pts],
