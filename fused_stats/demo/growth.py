@@ -697,7 +697,10 @@ def plot_growth_demo(runs: list[dict], path) -> Path:
     a1.set_xticklabels(ARMS, rotation=30, ha="right", fontsize=8)
     a1.set_ylabel("held-out loss (nats/byte)")
     a1.set_title("after growth vs from scratch ('stay': not grown)", fontsize=9)
-    a1.legend(fontsize=6, loc="upper left", markerscale=0.6)
+    # headroom above the highest dot for the legend, so it covers no point
+    low, high = a1.get_ylim()
+    a1.set_ylim(low, high + 0.45 * (high - low))
+    a1.legend(fontsize=6, loc="upper left", ncol=4, markerscale=0.6)
     a2.axhline(0.0, color="black", lw=0.6)
     a2.set_xticks(range(len(candidates)))
     a2.set_xticklabels([c.removeprefix("model.") for c in candidates], rotation=30, ha="right", fontsize=8)
