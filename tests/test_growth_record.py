@@ -89,9 +89,11 @@ def test_evidence_from_an_advice_and_a_resnet_record_on_the_model():
     [
         ({"step": -1}, "step must be"),
         ({"step": 2.0}, "step must be"),
+        ({"step": True}, "step must be"),
         ({"evidence": {"model.layers.0": {"cross_frob2": 1.0}}}, "not grown here"),
         ({"evidence": {"model.layers.1": {"cross_frob2": float("nan")}}}, "finite number"),
         ({"evidence": {"model.layers.1": {"loss": 1.0}}}, "keys among"),
+        ({"evidence": {"model.layers.1": {"p_value": True}}}, "finite number"),
         ({"evidence": types.SimpleNamespace(ranked=())}, "no row for the grown points"),
         ({"evidence": [1.0]}, "evidence must be"),
     ],
@@ -113,3 +115,53 @@ def test_a_record_not_written_by_grow_is_refused():
     model.config.fused_stats_growth = {"point": "model.layers.0"}
     with pytest.raises(fs.FusedStatsError, match="not a list of entries"):
         fs.growth_history(model)
+
+
+def test_a_record_with_a_non_dict_entry_is_refused():
+    model = llama(layers=1)
+    model.config.fused_stats_growth = [{"point": "model.layers.0"}, "model.layers.0"]
+    with pytest.raises(fs.FusedStatsError, match="not a list of entries"):
+        fs.growth_history(model)
+
+
+def test_step_zero_is_recorded_and_positions_sharing_a_prefix_keep_their_own_parameters():
+    # 11 blocks, grown after blocks 0 and 9: the new blocks sit at model.layers.1 and model.layers.11,
+    # and "model.layers.1" is a string prefix of "model.layers.11"
+    model = llama(layers=11)
+    original = {id(p) for p in model.parameters()}
+    fs.grow(model, fs.GrowthProtocol(["model.layers.0", "model.layers.9"], family="layer"), step=0)
+    history = fs.growth_history(model)
+    assert [e["position"] for e in history] == ["model.layers.1", "model.layers.11"]
+    assert [e["step"] for e in history] == [0, 0]
+    new = new_names_by_identity(model, original)
+    for entry in history:
+        assert set(entry["new_parameters"]) == {n for n in new if n.startswith(entry["position"] + ".")}
+    assert sum(len(e["new_parameters"]) for e in history) == len(new)
+
+
+def test_a_saturation_entry_is_the_documented_dict_and_a_bad_step_is_refused():
+    from fused_stats.api.growth.record import record_saturation
+
+    model = llama(layers=2)
+    protocol = fs.GrowthProtocol(["model.layers.0", "model.layers.1"], family="layer")
+    with pytest.raises(fs.FusedStatsError, match="step must be"):
+        record_saturation(model, protocol, -3, "none significant")
+    assert fs.growth_history(model) == []
+    record_saturation(model, protocol, 7, "none significant")
+    assert fs.growth_history(model) == [
+        {
+            "event": "saturated everywhere",
+            "point": None,
+            "family": "layer",
+            "init": "zero",
+            "protocol_digest": protocol.digest,
+            "position": None,
+            "new_parameters": [],
+            "widened": [],
+            "step": 7,
+            "cross_frob2": None,
+            "p_value": None,
+            "p_adjusted": None,
+            "verdict": "none significant",
+        }
+    ]

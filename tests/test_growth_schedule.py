@@ -264,9 +264,11 @@ def test_a_scheduled_step_without_an_optimizer_is_refused():
         (dict(at_steps=[0]), "positive int"),
         (dict(at_steps=[2, 2]), "distinct"),
         (dict(every=2, alpha=1.0), "alpha"),
+        (dict(every=2, alpha=0.0), "alpha"),
         (dict(every=2, max_growths=0), "max_growths"),
         (dict(every=2, probe_batches=[]), "probe_batches is empty"),
         (dict(every=2, probe_batches={"input_ids": torch.zeros(2, 3)}), "list of held-out batches"),
+        (dict(every=2, probe_batches=torch.zeros(2, 3, dtype=torch.long)), "list of held-out batches"),
     ],
 )
 def test_bad_schedules_are_refused(kwargs, message):
@@ -475,3 +477,69 @@ def test_probe_batches_follow_the_model_device():
     assert moved["input_ids"].device.type == "meta" and moved["extra"][0].x.device.type == "meta"
     assert isinstance(moved["extra"][0], Pair) and moved["extra"][0].y == 3
     assert batch["input_ids"].device.type == "cpu"  # the user's batch is left as it was
+
+
+# ---------------------------------------------------------------------------- plumbing, direct
+def test_a_probe_batch_sharing_a_tensor_with_a_training_batch_is_refused():
+    schedule = fs.GrowthSchedule(fs.GrowthProtocol(CANDIDATES), every=1, probe_batches=probe_batches())
+    gen = torch.Generator().manual_seed(5)
+    shared, a, b = (torch.randint(0, VOCAB, (2, T), generator=gen) for _ in range(3))
+    assert not torch.equal(a, b)
+    # the shared tensor is not the first one, and sits inside a nested list (a Lightning-style batch)
+    schedule.probe_batches = [(a, [shared])]
+    with pytest.raises(FusedStatsError, match="probe batch 0 is a training batch"):
+        schedule.check_not_training_batches([(b, shared)])
+    schedule.check_not_training_batches([(b, shared.clone() + 1)])  # no shared tensor, other ids: held out
+
+
+def test_a_refused_optimizer_or_ddp_wrapper_changes_nothing(tmp_path):
+    import torch.distributed as dist
+
+    model = tiny_llama()
+    # alpha below every p-value: the decision would be "saturated", which must not be recorded either
+    schedule = fs.GrowthSchedule(
+        fs.GrowthProtocol(CANDIDATES), at_steps=[1], probe_batches=probe_batches(), alpha=1e-30
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(FusedStatsError, match=r"must be a torch\.optim\.Optimizer"):
+        schedule.maybe_grow(model, 1, optimizer={"lr": 1e-3})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        with pytest.raises(FusedStatsError, match="pass the module inside DistributedDataParallel"):
+            schedule.maybe_grow(ddp, 1, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        dist.destroy_process_group()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and schedule.events == []
+    assert model.config.num_hidden_layers == 2 and fs.growth_history(model) == []
+
+
+def test_the_logged_scalars_are_the_event_values():
+    protocol = fs.GrowthProtocol(CANDIDATES)
+    schedule = fs.GrowthSchedule(protocol, every=1, probe_batches=probe_batches())
+    event = {"step": 3, "event": "grew", "point": "model.layers.1", "cross_frob2": 0.25}
+    event.update(p_value=0.001, p_adjusted=0.002, verdict="")
+    assert schedule.metrics(event) == {
+        "fused_stats/growth/grew": 1.0,
+        "fused_stats/growth/saturated": 0.0,
+        "fused_stats/growth/cross_frob2": 0.25,
+        "fused_stats/growth/p_value": 0.001,
+        "fused_stats/growth/p_adjusted": 0.002,
+        "fused_stats/growth/point_index": 1.0,  # the second of CANDIDATES
+    }
+
+
+def test_schedule_state_round_trips_and_a_foreign_state_is_refused():
+    protocol = fs.GrowthProtocol(CANDIDATES, family="layer", seed=2)
+    events = [{"step": 2, "event": "saturated everywhere", "point": None, "verdict": "v"}]
+    state = {"protocol_digest": protocol.digest, "events": events, "stopped": True}
+    schedule = fs.GrowthSchedule(protocol, every=2, probe_batches=probe_batches())
+    schedule.load_state_dict(state)
+    assert schedule.events == events and schedule.stopped and schedule.state_dict() == state
+    assert not any(schedule.is_scheduled(s) for s in range(8))
+    other = fs.GrowthSchedule(fs.GrowthProtocol(CANDIDATES, seed=3), every=2, probe_batches=probe_batches())
+    with pytest.raises(FusedStatsError, match="written under protocol"):
+        other.load_state_dict(state)
+    with pytest.raises(FusedStatsError, match="not a GrowthSchedule state"):
+        other.load_state_dict({"events": [], "stopped": False})
+    assert other.events == [] and not other.stopped
