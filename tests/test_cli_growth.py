@@ -1,6 +1,6 @@
 """Growth from the command line: ``probe --growth`` -> ``advise`` -> ``grow`` on a saved tiny LLaMA.
 
-The README's "Growth from the command line" blocks (its ``growth.toml`` and its three commands)
+The "Growth from the command line" blocks of docs/cli.md (its ``growth.toml`` and its three commands)
 run in-process through ``fused_stats.cli.main``. References, each built here without the CLI:
 ``fs.advise`` of an ``fs.Probe(model, cross=GrowthProtocol(...))`` stepped over the windows cut
 from the same bytes (the advice JSON text must be identical); the original folder's logits (the
@@ -35,7 +35,7 @@ HELD_OUT = 0.1
 
 def readme_blocks() -> tuple[str, list[list[str]]]:
     """The section's TOML block and its ``fused-stats`` command lines (as argv lists)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     section = text[text.index("\n## Growth from the command line\n") :]
     section = section[: section.index("\n## ", 1)]
     toml = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
@@ -83,7 +83,7 @@ def load(path) -> torch.nn.Module:
 
 
 def windows(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """Train and test windows as the README says: SEQ_LEN bytes each, the last 10 % held out."""
+    """Train and test windows as docs/cli.md says: SEQ_LEN bytes each, the last 10 % held out."""
     data = torch.tensor(list(path.read_bytes()), dtype=torch.int64)
     n = data.numel() // SEQ_LEN
     rows = data[: n * SEQ_LEN].reshape(n, SEQ_LEN)

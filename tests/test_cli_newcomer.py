@@ -1,7 +1,7 @@
 """The ``fused-stats`` commands as a new user meets them: the exit status without a command, the
 ``--mask`` help, one output-folder rule for probe / report / demo, a width sweep of reports that
 ``probe`` wrote, the default second moment with ``--trials``, a 2-D token file cut to ``--seq-len``,
-and one tokenizer rule for the in-memory and the streamed model. The README's CLI block, run top to
+and one tokenizer rule for the in-memory and the streamed model. The CLI page's example block (docs/cli.md), run top to
 bottom, is in ``test_readme_cli_block``.
 """
 
@@ -85,7 +85,7 @@ def test_every_command_refuses_a_non_empty_out_unless_forced(command, here, llam
         "to write into it (files of the same names are replaced) or choose an empty folder"
     )
     assert sorted(p.name for p in out.iterdir()) == ["a.txt", "b.txt", "c.txt"]
-    if command != "demo":  # the demo with --force is the README block's (test_readme_cli_block)
+    if command != "demo":  # the demo with --force is the CLI page block's (test_readme_cli_block)
         assert main([*argv, "--force"]) == 0, capsys.readouterr().err
         assert (out / "a.txt").read_text() == "keep" and len(list(out.iterdir())) > 3
 

@@ -1,6 +1,6 @@
-"""The README's CLI block, run top to bottom as bash, as a reader would paste it.
+"""The CLI page's example block (docs/cli.md), run top to bottom as bash, as a reader would paste it.
 
-The folder holds what the README says it needs: a saved HF causal-LM folder ``my-llama`` (hidden
+The folder holds what the page says it needs: a saved HF causal-LM folder ``my-llama`` (hidden
 32, byte vocabulary, no tokenizer: ``--text`` is read as bytes), a config ``config.json`` (hidden
 16), a text ``corpus.txt`` and 1-D tokens ``tokens.npy``. ``fused-stats`` is a shell function
 running this checkout's CLI. Every command must exit 0 and the files it promises must exist.
@@ -30,8 +30,8 @@ CONFIG = {**TINY_LLAMA_CONFIG, "max_position_embeddings": 128}  # the default --
 
 
 def cli_block() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("\n## CLI\n") :]
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    section = text[text.index("\n## Examples, top to bottom\n") :]
     return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
 
 

@@ -87,8 +87,13 @@ class FusedStatsCallback(PendingMetrics, TrainerCallback):
         Overrides the Trainer's own loss factor ``c`` (module docstring), e.g. for a custom
         ``compute_loss``.
 
-    Attributes: :attr:`records` (the MonitorLog-style records of every logged step, this rank's
-    view of the merged statistics), :attr:`micro_batches` (micro-batches folded).
+    Attributes
+    ----------
+    records : list of dict
+        The MonitorLog-style records of every logged step (this rank's view of the merged
+        statistics).
+    micro_batches : int
+        Micro-batches folded.
     """
 
     def __init__(
