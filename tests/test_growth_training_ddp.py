@@ -349,3 +349,47 @@ def test_lightning_ddp_two_ranks_grow_identically_and_keep_training(tmp_path):
     assert all(math.isfinite(loss) for _, loss in a["losses"] + b["losses"])
     assert a["wrapper"] == "DistributedDataParallel"
     assert a["wrapper_params"] == a["model_params"] == a["optimizer_params"]
+
+
+# ---------------------------------------------------------------------------- FSDP refused
+def _fsdp_worker(rank, world, outdir):
+    torchrun_env(rank, world)
+    torch.set_num_threads(1)
+    init_gloo(rank, world, outdir)
+    import torch.distributed as dist
+
+    from fused_stats.integrations.transformers import GrowthScheduleCallback
+
+    transformers.logging.set_verbosity_error()
+    schedule = fs.GrowthSchedule(protocol(), at_steps=[1], probe_batches=probe_batches(rank))
+    model = tiny_llama()
+    args = trainer_args(
+        Path(outdir) / "fsdp",
+        fsdp=True,
+        fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+        save_strategy="no",
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Rows(), callbacks=[GrowthScheduleCallback(schedule)]
+    )
+    out = {}
+    try:
+        trainer.train()
+    except fs.FusedStatsError as error:
+        out["error"] = str(error)
+    out.update(
+        global_step=trainer.state.global_step,
+        events=schedule.events,
+        history=fs.growth_history(model),
+        layers=model.config.num_hidden_layers,
+    )
+    (Path(outdir) / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_trainer_under_fsdp_is_refused_before_any_step(tmp_path):
+    for rank in run_two_ranks(_fsdp_worker, tmp_path):
+        assert "FSDP" in rank["error"] and "DistributedDataParallel" in rank["error"]
+        assert "Lightning's strategy 'ddp'" in rank["error"]  # the supported set-ups are named
+        assert rank["global_step"] == 0 and rank["events"] == [] and rank["history"] == []
+        assert rank["layers"] == 2
