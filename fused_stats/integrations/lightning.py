@@ -21,8 +21,15 @@ bit-identical with and without the callback.
 from __future__ import annotations
 
 from lightning.pytorch.callbacks import Callback
+from torch.nn.parallel import DistributedDataParallel
 
-from ..api.growth.record import RECORD_KEY, growth_history
+from ..api.growth.distributed import (
+    SUPPORTED_SETUPS,
+    check_rebuildable,
+    rebuild_ddp,
+    refuse_unsupported_model,
+)
+from ..api.growth.record import GREW, RECORD_KEY, growth_history
 from ..api.training.step_logging import check_callback_args, merged_probe, metrics_of, step_record
 from ..errors import FusedStatsError
 
@@ -122,10 +129,16 @@ class GrowthScheduleLightningCallback(Callback):
     parameters joined. Events go into the growth record, :attr:`events`, and the loggers
     (``pl_module.log_dict``: ``fused_stats/growth/...``).
 
+    Strategy ``"ddp"`` (DDPStrategy, several processes): every rank folds its own probe batches,
+    the probe is all-reduced and rank 0's decision broadcast, every rank grows alike, and the
+    strategy's DistributedDataParallel (``trainer.strategy.model``) is rebuilt in place around
+    the grown module (:func:`fused_stats.api.growth.distributed.rebuild_ddp`).
+
     Refused with nothing changed: a scheduled step beyond ``max_steps`` (at ``on_train_start``),
-    a probe batch that is one of the step's training micro-batches, manual optimisation, more
-    than one optimizer, and more than one process (the strategy's DDP wrapper would need
-    rebuilding). :meth:`state_dict` / :meth:`load_state_dict` carry the schedule's state in
+    another strategy under several processes (FSDP, DeepSpeed, model parallel: named with the
+    supported ones, at ``on_train_start``), a probe batch that is one of the step's training
+    micro-batches, manual optimisation and more than one optimizer.
+    :meth:`state_dict` / :meth:`load_state_dict` carry the schedule's state in
     Lightning checkpoints, and the model's growth record travels in the checkpoint too (resume
     by building the grown architecture, e.g. from the record's count of new layers).
     """
@@ -162,11 +175,7 @@ class GrowthScheduleLightningCallback(Callback):
             setattr(getattr(model, "config", None) or model, RECORD_KEY, list(checkpoint[RECORD_KEY]))
 
     def on_train_start(self, trainer, pl_module):
-        if trainer.world_size > 1:
-            raise FusedStatsError(
-                f"GrowthScheduleLightningCallback runs in one process (world size {trainer.world_size}): "
-                "growing a model inside the strategy's DDP wrapper is not supported"
-            )
+        self._check_strategy(trainer, pl_module)
         if not pl_module.automatic_optimization:
             raise FusedStatsError("GrowthScheduleLightningCallback needs automatic optimisation")
         if len(trainer.optimizers) != 1:
@@ -177,6 +186,21 @@ class GrowthScheduleLightningCallback(Callback):
         if max_steps < 0:
             max_steps = int(trainer.estimated_stepping_batches)
         self.schedule.check_training_length(max_steps)
+
+    def _check_strategy(self, trainer, pl_module) -> None:
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        strategy = trainer.strategy
+        where = f"GrowthScheduleLightningCallback (strategy {type(strategy).__name__})"
+        if isinstance(strategy, DDPStrategy):  # DeepSpeedStrategy too: its engine is refused here
+            check_rebuildable(strategy.model, self.model_of(pl_module), where)
+        elif isinstance(strategy, SingleDeviceStrategy) and trainer.world_size == 1:
+            refuse_unsupported_model(pl_module, where)
+        else:
+            raise FusedStatsError(
+                f"{where}: its model wrapper cannot be rebuilt around a grown model; growth during training "
+                f"supports {SUPPORTED_SETUPS}"
+            )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step != self._batches_step:
@@ -189,7 +213,11 @@ class GrowthScheduleLightningCallback(Callback):
         if not self.schedule.is_scheduled(step):
             return  # also inside an accumulation window: its step was decided at the window's end
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        event = self.schedule.maybe_grow(
-            self.model_of(pl_module), step, optimizer, training_batches=self._step_batches
-        )
+        model = self.model_of(pl_module)
+        wrapper = trainer.strategy.model
+        wrapper = wrapper if isinstance(wrapper, DistributedDataParallel) else None
+        check_rebuildable(wrapper, model, f"GrowthScheduleLightningCallback at step {step}")
+        event = self.schedule.maybe_grow(model, step, optimizer, training_batches=self._step_batches)
+        if event["event"] == GREW and wrapper is not None:
+            rebuild_ddp(wrapper)
         pl_module.log_dict(self.schedule.metrics(event), on_step=True, on_epoch=False, sync_dist=False)

@@ -43,8 +43,11 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from ..api.growth.distributed import active_ddp_wrapper, check_rebuildable, rebuild_ddp
+from ..api.growth.record import GREW
 from ..api.training.step_logging import check_callback_args, merged_probe, metrics_of, step_record
 from ..errors import FusedStatsError
+from ._trainer_growth import check_trainer_setup, replay_checkpoint_growth
 
 
 class PendingMetrics:
@@ -254,7 +257,18 @@ class FusedStatsCallback(PendingMetrics, TrainerCallback):
 class FusedStatsTrainerMixin:
     """Put a :class:`FusedStatsCallback`'s metrics into ``Trainer.log`` before any callback
     (TensorBoard, W&B, ``state.log_history``) sees the logs: ``class MyTrainer(
-    FusedStatsTrainerMixin, Trainer)``."""
+    FusedStatsTrainerMixin, Trainer)``. With a :class:`GrowthScheduleCallback`,
+    ``train(resume_from_checkpoint=...)`` first grows the Trainer's model as the checkpoint's
+    growth record says (where the model's record stops short of it), then loads the weights."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        growth = [c for c in self._fused_stats_callbacks() if isinstance(c, GrowthScheduleCallback)]
+        if growth and (model is None or model is self.model):
+            check_trainer_setup(self.args, self.model)
+            replay_checkpoint_growth(
+                self.model, resume_from_checkpoint, growth[0].schedule.protocol, optimizer=self.optimizer
+            )
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def log(self, logs, *args, **kwargs):
         for callback in self._fused_stats_callbacks():
@@ -286,12 +300,24 @@ class GrowthScheduleCallback(PendingMetrics, TrainerCallback, ExportableState):
     the Trainer's logs (``fused_stats/growth/...``; mix :class:`FusedStatsTrainerMixin` into the
     Trainer to have them before TensorBoard / W&B see the logs, as for :class:`FusedStatsCallback`).
 
+    Several processes (``torchrun``, accelerate's DDP): every rank folds its own probe batches,
+    the probe is all-reduced and rank 0's decision broadcast (:meth:`GrowthSchedule.maybe_grow`),
+    every rank grows alike (same protocol, same seed), and the DDP wrapper that ran the training
+    forward (seen by the forward pre-hook; the Trainer's ``model_wrapped``, the one accelerate
+    holds) is rebuilt in place around the grown model
+    (:func:`fused_stats.api.growth.distributed.rebuild_ddp`), so the Trainer's loop trains it at
+    the next step.
+
     Refused with nothing changed: a scheduled step beyond ``max_steps`` (at ``on_train_begin``),
-    a probe batch equal to one of the step's training micro-batches (their ``input_ids``, seen by
-    a forward pre-hook, or the same tensor), a scheduled step without an optimizer, and more than
-    one process (a grown model would need its DDP wrapper rebuilt, which the Trainer does not do
-    inside a step). The schedule's state travels in ``trainer_state.json`` (``state()``), so a
-    run resumed from a checkpoint written after a growth event keeps its events and stop flag.
+    FSDP, DeepSpeed, XLA, Megatron and ``nn.DataParallel`` set-ups (at ``on_train_begin``; the
+    message names the supported ones), a probe batch equal to one of the step's training
+    micro-batches (their ``input_ids``, seen by a forward pre-hook, or the same tensor), a
+    scheduled step without an optimizer, and a multi-process step whose forward ran in no plain
+    DDP wrapper. The schedule's state travels in ``trainer_state.json`` (``state()``), so a run
+    resumed from a checkpoint written after a growth event keeps its events and stop flag; the
+    grown architecture comes from the checkpoint (``from_pretrained(checkpoint)``, or the
+    original model with :class:`FusedStatsTrainerMixin`, which replays the checkpoint's growth
+    record before the Trainer loads the weights).
     """
 
     def __init__(self, schedule=None):
@@ -312,6 +338,7 @@ class GrowthScheduleCallback(PendingMetrics, TrainerCallback, ExportableState):
             )
         self.schedule = schedule
         self._hook = None
+        self._wrapper = None
         self._step_batches: list[dict] = []
         self._pending: dict[str, float] = {}
 
@@ -323,12 +350,7 @@ class GrowthScheduleCallback(PendingMetrics, TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {"schedule_state": self.schedule.state_dict()}}
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        world = max(int(getattr(args, "world_size", 1) or 1), 1)
-        if world > 1:
-            raise FusedStatsError(
-                f"GrowthScheduleCallback runs in one process (world size {world} seen): growing a model "
-                "inside the Trainer's DDP wrapper is not supported"
-            )
+        check_trainer_setup(args, model)
         self.schedule.check_training_length(int(state.max_steps))
         saved_states = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__) or []
         for saved in saved_states if isinstance(saved_states, list) else [saved_states]:
@@ -341,6 +363,7 @@ class GrowthScheduleCallback(PendingMetrics, TrainerCallback, ExportableState):
     def _see_batch(self, module, args, kwargs):
         if torch.is_grad_enabled() and module.training:
             self._step_batches.append({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+            self._wrapper = active_ddp_wrapper()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_batches = []
@@ -351,8 +374,11 @@ class GrowthScheduleCallback(PendingMetrics, TrainerCallback, ExportableState):
             return control
         if model is None:
             raise FusedStatsError(f"GrowthScheduleCallback at step {step}: the Trainer passed no model")
+        check_rebuildable(self._wrapper, model, f"GrowthScheduleCallback at step {step}")
         # accelerate's AcceleratedOptimizer delegates param_groups and state to the torch optimizer
         event = self.schedule.maybe_grow(model, step, optimizer, training_batches=self._step_batches)
+        if event["event"] == GREW and self._wrapper is not None:
+            rebuild_ddp(self._wrapper)
         self._pending = self.schedule.metrics(event)
         control.should_log = True
         return control
