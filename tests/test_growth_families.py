@@ -368,3 +368,24 @@ def test_bloom_residual_after_the_norm_refused():
         fs.grow(model, fs.GrowthProtocol(["transformer.h.0"]))
     assert len(model.transformer.h) == 2 and model.config.num_hidden_layers == 2
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+def test_phi3_width_growth_carries_adam_state_into_both_halves():
+    """Adam's moments of the fused gate_up_proj follow its rows: old state bit for bit in each
+    half, zero state at the new rows of each half."""
+    model = make("phi3", seed=7)
+    f = model.config.intermediate_size
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    per_sample_loss(model, padded_batch(4, 5, seed=8)).sum().backward()
+    optimizer.step()
+    old_param = model.model.layers[0].mlp.gate_up_proj.weight
+    before = {k: v.clone() for k, v in optimizer.state[old_param].items() if torch.is_tensor(v) and v.dim()}
+    points = fs.growth_points(model)[:2]
+    fs.grow(model, fs.GrowthProtocol(points, family="mlp_width", width=3), optimizer=optimizer)
+    state = optimizer.state[model.model.layers[0].mlp.gate_up_proj.weight]
+    for key, old in before.items():
+        new = state[key]
+        assert new.shape == (2 * (f + 3), 16), key
+        assert torch.equal(new[:f], old[:f]) and torch.equal(new[f + 3 : 2 * f + 3], old[f:]), key
+        assert not new[f : f + 3].any() and not new[2 * f + 3 :].any(), key
+        assert old[f:].abs().sum() > 0, key
