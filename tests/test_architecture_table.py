@@ -118,7 +118,7 @@ FAMILIES = {
     "gpt_neox": 1e-10,
     "gpt_neox_serial": 1e-10,
 }
-NO_WIDTH = {"phi3", "gemma2", "gemma3_text", "olmo2", "exaone4"}
+NO_WIDTH = {"gemma2", "gemma3_text", "olmo2", "exaone4"}
 
 
 def batch_for(name, n, T, seed):
@@ -252,8 +252,9 @@ def test_mlp_width_refused_where_not_exact(name):
 
 
 def test_unsupported_model_type_refused_nothing_changed():
-    cfg = transformers.Starcoder2Config(**{k: v for k, v in COMMON.items()})
-    model = transformers.Starcoder2ForCausalLM(cfg).double()
+    cfg = transformers.LlamaConfig(**COMMON)
+    cfg.model_type = "my_llama"  # a custom family built on LLaMA's code: not in the table
+    model = transformers.LlamaForCausalLM(cfg).double()
     before = copy.deepcopy(model.state_dict())
     protocol = fs.GrowthProtocol(["model.layers.0"])
     for call in (
@@ -261,7 +262,7 @@ def test_unsupported_model_type_refused_nothing_changed():
         lambda: fs.grow(model, protocol),
         lambda: fs.Probe(model, points=["model.layers.0"], cross=protocol),
     ):
-        with pytest.raises(fs.FusedStatsError, match=r"model_type 'starcoder2'.*supported.*'llama'"):
+        with pytest.raises(fs.FusedStatsError, match=r"model_type 'my_llama'.*supported.*'llama'"):
             call()
     assert len(model.model.layers) == 2 and model.config.num_hidden_layers == 2
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

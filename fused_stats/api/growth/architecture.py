@@ -55,9 +55,18 @@ class Adapter:
     mlp_output: str | None = GATED_MLP[1]  # map whose input columns grow
     mlp_refused: str | None = None  # why mlp_width is refused, if it is
     conv1d: bool = False  # weights stored (in, out) (transformers Conv1D)
+    # the MLP input map's outputs are this many equal parts, one per role (Phi3's fused
+    # gate_up_proj: 2, gate then up); new rows go at the end of each part
+    mlp_chunks: int = 1
+    # config attribute holding the MLP width (None: intermediate_size, ffn_hidden_size or n_inner,
+    # the first the config has); GPT-J's config may carry an unused intermediate_size too
+    mlp_size: str | None = None
     layer_lists: tuple[str, ...] = ()  # per-layer config lists kept in step on depth growth
     input_scale: str | None = None  # config attribute: factor between input point and block 0
     branch_scale: str | None = None  # config attribute: factor between branch and residual add
+    # (config attribute, value, why): a config variant growth refuses (its zero block would not
+    # add an exact +0, e.g. a residual taken after the input norm)
+    config_refusals: tuple[tuple[str, object, str], ...] = ()
 
     def scale(self, config, name: str | None) -> float:
         if name is None or config is None:
@@ -101,11 +110,53 @@ ADAPTERS: dict[str, Adapter] = {
         _llama_like("stablelm"),
         _llama_like("smollm3", layer_lists=("layer_types", "no_rope_layers")),
         _llama_like("granite", input_scale="embedding_multiplier", branch_scale="residual_multiplier"),
+        _llama_like("phi3", mlp_inputs=("mlp.gate_up_proj",), mlp_chunks=2),
+        _llama_like("glm", mlp_inputs=("mlp.gate_up_proj",), mlp_chunks=2),
         _llama_like(
-            "phi3",
+            "glm4",
+            origin_modules=("post_self_attn_layernorm", "post_mlp_layernorm"),
+            origin="norm_scale",
+            **_POST_NORM_WIDTH,
+        ),
+        _llama_like("olmo3", origin_modules=POST_NORMS, origin="norm_scale", **_POST_NORM_WIDTH),
+        _llama_like("seed_oss"),
+        _llama_like("ernie4_5"),
+        _llama_like("internlm3"),
+        _llama_like("cohere2"),
+        _llama_like("exaone"),
+        # ungated MLPs: act(up_proj u), then down_proj
+        _llama_like("arcee", mlp_inputs=("mlp.up_proj",)),
+        _llama_like("apertus", mlp_inputs=("mlp.up_proj",)),
+        _llama_like("nemotron", mlp_inputs=("mlp.up_proj",)),
+        _llama_like(
+            "bitnet",
             mlp_inputs=None,
             mlp_output=None,
-            mlp_refused="its MLP has one fused gate_up_proj, whose new rows would go in its middle",
+            mlp_refused=(
+                "its MLP normalises the hidden units (ffn_sub_norm, an RMSNorm over all of them) before "
+                "down_proj, so a new unit rescales the old ones and zero output columns do not keep the function"
+            ),
+        ),
+        _llama_like(
+            "persimmon",
+            origin_modules=("self_attn.dense", "mlp.dense_4h_to_h"),
+            mlp_inputs=("mlp.dense_h_to_4h",),
+            mlp_output="mlp.dense_4h_to_h",
+        ),
+        # parallel attention and MLP on one input norm
+        _llama_like(
+            "phi",
+            input_point=("model.embed_dropout", "embed_dropout"),
+            origin_modules=("self_attn.dense", "mlp.fc2"),
+            mlp_inputs=("mlp.fc1",),
+            mlp_output="mlp.fc2",
+        ),
+        _llama_like("helium"),
+        _llama_like(
+            "starcoder2",
+            origin_modules=("self_attn.o_proj", "mlp.c_proj"),
+            mlp_inputs=("mlp.c_fc",),
+            mlp_output="mlp.c_proj",
         ),
         _llama_like(
             "gemma2",
@@ -133,6 +184,77 @@ ADAPTERS: dict[str, Adapter] = {
             conv1d=True,
         ),
         Adapter(
+            "gpt_bigcode",
+            stack=("transformer.h", "h"),
+            input_point=("transformer.drop", "drop"),
+            origin_modules=("attn.c_proj", "mlp.c_proj"),
+            mlp_inputs=("mlp.c_fc",),
+            mlp_output="mlp.c_proj",
+        ),
+        # parallel or serial attention and MLP, one or two input norms: every variant's branches
+        # end in self_attention.dense and mlp.dense_4h_to_h, added to the stream
+        Adapter(
+            "falcon",
+            stack=("transformer.h", "h"),
+            input_point=("transformer.word_embeddings", "word_embeddings"),
+            origin_modules=("self_attention.dense", "mlp.dense_4h_to_h"),
+            mlp_inputs=("mlp.dense_h_to_4h",),
+            mlp_output="mlp.dense_4h_to_h",
+        ),
+        *(
+            Adapter(
+                name,
+                stack=("transformer.h", "h"),
+                input_point=("transformer.drop", "drop"),
+                origin_modules=("attn.out_proj", "mlp.fc_out"),
+                mlp_inputs=("mlp.fc_in",),
+                mlp_output="mlp.fc_out",
+                mlp_size="n_inner",
+            )
+            for name in ("gptj", "codegen")
+        ),
+        Adapter(
+            "bloom",
+            stack=("transformer.h", "h"),
+            input_point=("transformer.word_embeddings_layernorm", "word_embeddings_layernorm"),
+            origin_modules=("self_attention.dense", "mlp.dense_4h_to_h"),
+            mlp_inputs=None,
+            mlp_output=None,
+            mlp_refused=(
+                "its MLP width is fixed at 4 x hidden_size in the code (no config field holds it), so a "
+                "widened model would not load back"
+            ),
+            config_refusals=(
+                (
+                    "apply_residual_connection_post_layernorm",
+                    True,
+                    "the residual is the input norm's output, so a zero block outputs that norm, not its input",
+                ),
+            ),
+        ),
+        Adapter(
+            "mpt",
+            stack=("transformer.blocks", "blocks"),
+            input_point=("transformer.wte", "wte"),
+            origin_modules=("attn.out_proj", "ffn.down_proj"),
+            mlp_inputs=None,
+            mlp_output=None,
+            mlp_refused=(
+                "its MLP adds the residual inside its own forward(hidden_states, residual), and its width "
+                "is expansion_ratio x d_model"
+            ),
+        ),
+        # a Mamba block: x + mixer(norm(x)), the mixer's out_proj at zero
+        Adapter(
+            "mamba",
+            stack=("backbone.layers", "layers"),
+            input_point=("backbone.embeddings", "embeddings"),
+            origin_modules=("mixer.out_proj",),
+            mlp_inputs=None,
+            mlp_output=None,
+            mlp_refused="its blocks have no MLP, only a state-space mixer",
+        ),
+        Adapter(
             "gpt_neox",
             stack=("gpt_neox.layers", "layers"),
             input_point=("gpt_neox.emb_dropout", "emb_dropout"),
@@ -151,7 +273,32 @@ RESNET_BLOCKS: dict[type, Adapter] = {
 
 
 # model_types refused with a reason (others outside ADAPTERS: refused as unknown)
+_MOE = (
+    "its MLP is a mixture of experts routed per token, the experts stored as stacked parameter "
+    "tensors: the tangent of a zero expert output is no linear map's input features, and width "
+    "growth of routed experts is not one MLP's"
+)
+_NO_INPUT_POINT = (
+    "the stream into block 0 (token plus position embeddings, scaled) is summed in the model's "
+    "forward, not output by a module, so the input boundary has no point to read"
+)
+
 REFUSED: dict[str, str] = {
+    "mixtral": _MOE,
+    "qwen2_moe": _MOE,
+    "qwen3_moe": _MOE,
+    "olmoe": _MOE,
+    "doge": (
+        "its blocks scale the residual by learned vectors (input_residual, post_attention_residual), "
+        "whose gradient at a new block (q * z) the tangent does not include"
+    ),
+    "gpt_neo": (
+        "its per-layer attention kinds (global / local) are kept as the run-length config.attention_types, "
+        "which growth does not rewrite, so a grown model would reload with other layer kinds"
+    ),
+    "opt": _NO_INPUT_POINT,
+    "xglm": _NO_INPUT_POINT,
+    "biogpt": _NO_INPUT_POINT,
     "gemma3": (
         "its stream into block 0 is the token embeddings with image features scattered into them "
         "(no module outputs it, so the input boundary has no exact tangent), and its config keeps "
@@ -239,6 +386,11 @@ def describe(model: nn.Module) -> Architecture:
             f"growth refuses model_type {model_type!r} ({type(model).__name__}): {REFUSED[model_type]}; "
             f"supported model_types: {supported_model_types()}"
         )
+    for key, value, why in adapter.config_refusals if adapter is not None else ():
+        if getattr(config, key, None) == value:
+            raise FusedStatsError(
+                f"growth refuses {type(model).__name__} ({model_type}) with config.{key}={value!r}: {why}"
+            )
     if adapter is None:
         raise FusedStatsError(
             f"growth has no adapter for model_type {model_type!r} ({type(model).__name__}); supported "

@@ -210,6 +210,19 @@ class NewUnits:
     block: str
     width: int
     pieces: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # parameter name -> its equal parts along the axis (a fused map: Phi3's gate_up_proj, 2);
+    # each part of the piece goes at the end of the matching part of the old tensor
+    chunks: dict[str, int] = field(default_factory=dict)
+
+    def widened(self, name: str, old: torch.Tensor, piece: torch.Tensor | None = None) -> torch.Tensor:
+        """``old`` with the new entries of parameter ``name`` (``piece``, by default this
+        growth's own) placed at the end of each of its parts."""
+        axis, own = self.pieces[name]
+        piece = own if piece is None else piece
+        parts = self.chunks.get(name, 1)
+        piece = piece.to(dtype=old.dtype, device=old.device)
+        olds, news = old.chunk(parts, dim=axis), piece.chunk(parts, dim=axis)
+        return torch.cat([t for pair in zip(olds, news) for t in pair], dim=axis)
 
 
 def new_units(
@@ -237,7 +250,8 @@ def new_units(
     sigma = float(getattr(model.config, "initializer_range", None) or 0.02)
     dtype, device = _dtype_device(block)
     gen = torch.Generator().manual_seed(candidate_seed(protocol, point))
-    rows = [torch.randn(k, d, generator=gen, dtype=torch.float64) * sigma for _ in ins]
+    parts = adapter.mlp_chunks
+    rows = [torch.randn(k, d, generator=gen, dtype=torch.float64) * sigma for _ in range(len(ins) * parts)]
     if directions is not None:
         if not isinstance(directions, torch.Tensor) or directions.dim() != 2 or directions.shape[1] != d:
             shape = (
@@ -254,29 +268,29 @@ def new_units(
             raise FusedStatsError("init_directions has a zero or non-finite row")
         rows[0] = dirs / norms * (sigma * d**0.5)
     pieces: dict[str, tuple[int, torch.Tensor]] = {}
-    for mod, r in zip(ins, rows):
+    chunks: dict[str, int] = {}
+    for i, mod in enumerate(ins):
         sub = block.get_submodule(mod)
+        r = torch.cat(rows[i * parts : (i + 1) * parts])  # a fused map: the new rows of each part
         if adapter.conv1d:  # Conv1D: weight (in, out): new output *columns*
             pieces[f"{mod}.weight"] = (1, r.T.to(dtype))
         else:
             pieces[f"{mod}.weight"] = (0, r.to(dtype))
         if getattr(sub, "bias", None) is not None:
-            pieces[f"{mod}.bias"] = (0, torch.zeros(k, dtype=dtype))
+            pieces[f"{mod}.bias"] = (0, torch.zeros(k * parts, dtype=dtype))
+        if parts > 1:
+            chunks[f"{mod}.weight"] = chunks[f"{mod}.bias"] = parts
     if adapter.conv1d:
         pieces[f"{out}.weight"] = (0, torch.zeros(k, d, dtype=dtype))
     else:
         pieces[f"{out}.weight"] = (1, torch.zeros(d, k, dtype=dtype))
     pieces = {n: (ax, t.to(device)) for n, (ax, t) in pieces.items()}
-    return NewUnits(name, k, pieces)
+    return NewUnits(name, k, pieces, {n: c for n, c in chunks.items() if n in pieces})
 
 
 def widened_tensors(block: nn.Module, units: NewUnits) -> dict[str, torch.Tensor]:
     """Parameter name (relative to ``block``) -> the widened value (old values, then new)."""
-    out = {}
-    for name, (axis, piece) in units.pieces.items():
-        old = block.get_parameter(name)
-        out[name] = torch.cat([old.detach(), piece.to(dtype=old.dtype, device=old.device)], dim=axis)
-    return out
+    return {name: units.widened(name, block.get_parameter(name).detach()) for name in units.pieces}
 
 
 def widen_block(
@@ -302,9 +316,9 @@ def _update_sizes(block: nn.Module, k: int, adapter: Adapter) -> None:
     for mod in ins:
         sub = block.get_submodule(mod)
         if adapter.conv1d:
-            sub.nf += k
+            sub.nf += k * adapter.mlp_chunks
         else:
-            sub.out_features += k
+            sub.out_features += k * adapter.mlp_chunks
     sub = block.get_submodule(out)
     if adapter.conv1d:
         sub.nx += k

@@ -371,15 +371,14 @@ def _grow_width(model, protocol, arch, bounds, optimizer, init_directions, resul
         for rel, (old, new) in replaced.items():
             result.widened.append(f"{block_name}.{rel}")
             if optimizer is not None:
-                where = _carry_state(optimizer, old, new, units[b.point].pieces[rel][0])
+                where = _carry_state(optimizer, old, new, units[b.point], rel)
                 if where is not None:
                     result.optimizer_groups[f"{block_name}.{rel}"] = where[0]
     if config is not None:
-        size = _intermediate_size(config) + protocol.width
-        if hasattr(config, "intermediate_size"):
-            config.intermediate_size = size
-        else:
-            config.n_inner = size
+        size = _intermediate_size(config, arch.adapter.mlp_size) + protocol.width
+        keys = (arch.adapter.mlp_size,) if arch.adapter.mlp_size else ("intermediate_size", "ffn_hidden_size")
+        key = next((k for k in keys if hasattr(config, k)), "n_inner")
+        setattr(config, key, size)
 
 
 def _check_carriable(optimizer, model: nn.Module, units) -> None:
@@ -399,7 +398,7 @@ def _check_carriable(optimizer, model: nn.Module, units) -> None:
                 )
 
 
-def _carry_state(optimizer, old: nn.Parameter, new: nn.Parameter, axis: int):
+def _carry_state(optimizer, old: nn.Parameter, new: nn.Parameter, units, rel: str):
     """``new`` takes ``old``'s slot; its state is ``old``'s in the old slice, zero in the new one.
     Returns the (group, index) of the slot, or None when the optimizer does not hold ``old``."""
     where = _locate(optimizer, old)
@@ -413,9 +412,9 @@ def _carry_state(optimizer, old: nn.Parameter, new: nn.Parameter, axis: int):
     carried = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.shape == old.shape:
-            wide = torch.zeros(new.shape, dtype=value.dtype, device=value.device)
-            wide.narrow(axis, 0, old.shape[axis]).copy_(value)
-            carried[key] = wide
+            carried[key] = units.widened(
+                rel, value, torch.zeros_like(units.pieces[rel][1], dtype=value.dtype)
+            )
         else:
             carried[key] = value
     optimizer.state[new] = carried

@@ -299,7 +299,7 @@ class GrowthProtocol:
                         f"candidate {b.point!r}: family 'mlp_width' grows the MLP of the block that follows "
                         f"the point, and {b.point!r} is the last block"
                     )
-            size = _intermediate_size(config) if config is not None else None
+            size = _intermediate_size(config, arch.adapter.mlp_size) if config is not None else None
             if config is not None and not isinstance(size, int):
                 raise FusedStatsError(
                     f"config of {type(model).__name__} has intermediate size {size!r}, not one int: "
@@ -323,8 +323,8 @@ class GrowthProtocol:
         return arch
 
 
-def _intermediate_size(config):
-    for key in ("intermediate_size", "n_inner"):
+def _intermediate_size(config, name: str | None = None):
+    for key in (name,) if name else ("intermediate_size", "ffn_hidden_size", "n_inner"):
         if hasattr(config, key):
             value = getattr(config, key)
             if key == "n_inner" and value is None:

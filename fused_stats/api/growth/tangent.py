@@ -359,10 +359,12 @@ class GrowthTangent:
             bias = units.pieces.get(f"{name}.bias")
             if bias is not None:
                 y = y + bias[1].to(dtype=u.dtype, device=u.device)
-            pre.append(y)
-        act = getattr(module, "act_fn", None) or getattr(module, "act", None)
+            pre.extend(y.chunk(self.adapter.mlp_chunks, dim=-1))  # a fused map: gate, then up
+        act = next(
+            (getattr(module, a) for a in MLP_ACTIVATIONS if getattr(module, a, None) is not None), None
+        )
         if act is None:
-            raise FusedStatsError(f"MLP {type(module).__name__} at {point!r} has no act_fn / act")
+            raise FusedStatsError(f"MLP {type(module).__name__} at {point!r} has none of {MLP_ACTIVATIONS}")
         # gated (LLaMA): act(gate) ⊙ up, the input of down_proj; else act(fc)
         h = act(pre[0]) * pre[1] if len(pre) == 2 else act(pre[0])
         # the MLP output is multiplied by the branch scale before the residual add (Granite)
@@ -717,6 +719,7 @@ class GrowthTangent:
 
 
 SELF_CHECK_TOLERANCE = 1e-6
+MLP_ACTIVATIONS = ("act_fn", "act", "activation_fn")  # the MLP's activation module, by family
 CHECKED_POSITIONS = 4
 
 
@@ -741,6 +744,10 @@ def _one_sample(value, b: int, batch: int):
     row, containers element-wise, everything else (a broadcast rotary table, ``cache_position``)
     as it is."""
     if isinstance(value, torch.Tensor):
+        if value.dim() >= 2 and batch > 1 and value.shape[0] % batch == 0 and value.shape[0] > batch:
+            # samples x heads on one axis (BLOOM's ALiBi bias, (B·H, 1, T)): sample b's H rows
+            per = value.shape[0] // batch
+            return value[b * per : (b + 1) * per]
         return value[b : b + 1] if value.dim() >= 2 and value.shape[0] == batch and batch > 1 else value
     if isinstance(value, tuple):
         return tuple(_one_sample(v, b, batch) for v in value)
