@@ -257,7 +257,7 @@ def predict(record: FirstStepTangent, optimizer, lr=None) -> FirstStepPrediction
                     f"candidate {record.point!r}, {rel} in param group {g} ({type(optimizer).__name__}): "
                     f"its first update is k·g/(√({rule.c:g} + {rule.a:.6g}²g²) + {rule.eps:g}), but the "
                     f"sub-batch sums (train_batch_size={size}) were kept for g/(|g| + {eps:g}); set "
-                    f"GrowthProtocol(adam_eps={rule.eps / rule.a:.17g}) for this group"
+                    f"GrowthProtocol(adam_eps={rule.eps / rule.a:.12g}) for this group"
                     + (" (and initial_accumulator_value=0)" if rule.c else "")
                     + ", or train_batch_size=None"
                 )

@@ -59,8 +59,10 @@ class SubBatches:
         """After the step (also a refused one, whose unchanged sum cancels)."""
         n = 0 if acc is None else acc.n
         added = n - self.n_before
-        if acc is not None and self.partial is not None:
-            self.partial.add_(acc.c_sum.detach().to(F64))
+        if acc is not None:
+            c = acc.c_sum.detach().to(F64)
+            # None: there was no accumulator before the step (a zero sum)
+            self.partial = c.clone() if self.partial is None else self.partial.add_(c)
         self.n_seen = n
         if added <= 0:
             return
