@@ -18,6 +18,7 @@ from .accumulators import (
 from .accumulators.cross_stats import Saturation
 from .api.growth.advise import Advice, advise
 from .api.growth.architecture import growth_points
+from .api.growth.first_step import predicted_change
 from .api.growth.gradmax import gradmax_directions
 from .api.growth.grow import GrowthResult, grow
 from .api.growth.insert import insert_zero_block, remove_inserted_block
@@ -67,6 +68,7 @@ __all__ = [
     "insert_zero_block",
     "intervene",
     "misalignment_probability",
+    "predicted_change",
     "realized_alignment",
     "remove_inserted_block",
     "residual_points",

@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ...accumulators.estimators import Estimate
 from ...errors import FusedStatsError
 from ..report.document import Report, fmt, fmt_se, save_figure
+from .first_step import tangent_record
 from .protocol import DEFAULT_ADAM_EPS, DEFAULT_SCORE, GrowthProtocol
 from .scores import NO_ADAM_UNDER_PROJECTION
 
@@ -87,6 +88,8 @@ class Candidate:
     signal_fraction: float | None = None  # |C|_F² / E|c_i|_F² (train stream)
     # (⟨s_A, C_B⟩ + ⟨s_B, C_A⟩)/2, halves A/B: even/odd train steps; None under a projection
     split_adam_score: float | None = None
+    # advice from a live probe: the mean train / test tangents for fs.predicted_change (not saved)
+    first_step: object = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,9 @@ class Advice:
             "adam_available": self.protocol.get("projection") is None,
             "saturated_everywhere": self.saturated_everywhere,
             "verdict": self.verdict,
-            "ranked": [asdict(c) for c in self.ranked],
+            "ranked": [
+                {f.name: getattr(c, f.name) for f in fields(c) if f.name != "first_step"} for c in self.ranked
+            ],
         }
 
     def to_json(self, path) -> Path:
@@ -215,7 +220,7 @@ class Advice:
             + "; predicted change = −|C|_F² per unit SGD step on the new zero parameters "
             f"({NO_DETECTABLE_GAIN!r} where the unbiased estimate is negative); ranked by "
             f"`{self.score}`. First step on the mean test loss per unit step: SGD −⟨C_M, C_K⟩, "
-            f"zero-state Adam/AdamW −⟨s_M, C_K⟩ with s_M = C_M/(|C_M|+ε), ε = {self.adam_eps:g}"
+            + _adam_label(self.protocol.get("train_batch_size"), self.adam_eps)
             + ("" if self.protocol.get("projection") is None else f" (Adam: {NO_ADAM_UNDER_PROJECTION})")
             + "; signal fraction = |C|_F²/E|c_i|_F² (train); '-': not in the report."
             + (
@@ -271,6 +276,18 @@ class Advice:
         return save_figure(fig, path)
 
 
+def _adam_label(size, eps: float) -> str:
+    if size is None:
+        return (
+            f"zero-state Adam/AdamW −⟨s_M, C_K⟩ with s_M = C_M/(|C_M|+ε), ε = {eps:g}, the M train "
+            "samples as one batch (GrowthProtocol(train_batch_size=B) for a step on B)"
+        )
+    return (
+        f"zero-state Adam/AdamW on a batch of B = {size}: the mean of −⟨s_b, C_K⟩ over B-sized "
+        f"sub-batches of the train stream, s_b = C_b/(|C_b|+ε), ε = {eps:g}"
+    )
+
+
 def _cell(value) -> str:
     return "-" if value is None else fmt(value)
 
@@ -309,7 +326,7 @@ def holm(p_values: list[float]) -> list[float]:
     return out
 
 
-def _reports(source) -> list[dict]:
+def _reports(source, probes=None) -> list[dict]:
     from ..probe.driver import Probe
 
     items = source if isinstance(source, (list, tuple)) else [source]
@@ -317,6 +334,8 @@ def _reports(source) -> list[dict]:
     for item in items:
         if isinstance(item, Probe):
             out.append(item.report(misalignment_trials=0).data)
+            if probes is not None:
+                probes.append(item)
         elif isinstance(item, Report):
             out.append(item.data)
         elif isinstance(item, (str, Path)):
@@ -414,7 +433,8 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
         raise FusedStatsError(f"alpha must be in (0, 1), got {alpha!r}")
     if (M is None) != (K is None):
         raise FusedStatsError(f"give both M and K or neither, got M={M!r}, K={K!r}")
-    reports = _reports(source)
+    probes: list = []
+    reports = _reports(source, probes)
     _check_units(reports)
     _check_one_model(reports)
     records = []
@@ -514,6 +534,9 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
                 # E_P of both terms scales by k/r: the fraction is rescaled by neither
                 signal_fraction=None if not sq else float(sat["cross_frob2"]) / sq,
                 split_adam_score=split,
+                first_step=next(
+                    (r for r in (tangent_record(p, name) for p in probes) if r is not None), None
+                ),
             )
         )
     if protocol.score != DEFAULT_SCORE:

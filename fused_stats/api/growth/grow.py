@@ -31,7 +31,12 @@ kept, so the new slice has zero moments but shares the tensor's step count; with
 of its first update after growth (the kept count plus one), Adam's bias corrections make that update ``(1-β₁)/(1-β₁ᵗ) · √((1-β₂ᵗ)/(1-β₂))`` times a zero-state
 start's (ε → 0). No construction with one step count per tensor is exact for all later steps
 (the bias correction multiplies the new gradients' terms by a factor that depends on ``t``), so
-this is the rule the protocol records for ``mlp_width``. An optimizer none of whose parameters
+this is the rule the protocol records for ``mlp_width``. Weight decay of a new parameter is zero
+at a zero origin, but not at a non-zero one (Gemma2/3's post-norm scale ``w = −1``, decayed
+toward 0, moves the block off its origin): such a parameter joins a copy of its counterpart's
+group with ``weight_decay = 0`` (the first such group, appended to the optimizer, that matches
+the counterpart's in every other setting), so a step with a zero gradient leaves it, and the
+block's function, exactly as they were. An optimizer none of whose parameters
 belong to the block being grown next to, or holding state of another shape than the parameter's
 (a factored second moment), is refused before anything changes.
 """
@@ -136,22 +141,87 @@ def _plan_joins(
     _held_by(optimizer, block_name, block)
     joins = {}
     for name, (rel, param) in new.items():
-        sibling = counterpart(rel)
-        if sibling is None:
-            raise FusedStatsError(
-                f"new parameter {name!r} has no counterpart in {block_name!r} whose param group it could join"
-            )
-        where = _locate(optimizer, sibling)
-        if where is not None:
-            joins[name] = (param, where[0])
+        g = _counterpart_group(optimizer, block_name, name, counterpart(rel))
+        if g is not None:
+            joins[name] = (param, g)
     return joins
 
 
-def _join_in_model_order(optimizer, model: nn.Module, joins: dict, result) -> None:
+def _counterpart_group(optimizer, block_name: str, name: str, sibling) -> int | None:
+    """The group of the counterpart ``sibling`` of new parameter ``name`` (None: not held)."""
+    if sibling is None:
+        raise FusedStatsError(
+            f"new parameter {name!r} has no counterpart in {block_name!r} whose param group it could join"
+        )
+    where = _locate(optimizer, sibling)
+    return None if where is None else where[0]
+
+
+def planned_groups(model: nn.Module, protocol: GrowthProtocol, point: str, optimizer, rels) -> dict:
+    """The join rule of :func:`grow`, without growing: for each parameter ``rel`` of the growth at
+    ``point`` (relative to the new block; for ``mlp_width`` to the widened block; ``"w_out"`` for
+    ``cross_block``), ``(group index, tensor whose state it shares)``: the group it joins (None:
+    left out, its counterpart frozen) and, for a widened tensor, the tensor whose optimizer state
+    (and step count) its new slice shares (None: a new parameter, no state)."""
+    arch = protocol.check(model)
+    b = boundary(arch, model, point)
+    if protocol.family == "mlp_width":
+        name = f"{b.container}.{b.position}"
+        block = model.get_submodule(name)
+        _held_by(optimizer, f"{name}.mlp", block.get_submodule("mlp"))
+        out = {}
+        for rel in rels:
+            param = block.get_parameter(rel)
+            where = _locate(optimizer, param)
+            out[rel] = (None, None) if where is None else (where[0], param)
+        return out
+    neighbour = model.get_submodule(b.neighbour)
+    if protocol.family == "cross_block":
+        g = _cross_group(optimizer, b.neighbour, neighbour)
+        return {rel: (g, None) for rel in rels}
+    _held_by(optimizer, b.neighbour, neighbour)
+    siblings = dict(neighbour.named_parameters())
+    return {rel: (_counterpart_group(optimizer, b.neighbour, rel, siblings.get(rel)), None) for rel in rels}
+
+
+def nonzero_origin_parameters(protocol: GrowthProtocol, arch: Architecture) -> tuple[str, ...]:
+    """Names (relative to a new block) of the origin parameters whose origin value is not zero
+    (Gemma2/3's post-norm scales, ``-1``): weight decay would move them off the origin."""
+    adapter = arch.adapter
+    if protocol.family != "layer" or getattr(adapter, "origin", None) != "norm_scale":
+        return ()
+    if float(adapter.origin_value) == 0.0:
+        return ()
+    return tuple(f"{m}.weight" for m in adapter.origin_modules)
+
+
+def _without_decay(optimizer, g: int) -> int:
+    """The index of a group that is group ``g`` with ``weight_decay = 0``: ``g`` itself when its
+    decay is zero, else the first group appended by an earlier call that matches, else a new one
+    appended to the optimizer (its settings copied from ``g``, no parameters yet)."""
+    group = optimizer.param_groups[g]
+    if not group.get("weight_decay"):
+        return g
+    settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    settings["weight_decay"] = 0.0
+    for i, other in enumerate(optimizer.param_groups):
+        if i != g and {k: v for k, v in other.items() if k not in ("params", "param_names")} == settings:
+            return i
+    clone = dict(settings, params=[])
+    if "param_names" in group:
+        clone["param_names"] = []
+    optimizer.param_groups.append(clone)
+    return len(optimizer.param_groups) - 1
+
+
+def _join_in_model_order(optimizer, model: nn.Module, joins: dict, result, no_decay=()) -> None:
     """Insert each new parameter into its group after the group's last parameter that precedes it
-    in ``model.parameters()`` (at the front when none does)."""
+    in ``model.parameters()`` (at the front when none does); those named in ``no_decay`` into
+    their group's ``weight_decay = 0`` copy (:func:`_without_decay`)."""
     rank = {id(p): i for i, p in enumerate(model.parameters())}
     for name, (param, g) in sorted(joins.items(), key=lambda item: rank[id(item[1][0])]):
+        if name in no_decay:
+            g = _without_decay(optimizer, g)
         group = optimizer.param_groups[g]
         params = group["params"]
         earlier = [i for i, p in enumerate(params) if rank[id(p)] < rank[id(param)]]
@@ -287,11 +357,12 @@ def _grow_layers(
     for b in bounds:
         neighbour = model.get_submodule(b.neighbour)
         siblings[b.point] = dict(neighbour.named_parameters())
-    joins = {}
+    joins, no_decay = {}, set()
     if optimizer is not None:
         for b in bounds:
             name = f"{b.container}.{_final_index(bounds, b)}"
             new = {f"{name}.{rel}": (rel, p) for rel, p in blocks[b.point].named_parameters()}
+            no_decay.update(f"{name}.{rel}" for rel in nonzero_origin_parameters(protocol, arch))
             joins.update(
                 _plan_joins(
                     optimizer, b.neighbour, model.get_submodule(b.neighbour), new, siblings[b.point].get
@@ -332,7 +403,7 @@ def _grow_layers(
         result.positions[b.point] = name
         result.new_parameters.extend(f"{name}.{rel}" for rel, _ in blocks[b.point].named_parameters())
     if optimizer is not None:
-        _join_in_model_order(optimizer, model, joins, result)
+        _join_in_model_order(optimizer, model, joins, result, no_decay)
 
 
 def _final_index(bounds: list[Boundary], b: Boundary) -> int:

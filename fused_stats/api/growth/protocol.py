@@ -123,9 +123,13 @@ class GrowthProtocol:
     the width certificate (declared with the protocol, like everything the verdict depends on;
     None: the report's own sizes). ``score``: what :func:`fused_stats.advise` ranks by, one of
     :data:`SCORES` (default ``"cross_frob2"``, the unbiased ``|C|_F²``); ``adam_eps``: the ε of
-    the Adam first-step prediction (default torch's 1e-8). Only a set budget and non-default
-    score / eps enter :meth:`to_dict`, so protocols without them keep the record and digest they
-    had before the fields existed.
+    the Adam first-step prediction (default torch's 1e-8). ``train_batch_size``: the training
+    batch size ``B`` of the optimizer step the Adam prediction is for: set, the prediction is the
+    mean of ``⟨s_b, C_K⟩`` over B-sized sub-batches of the train stream (:mod:`.sub_batches`);
+    None: ``⟨s_M, C_K⟩``, the whole train stream as one batch (its value depends on the probe's
+    size M). Only a set budget / train_batch_size and non-default score / eps enter
+    :meth:`to_dict`, so protocols without them keep the record and digest they had before the
+    fields existed.
     """
 
     candidates: tuple[str, ...]
@@ -137,6 +141,7 @@ class GrowthProtocol:
     budget: tuple[int, int] | None = None
     score: str = DEFAULT_SCORE
     adam_eps: float = DEFAULT_ADAM_EPS
+    train_batch_size: int | None = None
 
     def __post_init__(self):
         cands = self.candidates
@@ -192,6 +197,11 @@ class GrowthProtocol:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and eps < float("inf")):
             raise FusedStatsError(f"GrowthProtocol adam_eps must be a finite float > 0, got {eps!r}")
         object.__setattr__(self, "adam_eps", float(eps))
+        size = self.train_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise FusedStatsError(
+                f"GrowthProtocol train_batch_size must be a positive int or None, got {size!r}"
+            )
         if self.score in ("adam_first_step", "split_adam") and self.projection is not None:
             raise FusedStatsError(
                 f"GrowthProtocol score {self.score!r} needs the full tangent: under projection="
@@ -238,6 +248,8 @@ class GrowthProtocol:
             record["score"] = self.score
         if self.adam_eps != DEFAULT_ADAM_EPS:
             record["adam_eps"] = self.adam_eps
+        if self.train_batch_size is not None:
+            record["train_batch_size"] = self.train_batch_size
         return record
 
     @classmethod
@@ -254,6 +266,7 @@ class GrowthProtocol:
                 budget=record.get("budget"),
                 score=record.get("score", DEFAULT_SCORE),
                 adam_eps=record.get("adam_eps", DEFAULT_ADAM_EPS),
+                train_batch_size=record.get("train_batch_size"),
             )
         except (KeyError, TypeError) as exc:
             raise FusedStatsError(f"not a GrowthProtocol record: missing or bad entry {exc}") from None

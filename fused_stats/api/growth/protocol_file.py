@@ -2,9 +2,8 @@
 
 Role: a protocol file holds the keys of :class:`~fused_stats.GrowthProtocol` at its top level:
 ``candidates`` (a list of point names, or ``"all"``: :func:`fused_stats.growth_points` of the
-model), ``family``, ``init``, ``seed``, ``width``, ``projection``, ``budget = [M, K]``, ``score``
-and ``adam_eps``; a key
-left out takes the protocol's default (TOML has no null: an unset ``width`` is an absent key).
+model), ``family``, ``init``, ``seed``, ``width``, ``projection``, ``budget = [M, K]``, ``score``,
+``adam_eps`` and ``train_batch_size``; a key left out takes the protocol's default (TOML has no null: an unset ``width`` is an absent key).
 Every key and type is checked when the file is read, before any model is loaded, with the key
 named in the message; ``"all"`` and the candidates' existence need the model
 (:meth:`ProtocolFile.resolve`). :func:`protocol_from_table` checks one table, so a section of
@@ -23,7 +22,18 @@ from ...tomlfile import read_toml
 from .architecture import growth_points
 from .protocol import FAMILIES, INITS, SCORES, GrowthProtocol
 
-KEYS = ("candidates", "family", "init", "seed", "width", "projection", "budget", "score", "adam_eps")
+KEYS = (
+    "candidates",
+    "family",
+    "init",
+    "seed",
+    "width",
+    "projection",
+    "budget",
+    "score",
+    "adam_eps",
+    "train_batch_size",
+)
 ALL_CANDIDATES = "all"
 
 
@@ -61,7 +71,7 @@ def check_table(table, where: str) -> dict:
         if not _is_int(table["seed"]) or table["seed"] < 0:
             raise FusedStatsError(f"{where}: seed must be an integer >= 0, got {table['seed']!r}")
         out["seed"] = table["seed"]
-    for key in ("width", "projection"):
+    for key in ("width", "projection", "train_batch_size"):
         if key in table:
             if not _is_int(table[key]) or table[key] < 1:
                 raise FusedStatsError(f"{where}: {key} must be an integer >= 1, got {table[key]!r}")

@@ -5,11 +5,16 @@ Role: the advisor's numbers as predictions a user can check (docs/design.md, sec
 With ``C_M = c_sum/M`` (train stream) and ``C_K = c_sum/K`` (test stream) the mean per-sample
 tangents of the zero parameters (the gradient of the mean loss there):
 
-* SGD (and SGD with momentum, whose first step is SGD's): one step ``θ = −η C_M`` changes the
+* SGD (and SGD with momentum without Nesterov, whose first step is SGD's; Nesterov's is
+  ``(1 + μ)`` times it): one step ``θ = −η C_M`` changes the
   mean test loss by ``−η ⟨C_M, C_K⟩ + O(η²)``.
 * Zero-state Adam / AdamW: the bias-corrected moments of one gradient are ``g`` and ``g²``, so the
-  first update is ``−η g / (|g| + ε)`` elementwise (weight decay of a zero parameter is zero) and
-  the change is ``−η ⟨s_M, C_K⟩`` with ``s_M = C_M / (|C_M| + ε)``. The sum runs over the
+  first update is ``−η g / (|g| + ε)`` elementwise (weight decay of a zero parameter is zero;
+  ``fs.grow`` puts a parameter with a non-zero origin in a group without decay) and the change
+  is ``−η ⟨s_M, C_K⟩`` with ``s_M = C_M / (|C_M| + ε)``: the whole train stream taken as the
+  step's batch. With ``protocol.train_batch_size = B`` it is ``−η ⟨(1/n_B) Σ_b s_b, C_K⟩`` over
+  B-sized sub-batches of the train stream (:mod:`.sub_batches`), the step of a batch of ``B``.
+  Other optimizers and per-group settings: :func:`fused_stats.predicted_change`. The sum runs over the
   entries of ``C``, whatever their arrangement into parameter tensors. Under a random projection
   ``C Pᵀ`` the sign of the projection is not the projection of the sign: not available.
 * Signal fraction ``|C|_F² / E|c_i|_F²`` (unbiased ``|C|_F²`` over ``Σ|c_i|²/n``): the share of
@@ -49,12 +54,26 @@ def adam_direction(c_mean: torch.Tensor, eps: float) -> torch.Tensor:
     return c_mean / (c_mean.abs() + eps)
 
 
-def candidate_scores(train, test, eps: float = ADAM_EPS, projected: bool = False, half=None) -> dict:
+def candidate_scores(
+    train,
+    test,
+    eps: float = ADAM_EPS,
+    projected: bool = False,
+    half=None,
+    train_batch_size: int | None = None,
+    sub_batches=None,
+) -> dict:
     """The raw first-step inner products and the signal fraction of one candidate from its train
     and test CrossStats (module docstring), in the probed (possibly projected) coordinates.
     ``half``: ``(A sum, n_A)``, the tangent sum of the even train steps (B: the rest of the
-    stream), for ``split_a_on_b = ⟨s_A, C_B⟩`` and ``split_b_on_a``; None: not kept."""
+    stream), for ``split_a_on_b = ⟨s_A, C_B⟩`` and ``split_b_on_a``; None: not kept.
+    ``train_batch_size`` set: the Adam terms average ``s_b`` over the B-sized sub-batches of
+    ``sub_batches`` (:class:`.sub_batches.SubBatches`; ``s_A``: the even-step ones), None where
+    there are none."""
     out = {"adam_eps": eps, "sgd_inner": None, "adam_inner": None, "mean_sq_norm": None}
+    if train_batch_size is not None:
+        out["adam_train_batch_size"] = train_batch_size
+        out["adam_sub_batches"] = 0 if sub_batches is None else sub_batches.n_sub
     if train is None or train.n == 0:
         return out
     c_train = train.c_sum.detach().to(device="cpu", dtype=F64) / train.n
@@ -63,15 +82,23 @@ def candidate_scores(train, test, eps: float = ADAM_EPS, projected: bool = False
         a_sum = half[0].detach().to(device="cpu", dtype=F64)
         n_a, n_b = int(half[1]), train.n - int(half[1])
         c_a, c_b = a_sum / n_a, (train.c_sum.detach().to(device="cpu", dtype=F64) - a_sum) / n_b
-        out["split_a_on_b"] = float((adam_direction(c_a, eps) * c_b).sum())
-        out["split_b_on_a"] = float((adam_direction(c_b, eps) * c_a).sum())
-        out["split_n"] = [n_a, n_b]
+        if train_batch_size is None:
+            s_a, s_b = adam_direction(c_a, eps), adam_direction(c_b, eps)
+        else:  # s from the B-sized sub-batches of each half (each one probe step)
+            s_a, s_b = (None, None) if sub_batches is None else (sub_batches.halves() or (None, None))
+        if s_a is not None:
+            out["split_a_on_b"] = float((s_a * c_b).sum())
+            out["split_b_on_a"] = float((s_b * c_a).sum())
+            out["split_n"] = [n_a, n_b]
     if test is None or test.n == 0:
         return out
     c_test = test.c_sum.detach().to(device="cpu", dtype=F64) / test.n
     out["sgd_inner"] = float((c_train * c_test).sum())
     if not projected:
-        out["adam_inner"] = float((adam_direction(c_train, eps) * c_test).sum())
+        if train_batch_size is None:
+            out["adam_inner"] = float((adam_direction(c_train, eps) * c_test).sum())
+        elif sub_batches is not None and sub_batches.mean() is not None:
+            out["adam_inner"] = float((sub_batches.mean() * c_test).sum())
     return out
 
 

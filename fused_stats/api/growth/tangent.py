@@ -69,6 +69,7 @@ from ..probe.fold import cross_view
 from . import blocks
 from .architecture import boundary
 from .scores import ADAM_EPS, candidate_scores
+from .sub_batches import SubBatches
 
 
 def zero_map_width(name: str, module: nn.Module) -> tuple[int, bool]:
@@ -198,6 +199,9 @@ class GrowthTangent:
         self.maps: dict[str, list[tuple[str, int, bool]]] = {}
         # per candidate: half A of the train stream (:meth:`before_step`)
         self.split_halves: dict[str, SplitHalf] = {}
+        # per candidate: the B-sized sub-batches of the train stream (protocol.train_batch_size)
+        self.train_batch_size = getattr(protocol, "train_batch_size", None)
+        self.sub_batches: dict[str, SubBatches] = {}
         # the input scale is a fact of the model's forward (e.g. where an embedding scale is
         # applied, which moved between transformers releases): checked even with self_check off
         if arch.input_point in protocol.candidates and self.family != "cross_block":
@@ -410,6 +414,11 @@ class GrowthTangent:
             if half.open_even and acc is not None:
                 half.a_sum = -acc.c_sum.detach().clone() if half.a_sum is None else half.a_sum.sub_(acc.c_sum)
                 half.n_a -= n
+            if self.train_batch_size is not None:
+                if n == 0:
+                    self.sub_batches.pop(point, None)
+                eps = getattr(self.protocol, "adam_eps", ADAM_EPS)
+                self.sub_batches.setdefault(point, SubBatches(self.train_batch_size, eps)).begin(acc, even)
 
     def after_step(self, probe, stream: str) -> None:
         """Close :meth:`before_step`'s split for the step (also after a refused or failed one,
@@ -417,6 +426,9 @@ class GrowthTangent:
         if stream != "train" or self.projection is not None:
             return
         for point in self.protocol.candidates:
+            sub = self.sub_batches.get(point)
+            if sub is not None:
+                sub.end(probe.cross_stats.get(point))
             half = self.split_halves.get(point)
             if half is None or half.n_seen < 0:
                 continue
@@ -448,6 +460,8 @@ class GrowthTangent:
                 eps,
                 projected,
                 half=self.split_half(point, probe),
+                train_batch_size=self.train_batch_size,
+                sub_batches=self.sub_batches.get(point),
             )
             for point in self.protocol.candidates
             if probe.cross_stats.get(point) is not None
