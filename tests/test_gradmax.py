@@ -13,11 +13,12 @@ import fused_stats as fs
 from fused_stats.api.growth.gradmax import ModuleInputs
 
 from per_sample_reference import lm_sample_loss
-from tiny_models import TINY_LLAMA_CONFIG
+from tiny_models import TINY_LLAMA_CONFIG, tiny_lm_config
 
 transformers = pytest.importorskip("transformers")
 F64 = torch.float64
 MLP = "model.layers.1.mlp"
+NEOX_MLP = "gpt_neox.layers.1.mlp"  # act(W_fc u): one input map, where GradMax's derivation holds
 
 
 def llama(seed: int):
@@ -26,9 +27,14 @@ def llama(seed: int):
     return transformers.LlamaForCausalLM(config).to(F64).eval()
 
 
-def reference_c(model, ids: torch.Tensor) -> torch.Tensor:
+def neox(seed: int):
+    torch.manual_seed(seed)
+    return transformers.GPTNeoXForCausalLM(tiny_lm_config("neox", layers=2, d=8)).to(F64).eval()
+
+
+def reference_c(model, ids: torch.Tensor, at: str = MLP) -> torch.Tensor:
     """mean over sequences of Σ_t q_t u_tᵀ, q = ∂ℓ_i/∂(MLP output), u the MLP's input."""
-    mlp = model.get_submodule(MLP)
+    mlp = model.get_submodule(at)
     total = torch.zeros(model.config.hidden_size, model.config.hidden_size, dtype=F64)
     seen = {}
 
@@ -45,17 +51,17 @@ def reference_c(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_directions_from_the_mlp_inputs_match_a_per_sample_loop(gen):
-    model = llama(seed=1)
+    model = neox(seed=1)
     d, k = model.config.hidden_size, 3
-    ids = torch.randint(0, TINY_LLAMA_CONFIG["vocab_size"], (6, 9), generator=gen)
-    probe = fs.Probe(model, points=[MLP], cross=ModuleInputs(d))
+    ids = torch.randint(0, 40, (6, 9), generator=gen)
+    probe = fs.Probe(model, points=[NEOX_MLP], cross=ModuleInputs(d))
     probe.step({"input_ids": ids, "labels": ids}, fs.causal_lm_loss, mask="attention")
-    c_ref = reference_c(model, ids)
+    c_ref = reference_c(model, ids, NEOX_MLP)
     assert c_ref.abs().max() > 0
     torch.testing.assert_close(
-        probe.cross_stats[MLP].c_sum / probe.cross_stats[MLP].n, c_ref, rtol=1e-9, atol=1e-12
+        probe.cross_stats[NEOX_MLP].c_sum / probe.cross_stats[NEOX_MLP].n, c_ref, rtol=1e-9, atol=1e-12
     )
-    rows = fs.gradmax_directions(probe, MLP, k)
+    rows = fs.gradmax_directions(probe, NEOX_MLP, k)
     assert rows.shape == (k, d)
     # the maximiser of Σ_j |C w_j|² over orthonormal rows: the top-k eigenvectors of CᵀC (eigh)
     evals, evecs = torch.linalg.eigh(c_ref.T @ c_ref)
@@ -66,9 +72,43 @@ def test_directions_from_the_mlp_inputs_match_a_per_sample_loop(gen):
     assert (rows.gather(1, rows.abs().argmax(1, keepdim=True)) > 0).all()
     # the directions are accepted by the growth they are for: mlp_width at the boundary before
     protocol = fs.GrowthProtocol(
+        candidates=("gpt_neox.emb_dropout", "gpt_neox.layers.0"), family="mlp_width", width=2
+    )
+    fs.grow(model, protocol, init_directions={"gpt_neox.layers.0": rows, "gpt_neox.emb_dropout": rows})
+
+
+def test_gated_mlp_directions_are_refused_where_the_first_order_term_vanishes(gen):
+    """LLaMA's new unit ``silu(g·u)(v·u)`` with zero output column: its gradient has no term of
+    first order in ``(g, v)`` (checked: at rows ``t (g, v)`` it scales as ``t²``), so GradMax's
+    directions are refused, from a probe of the gated MLP and as ``init_directions``, with the
+    model unchanged; ``C`` itself (the probe's measurement) is still right."""
+    model = llama(seed=1)
+    d = model.config.hidden_size
+    ids = torch.randint(0, TINY_LLAMA_CONFIG["vocab_size"], (6, 9), generator=gen)
+    probe = fs.Probe(model, points=[MLP], cross=ModuleInputs(d))
+    probe.step({"input_ids": ids, "labels": ids}, fs.causal_lm_loss, mask="attention")
+    c_ref = reference_c(model, ids)
+    torch.testing.assert_close(
+        probe.cross_stats[MLP].c_sum / probe.cross_stats[MLP].n, c_ref, rtol=1e-9, atol=1e-12
+    )
+    with pytest.raises(fs.FusedStatsError, match=r"model.layers.1.mlp.*'llama'.*gated"):
+        fs.gradmax_directions(probe, MLP, 2)
+    # the new unit's output-column gradient E[Σ_t q_t silu(t g·u) (t v·u)] is O(t²): halving t
+    # quarters it (a first-order term would halve it)
+    g_row, v_row = torch.randn(2, d, generator=gen, dtype=F64)
+    u, q = torch.randn(9, d, generator=gen, dtype=F64), torch.randn(9, d, generator=gen, dtype=F64)
+    grad = [q.T @ (torch.nn.functional.silu(t * u @ g_row) * (t * u @ v_row)) for t in (1e-6, 5e-7)]
+    torch.testing.assert_close(grad[1] / grad[0], torch.full((d,), 0.25, dtype=F64), rtol=1e-4, atol=0)
+    rows = fs.gradmax_directions(c_ref, None, 2)  # C given as a matrix: nothing says it is gated
+    protocol = fs.GrowthProtocol(
         candidates=("model.embed_tokens", "model.layers.0"), family="mlp_width", width=2
     )
-    fs.grow(model, protocol, init_directions={"model.layers.0": rows, "model.embed_tokens": rows})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(fs.FusedStatsError, match=r"'model.embed_tokens' \(init_directions\).*gated"):
+        fs.grow(model, protocol, init_directions={"model.layers.0": rows, "model.embed_tokens": rows})
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    fs.grow(model, protocol)  # random rows: accepted
 
 
 def test_growth_tangent_probe_refused_even_with_c_shape(gen):

@@ -294,12 +294,20 @@ def test_protocol_validation_and_stored_digests():
 
 
 def test_gradmax_rows_have_the_norm_of_a_random_row(gen):
-    """Directions are rescaled to σ√d, the expected norm of an N(0, σ²) row of length d."""
-    model = llama(layers=2)
+    """Directions are rescaled to σ√d, the expected norm of an N(0, σ²) row of length d (GPT-NeoX:
+    a gated MLP's directions are refused, test_gradmax.py)."""
+    torch.manual_seed(11)
+    config = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=12, intermediate_size=20, num_hidden_layers=2, num_attention_heads=2
+    )
+    config.initializer_range = 0.3
+    model = transformers.GPTNeoXForCausalLM(config).to(F64)
     sigma, d = model.config.initializer_range, model.config.hidden_size
-    protocol = fs.GrowthProtocol(["model.embed_tokens"], family="mlp_width", width=3)
+    protocol = fs.GrowthProtocol(["gpt_neox.emb_dropout"], family="mlp_width", width=3)
     directions = torch.randn(4, d, generator=gen, dtype=F64) * 5
-    rows = new_units(model, protocol, "model.embed_tokens", directions).pieces["mlp.gate_proj.weight"][1]
+    rows = new_units(model, protocol, "gpt_neox.emb_dropout", directions).pieces["mlp.dense_h_to_4h.weight"][
+        1
+    ]
     torch.testing.assert_close(
         rows.norm(dim=1), torch.full((3,), sigma * d**0.5, dtype=F64), rtol=1e-12, atol=0
     )

@@ -129,7 +129,7 @@ class GrowthDemoConfig:
             steps2=4,
             short_steps=2,
             probe_batches=2,
-            curvature_batches=1,
+            curvature_batches=2,
             eval_batches=2,
         )
         base.update(overrides)
@@ -149,6 +149,11 @@ class GrowthDemoConfig:
             raise FusedStatsError("the probe needs >= 4 samples per stream")
         if self.probe_batches < 2:
             raise FusedStatsError(f"the split Adam score needs probe_batches >= 2, got {self.probe_batches}")
+        if self.curvature_batches < 2:
+            # fs.curvature_gain's |g|² is the inner product of two halves of its batches
+            raise FusedStatsError(
+                f"the curvature gain needs curvature_batches >= 2, got {self.curvature_batches}"
+            )
         if self.curvature_batches > self.probe_batches:
             raise FusedStatsError(
                 f"curvature_batches ({self.curvature_batches}) must be <= probe_batches ({self.probe_batches})"

@@ -37,6 +37,7 @@ from ...errors import FusedStatsError
 from ...networks.resnet import BasicBlock
 from ..probe.spec import CrossSpec
 from .architecture import Adapter, Architecture, boundary
+from .gradmax import gated_mlp_refusal
 from .insert import ZeroBlock
 from .protocol import GrowthProtocol, check_init
 
@@ -234,7 +235,8 @@ def new_units(
     from :func:`candidate_seed`; with ``directions`` (k, d), k ≥ ``width``, the first input map's
     new rows are the first ``width`` directions rescaled to the norm ``σ √d`` of a random row (the
     GradMax idea: top singular vectors of the measured cross-gradient maximise the initial gradient
-    norm). New biases and new output columns are zero, so the function is unchanged.
+    norm; refused for a gated MLP, where they do not: :mod:`.gradmax`). New biases and new output
+    columns are zero, so the function is unchanged.
     """
     if protocol.family != "mlp_width":
         raise FusedStatsError(f"new_units needs family 'mlp_width', the protocol has {protocol.family!r}")
@@ -253,6 +255,7 @@ def new_units(
     parts = adapter.mlp_chunks
     rows = [torch.randn(k, d, generator=gen, dtype=torch.float64) * sigma for _ in range(len(ins) * parts)]
     if directions is not None:
+        gated_mlp_refusal(adapter, f"{point!r} (init_directions)")
         if not isinstance(directions, torch.Tensor) or directions.dim() != 2 or directions.shape[1] != d:
             shape = (
                 tuple(directions.shape) if isinstance(directions, torch.Tensor) else type(directions).__name__

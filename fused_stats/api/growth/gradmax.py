@@ -20,6 +20,13 @@ The cross-gradient of an ``mlp_width`` growth probe (``fs.Probe(cross=GrowthProt
 gradient of the new output columns, not ``C``; its right singular vectors live in unit space, not
 in the input space of the rows, and are refused here (as is every growth tangent), also when
 ``width == d`` gives it the shape of ``C``.
+
+Gated MLPs (LLaMA's ``silu(W_gate u) ⊙ (W_up u)``, an adapter with two ``mlp_inputs``) are
+refused, here for a probe of such an MLP and in :func:`~fused_stats.api.growth.blocks.new_units`
+for ``init_directions``: a new unit is ``silu(g_jᵀu) (v_jᵀu) ≈ ½ (g_jᵀu)(v_jᵀu)`` for small rows
+(``silu(0) = 0``, ``silu'(0) = ½``), so its output-column gradient has no first-order term in
+either row, and the top singular vectors of ``C`` set as the gate rows (the up rows random) do
+not maximise it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,33 @@ import torch
 from ...accumulators import CrossStats
 from ...errors import FusedStatsError
 from ..probe.spec import CrossSpec
+from .architecture import describe
+
+GATED_REFUSAL = (
+    "its MLP is gated (silu(gate u) * (up u)): with zero output columns the new units' gradient "
+    "has no first-order term in their input rows, so GradMax's directions (top singular vectors "
+    "of C, set as the gate rows) do not maximise it; grow with random rows (no init_directions)"
+)
+
+
+def gated_mlp_refusal(adapter, where: str) -> None:
+    """Raise :class:`FusedStatsError` for GradMax directions on a gated MLP (module docstring)."""
+    if adapter is not None and adapter.mlp_inputs is not None and len(adapter.mlp_inputs) == 2:
+        raise FusedStatsError(
+            f"GradMax directions at {where} (model_type {adapter.model_type!r}): {GATED_REFUSAL}"
+        )
+
+
+def _gated_adapter(model, point: str):
+    """The model's adapter when the module at ``point`` is its gated MLP, else None."""
+    try:
+        adapter = describe(model).adapter
+    except FusedStatsError:
+        return None  # a model growth does not know: nothing says the module is gated
+    inputs = adapter.mlp_inputs or ()
+    module = model.get_submodule(point)
+    names = [name.partition(".")[2] for name in inputs]
+    return adapter if len(inputs) == 2 and all(hasattr(module, n) for n in names) else None
 
 
 class ModuleInputs:
@@ -71,6 +105,7 @@ def _matrix_from_probe(probe, point) -> torch.Tensor:
         )
     stats = probe.cross_stats[point]
     if isinstance(cross, ModuleInputs):
+        gated_mlp_refusal(_gated_adapter(probe.model, point), repr(point))
         if stats.n < 1:
             raise FusedStatsError(f"gradmax_directions: no samples at {point!r}")
         return stats.c_sum.to(torch.float64).cpu() / stats.n

@@ -167,8 +167,13 @@ class GrowthProtocol:
         if self.init not in INITS:
             raise FusedStatsError(f"GrowthProtocol init must be one of {INITS}, got {self.init!r}")
         check_init(self.family, self.init)
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise FusedStatsError(f"GrowthProtocol seed must be an int, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            # the one check of the seed, a protocol file's included (protocol_file.build): a
+            # protocol accepted in code is accepted in a file, and the other way round
+            raise FusedStatsError(
+                f"seed must be an integer >= 0, got {self.seed!r} (the GrowthProtocol seed of the new "
+                "blocks' non-zero parts)"
+            )
         for name in ("width", "projection"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

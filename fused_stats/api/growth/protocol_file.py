@@ -68,9 +68,7 @@ def check_table(table, where: str) -> dict:
                 )
             out[key] = table[key]
     if "seed" in table:
-        if not _is_int(table["seed"]) or table["seed"] < 0:
-            raise FusedStatsError(f"{where}: seed must be an integer >= 0, got {table['seed']!r}")
-        out["seed"] = table["seed"]
+        out["seed"] = table["seed"]  # checked by GrowthProtocol itself (build, below)
     for key in ("width", "projection", "train_batch_size"):
         if key in table:
             if not _is_int(table[key]) or table[key] < 1:

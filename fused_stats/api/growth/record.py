@@ -12,12 +12,20 @@ candidate grown at; None for saturation), ``family``, ``init``, ``protocol_diges
 names in the grown model), and ``step``, ``cross_frob2``, ``p_value``, ``p_adjusted`` where the
 caller gave them (None otherwise): the training step and the evidence that motivated the growth;
 a saturation entry also holds the advice's ``verdict``.
+
+Names stay current: when a later depth growth inserts blocks into a stack, the earlier entries'
+``position``, ``new_parameters`` and ``widened`` under that stack are renumbered as the blocks
+themselves are (block ``i`` becomes ``i`` plus the new blocks at or before it). ``point`` stays the
+candidate's name when it was grown (the name its protocol, ``protocol_digest``, lists). A growth
+entry's ``block_id`` (0, 1, 2, … in the order the entries were written) names the grown part
+for good, whatever is inserted before it later.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import re
 
 from torch import nn
 
@@ -94,6 +102,8 @@ def record_growth(model: nn.Module, result, step=None, evidence: dict | None = N
     to the model's record; ``evidence`` as returned by :func:`check_step_and_evidence`. Returns the
     entries added."""
     evidence = evidence or {}
+    record = _renumbered(growth_history(model), result)
+    next_id = 1 + max((e["block_id"] for e in record if isinstance(e.get("block_id"), int)), default=-1)
     added = []
     for point, position in result.positions.items():
         prefix = position + "."
@@ -110,9 +120,43 @@ def record_growth(model: nn.Module, result, step=None, evidence: dict | None = N
         }
         for key in EVIDENCE_KEYS:
             entry[key] = evidence.get(point, {}).get(key)
+        entry["block_id"] = next_id + len(added)
         added.append(entry)
-    _append(model, added)
+    setattr(_holder(model), RECORD_KEY, record + copy.deepcopy(added))
     return added
+
+
+def _renumbered(record: list[dict], result) -> list[dict]:
+    """The earlier entries with the names under each stack that ``result`` (depth growth) inserted
+    into moved to the blocks' new indices: old block ``i`` is the ``i``-th index of the grown
+    stack that holds no new block."""
+    if result.family != "layer":
+        return record  # width growth and cross blocks insert no block into a stack
+    inserted: dict[str, set[int]] = {}
+    for position in result.positions.values():
+        container, _, index = position.rpartition(".")
+        inserted.setdefault(container, set()).add(int(index))
+    for container, new in inserted.items():
+        for entry in record:
+            entry["position"] = _moved(entry.get("position"), container, new)
+            for key in ("new_parameters", "widened"):
+                if isinstance(entry.get(key), list):
+                    entry[key] = [_moved(n, container, new) for n in entry[key]]
+    return record
+
+
+def _moved(name, container: str, new: set[int]):
+    """``name`` with its block index under ``container`` moved past the new blocks' indices."""
+    match = re.match(rf"{re.escape(container)}\.(\d+)(?=\.|$)", name) if isinstance(name, str) else None
+    if match is None:
+        return name
+    old, index = int(match.group(1)), 0
+    while True:  # the old-th index of the grown stack that holds no new block
+        while index in new:
+            index += 1
+        if old == 0:
+            return f"{container}.{index}{name[match.end() :]}"
+        old, index = old - 1, index + 1
 
 
 def record_saturation(model: nn.Module, protocol, step, verdict: str) -> dict:

@@ -157,6 +157,12 @@ class GrowthSchedule:
         probe_batches = list(probe_batches)
         if not probe_batches:
             raise FusedStatsError("probe_batches is empty: the saturation test needs held-out batches")
+        if protocol.score == "split_adam" and len(probe_batches) < 2:
+            # the split halves are the probe's even and odd steps: one batch leaves half B empty
+            raise FusedStatsError(
+                f"GrowthSchedule score 'split_adam' splits probe_batches into two halves (even and odd "
+                f"batches), so it needs at least 2 probe batches; got {len(probe_batches)}"
+            )
         if not callable(loss_fn):
             raise FusedStatsError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not isinstance(alpha, numbers.Real) or isinstance(alpha, bool) or not 0 < alpha < 1:

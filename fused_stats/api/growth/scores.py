@@ -5,9 +5,10 @@ Role: the advisor's numbers as predictions a user can check (docs/design.md, sec
 With ``C_M = c_sum/M`` (train stream) and ``C_K = c_sum/K`` (test stream) the mean per-sample
 tangents of the zero parameters (the gradient of the mean loss there):
 
-* SGD (and SGD with momentum without Nesterov, whose first step is SGD's; Nesterov's is
-  ``(1 + μ)`` times it): one step ``θ = −η C_M`` changes the
-  mean test loss by ``−η ⟨C_M, C_K⟩ + O(η²)``.
+* SGD: one step ``θ = −η C_M`` changes the mean test loss by ``−η ⟨C_M, C_K⟩ + O(η²)``. SGD
+  with momentum ``μ`` takes the same first step (its buffer starts at the gradient), except with
+  ``nesterov=True``: the update ``g + μ·buf`` with ``buf = g`` is ``(1 + μ) g``, so its first
+  step, and the predicted change, are ``1 + μ`` times SGD's (1.9× at ``μ = 0.9``).
 * Zero-state Adam / AdamW: the bias-corrected moments of one gradient are ``g`` and ``g²``, so the
   first update is ``−η g / (|g| + ε)`` elementwise (weight decay of a zero parameter is zero;
   ``fs.grow`` puts a parameter with a non-zero origin in a group without decay) and the change
@@ -27,7 +28,11 @@ tangents of the zero parameters (the gradient of the mean loss there):
   quadratic model ``L(−t g) ≈ L − t|g|² + t² gᵀHg / 2`` (minimum at ``t = |g|²/gᵀHg``); a
   rescaling of the new parameters ``θ → aθ`` scales ``|g|²`` by ``1/a²`` and ``gᵀHg`` by
   ``1/a⁴``, so the gain is unchanged. :func:`curvature_gain` gets ``gᵀHg`` from one
-  Hessian-vector product (double backward, Pearlmutter 1994) on the grown model's new parameters.
+  Hessian-vector product (double backward, Pearlmutter 1994) on the grown model's new parameters,
+  and ``|g|²`` from split halves (batch parity, as the split Adam score): ``⟨g_A, g_B⟩`` is the
+  mean of ``⟨c_i, c_j⟩`` over pairs of distinct samples (``i`` in A, ``j`` in B), unbiased for
+  ``|E c|²``, where the plug-in ``|ḡ|²`` has mean ``|E c|² + tr Σ / n``. A non-finite loss or
+  gradient is refused, never reported as "no minimum".
 """
 
 from __future__ import annotations
@@ -104,8 +109,10 @@ def candidate_scores(
 
 @dataclass(frozen=True)
 class CurvatureGain:
-    """:func:`curvature_gain`'s result: ``|g|²``, ``gᵀHg``, the gain ``|g|⁴/(2 gᵀHg)`` (None when
-    ``gᵀHg ≤ 0``: the quadratic model has no minimum along ``g``), samples and new parameters."""
+    """:func:`curvature_gain`'s result: ``|g|²`` (the split-halves estimate ``⟨g_A, g_B⟩``),
+    ``gᵀHg``, the gain ``|g|⁴/(2 gᵀHg)`` (None when ``gᵀHg ≤ 0``: the quadratic model has no
+    minimum along ``g``, or when ``⟨g_A, g_B⟩ ≤ 0``: no gradient detected), samples and new
+    parameters."""
 
     point: str
     grad_sq: float
@@ -142,6 +149,14 @@ def _grown_copy(model: nn.Module, protocol, point: str):
     from .grow import grow
 
     protocol.index(point)
+    if protocol.family == "mlp_width":
+        # width growth widens existing tensors (new_parameters is empty): these scores
+        # differentiate whole new parameters, not the new slices of widened ones
+        raise FusedStatsError(
+            f"family 'mlp_width' at {point!r}: the new units are slices of widened parameter tensors, "
+            "not new parameters, and this score differentiates whole new parameters; use the "
+            "probe's scores for width growth (fs.advise: cross_frob2, signal_fraction, split_adam)"
+        )
     grown = copy.deepcopy(model)
     result = grow(grown, protocol, at=[point])
     grown.eval()
@@ -174,9 +189,11 @@ def split_adam_score(model: nn.Module, protocol, point: str, batches, loss_fn, e
     sums = [[torch.zeros_like(p, dtype=F64) for p in params] for _ in range(2)]
     counts = [0, 0]
     for index, batch in enumerate(batches):
-        losses = _per_sample(loss_fn(grown, batch))
+        losses = _per_sample(loss_fn(grown, batch), point, index)
         counts[index % 2] += losses.shape[0]
-        for acc, g in zip(sums[index % 2], torch.autograd.grad(losses.sum(), params, allow_unused=True)):
+        grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
+        _finite_grads(grads, point, index, "gradient")
+        for acc, g in zip(sums[index % 2], grads):
             if g is not None:
                 acc += g.to(F64)
     if min(counts) == 0:
@@ -187,13 +204,27 @@ def split_adam_score(model: nn.Module, protocol, point: str, batches, loss_fn, e
     return SplitAdamScore(point, a_on_b, b_on_a, (a_on_b + b_on_a) / 2, counts[0], counts[1])
 
 
-def _per_sample(losses) -> torch.Tensor:
+def _per_sample(losses, point: str | None = None, index: int = 0, note: str = "") -> torch.Tensor:
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
         raise FusedStatsError(
             "loss_fn must return per-sample losses of shape (B,), got "
             f"{getattr(losses, 'shape', type(losses).__name__)}"
         )
+    if point is not None and not bool(torch.isfinite(losses).all()):
+        bad = torch.nonzero(~torch.isfinite(losses.detach())).flatten().tolist()
+        raise FusedStatsError(
+            f"at {point!r}: the grown copy's loss is non-finite for samples {bad} of batch {index}{note}; "
+            "a score of non-finite losses is not defined"
+        )
     return losses
+
+
+def _finite_grads(grads, point: str, index: int, what: str, note: str = "") -> None:
+    for g in grads:
+        if g is not None and not bool(torch.isfinite(g).all()):
+            raise FusedStatsError(
+                f"at {point!r}: the {what} of batch {index} on the new parameters is non-finite{note}"
+            )
 
 
 def curvature_gain(model: nn.Module, protocol, point: str, batches, loss_fn) -> CurvatureGain:
@@ -206,40 +237,58 @@ def curvature_gain(model: nn.Module, protocol, point: str, batches, loss_fn) -> 
     with ``create_graph`` and a second backward per batch (about 4 training steps' compute per
     batch), and a copy of the model in memory. Run in ``eval()`` mode, like the probe; an HF
     model's copy runs eager attention (the fused kernels have no double backward).
+
+    ``|g|²`` is ``⟨g_A, g_B⟩``, ``g_A`` the mean gradient of batches 0, 2, 4, … and ``g_B`` of
+    1, 3, … (module docstring: unbiased), so at least 2 batches are needed; ``v = g`` is the mean
+    over all of them. A non-finite loss or gradient is refused naming the point and the batch
+    (e.g. left-padded samples, whose fully masked rows eager attention turns into NaN).
     """
     if loss_fn is None or not callable(loss_fn):
         raise FusedStatsError("curvature_gain needs loss_fn(model, batch) -> per-sample losses (B,)")
     batches = list(batches)
-    if not batches:
-        raise FusedStatsError("curvature_gain needs at least one batch")
+    if len(batches) < 2:
+        raise FusedStatsError(
+            f"curvature_gain needs at least 2 batches (|g|² from two halves, even and odd batches), "
+            f"got {len(batches)}"
+        )
     grown, params, names = _grown_copy(model, protocol, point)
     attention = getattr(getattr(grown, "config", None), "_attn_implementation", None)
+    note = ""
     if attention not in (None, "eager") and callable(getattr(grown, "set_attn_implementation", None)):
         # fused attention kernels have no double backward (CPU SDPA): eager is the same function
+        # on rows that attend to something
         grown.set_attn_implementation("eager")
-    grads = [torch.zeros_like(p, dtype=F64) for p in params]
-    n = 0
-    for batch in batches:
-        losses = _per_sample(loss_fn(grown, batch))
-        n += losses.shape[0]
-        for acc, g in zip(grads, torch.autograd.grad(losses.sum(), params, allow_unused=True)):
+        note = (
+            " (the copy runs eager attention, which the double backward needs: a fully masked row, "
+            "as left padding gives, is NaN there; pad on the right)"
+        )
+    halves = [[torch.zeros_like(p, dtype=F64) for p in params] for _ in range(2)]
+    counts = [0, 0]
+    for index, batch in enumerate(batches):
+        losses = _per_sample(loss_fn(grown, batch), point, index, note)
+        counts[index % 2] += losses.shape[0]
+        grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
+        _finite_grads(grads, point, index, "gradient", note)
+        for acc, g in zip(halves[index % 2], grads):
             if g is not None:
                 acc += g.to(F64)
-    if n == 0:
-        raise FusedStatsError("curvature_gain: the batches hold no samples")
-    direction = [g / n for g in grads]
+    if min(counts) == 0:
+        raise FusedStatsError(f"curvature_gain at {point!r}: a half holds no samples (counts {counts})")
+    n = sum(counts)
+    direction = [(a + b) / n for a, b in zip(*halves)]
     ghg = 0.0
-    for batch in batches:
-        losses = _per_sample(loss_fn(grown, batch))
+    for index, batch in enumerate(batches):
+        losses = _per_sample(loss_fn(grown, batch), point, index, note)
         g = torch.autograd.grad(losses.sum(), params, create_graph=True, allow_unused=True)
         dot = sum((gi.to(F64) * v).sum() for gi, v in zip(g, direction) if gi is not None)
         if not isinstance(dot, torch.Tensor) or not dot.requires_grad:
             continue  # the gradient does not depend on the new parameters: no curvature here
         hv = torch.autograd.grad(dot, params, allow_unused=True)
+        _finite_grads(hv, point, index, "Hessian-vector product", note)
         ghg += sum(float((h.to(F64) * v).sum()) for h, v in zip(hv, direction) if h is not None)
     ghg /= n
-    grad_sq = float(sum((v * v).sum() for v in direction))
-    gain = grad_sq**2 / (2.0 * ghg) if ghg > 0 and math.isfinite(ghg) else None
+    grad_sq = float(sum((a * b).sum() for a, b in zip(*halves))) / (counts[0] * counts[1])
+    gain = grad_sq**2 / (2.0 * ghg) if ghg > 0 and grad_sq > 0 and math.isfinite(ghg) else None
     return CurvatureGain(point, grad_sq, ghg, gain, n, names)
 
 
