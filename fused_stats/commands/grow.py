@@ -178,12 +178,13 @@ def cmd_grow(args) -> int:
     if not stderr_is_terminal():
         quiet_hf_progress()  # the loading and writing bars redraw with \r: only on a terminal
     model = load_folder(args.model)
-    protocol = growth.resolve(model)
+    plan = growth.plan(model)
+    protocol = plan.protocol
     check_at(args.at, protocol.candidates)
     evidence, saturated = (
         (None, []) if args.advice is None else read_advice(args.advice, protocol, model, args.at)
     )
-    result = fs.grow(model, protocol, at=args.at, init=args.init, evidence=evidence)
+    result = fs.grow(model, plan, at=args.at, init=args.init, evidence=evidence)
     if saturated:
         print(f"(note: the advice finds no significant gain at {', '.join(saturated)})", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)

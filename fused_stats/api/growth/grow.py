@@ -46,11 +46,12 @@ import torch
 from torch import nn
 
 from ...errors import FusedStatsError
-from .architecture import Architecture, Boundary, boundary
-from .blocks import cross_spec, new_block, new_units, stream_width, widen_block
+from .architecture import Boundary
+from .blocks import block_for, cross_spec, stream_width, units_for, widen_block
 from .insert import INSERTED_NAME, insert_zero_block
+from .plan import GrowthPlan
 from .protocol import GrowthProtocol, _intermediate_size, check_init
-from .record import check_step_and_evidence, growth_history, record_growth
+from .record import check_step_and_evidence, record_growth
 
 
 @dataclass
@@ -225,7 +226,7 @@ def _renumber(stack: nn.Module) -> None:
 
 def grow(
     model: nn.Module,
-    protocol: GrowthProtocol,
+    protocol: GrowthProtocol | GrowthPlan,
     at=None,
     init: str | None = None,
     optimizer: torch.optim.Optimizer | None = None,
@@ -233,7 +234,9 @@ def grow(
     step: int | None = None,
     evidence=None,
 ) -> GrowthResult:
-    """Grow ``model`` in place at the points ``at`` (default: all candidates) under ``protocol``.
+    """Grow ``model`` in place at the points ``at`` (default: all candidates) under ``protocol``
+    (a :class:`~fused_stats.GrowthProtocol`, whose plan on ``model`` is built here, or a
+    :class:`~fused_stats.GrowthPlan` made on ``model`` as it is now).
 
     ``init`` overrides ``protocol.init`` (``"zero"``, ``"copy"``, ``"random"``); ``optimizer``
     (built over ``model``) is extended by the new parameters (see the module docstring);
@@ -250,27 +253,31 @@ def grow(
     widened MLP's), or state of another shape than a widened parameter. The model gets its own
     copy of its config (the config object it shared with others is left as it was).
     """
+    plan = protocol if isinstance(protocol, GrowthPlan) else None
+    protocol = protocol.protocol if plan is not None else protocol
     if not isinstance(protocol, GrowthProtocol):
-        raise FusedStatsError(f"protocol must be a GrowthProtocol, got {type(protocol).__name__}")
+        raise FusedStatsError(
+            f"protocol must be a GrowthProtocol or a GrowthPlan, got {type(protocol).__name__}"
+        )
     init = protocol.init if init is None else init
     check_init(protocol.family, init)
     points = _normalise_at(protocol, at)
-    arch = protocol.check(model)
+    # every fact of (model, protocol) comes from the plan: described and checked once
+    plan = GrowthPlan.build(model, protocol if plan is None else plan)
     _check_optimizer(model, optimizer)
     if init_directions is not None and protocol.family != "mlp_width":
         raise FusedStatsError(f"init_directions is for family 'mlp_width', not {protocol.family!r}")
-    bounds = [boundary(arch, model, p) for p in points]
+    bounds = [plan.candidate(p).boundary for p in points]
     motive = check_step_and_evidence(step, evidence, points)
-    growth_history(model)  # a record fs.grow cannot append to is refused before the surgery
     result = GrowthResult(protocol.family, init, protocol.digest)
     restore_config = _own_config(model)
     try:
         if protocol.family == "layer":
-            _grow_layers(model, protocol, arch, bounds, init, optimizer, result)
+            _grow_layers(plan, bounds, init, optimizer, result)
         elif protocol.family == "mlp_width":
-            _grow_width(model, protocol, arch, bounds, optimizer, init_directions, result)
+            _grow_width(plan, bounds, optimizer, init_directions, result)
         else:
-            _grow_cross(model, protocol, arch, bounds, optimizer, result)
+            _grow_cross(plan, bounds, optimizer, result)
     except FusedStatsError:
         restore_config()  # the family functions refuse before they change the model
         raise
@@ -278,11 +285,10 @@ def grow(
     return result
 
 
-def _grow_layers(
-    model, protocol, arch: Architecture, bounds: list[Boundary], init, optimizer, result
-) -> None:
+def _grow_layers(plan: GrowthPlan, bounds: list[Boundary], init, optimizer, result) -> None:
+    model, arch = plan.model, plan.architecture
     # built first: a failure (e.g. "copy" after a downsampling block) changes nothing
-    blocks = {b.point: new_block(model, protocol, b.point, init=init) for b in bounds}
+    blocks = {b.point: block_for(plan, b.point, init=init) for b in bounds}
     siblings = {}
     for b in bounds:
         neighbour = model.get_submodule(b.neighbour)
@@ -341,7 +347,8 @@ def _final_index(bounds: list[Boundary], b: Boundary) -> int:
     return b.position + sum(1 for o in bounds if o.container == b.container and o.position < b.position)
 
 
-def _grow_width(model, protocol, arch, bounds, optimizer, init_directions, result) -> None:
+def _grow_width(plan: GrowthPlan, bounds, optimizer, init_directions, result) -> None:
+    model, protocol, arch = plan.model, plan.protocol, plan.architecture
     config = getattr(model, "config", None)
     stack = model.get_submodule(bounds[0].container)
     grown = {b.position for b in bounds}
@@ -360,7 +367,7 @@ def _grow_width(model, protocol, arch, bounds, optimizer, init_directions, resul
         if init_directions is not None and len(bounds) > 1:
             raise FusedStatsError("init_directions for several points must be a dict point -> (k, d) tensor")
         directions = {b.point: init_directions for b in bounds}
-    units = {b.point: new_units(model, protocol, b.point, directions=directions[b.point]) for b in bounds}
+    units = {b.point: units_for(plan, b.point, directions=directions[b.point]) for b in bounds}
     if optimizer is not None:
         for b in bounds:
             _check_carriable(optimizer, model, units[b.point])
@@ -422,7 +429,8 @@ def _carry_state(optimizer, old: nn.Parameter, new: nn.Parameter, axis: int):
     return where
 
 
-def _grow_cross(model, protocol, arch, bounds, optimizer, result) -> None:
+def _grow_cross(plan: GrowthPlan, bounds, optimizer, result) -> None:
+    model, arch = plan.model, plan.architecture
     taken = [b.point for b in bounds if hasattr(model.get_submodule(b.point), INSERTED_NAME)]
     if taken:  # checked for all points first: no half-done insertion
         raise FusedStatsError(f"points {taken} already have an inserted block; remove it first")
@@ -436,7 +444,7 @@ def _grow_cross(model, protocol, arch, bounds, optimizer, result) -> None:
         dim = stream_width(model, arch, neighbour)
         feature_dim = None if arch.transformer else 1
         block = insert_zero_block(
-            model, b.point, spec=cross_spec(protocol, b.point), feature_dim=feature_dim, dim=dim
+            model, b.point, spec=cross_spec(plan, b.point), feature_dim=feature_dim, dim=dim
         )
         name = f"{b.point}.{INSERTED_NAME}"
         result.positions[b.point] = name

@@ -67,6 +67,27 @@ WIDTH_STATE_RULE = (
 )
 
 
+# The feature source a protocol stands for (the tangent probe, :mod:`.tangent`) sits layers above
+# this module: it builds the protocol's blocks from a plan, which checks the protocol. The tangent
+# module registers its maker here when imported (the growth package imports it), so this module
+# imports nothing above it.
+_FEATURE_SOURCE_MAKERS: list = []
+
+
+def register_feature_source(make) -> None:
+    """Set the maker of a protocol's (or plan's) feature source: ``make(protocol_or_plan, model)``."""
+    _FEATURE_SOURCE_MAKERS[:] = [make]
+
+
+def make_feature_source(protocol_or_plan, model: nn.Module):
+    """The feature source of a protocol or plan on ``model`` (:func:`register_feature_source`)."""
+    if not _FEATURE_SOURCE_MAKERS:
+        raise FusedStatsError(
+            "the growth tangent is not loaded: import fused_stats (or fused_stats.api.growth) first"
+        )
+    return _FEATURE_SOURCE_MAKERS[0](protocol_or_plan, model)
+
+
 def zero_state_rule(family: str) -> str:
     """The hashed zero-state rule of ``family`` (see :data:`ZERO_STATE_RULE`, :data:`WIDTH_STATE_RULE`)."""
     return WIDTH_STATE_RULE if family == "mlp_width" else ZERO_STATE_RULE
@@ -206,9 +227,7 @@ class GrowthProtocol:
     def feature_source(self, model: nn.Module):
         """The exact tangent of this protocol's new blocks on ``model``
         (:class:`.tangent.GrowthTangent`): what ``fs.Probe(model, cross=protocol)`` measures."""
-        from .tangent import GrowthTangent  # imported here: tangent imports this module
-
-        return GrowthTangent(self, model)
+        return make_feature_source(self, model)
 
     def index(self, point: str) -> int:
         """Position of ``point`` among the candidates (it seeds that candidate's block)."""
@@ -269,16 +288,17 @@ class GrowthProtocol:
         text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(text.encode("ascii")).hexdigest()
 
-    def check(self, model: nn.Module) -> Architecture:
+    def check(self, model: nn.Module, arch: Architecture | None = None) -> Architecture:
         """Raise :class:`FusedStatsError` unless every candidate can be grown in ``model``.
 
         Rejected: candidates that are not block boundaries; a family the architecture does not
         support (``mlp_width`` on a ResNet, ``mlp_width`` after the last block); parameters of an
         affected block tied to another module (growth would untie them); configs growth cannot
         keep consistent (GPT-2 ``scale_attn_by_inverse_layer_idx``, a per-layer list of the adapter of the
-        wrong length, per-layer intermediate sizes). Returns the model's architecture.
+        wrong length, per-layer intermediate sizes). Returns the model's architecture (``arch``:
+        the model's, already described; see :class:`.plan.GrowthPlan`).
         """
-        arch = describe(model)
+        arch = describe(model) if arch is None else arch
         bounds = [boundary(arch, model, c) for c in self.candidates]
         config = getattr(model, "config", None)
         if self.family == "mlp_width":

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 
 from ...errors import FusedStatsError
+from .grow import grow
+from .plan import GrowthPlan
 from .protocol import DEFAULT_ADAM_EPS
 
 F64 = torch.float64
@@ -112,11 +114,10 @@ class SplitAdamScore:
 
 
 def _grown_copy(model: nn.Module, protocol, point: str):
-    from .grow import grow
-
-    protocol.index(point)
+    plan = GrowthPlan.build(model, protocol)
+    plan.candidate(point)  # refused before the copy
     grown = copy.deepcopy(model)
-    result = grow(grown, protocol, at=[point])
+    result = grow(grown, plan.rebound(grown), at=[point])
     grown.eval()
     named = dict(grown.named_parameters())
     params = [named[name] for name in result.new_parameters]
@@ -142,7 +143,8 @@ def split_adam_score(model: nn.Module, protocol, point: str, batches, loss_fn, e
     batches = list(batches)
     if len(batches) < 2:
         raise FusedStatsError(f"split_adam_score needs at least 2 batches (two halves), got {len(batches)}")
-    eps = getattr(protocol, "adam_eps", ADAM_EPS) if eps is None else float(eps)
+    declared = protocol.protocol if isinstance(protocol, GrowthPlan) else protocol
+    eps = getattr(declared, "adam_eps", ADAM_EPS) if eps is None else float(eps)
     grown, params, _ = _grown_copy(model, protocol, point)
     sums = [[torch.zeros_like(p, dtype=F64) for p in params] for _ in range(2)]
     counts = [0, 0]

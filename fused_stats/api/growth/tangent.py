@@ -67,7 +67,8 @@ from ...errors import FusedStatsError
 from ...ops.cross_twin import apply_activation, seeded_w_in
 from ..probe.fold import cross_view
 from . import blocks
-from .architecture import boundary
+from .plan import GrowthPlan
+from .protocol import register_feature_source
 from .scores import ADAM_EPS, candidate_scores
 
 
@@ -119,8 +120,10 @@ class GrowthTangent:
     """The feature source (:class:`fused_stats.api.probe.spec.FeatureSource`) of a growth
     protocol on ``model``: at each candidate, the features of the new block's origin parameters.
 
-    ``new_block(model, protocol, point)`` defaults to :func:`.blocks.new_block` and
-    ``zeroed_modules(block, family)`` to the origin modules of the model's adapter
+    ``protocol``: a :class:`~fused_stats.GrowthProtocol` (its plan on ``model`` is built here, once)
+    or a :class:`~.plan.GrowthPlan` (``model`` then defaults to the plan's).
+    ``new_block(model, protocol, point)`` defaults to the plan's block (:func:`.blocks.block_for`)
+    and ``zeroed_modules(block, family)`` to the origin modules of the model's adapter
     (:mod:`.architecture`), so the probed block is the one ``fs.grow`` inserts. Blocks are built
     once per point, on the model's dtype and device, and kept in ``blocks``. ``self_check``: at
     the first use of each candidate, one sample's tangent from the feature code is compared with
@@ -128,8 +131,18 @@ class GrowthTangent:
     """
 
     def __init__(
-        self, protocol, model: nn.Module, new_block=None, zeroed_modules=None, self_check: bool = True
+        self,
+        protocol,
+        model: nn.Module | None = None,
+        new_block=None,
+        zeroed_modules=None,
+        self_check: bool = True,
     ):
+        plan = protocol if isinstance(protocol, GrowthPlan) else None
+        if plan is not None:
+            protocol, model = plan.protocol, plan.model if model is None else model
+        if model is None:
+            raise FusedStatsError("GrowthTangent needs the model (or a GrowthPlan, which holds it)")
         self.family = getattr(protocol, "family", "layer")
         if self.family not in ("layer", "cross_block", "mlp_width"):
             raise FusedStatsError(
@@ -153,7 +166,12 @@ class GrowthTangent:
                 "model of fs.stream_blocks); load its weights first"
             )
         self.protocol, self.model = protocol, model
-        arch = protocol.check(model)
+        if plan is None:
+            plan = GrowthPlan.build(model, protocol)
+        else:
+            plan.require_current(model)
+        self.plan = plan
+        arch = plan.architecture
         self.arch, self.adapter = arch, arch.adapter
         self.self_check, self.checked = self_check, set()
         self.check_errors: dict[str, float] = {}  # point -> relative error of its self-check
@@ -170,11 +188,9 @@ class GrowthTangent:
             self._mlp_inputs = self.adapter.mlp_inputs
             # the probe reads the features from the MLP's input (spec.source_features)
             self.input_features = self.unit_features
-            for p in protocol.candidates:
-                b = boundary(arch, model, p)
-                self._grown[p] = f"{b.container}.{b.position}"
+            self._grown = {p: entry.target for p, entry in plan.candidates.items()}
         else:
-            self._neighbours = {p: boundary(arch, model, p).neighbour for p in protocol.candidates}
+            self._neighbours = {p: entry.source for p, entry in plan.candidates.items()}
             if self.family == "layer" and not arch.transformer:
                 # a zero BatchNorm scale and shift: per-channel terms from the point's conv map
                 self.channelwise = True
@@ -184,7 +200,7 @@ class GrowthTangent:
                 self.normwise = True
                 self.cross_terms = self.norm_terms
         adapter = self.adapter
-        self._new_block = new_block or blocks.new_block
+        self._new_block = new_block or (lambda model, protocol, point: blocks.block_for(plan, point))
         self._zeroed = zeroed_modules or (lambda block, family: blocks.zeroed_modules(adapter, family))
         self.projection = getattr(protocol, "projection", None)
         if self.projection is not None and (
@@ -339,7 +355,7 @@ class GrowthTangent:
         """The new MLP units at ``point`` (``mlp_width``), the ones ``fs.grow`` appends."""
         units = self.units.get(point)
         if units is None:
-            units = self.units[point] = blocks.new_units(self.model, self.protocol, point)
+            units = self.units[point] = blocks.units_for(self.plan, point)
         return units
 
     def unit_features(self, point: str, module: nn.Module, u: torch.Tensor) -> torch.Tensor:
@@ -651,7 +667,7 @@ class GrowthTangent:
     def _check_gradient(self, point: str, like: torch.Tensor, limit_positions: bool) -> torch.Tensor:
         """The self-check's seeded random gradient, shaped like ``like`` (fp64); with
         ``limit_positions``, zero but at :data:`CHECKED_POSITIONS` random positions of axis 1."""
-        gen = torch.Generator().manual_seed(blocks.candidate_seed(self.protocol, point) % (2**31))
+        gen = torch.Generator().manual_seed(self.plan.seed(point) % (2**31))
         q = torch.randn(like.shape, generator=gen, dtype=torch.float64)
         if limit_positions and q.dim() == 3 and q.shape[1] > CHECKED_POSITIONS:
             # q at a few positions only: a norm computing in fp32 (Gemma's) sums its scale
@@ -761,3 +777,6 @@ def _fp64(value):
     if isinstance(value, dict):
         return {k: _fp64(v) for k, v in value.items()}
     return value
+
+
+register_feature_source(GrowthTangent)
