@@ -105,6 +105,9 @@ def read_advice(path, protocol, model, points) -> tuple[dict, list[str]]:
         raise FusedStatsError(f"cannot read --advice {str(path)!r} as JSON: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != "fused_stats.advice":
         raise FusedStatsError(f"--advice {str(path)!r} is not an advice file written by 'fused-stats advise'")
+    from ..api.growth.protocol import check_record_version
+
+    check_record_version(data.get("protocol"), f"the protocol of --advice {str(path)!r}")
     if data.get("digest") != protocol.digest:
         raise FusedStatsError(
             f"--advice {str(path)!r} was made under protocol {str(data.get('digest'))[:12]}…, not this "

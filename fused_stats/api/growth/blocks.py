@@ -27,7 +27,6 @@ gradient of a zero linear map ``W`` in ``W x`` is ``q xᵀ``).
 from __future__ import annotations
 
 import copy
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -39,14 +38,14 @@ from ..probe.spec import CrossSpec
 from .architecture import Adapter, Architecture
 from .insert import ZeroBlock
 from .plan import GrowthPlan
-from .protocol import GrowthProtocol, check_init
+from .protocol import GrowthProtocol, block_seed, check_init
 
 
 def candidate_seed(protocol: GrowthProtocol, point: str) -> int:
     """The seed of the non-zero parts of the block at ``point`` on a model the protocol has not
     grown yet (a grown model's: :attr:`.plan.PlannedCandidate.seed`)."""
-    text = f"fused_stats.growth/{protocol.seed}/{protocol.index(point)}"
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+    protocol.index(point)  # refuses a point that is not a candidate
+    return block_seed(protocol.seed, point, 0)
 
 
 def cross_spec(plan: GrowthPlan, point: str) -> CrossSpec:

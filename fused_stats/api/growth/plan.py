@@ -18,14 +18,13 @@ changes (a growth, a block added or removed), :meth:`GrowthPlan.require_current`
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass
 
 from torch import nn
 
 from ...errors import FusedStatsError
 from .architecture import Architecture, Boundary, boundary, describe
-from .protocol import GrowthProtocol, check_init, make_feature_source
+from .protocol import GrowthProtocol, block_seed, check_init, make_feature_source
 from .record import GREW, growth_history
 
 
@@ -58,11 +57,6 @@ class PlannedCandidate:
             "earlier_growths": self.earlier_growths,
             "seed": self.seed,
         }
-
-
-def _position_seed(protocol: GrowthProtocol, point: str) -> int:
-    text = f"fused_stats.growth/{protocol.seed}/{protocol.index(point)}"
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
 def _structure(model: nn.Module, arch: Architecture, history_length: int) -> tuple:
@@ -111,7 +105,7 @@ class GrowthPlan:
                 target=target,
                 source=b.neighbour,
                 earlier_growths=earlier,
-                seed=_position_seed(protocol, point),
+                seed=block_seed(protocol.seed, point, earlier),
             )
         return cls(model, protocol, arch, candidates, _structure(model, arch, len(history)))
 

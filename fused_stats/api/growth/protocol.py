@@ -40,7 +40,15 @@ from .architecture import ADAPTERS, RESNET_BLOCKS, Architecture, boundary, descr
 
 FAMILIES = ("layer", "mlp_width", "cross_block")
 INITS = ("zero", "copy", "random")
-PROTOCOL_VERSION = 1
+# version 2: a candidate's block is seeded by its name (SEEDING_RULE); version 1 seeded it by its
+# position in the candidate list, so its blocks were other weights
+PROTOCOL_VERSION = 2
+SEEDING_RULE = (
+    "name-v2: the non-zero parts of the block at a candidate are drawn from a torch generator "
+    "seeded by the first 8 bytes (little-endian, shifted right by 1: 63 bits) of the SHA-256 of "
+    'the JSON text ["fused_stats.growth.block", seed, candidate name, growth events at that '
+    "name already in the model's growth record] (compact, ASCII)"
+)
 # what fs.advise ranks by (docs/design.md 2.13): the unbiased |C|_F² (SGD's first-step gain), the
 # signal fraction |C|_F²/E|c|², or zero-state Adam's first-step gain on the test stream
 SCORES = ("cross_frob2", "signal_fraction", "adam_first_step", "split_adam")
@@ -86,6 +94,34 @@ def make_feature_source(protocol_or_plan, model: nn.Module):
             "the growth tangent is not loaded: import fused_stats (or fused_stats.api.growth) first"
         )
     return _FEATURE_SOURCE_MAKERS[0](protocol_or_plan, model)
+
+
+def block_seed(seed: int, point: str, earlier_growths: int) -> int:
+    """The seed of the block at ``point`` (:data:`SEEDING_RULE`): its own name and the growths
+    at that name so far, never its place among the candidates."""
+    text = json.dumps(
+        ["fused_stats.growth.block", int(seed), str(point), int(earlier_growths)],
+        separators=(",", ":"),
+        ensure_ascii=True,
+    )
+    return int.from_bytes(hashlib.sha256(text.encode("ascii")).digest()[:8], "little") >> 1
+
+
+def check_record_version(record, where: str = "GrowthProtocol record") -> None:
+    """Refuse a protocol record of another version than :data:`PROTOCOL_VERSION`, naming it."""
+    version = record.get("version") if isinstance(record, dict) else None
+    if version == PROTOCOL_VERSION:
+        return
+    if version == 1:
+        raise FusedStatsError(
+            f"{where} is of version 1, whose blocks were seeded by the candidate's position in the "
+            f"list; this fused_stats (protocol version {PROTOCOL_VERSION}) seeds each block by the "
+            "candidate's name, so statistics measured under it were measured on other blocks: "
+            "probe again under the protocol as it is now"
+        )
+    raise FusedStatsError(
+        f"{where} has version {version!r}; this fused_stats reads protocol version {PROTOCOL_VERSION}"
+    )
 
 
 def zero_state_rule(family: str) -> str:
@@ -138,7 +174,8 @@ class GrowthProtocol:
     ``"mlp_width"`` (needs ``width``, the number of new hidden units) or ``"cross_block"``.
     ``init``: ``"zero"`` (function preserving), ``"copy"`` (a copy of the block before the
     boundary, as G_stack) or ``"random"`` (the architecture's own initialisation). ``seed``: the
-    non-zero parts of the block at candidate ``i`` are drawn from ``(seed, i)``. ``projection``:
+    non-zero parts of the block at candidate ``p`` are drawn from ``(seed, p, the growths at p so
+    far)`` (:data:`SEEDING_RULE`), whatever the other candidates. ``projection``:
     optional rank of a fixed random projection of the probed features, drawn from ``seed``.
     ``budget``: optional ``(M, K)``, the train and test sample sizes at which the advisor evaluates
     the width certificate (declared with the protocol, like everything the verdict depends on;
@@ -249,6 +286,7 @@ class GrowthProtocol:
             "projection": self.projection,
             "zero_parameters": _zero_parameters_table(self.family, self.init),
             "zero_state_rule": zero_state_rule(self.family),
+            "seeding": SEEDING_RULE,
         }
         if self.budget is not None:
             # absent, not null, when unset: digests of protocols recorded before stay valid
@@ -261,7 +299,11 @@ class GrowthProtocol:
 
     @classmethod
     def from_dict(cls, record: dict) -> GrowthProtocol:
-        """The protocol a :meth:`to_dict` record describes (the derived entries are checked)."""
+        """The protocol a :meth:`to_dict` record describes (the derived entries are checked);
+        a record of another version (version 1: blocks seeded by position) is refused."""
+        if not isinstance(record, dict):
+            raise FusedStatsError(f"not a GrowthProtocol record: a {type(record).__name__}, not a dict")
+        check_record_version(record)
         try:
             protocol = cls(
                 candidates=tuple(record["candidates"]),
