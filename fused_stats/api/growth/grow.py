@@ -245,7 +245,7 @@ def grow(
     Every point grown adds an entry to the model's growth record (:mod:`.record`,
     ``fs.growth_history``), with ``step`` (the training step, if any) and ``evidence`` (an
     :class:`~fused_stats.api.growth.advise.Advice`, or a dict point -> ``{cross_frob2, p_value,
-    p_adjusted}``) that motivated it.
+    p_adjusted}``) that motivated it; an Advice made under another protocol (digest) is refused.
     Returns a :class:`GrowthResult`. Raises :class:`FusedStatsError`, with nothing changed, for
     a point that is not a candidate / block boundary, an unsupported family or config, tied
     parameters, partial width growth of a model whose config holds one intermediate size, or an
@@ -268,6 +268,12 @@ def grow(
     if init_directions is not None and protocol.family != "mlp_width":
         raise FusedStatsError(f"init_directions is for family 'mlp_width', not {protocol.family!r}")
     bounds = [plan.candidate(p).boundary for p in points]
+    if hasattr(evidence, "ranked") and getattr(evidence, "digest", None) != protocol.digest:
+        # advice measured the blocks of another protocol: recording it here would misattribute it
+        raise FusedStatsError(
+            f"evidence: the advice was made under protocol {str(evidence.digest)[:12]}…, this growth's "
+            f"protocol is {protocol.digest[:12]}…; give the advice of this protocol's probe"
+        )
     motive = check_step_and_evidence(step, evidence, points)
     result = GrowthResult(protocol.family, init, protocol.digest)
     restore_config = _own_config(model)
