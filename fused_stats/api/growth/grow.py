@@ -268,10 +268,11 @@ def grow(
     if init_directions is not None and protocol.family != "mlp_width":
         raise FusedStatsError(f"init_directions is for family 'mlp_width', not {protocol.family!r}")
     bounds = [plan.candidate(p).boundary for p in points]
-    if hasattr(evidence, "ranked") and getattr(evidence, "digest", None) != protocol.digest:
+    advised = getattr(evidence, "digest", None) if hasattr(evidence, "ranked") else None
+    if advised is not None and advised != protocol.digest:
         # advice measured the blocks of another protocol: recording it here would misattribute it
         raise FusedStatsError(
-            f"evidence: the advice was made under protocol {str(evidence.digest)[:12]}…, this growth's "
+            f"evidence: the advice was made under protocol {str(advised)[:12]}…, this growth's "
             f"protocol is {protocol.digest[:12]}…; give the advice of this protocol's probe"
         )
     motive = check_step_and_evidence(step, evidence, points)
