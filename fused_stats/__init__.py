@@ -23,6 +23,7 @@ from .api.growth.gradmax import gradmax_directions
 from .api.growth.grow import GrowthResult, grow
 from .api.growth.insert import insert_zero_block, remove_inserted_block
 from .api.growth.intervene import intervene
+from .api.growth.plan import GrowthPlan, plan_growth
 from .api.growth.protocol import GrowthProtocol
 from .api.growth.record import growth_history
 from .api.growth.schedule import GrowthSchedule
@@ -47,6 +48,7 @@ __all__ = [
     "Estimate",
     "FusedStatsError",
     "GradStats",
+    "GrowthPlan",
     "GrowthProtocol",
     "GrowthResult",
     "GrowthSchedule",
@@ -68,6 +70,7 @@ __all__ = [
     "insert_zero_block",
     "intervene",
     "misalignment_probability",
+    "plan_growth",
     "predicted_change",
     "realized_alignment",
     "remove_inserted_block",

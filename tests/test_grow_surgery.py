@@ -276,11 +276,12 @@ def test_protocol_validation_and_stored_digests():
     for init, message in (("random", "needs family 'layer'"), ("ones", "init must be one of")):
         with pytest.raises(fs.FusedStatsError, match=message):  # the prober's block, as fs.grow
             new_block(model, wide, "model.embed_tokens", init=init)
-    # digests computed by the code before the width rule was recorded: layer and cross_block keep theirs
+    # stored digests of protocol version 2 (blocks seeded by name; version 1 had d1da391f… and
+    # dcd25362…): layer and cross_block records hold no width rule
     cross = fs.GrowthProtocol(["model.layers.0", "model.layers.1"], family="cross_block", width=5, seed=9)
-    assert cross.digest == "d1da391f1ea9a7f1460f5787f10b35f4f3cfec70833dc2021e40dd07c753c6c5"
+    assert cross.digest == "739eecfd337ee3207d5b866d441cdd68f960ac725521b83fa4c5694da2b5c437"
     assert fs.GrowthProtocol(["model.layers.0"], seed=2).digest == (
-        "dcd2536233b043ca05f800cf597145b8e5868e766eea77f3bf546909e14c54e3"
+        "e0072f1eb601011df5bf7e3e97c8323b6e677821316c4472918dad34c5f3e8ce"
     )
     wide = fs.GrowthProtocol(["model.layers.0", "model.layers.1"], family="mlp_width", width=3, seed=4)
     record = wide.to_dict()

@@ -105,6 +105,9 @@ def read_advice(path, protocol, model, points) -> tuple[dict, list[str]]:
         raise FusedStatsError(f"cannot read --advice {str(path)!r} as JSON: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != "fused_stats.advice":
         raise FusedStatsError(f"--advice {str(path)!r} is not an advice file written by 'fused-stats advise'")
+    from ..api.growth.protocol import check_record_version
+
+    check_record_version(data.get("protocol"), f"the protocol of --advice {str(path)!r}")
     if data.get("digest") != protocol.digest:
         raise FusedStatsError(
             f"--advice {str(path)!r} was made under protocol {str(data.get('digest'))[:12]}…, not this "
@@ -178,12 +181,13 @@ def cmd_grow(args) -> int:
     if not stderr_is_terminal():
         quiet_hf_progress()  # the loading and writing bars redraw with \r: only on a terminal
     model = load_folder(args.model)
-    protocol = growth.resolve(model)
+    plan = growth.plan(model)
+    protocol = plan.protocol
     check_at(args.at, protocol.candidates)
     evidence, saturated = (
         (None, []) if args.advice is None else read_advice(args.advice, protocol, model, args.at)
     )
-    result = fs.grow(model, protocol, at=args.at, init=args.init, evidence=evidence)
+    result = fs.grow(model, plan, at=args.at, init=args.init, evidence=evidence)
     if saturated:
         print(f"(note: the advice finds no significant gain at {', '.join(saturated)})", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)

@@ -509,7 +509,8 @@ def cmd_probe(args) -> int:
     else:
         model, tokenizer, model_what = load_model(args.model, args.seed, args.dtype)
     # the candidates are checked against the model before any data is read
-    protocol = None if growth is None else growth.resolve(model)
+    plan = None if growth is None else growth.plan(model)
+    protocol = None if plan is None else plan.protocol
     train, test, data_what = load_tokens(args, tokenizer)
     check_data(args, model, train, test)
     if not args.stream_blocks:
@@ -517,7 +518,7 @@ def cmd_probe(args) -> int:
     mask = args.mask or ("labels" if args.unit == "position" else "attention")
     second_moment = args.second_moment or default_second_moment(args)
     cross = (
-        protocol
+        plan
         if args.cross is None
         else fs.CrossSpec(rank=args.cross[0], activation=args.cross[1], seed=args.seed)
     )

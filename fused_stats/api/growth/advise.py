@@ -54,7 +54,7 @@ from ...accumulators.estimators import Estimate
 from ...errors import FusedStatsError
 from ..report.document import Report, fmt, fmt_se, save_figure
 from .first_step import tangent_record
-from .protocol import DEFAULT_ADAM_EPS, DEFAULT_SCORE, GrowthProtocol
+from .protocol import DEFAULT_ADAM_EPS, DEFAULT_SCORE, GrowthProtocol, check_record_version
 from .scores import NO_ADAM_UNDER_PROJECTION
 
 CORRECTION = "Holm-Bonferroni"
@@ -445,6 +445,7 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
                 f"report {i} records no growth protocol: probe with fs.Probe(model, points=protocol.candidates, "
                 "cross=protocol)"
             )
+        check_record_version(rec.get("protocol"), f"the growth protocol recorded in report {i}")
         records.append(rec)
     digests = {r["digest"] for r in records}
     if len(digests) != 1:

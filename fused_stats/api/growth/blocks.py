@@ -2,9 +2,9 @@
 
 Role: :func:`new_block` builds the block that ``fs.grow`` inserts after a candidate point, and
 :func:`new_units` the hidden units ``family="mlp_width"`` adds; both are pure functions of
-(model architecture, protocol, point, init): the non-zero parts are drawn from a generator seeded
-by ``(protocol.seed, protocol.index(point))`` (:func:`candidate_seed`), so the block the probe
-measures and the block growth inserts are the same weights. :func:`zeroed_modules` names the
+(growth plan, point, init): the non-zero parts are drawn from a generator seeded by the
+candidate's entry of the :class:`~.plan.GrowthPlan` (:func:`block_for`, :func:`units_for`), so the
+block the probe measures and the block growth inserts are the same weights. :func:`zeroed_modules` names the
 parts that start at zero; their inputs are the features whose
 cross-gradient ``C = E[Σ_t q_t x_tᵀ]`` is the first-order gain of the zero block (the per-sample
 gradient of a zero linear map ``W`` in ``W x`` is ``q xᵀ``).
@@ -27,7 +27,6 @@ gradient of a zero linear map ``W`` in ``W x`` is ``q xᵀ``).
 from __future__ import annotations
 
 import copy
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -36,21 +35,23 @@ from torch import nn
 from ...errors import FusedStatsError
 from ...networks.resnet import BasicBlock
 from ..probe.spec import CrossSpec
-from .architecture import Adapter, Architecture, boundary
+from .architecture import Adapter, Architecture
 from .gradmax import gated_mlp_refusal
 from .insert import ZeroBlock
-from .protocol import GrowthProtocol, check_init
+from .plan import GrowthPlan
+from .protocol import GrowthProtocol, block_seed, check_init
 
 
 def candidate_seed(protocol: GrowthProtocol, point: str) -> int:
-    """The seed of the non-zero parts of the block at ``point``: from (seed, candidate index)."""
-    text = f"fused_stats.growth/{protocol.seed}/{protocol.index(point)}"
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+    """The seed of the non-zero parts of the block at ``point`` on a model the protocol has not
+    grown yet (a grown model's: :attr:`.plan.PlannedCandidate.seed`)."""
+    protocol.index(point)  # refuses a point that is not a candidate
+    return block_seed(protocol.seed, point, 0)
 
 
-def cross_spec(protocol: GrowthProtocol, point: str) -> CrossSpec:
+def cross_spec(plan: GrowthPlan, point: str) -> CrossSpec:
     """The :class:`CrossSpec` of the ``cross_block`` family's block at ``point``."""
-    return CrossSpec(rank=protocol.width, seed=candidate_seed(protocol, point) % (2**31))
+    return CrossSpec(rank=plan.protocol.width, seed=plan.seed(point) % (2**31))
 
 
 def _dtype_device(module: nn.Module):
@@ -156,31 +157,36 @@ def set_origin(block: nn.Module, adapter: Adapter) -> None:
 
 
 def new_block(model: nn.Module, protocol: GrowthProtocol, point: str, init: str | None = None) -> nn.Module:
-    """Exactly the block :func:`fused_stats.grow` inserts after ``point`` (not inserted here).
+    """Exactly the block :func:`fused_stats.grow` inserts after ``point`` (not inserted here):
+    :func:`block_for` of the plan of ``model`` under ``protocol`` (a protocol or a plan)."""
+    return block_for(GrowthPlan.build(model, protocol), point, init)
+
+
+def block_for(plan: GrowthPlan, point: str, init: str | None = None) -> nn.Module:
+    """The block the candidate ``point`` of ``plan`` describes (not inserted).
 
     For ``family="mlp_width"`` this is a widened copy of the block that follows ``point`` (the
-    one that grows), with :func:`new_units` in place. The result has the dtype and device of the
+    one that grows), with :func:`units_for` in place. The result has the dtype and device of the
     neighbouring block and its training mode; the model is not changed.
     """
+    protocol, model, arch = plan.protocol, plan.model, plan.architecture
     init = protocol.init if init is None else init
     check_init(protocol.family, init)
-    arch = protocol.check(model)
-    b = boundary(arch, model, point)
-    seed = candidate_seed(protocol, point)
+    entry = plan.candidate(point)
+    b, seed = entry.boundary, entry.seed
     neighbour = model.get_submodule(b.neighbour)
     dtype, device = _dtype_device(neighbour)
     if protocol.family == "cross_block":
         return ZeroBlock(
             stream_width(model, arch, neighbour),
             "block",
-            cross_spec(protocol, point),
+            cross_spec(plan, point),
             dtype=dtype,
             device=device,
         )
     if protocol.family == "mlp_width":
-        target = f"{b.container}.{b.position}"
-        block = copy.deepcopy(model.get_submodule(target))
-        widen_block(block, new_units(model, protocol, point), arch.adapter)
+        block = copy.deepcopy(model.get_submodule(entry.target))
+        widen_block(block, units_for(plan, point), arch.adapter)
         return block
     if init == "copy":
         block = _copy_block(arch, neighbour, point)
@@ -229,29 +235,34 @@ class NewUnits:
 def new_units(
     model: nn.Module, protocol: GrowthProtocol, point: str, directions: torch.Tensor | None = None
 ) -> NewUnits:
+    """:func:`units_for` of the plan of ``model`` under ``protocol`` (a protocol or a plan)."""
+    return units_for(GrowthPlan.build(model, protocol), point, directions)
+
+
+def units_for(plan: GrowthPlan, point: str, directions: torch.Tensor | None = None) -> NewUnits:
     """The hidden units ``mlp_width`` adds to the MLP of the block that follows ``point``.
 
     New input rows ``N(0, σ²)``, σ the config's ``initializer_range`` (0.02 without one), drawn
-    from :func:`candidate_seed`; with ``directions`` (k, d), k ≥ ``width``, the first input map's
+    from the candidate's seed in ``plan``; with ``directions`` (k, d), k ≥ ``width``, the first input map's
     new rows are the first ``width`` directions rescaled to the norm ``σ √d`` of a random row (the
     GradMax idea: top singular vectors of the measured cross-gradient maximise the initial gradient
     norm; refused for a gated MLP, where they do not: :mod:`.gradmax`). New biases and new output
     columns are zero, so the function is unchanged.
     """
+    protocol, model = plan.protocol, plan.model
     if protocol.family != "mlp_width":
         raise FusedStatsError(f"new_units needs family 'mlp_width', the protocol has {protocol.family!r}")
-    arch = protocol.check(model)
-    b = boundary(arch, model, point)
-    name = f"{b.container}.{b.position}"
+    entry = plan.candidate(point)
+    name = entry.target
     block = model.get_submodule(name)
-    adapter = arch.adapter
+    adapter = plan.adapter
     zeroed_modules(adapter, "mlp_width")  # refuses a family without width growth
     ins, out = adapter.mlp_inputs, adapter.mlp_output
     k = protocol.width
     d = int(model.config.hidden_size)
     sigma = float(getattr(model.config, "initializer_range", None) or 0.02)
     dtype, device = _dtype_device(block)
-    gen = torch.Generator().manual_seed(candidate_seed(protocol, point))
+    gen = torch.Generator().manual_seed(entry.seed)
     parts = adapter.mlp_chunks
     rows = [torch.randn(k, d, generator=gen, dtype=torch.float64) * sigma for _ in range(len(ins) * parts)]
     if directions is not None:

@@ -51,11 +51,12 @@ import torch
 from torch import nn
 
 from ...errors import FusedStatsError
-from .architecture import Architecture, Boundary, boundary
-from .blocks import cross_spec, new_block, new_units, stream_width, widen_block
+from .architecture import Architecture, Boundary
+from .blocks import block_for, cross_spec, stream_width, units_for, widen_block
 from .insert import INSERTED_NAME, insert_zero_block
+from .plan import GrowthPlan
 from .protocol import GrowthProtocol, _intermediate_size, check_init
-from .record import check_step_and_evidence, growth_history, record_growth
+from .record import check_step_and_evidence, record_growth
 
 
 @dataclass
@@ -157,14 +158,17 @@ def _counterpart_group(optimizer, block_name: str, name: str, sibling) -> int | 
     return None if where is None else where[0]
 
 
-def planned_groups(model: nn.Module, protocol: GrowthProtocol, point: str, optimizer, rels) -> dict:
+def planned_groups(
+    model: nn.Module, protocol: GrowthProtocol | GrowthPlan, point: str, optimizer, rels
+) -> dict:
     """The join rule of :func:`grow`, without growing: for each parameter ``rel`` of the growth at
     ``point`` (relative to the new block; for ``mlp_width`` to the widened block; ``"w_out"`` for
     ``cross_block``), ``(group index, tensor whose state it shares)``: the group it joins (None:
     left out, its counterpart frozen) and, for a widened tensor, the tensor whose optimizer state
     (and step count) its new slice shares (None: a new parameter, no state)."""
-    arch = protocol.check(model)
-    b = boundary(arch, model, point)
+    plan = protocol if isinstance(protocol, GrowthPlan) else GrowthPlan.build(model, protocol)
+    protocol = plan.protocol
+    b = plan.candidate(point).boundary
     if protocol.family == "mlp_width":
         name = f"{b.container}.{b.position}"
         block = model.get_submodule(name)
@@ -295,7 +299,7 @@ def _renumber(stack: nn.Module) -> None:
 
 def grow(
     model: nn.Module,
-    protocol: GrowthProtocol,
+    protocol: GrowthProtocol | GrowthPlan,
     at=None,
     init: str | None = None,
     optimizer: torch.optim.Optimizer | None = None,
@@ -303,7 +307,9 @@ def grow(
     step: int | None = None,
     evidence=None,
 ) -> GrowthResult:
-    """Grow ``model`` in place at the points ``at`` (default: all candidates) under ``protocol``.
+    """Grow ``model`` in place at the points ``at`` (default: all candidates) under ``protocol``
+    (a :class:`~fused_stats.GrowthProtocol`, whose plan on ``model`` is built here, or a
+    :class:`~fused_stats.GrowthPlan` made on ``model`` as it is now).
 
     ``init`` overrides ``protocol.init`` (``"zero"``, ``"copy"``, ``"random"``); ``optimizer``
     (built over ``model``) is extended by the new parameters (see the module docstring);
@@ -312,7 +318,7 @@ def grow(
     Every point grown adds an entry to the model's growth record (:mod:`.record`,
     ``fs.growth_history``), with ``step`` (the training step, if any) and ``evidence`` (an
     :class:`~fused_stats.api.growth.advise.Advice`, or a dict point -> ``{cross_frob2, p_value,
-    p_adjusted}``) that motivated it.
+    p_adjusted}``) that motivated it; an Advice made under another protocol (digest) is refused.
     Returns a :class:`GrowthResult`. Raises :class:`FusedStatsError`, with nothing changed, for
     a point that is not a candidate / block boundary, an unsupported family or config, tied
     parameters, partial width growth of a model whose config holds one intermediate size, or an
@@ -320,27 +326,38 @@ def grow(
     widened MLP's), or state of another shape than a widened parameter. The model gets its own
     copy of its config (the config object it shared with others is left as it was).
     """
+    plan = protocol if isinstance(protocol, GrowthPlan) else None
+    protocol = protocol.protocol if plan is not None else protocol
     if not isinstance(protocol, GrowthProtocol):
-        raise FusedStatsError(f"protocol must be a GrowthProtocol, got {type(protocol).__name__}")
+        raise FusedStatsError(
+            f"protocol must be a GrowthProtocol or a GrowthPlan, got {type(protocol).__name__}"
+        )
     init = protocol.init if init is None else init
     check_init(protocol.family, init)
     points = _normalise_at(protocol, at)
-    arch = protocol.check(model)
+    # every fact of (model, protocol) comes from the plan: described and checked once
+    plan = GrowthPlan.build(model, protocol if plan is None else plan)
     _check_optimizer(model, optimizer)
     if init_directions is not None and protocol.family != "mlp_width":
         raise FusedStatsError(f"init_directions is for family 'mlp_width', not {protocol.family!r}")
-    bounds = [boundary(arch, model, p) for p in points]
+    bounds = [plan.candidate(p).boundary for p in points]
+    advised = getattr(evidence, "digest", None) if hasattr(evidence, "ranked") else None
+    if advised is not None and advised != protocol.digest:
+        # advice measured the blocks of another protocol: recording it here would misattribute it
+        raise FusedStatsError(
+            f"evidence: the advice was made under protocol {str(advised)[:12]}…, this growth's "
+            f"protocol is {protocol.digest[:12]}…; give the advice of this protocol's probe"
+        )
     motive = check_step_and_evidence(step, evidence, points)
-    growth_history(model)  # a record fs.grow cannot append to is refused before the surgery
     result = GrowthResult(protocol.family, init, protocol.digest)
     restore_config = _own_config(model)
     try:
         if protocol.family == "layer":
-            _grow_layers(model, protocol, arch, bounds, init, optimizer, result)
+            _grow_layers(plan, bounds, init, optimizer, result)
         elif protocol.family == "mlp_width":
-            _grow_width(model, protocol, arch, bounds, optimizer, init_directions, result)
+            _grow_width(plan, bounds, optimizer, init_directions, result)
         else:
-            _grow_cross(model, protocol, arch, bounds, optimizer, result)
+            _grow_cross(plan, bounds, optimizer, result)
     except FusedStatsError:
         restore_config()  # the family functions refuse before they change the model
         raise
@@ -348,11 +365,10 @@ def grow(
     return result
 
 
-def _grow_layers(
-    model, protocol, arch: Architecture, bounds: list[Boundary], init, optimizer, result
-) -> None:
+def _grow_layers(plan: GrowthPlan, bounds: list[Boundary], init, optimizer, result) -> None:
+    model, arch = plan.model, plan.architecture
     # built first: a failure (e.g. "copy" after a downsampling block) changes nothing
-    blocks = {b.point: new_block(model, protocol, b.point, init=init) for b in bounds}
+    blocks = {b.point: block_for(plan, b.point, init=init) for b in bounds}
     siblings = {}
     for b in bounds:
         neighbour = model.get_submodule(b.neighbour)
@@ -362,7 +378,7 @@ def _grow_layers(
         for b in bounds:
             name = f"{b.container}.{_final_index(bounds, b)}"
             new = {f"{name}.{rel}": (rel, p) for rel, p in blocks[b.point].named_parameters()}
-            no_decay.update(f"{name}.{rel}" for rel in nonzero_origin_parameters(protocol, arch))
+            no_decay.update(f"{name}.{rel}" for rel in nonzero_origin_parameters(plan.protocol, arch))
             joins.update(
                 _plan_joins(
                     optimizer, b.neighbour, model.get_submodule(b.neighbour), new, siblings[b.point].get
@@ -412,7 +428,8 @@ def _final_index(bounds: list[Boundary], b: Boundary) -> int:
     return b.position + sum(1 for o in bounds if o.container == b.container and o.position < b.position)
 
 
-def _grow_width(model, protocol, arch, bounds, optimizer, init_directions, result) -> None:
+def _grow_width(plan: GrowthPlan, bounds, optimizer, init_directions, result) -> None:
+    model, protocol, arch = plan.model, plan.protocol, plan.architecture
     config = getattr(model, "config", None)
     stack = model.get_submodule(bounds[0].container)
     grown = {b.position for b in bounds}
@@ -431,7 +448,7 @@ def _grow_width(model, protocol, arch, bounds, optimizer, init_directions, resul
         if init_directions is not None and len(bounds) > 1:
             raise FusedStatsError("init_directions for several points must be a dict point -> (k, d) tensor")
         directions = {b.point: init_directions for b in bounds}
-    units = {b.point: new_units(model, protocol, b.point, directions=directions[b.point]) for b in bounds}
+    units = {b.point: units_for(plan, b.point, directions=directions[b.point]) for b in bounds}
     if optimizer is not None:
         for b in bounds:
             _check_carriable(optimizer, model, units[b.point])
@@ -492,7 +509,8 @@ def _carry_state(optimizer, old: nn.Parameter, new: nn.Parameter, units, rel: st
     return where
 
 
-def _grow_cross(model, protocol, arch, bounds, optimizer, result) -> None:
+def _grow_cross(plan: GrowthPlan, bounds, optimizer, result) -> None:
+    model, arch = plan.model, plan.architecture
     taken = [b.point for b in bounds if hasattr(model.get_submodule(b.point), INSERTED_NAME)]
     if taken:  # checked for all points first: no half-done insertion
         raise FusedStatsError(f"points {taken} already have an inserted block; remove it first")
@@ -506,7 +524,7 @@ def _grow_cross(model, protocol, arch, bounds, optimizer, result) -> None:
         dim = stream_width(model, arch, neighbour)
         feature_dim = None if arch.transformer else 1
         block = insert_zero_block(
-            model, b.point, spec=cross_spec(protocol, b.point), feature_dim=feature_dim, dim=dim
+            model, b.point, spec=cross_spec(plan, b.point), feature_dim=feature_dim, dim=dim
         )
         name = f"{b.point}.{INSERTED_NAME}"
         result.positions[b.point] = name

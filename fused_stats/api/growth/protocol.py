@@ -40,7 +40,15 @@ from .architecture import ADAPTERS, RESNET_BLOCKS, Architecture, boundary, descr
 
 FAMILIES = ("layer", "mlp_width", "cross_block")
 INITS = ("zero", "copy", "random")
-PROTOCOL_VERSION = 1
+# version 2: a candidate's block is seeded by its name (SEEDING_RULE); version 1 seeded it by its
+# position in the candidate list, so its blocks were other weights
+PROTOCOL_VERSION = 2
+SEEDING_RULE = (
+    "name-v2: the non-zero parts of the block at a candidate are drawn from a torch generator "
+    "seeded by the first 8 bytes (little-endian, shifted right by 1: 63 bits) of the SHA-256 of "
+    'the JSON text ["fused_stats.growth.block", seed, candidate name, growth events at that '
+    "name already in the model's growth record] (compact, ASCII)"
+)
 # what fs.advise ranks by (docs/design.md 2.13): the unbiased |C|_F² (SGD's first-step gain), the
 # signal fraction |C|_F²/E|c|², or zero-state Adam's first-step gain on the test stream
 SCORES = ("cross_frob2", "signal_fraction", "adam_first_step", "split_adam")
@@ -65,6 +73,55 @@ WIDTH_STATE_RULE = (
     "start's (eps -> 0; 1 at t = 1, 0.708 at t = 51, 3.16 as t grows), and SGD's first momentum "
     "buffer is (1-dampening)*grad, as a fresh start's only when dampening = 0"
 )
+
+
+# The feature source a protocol stands for (the tangent probe, :mod:`.tangent`) sits layers above
+# this module: it builds the protocol's blocks from a plan, which checks the protocol. The tangent
+# module registers its maker here when imported (the growth package imports it), so this module
+# imports nothing above it.
+_FEATURE_SOURCE_MAKERS: list = []
+
+
+def register_feature_source(make) -> None:
+    """Set the maker of a protocol's (or plan's) feature source: ``make(protocol_or_plan, model)``."""
+    _FEATURE_SOURCE_MAKERS[:] = [make]
+
+
+def make_feature_source(protocol_or_plan, model: nn.Module):
+    """The feature source of a protocol or plan on ``model`` (:func:`register_feature_source`)."""
+    if not _FEATURE_SOURCE_MAKERS:
+        raise FusedStatsError(
+            "the growth tangent is not loaded: import fused_stats (or fused_stats.api.growth) first"
+        )
+    return _FEATURE_SOURCE_MAKERS[0](protocol_or_plan, model)
+
+
+def block_seed(seed: int, point: str, earlier_growths: int) -> int:
+    """The seed of the block at ``point`` (:data:`SEEDING_RULE`): its own name and the growths
+    at that name so far, never its place among the candidates."""
+    text = json.dumps(
+        ["fused_stats.growth.block", int(seed), str(point), int(earlier_growths)],
+        separators=(",", ":"),
+        ensure_ascii=True,
+    )
+    return int.from_bytes(hashlib.sha256(text.encode("ascii")).digest()[:8], "little") >> 1
+
+
+def check_record_version(record, where: str = "GrowthProtocol record") -> None:
+    """Refuse a protocol record of another version than :data:`PROTOCOL_VERSION`, naming it."""
+    version = record.get("version") if isinstance(record, dict) else None
+    if version == PROTOCOL_VERSION:
+        return
+    if version == 1:
+        raise FusedStatsError(
+            f"{where} is of version 1, whose blocks were seeded by the candidate's position in the "
+            f"list; this fused_stats (protocol version {PROTOCOL_VERSION}) seeds each block by the "
+            "candidate's name, so statistics measured under it were measured on other blocks: "
+            "probe again under the protocol as it is now"
+        )
+    raise FusedStatsError(
+        f"{where} has version {version!r}; this fused_stats reads protocol version {PROTOCOL_VERSION}"
+    )
 
 
 def zero_state_rule(family: str) -> str:
@@ -117,7 +174,8 @@ class GrowthProtocol:
     ``"mlp_width"`` (needs ``width``, the number of new hidden units) or ``"cross_block"``.
     ``init``: ``"zero"`` (function preserving), ``"copy"`` (a copy of the block before the
     boundary, as G_stack) or ``"random"`` (the architecture's own initialisation). ``seed``: the
-    non-zero parts of the block at candidate ``i`` are drawn from ``(seed, i)``. ``projection``:
+    non-zero parts of the block at candidate ``p`` are drawn from ``(seed, p, the growths at p so
+    far)`` (:data:`SEEDING_RULE`), whatever the other candidates. ``projection``:
     optional rank of a fixed random projection of the probed features, drawn from ``seed``.
     ``budget``: optional ``(M, K)``, the train and test sample sizes at which the advisor evaluates
     the width certificate (declared with the protocol, like everything the verdict depends on;
@@ -221,9 +279,7 @@ class GrowthProtocol:
     def feature_source(self, model: nn.Module):
         """The exact tangent of this protocol's new blocks on ``model``
         (:class:`.tangent.GrowthTangent`): what ``fs.Probe(model, cross=protocol)`` measures."""
-        from .tangent import GrowthTangent  # imported here: tangent imports this module
-
-        return GrowthTangent(self, model)
+        return make_feature_source(self, model)
 
     def index(self, point: str) -> int:
         """Position of ``point`` among the candidates (it seeds that candidate's block)."""
@@ -245,6 +301,7 @@ class GrowthProtocol:
             "projection": self.projection,
             "zero_parameters": _zero_parameters_table(self.family, self.init),
             "zero_state_rule": zero_state_rule(self.family),
+            "seeding": SEEDING_RULE,
         }
         if self.budget is not None:
             # absent, not null, when unset: digests of protocols recorded before stay valid
@@ -259,7 +316,11 @@ class GrowthProtocol:
 
     @classmethod
     def from_dict(cls, record: dict) -> GrowthProtocol:
-        """The protocol a :meth:`to_dict` record describes (the derived entries are checked)."""
+        """The protocol a :meth:`to_dict` record describes (the derived entries are checked);
+        a record of another version (version 1: blocks seeded by position) is refused."""
+        if not isinstance(record, dict):
+            raise FusedStatsError(f"not a GrowthProtocol record: a {type(record).__name__}, not a dict")
+        check_record_version(record)
         try:
             protocol = cls(
                 candidates=tuple(record["candidates"]),
@@ -287,16 +348,17 @@ class GrowthProtocol:
         text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(text.encode("ascii")).hexdigest()
 
-    def check(self, model: nn.Module) -> Architecture:
+    def check(self, model: nn.Module, arch: Architecture | None = None) -> Architecture:
         """Raise :class:`FusedStatsError` unless every candidate can be grown in ``model``.
 
         Rejected: candidates that are not block boundaries; a family the architecture does not
         support (``mlp_width`` on a ResNet, ``mlp_width`` after the last block); parameters of an
         affected block tied to another module (growth would untie them); configs growth cannot
         keep consistent (GPT-2 ``scale_attn_by_inverse_layer_idx``, a per-layer list of the adapter of the
-        wrong length, per-layer intermediate sizes). Returns the model's architecture.
+        wrong length, per-layer intermediate sizes). Returns the model's architecture (``arch``:
+        the model's, already described; see :class:`.plan.GrowthPlan`).
         """
-        arch = describe(model)
+        arch = describe(model) if arch is None else arch
         bounds = [boundary(arch, model, c) for c in self.candidates]
         config = getattr(model, "config", None)
         if self.family == "mlp_width":

@@ -19,7 +19,8 @@ from torch import nn
 
 from ...errors import FusedStatsError
 from ...tomlfile import read_toml
-from .architecture import growth_points
+from .architecture import describe
+from .plan import GrowthPlan
 from .protocol import FAMILIES, INITS, SCORES, GrowthProtocol
 
 KEYS = (
@@ -108,18 +109,29 @@ def build(arguments: dict, where: str) -> GrowthProtocol:
 def protocol_from_table(table, where: str, model: nn.Module | None = None) -> GrowthProtocol:
     """The protocol a table describes; ``candidates = "all"`` needs ``model``, and with ``model``
     every candidate is checked against it (:meth:`GrowthProtocol.check`)."""
-    arguments = check_table(table, where)
-    if arguments["candidates"] == ALL_CANDIDATES:
-        if model is None:
+    if model is None:
+        arguments = check_table(table, where)
+        if arguments["candidates"] == ALL_CANDIDATES:
             raise FusedStatsError(f'{where}: candidates = "all" needs the model to list its growth points')
-        arguments = {**arguments, "candidates": tuple(growth_points(model))}
+        return build(arguments, where)
+    return plan_from_table(table, where, model).protocol
+
+
+def plan_from_table(table, where: str, model: nn.Module) -> GrowthPlan:
+    """The :class:`~.plan.GrowthPlan` on ``model`` of the protocol a table describes (the model
+    described once, for ``"all"`` and for the plan alike); refusals prefixed with ``where``."""
+    arguments = check_table(table, where)
+    try:
+        arch = describe(model)
+    except FusedStatsError as exc:
+        raise FusedStatsError(f"{where}: {exc}") from None
+    if arguments["candidates"] == ALL_CANDIDATES:
+        arguments = {**arguments, "candidates": tuple(arch.boundaries)}
     protocol = build(arguments, where)
-    if model is not None:
-        try:
-            protocol.check(model)
-        except FusedStatsError as exc:
-            raise FusedStatsError(f"{where}: {exc}") from None
-    return protocol
+    try:
+        return GrowthPlan.from_architecture(model, protocol, arch)
+    except FusedStatsError as exc:
+        raise FusedStatsError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -141,7 +153,11 @@ class ProtocolFile:
 
     def resolve(self, model: nn.Module) -> GrowthProtocol:
         """The protocol on ``model``, every candidate checked against it."""
-        return protocol_from_table(
+        return self.plan(model).protocol
+
+    def plan(self, model: nn.Module) -> GrowthPlan:
+        """The growth plan of this file's protocol on ``model`` (:func:`plan_from_table`)."""
+        return plan_from_table(
             {k: list(v) if isinstance(v, tuple) else v for k, v in self.arguments.items()}, self.where, model
         )
 
@@ -154,4 +170,11 @@ def read_protocol_file(path) -> ProtocolFile:
     return ProtocolFile(path, check_table(table, where))
 
 
-__all__ = ["ALL_CANDIDATES", "KEYS", "ProtocolFile", "protocol_from_table", "read_protocol_file"]
+__all__ = [
+    "ALL_CANDIDATES",
+    "KEYS",
+    "ProtocolFile",
+    "plan_from_table",
+    "protocol_from_table",
+    "read_protocol_file",
+]

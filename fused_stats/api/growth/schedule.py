@@ -38,6 +38,7 @@ from ..probe.driver import Probe
 from ..probe.losses import causal_lm_loss
 from .advise import advise
 from .grow import grow
+from .plan import GrowthPlan
 from .protocol import GrowthProtocol
 from .record import GREW, SATURATED, record_saturation
 
@@ -214,14 +215,19 @@ class GrowthSchedule:
         """The advice on ``model`` from the probe batches (nothing changes). Under
         ``torch.distributed`` each rank folds its own ``probe_batches`` and the probe is
         all-reduced, so the advice is that of all ranks' batches together."""
-        probe = Probe(model, points=list(self.protocol.candidates), cross=self.protocol)
+        return self._decide(model)[1]
+
+    def _decide(self, model: nn.Module):
+        """``(plan, advice)``: the plan the probe measured, which the growth then follows."""
+        plan = GrowthPlan.build(model, self.protocol)
+        probe = Probe(model, points=list(self.protocol.candidates), cross=plan)
         device = next((p.device for p in model.parameters()), None)
         for batch in self.probe_batches:
             # the Trainer moves its own batches to the model's device; the held-out ones follow
             probe.step(_on_device(batch, device), self.loss_fn, stream="train")
         if _world() > 1:
             probe.all_reduce()
-        return advise(probe, self.protocol, alpha=self.alpha)
+        return plan, advise(probe, self.protocol, alpha=self.alpha)
 
     def maybe_grow(self, model: nn.Module, step: int, optimizer=None, training_batches=()) -> dict | None:
         """At a scheduled ``step``: probe, advise, grow at the top significant candidate or record
@@ -244,7 +250,7 @@ class GrowthSchedule:
                 "the grown model in a new DistributedDataParallel after a growth event"
             )
         self.check_not_training_batches(training_batches)
-        advice = self.decide(model)
+        plan, advice = self._decide(model)
         top = advice.top
         if top is None:
             event = {"step": step, "event": SATURATED, "point": None, "cross_frob2": None, "p_value": None}
@@ -270,7 +276,7 @@ class GrowthSchedule:
             self.stopped = True
         else:
             evidence = {event["point"]: {k: event[k] for k in ("cross_frob2", "p_value", "p_adjusted")}}
-            grow(model, self.protocol, at=[event["point"]], optimizer=optimizer, step=step, evidence=evidence)
+            grow(model, plan, at=[event["point"]], optimizer=optimizer, step=step, evidence=evidence)
             if self.max_growths is not None and self.growths + 1 >= self.max_growths:
                 self.stopped = True
         self.events.append(event)

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 
 from ...errors import FusedStatsError
+from .grow import grow
+from .plan import GrowthPlan
 from .protocol import DEFAULT_ADAM_EPS
 
 F64 = torch.float64
@@ -146,10 +148,9 @@ class SplitAdamScore:
 
 
 def _grown_copy(model: nn.Module, protocol, point: str):
-    from .grow import grow
-
-    protocol.index(point)
-    if protocol.family == "mlp_width":
+    plan = GrowthPlan.build(model, protocol)
+    plan.candidate(point)  # refused before the copy
+    if plan.protocol.family == "mlp_width":
         # width growth widens existing tensors (new_parameters is empty): these scores
         # differentiate whole new parameters, not the new slices of widened ones
         raise FusedStatsError(
@@ -158,7 +159,7 @@ def _grown_copy(model: nn.Module, protocol, point: str):
             "probe's scores for width growth (fs.advise: cross_frob2, signal_fraction, split_adam)"
         )
     grown = copy.deepcopy(model)
-    result = grow(grown, protocol, at=[point])
+    result = grow(grown, plan.rebound(grown), at=[point])
     grown.eval()
     named = dict(grown.named_parameters())
     params = [named[name] for name in result.new_parameters]
@@ -184,7 +185,8 @@ def split_adam_score(model: nn.Module, protocol, point: str, batches, loss_fn, e
     batches = list(batches)
     if len(batches) < 2:
         raise FusedStatsError(f"split_adam_score needs at least 2 batches (two halves), got {len(batches)}")
-    eps = getattr(protocol, "adam_eps", ADAM_EPS) if eps is None else float(eps)
+    declared = protocol.protocol if isinstance(protocol, GrowthPlan) else protocol
+    eps = getattr(declared, "adam_eps", ADAM_EPS) if eps is None else float(eps)
     grown, params, _ = _grown_copy(model, protocol, point)
     sums = [[torch.zeros_like(p, dtype=F64) for p in params] for _ in range(2)]
     counts = [0, 0]

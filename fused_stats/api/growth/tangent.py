@@ -37,7 +37,7 @@ the features are divided by ``s``, as the probe's ``q`` there is ``s`` times the
 :meth:`GrowthTangent.check_point` checks one sample of this against autograd at each candidate's
 first use; every other kind below has its own check (``check_cross_block_point``,
 ``check_width_point``, ``check_channel_point``): one sample, a seeded random gradient, autograd
-through an fp64 copy of what ``fs.grow`` would produce.
+through an fp64 copy of what ``fs.grow`` would produce (:mod:`.tangent_check`).
 
 ResNet blocks (``family="layer"``): the zero parameters are the last BatchNorm's scale ``γ`` and
 shift ``β``; the new block is ``z + γ ⊙ x̂ + β`` with no ReLU after the sum (``out_relu=False``,
@@ -67,9 +67,11 @@ from ...errors import FusedStatsError
 from ...ops.cross_twin import apply_activation, seeded_w_in
 from ..probe.fold import cross_view
 from . import blocks
-from .architecture import boundary
+from .plan import GrowthPlan
+from .protocol import register_feature_source
 from .scores import ADAM_EPS, candidate_scores
 from .sub_batches import SubBatches
+from .tangent_check import TangentSelfCheck
 
 
 def zero_map_width(name: str, module: nn.Module) -> tuple[int, bool]:
@@ -116,12 +118,14 @@ class SplitHalf:
         self.a_sum, self.n_a, self.n_seen = None, 0, -1
 
 
-class GrowthTangent:
+class GrowthTangent(TangentSelfCheck):
     """The feature source (:class:`fused_stats.api.probe.spec.FeatureSource`) of a growth
     protocol on ``model``: at each candidate, the features of the new block's origin parameters.
 
-    ``new_block(model, protocol, point)`` defaults to :func:`.blocks.new_block` and
-    ``zeroed_modules(block, family)`` to the origin modules of the model's adapter
+    ``protocol``: a :class:`~fused_stats.GrowthProtocol` (its plan on ``model`` is built here, once)
+    or a :class:`~.plan.GrowthPlan` (``model`` then defaults to the plan's).
+    ``new_block(model, protocol, point)`` defaults to the plan's block (:func:`.blocks.block_for`)
+    and ``zeroed_modules(block, family)`` to the origin modules of the model's adapter
     (:mod:`.architecture`), so the probed block is the one ``fs.grow`` inserts. Blocks are built
     once per point, on the model's dtype and device, and kept in ``blocks``. ``self_check``: at
     the first use of each candidate, one sample's tangent from the feature code is compared with
@@ -129,8 +133,18 @@ class GrowthTangent:
     """
 
     def __init__(
-        self, protocol, model: nn.Module, new_block=None, zeroed_modules=None, self_check: bool = True
+        self,
+        protocol,
+        model: nn.Module | None = None,
+        new_block=None,
+        zeroed_modules=None,
+        self_check: bool = True,
     ):
+        plan = protocol if isinstance(protocol, GrowthPlan) else None
+        if plan is not None:
+            protocol, model = plan.protocol, plan.model if model is None else model
+        if model is None:
+            raise FusedStatsError("GrowthTangent needs the model (or a GrowthPlan, which holds it)")
         self.family = getattr(protocol, "family", "layer")
         if self.family not in ("layer", "cross_block", "mlp_width"):
             raise FusedStatsError(
@@ -154,7 +168,12 @@ class GrowthTangent:
                 "model of fs.stream_blocks); load its weights first"
             )
         self.protocol, self.model = protocol, model
-        arch = protocol.check(model)
+        if plan is None:
+            plan = GrowthPlan.build(model, protocol)
+        else:
+            plan.require_current(model)
+        self.plan = plan
+        arch = plan.architecture
         self.arch, self.adapter = arch, arch.adapter
         self.self_check, self.checked = self_check, set()
         self.check_errors: dict[str, float] = {}  # point -> relative error of its self-check
@@ -171,11 +190,9 @@ class GrowthTangent:
             self._mlp_inputs = self.adapter.mlp_inputs
             # the probe reads the features from the MLP's input (spec.source_features)
             self.input_features = self.unit_features
-            for p in protocol.candidates:
-                b = boundary(arch, model, p)
-                self._grown[p] = f"{b.container}.{b.position}"
+            self._grown = {p: entry.target for p, entry in plan.candidates.items()}
         else:
-            self._neighbours = {p: boundary(arch, model, p).neighbour for p in protocol.candidates}
+            self._neighbours = {p: entry.source for p, entry in plan.candidates.items()}
             if self.family == "layer" and not arch.transformer:
                 # a zero BatchNorm scale and shift: per-channel terms from the point's conv map
                 self.channelwise = True
@@ -185,7 +202,7 @@ class GrowthTangent:
                 self.normwise = True
                 self.cross_terms = self.norm_terms
         adapter = self.adapter
-        self._new_block = new_block or blocks.new_block
+        self._new_block = new_block or (lambda model, protocol, point: blocks.block_for(plan, point))
         self._zeroed = zeroed_modules or (lambda block, family: blocks.zeroed_modules(adapter, family))
         self.projection = getattr(protocol, "projection", None)
         if self.projection is not None and (
@@ -206,60 +223,6 @@ class GrowthTangent:
         # applied, which moved between transformers releases): checked even with self_check off
         if arch.input_point in protocol.candidates and self.family != "cross_block":
             self.check_input_scale()
-
-    def check_input_scale(self) -> float:
-        """The self-check of the input boundary's scale: the model run on three tokens up to
-        block 0's input, which must be the input point's output times the adapter's input scale
-        (1e-6 relative, or a few roundings of the model's dtype); :class:`FusedStatsError`
-        otherwise, naming the model_type. Returns the relative error."""
-        arch, model = self.arch, self.model
-        seen: dict[str, torch.Tensor] = {}
-
-        class _Reached(Exception):
-            pass
-
-        def on_input(mod, args, out):
-            seen["point"] = out.detach()
-
-        def on_block(mod, args, kwargs):
-            stream = args[0] if args else kwargs.get("hidden_states")
-            if isinstance(stream, torch.Tensor):
-                seen["stream"] = stream.detach()
-            raise _Reached
-
-        vocab = int(getattr(model.config, "vocab_size", 0) or 0)
-        pad = getattr(model.config, "pad_token_id", None)
-        ids = [i for i in range(min(vocab, 8)) if i != pad][:3]
-        device = next(model.parameters()).device
-        handles = [
-            model.get_submodule(arch.input_point).register_forward_hook(on_input),
-            model.get_submodule(arch.boundaries[arch.input_point].neighbour).register_forward_pre_hook(
-                on_block, with_kwargs=True
-            ),
-        ]
-        try:
-            with torch.no_grad():
-                model(input_ids=torch.tensor([ids], device=device), use_cache=False)
-        except _Reached:
-            pass
-        finally:
-            for handle in handles:
-                handle.remove()
-        if "stream" not in seen or "point" not in seen:
-            raise FusedStatsError(
-                f"tangent self-check (model_type {self.adapter.model_type!r}): the model did not run "
-                f"{arch.input_point!r} and then block 0 on three tokens; cannot check the input scale"
-            )
-        point, stream = seen["point"].to(torch.float64), seen["stream"].to(torch.float64)
-        error = float((stream - point * self.input_scale).norm() / stream.norm().clamp_min(1e-300))
-        tolerance = max(SELF_CHECK_TOLERANCE, 8 * torch.finfo(seen["stream"].dtype).eps)
-        if not error <= tolerance:
-            raise FusedStatsError(
-                f"tangent self-check failed at {arch.input_point!r} (model_type {self.adapter.model_type!r}): "
-                f"block 0's input is not the input point's output times {self.input_scale} (relative "
-                f"error {error:.3g}); the growth adapter's input scale is wrong for this model"
-            )
-        return error
 
     def stream_scale(self, point: str) -> float:
         """The factor between the point's output and the stream the new block reads: the
@@ -343,7 +306,7 @@ class GrowthTangent:
         """The new MLP units at ``point`` (``mlp_width``), the ones ``fs.grow`` appends."""
         units = self.units.get(point)
         if units is None:
-            units = self.units[point] = blocks.new_units(self.model, self.protocol, point)
+            units = self.units[point] = blocks.units_for(self.plan, point)
         return units
 
     def unit_features(self, point: str, module: nn.Module, u: torch.Tensor) -> torch.Tensor:
@@ -467,6 +430,11 @@ class GrowthTangent:
             if probe.cross_stats.get(point) is not None
         }
 
+    def zero_parameters(self) -> dict[str, list[str]]:
+        """The new blocks' parameters at their origin, named by the model's architecture row
+        (:meth:`.plan.GrowthPlan.zero_parameters`), for the report and the advice."""
+        return self.plan.zero_parameters()
+
     def feature_w_in(self, point: str, dtype=torch.float32, device=None) -> torch.Tensor | None:
         """None (the exact tangent: the features are given to CrossStats as they are, no r × r
         identity stored) or the protocol's fixed ``k × r`` projection."""
@@ -553,7 +521,7 @@ class GrowthTangent:
             if self.self_check and point not in self.checked:
                 self.checked.add(point)
                 self.check_errors[point] = self.check_cross_block_point(point, z)
-            return _cross_block_features(block, z)
+            return self.cross_block_features(block, z)
         kwargs = block_call_kwargs(kwargs)
         if self.self_check and point not in self.checked:
             self.checked.add(point)
@@ -600,185 +568,13 @@ class GrowthTangent:
         factor = self.feature_scale(point)
         return x if factor == 1.0 else x * factor
 
-    def check_point(self, point: str, z: torch.Tensor, kwargs: dict) -> float:
-        """The self-check: for one sample of ``z`` and a seeded random stream gradient ``q`` (at
-        :data:`CHECKED_POSITIONS` random positions, zero at the others), the
-        tangent ``Σ_t q'_t x'_tᵀ`` of the feature code (this source's :meth:`_features` and
-        ``cross_terms``, on an fp64 copy of the block) against autograd, ``∂⟨q, h(s z)⟩/∂θ`` over
-        the origin parameters ``θ`` of that copy, ``s`` the stream scale (the feature code gets
-        ``s q``, the gradient at the point's output). Raises :class:`FusedStatsError` above 1e-6
-        relative error, naming the point and the model_type; returns the error."""
-        block = copy.deepcopy(self.block(point)).to(torch.float64)
-        B, sample = z.shape[0], _finite_index(z)
-        z1 = _one_sample(z, sample, B).detach().to(torch.float64)
-        kw1 = _fp64(_one_sample(kwargs, sample, B))
-        units = None
-        if self.normwise:
-            units = {
-                name: self._unit_norm(name, block.get_submodule(name)) for name, _, _ in self.maps[point]
-            }
-        q = self._check_gradient(point, z1, limit_positions=True)
-        scale = self.stream_scale(point)
-        x = self._features(point, block, units, z1, kw1).to(torch.float64)
-        q_point = q * scale
-        terms = getattr(self, "cross_terms", None)
-        q2, x2 = terms(point, q_point, z1, x) if terms is not None else (q_point, x)
-        ours = torch.einsum("btk,btr->kr", q2, x2)
-        params = []
-        for name, _, bias in self.maps[point]:
-            sub = block.get_submodule(name)
-            params.append(sub.weight)
-            if bias:
-                params.append(sub.bias)
-        for p in block.parameters():
-            p.requires_grad_(False)
-        for p in params:
-            p.requires_grad_(True)
-        with torch.enable_grad():
-            out = block(z1 * scale if scale != 1.0 else z1, **kw1)
-            out = out[0] if isinstance(out, (tuple, list)) else out
-            grads = torch.autograd.grad((q * out).sum(), params)
-        if self.normwise:
-            ref = torch.cat([g.flatten() for g in grads])[None, :]
-        else:
-            pieces, columns = list(grads), []
-            for name, _, bias in self.maps[point]:
-                w = pieces.pop(0)
-                columns.append(w if isinstance(block.get_submodule(name), nn.Linear) else w.T)
-                if bias:
-                    columns.append(pieces.pop(0)[:, None])
-            ref = torch.cat(columns, dim=1)
-        return self._verdict(point, ours, ref, "the new block")
-
-    def _verdict(self, point: str, ours: torch.Tensor, ref: torch.Tensor, through: str) -> float:
-        """The relative error of the feature code's tangent ``ours`` against autograd's ``ref``;
-        :class:`FusedStatsError` above :data:`SELF_CHECK_TOLERANCE`, naming the point and the
-        model_type."""
-        error = float((ours - ref).norm() / ref.norm().clamp_min(torch.finfo(torch.float64).tiny))
-        if not error <= SELF_CHECK_TOLERANCE:
-            raise FusedStatsError(
-                f"tangent self-check failed at {point!r} (model_type {self.adapter.model_type!r}): the "
-                f"feature code's tangent (family {self.family!r}) differs from autograd through "
-                f"{through} by {error:.3g} (relative; tolerance {SELF_CHECK_TOLERANCE}); the growth "
-                "adapter of this model_type does not describe the block exactly"
-            )
-        return error
-
-    def _check_gradient(self, point: str, like: torch.Tensor, limit_positions: bool) -> torch.Tensor:
-        """The self-check's seeded random gradient, shaped like ``like`` (fp64); with
-        ``limit_positions``, zero but at :data:`CHECKED_POSITIONS` random positions of axis 1."""
-        gen = torch.Generator().manual_seed(blocks.candidate_seed(self.protocol, point) % (2**31))
-        q = torch.randn(like.shape, generator=gen, dtype=torch.float64)
-        if limit_positions and q.dim() == 3 and q.shape[1] > CHECKED_POSITIONS:
-            # q at a few positions only: a norm computing in fp32 (Gemma's) sums its scale
-            # gradient over the positions in fp32, whose rounding would grow with T
-            keep = torch.randperm(q.shape[1], generator=gen)[:CHECKED_POSITIONS]
-            q = q * torch.zeros(q.shape[1], 1, dtype=q.dtype).index_fill_(0, keep, 1.0)
-        return q.to(like.device)
-
-    def check_cross_block_point(self, point: str, z: torch.Tensor) -> float:
-        """The self-check of ``family="cross_block"``: ``Σ_t q_t φ(W_in z_t)ᵀ`` from the feature
-        code against ``∂⟨q, h(z)⟩/∂W_out`` by autograd through an fp64 copy of the block ``h``
-        (one sample of ``z``, ``q`` seeded random). Returns the relative error."""
-        block = copy.deepcopy(self.block(point)).to(torch.float64)
-        z1 = _finite_sample(z).to(torch.float64)
-        q = self._check_gradient(point, z1, limit_positions=False)
-        ours = torch.einsum("btk,btr->kr", q, _cross_block_features(block, z1).to(torch.float64))
-        block.w_out.requires_grad_(True)
-        with torch.enable_grad():
-            (ref,) = torch.autograd.grad((q * block(z1)).sum(), [block.w_out])
-        return self._verdict(point, ours, ref, "the new block")
-
-    def check_channel_point(self, point: str, act: torch.Tensor) -> float:
-        """The self-check of a ResNet candidate: ``Σ_t`` of :meth:`channel_terms` on
-        :meth:`map_features` against ``∂⟨q, h(a)⟩/∂(γ, β)`` by autograd through an fp64 copy of
-        the new block ``h`` (its output, ``a + F(a)``, as the model adds it), on one sample ``a``
-        of the point's output and a seeded random ``q`` (B, C, H, W). Returns the relative error."""
-        block = copy.deepcopy(self.block(point)).to(torch.float64)
-        a1 = _finite_sample(act).to(torch.float64)
-        q = self._check_gradient(point, a1, limit_positions=False)
-        q2, x2 = self.channel_terms(point, cross_view(q, 1), a1, self._map_features(point, block, a1))
-        ours = torch.einsum("btk,btr->kr", q2, x2)
-        bn = block.get_submodule(self.maps[point][0][0])
-        params = [bn.weight, bn.bias]
-        for p in params:
-            p.requires_grad_(True)
-        with torch.enable_grad():
-            grads = torch.autograd.grad((q * block(a1)).sum(), params)
-        ref = torch.cat([g.flatten() for g in grads])[None, :]
-        return self._verdict(point, ours, ref, "the new block")
-
-    def check_width_point(self, point: str, u: torch.Tensor) -> float:
-        """The self-check of ``family="mlp_width"``: ``Σ_t q'_t h_tᵀ`` from the feature code
-        (:meth:`unit_features`) against ``∂⟨q', β·mlp'(u)⟩/∂W_new`` by autograd, ``mlp'`` an fp64
-        copy of the widened MLP of the block ``fs.grow`` would produce, ``W_new`` the new columns
-        of its output map, ``u`` one sample of the MLP input the probe saw, ``q'`` seeded random
-        and ``β`` the branch scale (checked against the whole block by the ``layer`` family's
-        check). Returns the relative error."""
-        grown = self._new_block(self.model, self.protocol, point)
-        mlp_name, _, out_name = self.adapter.mlp_output.rpartition(".")
-        mlp = copy.deepcopy(grown.get_submodule(mlp_name)).to(torch.float64).eval()
-        mlp.requires_grad_(False)
-        u1 = _finite_sample(u).to(torch.float64)
-        q = self._check_gradient(point, u1, limit_positions=False)
-        ours = torch.einsum("btk,btr->kr", q, self._unit_features(point, mlp, u1).to(torch.float64))
-        out_map = mlp.get_submodule(out_name)
-        out_map.weight.requires_grad_(True)
-        with torch.enable_grad():
-            out = mlp(u1)
-            (g,) = torch.autograd.grad((q * out).sum() * self.branch_scale, [out_map.weight])
-        k = int(self.protocol.width)
-        ref = g[-k:].T if self.adapter.conv1d else g[:, -k:]  # Conv1D stores (in, out)
-        return self._verdict(point, ours, ref, "the widened MLP")
+    @staticmethod
+    def cross_block_features(block: nn.Module, z: torch.Tensor) -> torch.Tensor:
+        """``φ(W_in z)``: the input of the cross block's zero map ``W_out``."""
+        return apply_activation(z.to(block.w_in.dtype) @ block.w_in.T, block.activation)
 
 
-SELF_CHECK_TOLERANCE = 1e-6
 MLP_ACTIVATIONS = ("act_fn", "act", "activation_fn")  # the MLP's activation module, by family
-CHECKED_POSITIONS = 4
 
 
-def _cross_block_features(block: nn.Module, z: torch.Tensor) -> torch.Tensor:
-    """``φ(W_in z)``: the input of the cross block's zero map ``W_out``."""
-    return apply_activation(z.to(block.w_in.dtype) @ block.w_in.T, block.activation)
-
-
-def _finite_index(t: torch.Tensor) -> int:
-    """The first sample (row of axis 0) of ``t`` with only finite values, else 0."""
-    return next((b for b in range(t.shape[0]) if bool(torch.isfinite(t[b]).all())), 0)
-
-
-def _finite_sample(t: torch.Tensor) -> torch.Tensor:
-    """:func:`_finite_index`'s sample of ``t`` as a batch of one, detached."""
-    sample = _finite_index(t)
-    return t[sample : sample + 1].detach()
-
-
-def _one_sample(value, b: int, batch: int):
-    """Sample ``b`` of a call argument: tensors with a leading batch axis (dim ≥ 2) sliced to one
-    row, containers element-wise, everything else (a broadcast rotary table, ``cache_position``)
-    as it is."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() >= 2 and batch > 1 and value.shape[0] % batch == 0 and value.shape[0] > batch:
-            # samples x heads on one axis (BLOOM's ALiBi bias, (B·H, 1, T)): sample b's H rows
-            per = value.shape[0] // batch
-            return value[b * per : (b + 1) * per]
-        return value[b : b + 1] if value.dim() >= 2 and value.shape[0] == batch and batch > 1 else value
-    if isinstance(value, tuple):
-        return tuple(_one_sample(v, b, batch) for v in value)
-    if isinstance(value, list):
-        return [_one_sample(v, b, batch) for v in value]
-    if isinstance(value, dict):
-        return {k: _one_sample(v, b, batch) for k, v in value.items()}
-    return value
-
-
-def _fp64(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(torch.float64) if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        return tuple(_fp64(v) for v in value)
-    if isinstance(value, list):
-        return [_fp64(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _fp64(v) for k, v in value.items()}
-    return value
+register_feature_source(GrowthTangent)

@@ -293,7 +293,9 @@ def cross_w_in(cross, point: str, dim: int, dtype, device) -> tuple[torch.Tensor
 def protocol_record(cross, probe=None) -> dict | None:
     """The growth protocol behind a feature source, verbatim with its digest (for reports), the
     width ``r`` of the full tangent at each point the source has measured (``feature_ranks``:
-    a projected ``|C Pᵀ|²`` is rescaled by ``r / k`` from it) and, given the ``probe``, the
+    a projected ``|C Pᵀ|²`` is rescaled by ``r / k`` from it), the parameters of the new blocks at
+    their origin in this model (``model_zero_parameters``, from a source that names them) and,
+    given the ``probe``, the
     source's per-candidate scores from its accumulators (``scores``: ``candidate_scores(probe)``)."""
     protocol = getattr(cross, "protocol", None)
     if protocol is None or not hasattr(protocol, "to_dict"):
@@ -302,6 +304,10 @@ def protocol_record(cross, probe=None) -> dict | None:
     ranks = getattr(cross, "feature_ranks", None)
     if callable(ranks):
         record["feature_ranks"] = dict(ranks())
+    zero = getattr(cross, "zero_parameters", None)
+    if callable(zero):
+        # named by the source from the model's own architecture (a post-norm block's norm scales)
+        record["model_zero_parameters"] = dict(zero())
     scores = getattr(cross, "candidate_scores", None)
     if probe is not None and callable(scores):
         record["scores"] = scores(probe)

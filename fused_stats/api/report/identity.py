@@ -127,9 +127,12 @@ def zero_parameters_in(table: dict, model: nn.Module) -> dict[str, list[str]]:
 
 def protocol_with_model_entries(record: dict | None, model: nn.Module) -> dict | None:
     """A report's ``growth_protocol`` record plus ``model_zero_parameters``: the protocol's zero
-    parameters that apply to ``model`` (:func:`zero_parameters_in`), for the markdown."""
+    parameters that apply to ``model`` (:func:`zero_parameters_in`), for the markdown; a record
+    whose feature source named them from the model's architecture keeps its own."""
     if record is None:
         return None
+    if "model_zero_parameters" in record:
+        return dict(record)
     table = (record.get("protocol") or {}).get("zero_parameters") or {}
     return {**record, "model_zero_parameters": zero_parameters_in(table, model)}
 
