@@ -299,7 +299,9 @@ def test_generate_with_cache_after_growth(name):
             past_key_values=prefix.past_key_values,
             use_cache=True,
         ).logits[:, -1]
-    torch.testing.assert_close(step, full, rtol=1e-10, atol=1e-10)
+    # fp64 models, but some families (MPT) take their attention softmax in fp32: about 1e-8
+    # relative between the two paths; a wrong cache slot moves the logits by O(1)
+    torch.testing.assert_close(step, full, rtol=1e-6, atol=1e-8)
 
 
 # families whose width growth is refused (the adapter's reason), tested below
