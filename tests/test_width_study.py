@@ -242,3 +242,20 @@ def test_run_refuses_a_full_out_folder(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
     with pytest.raises(fs.FusedStatsError, match="lists a width twice"):
         WidthStudyConfig(widths=(32, 32, 64)).validate()
+
+
+def test_cli_options_reach_the_study_config(tmp_path, monkeypatch):
+    import fused_stats.demo.width_study as ws
+
+    seen = {}
+    monkeypatch.setattr(ws, "run_width_study", lambda cfg, out, progress=None: seen.update(cfg=cfg, out=out))
+    argv = ["demo", "--width-study", "--widths", "32", "48", "--seeds", "7", "8", "--steps", "5"]
+    argv += ["--lr", "0.01", "--width-sweep-depth", "3", "--probe-batches", "5", "--split", "8"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    cfg = seen["cfg"]
+    assert (cfg.widths, cfg.seeds, cfg.train_steps, cfg.base_lr) == ((32, 48), (7, 8), 5, 0.01)
+    assert (cfg.depth, cfg.probe_batches, cfg.split) == (3, 5, 8)
+    assert main(["demo", "--width-study", "--out", str(tmp_path / "b")]) == 0
+    assert seen["cfg"] == WidthStudyConfig()
+    assert main(["demo", "--width-study", "--quick", "--steps", "3", "--out", str(tmp_path / "c")]) == 0
+    assert seen["cfg"] == WidthStudyConfig.quick(train_steps=3)
