@@ -25,8 +25,9 @@ def register(sub) -> None:
         action="store_true",
         help="the pre-registered width study instead (docs/width_study.md): widths 32 64 128 256, "
         "seeds 200-203, depth 4, 192 steps, lr = 0.003 * 32 / width; fits ln d_align on ln width "
-        "at the middle and last residual points (about 15-20 min wall on a shared 2-core Intel "
-        "Xeon VM; --quick: widths 32 64, seeds 900 901, depth 2, 16 steps)",
+        "at the middle and last residual points (680 s CPU; on a shared 2-core Intel Xeon VM 39 min "
+        "wall nice'd under load, about 12 min without other jobs; --quick: widths 32 64, seeds "
+        "900 901, depth 2, 16 steps)",
     )
     p.add_argument("--out", default="fused_stats_out", help="output folder (default: %(default)s)")
     p.add_argument(

@@ -287,19 +287,29 @@ def summary_lines(result: dict) -> list[str]:
 
 
 def plot_width_study(result: dict, path) -> Path:
-    """PNG: d_align vs width on log-log axes, one panel per point: every run, the geometric mean
-    over seeds per width, and the all-runs fitted line with its exponent ± se in the legend."""
+    """PNG: d_align vs width on log-log axes, one panel per point: every run (one colour per
+    seed), the geometric mean over seeds per width, and the all-runs fitted line with its
+    exponent ± se in the legend."""
     from ..api.report.plots import figure_classes, save_figure
 
     Figure, FigureCanvasAgg = figure_classes()
-    fig = Figure(figsize=(10.5, 4.6), dpi=100, layout="constrained")
+    fig = Figure(figsize=(10.5, 5.4), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2, squeeze=False)[0]
     rows = result["runs"]
     for ax, label in zip(axes, ("middle", "last")):
         at = [r for r in rows if r["point"] == label and r["d_align"] is not None and r["d_align"] > 0]
         widths = sorted({r["width"] for r in rows})
-        ax.scatter([r["width"] for r in at], [r["d_align"] for r in at], s=18, alpha=0.55, label="one run")
+        for i, seed in enumerate(sorted({r["seed"] for r in rows})):
+            mine = [r for r in at if r["seed"] == seed]
+            ax.scatter(
+                [r["width"] for r in mine],
+                [r["d_align"] for r in mine],
+                s=20,
+                alpha=0.7,
+                color=f"C{i % 10}",
+                label=f"seed {seed}" if len(mine) else None,
+            )
         means = [
             (w, math.exp(np.mean([math.log(r["d_align"]) for r in at if r["width"] == w])))
             for w in widths
@@ -325,7 +335,8 @@ def plot_width_study(result: dict, path) -> Path:
         names = sorted({r["point_name"] for r in rows if r["point"] == label})
         ax.set_title(f"{label} residual point ({', '.join(names)})", fontsize=10)
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        # below the axes: inside, it covered the low runs
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
     cfg = result["config"]
     fig.suptitle(
         f"width study: depth {cfg['depth']}, {cfg['train_steps'] * cfg['batch_size'] * cfg['seq_len']:,} "
