@@ -20,6 +20,15 @@ def register(sub) -> None:
         action="store_true",
         help="tiny sweep for a smoke test (30 s wall on a shared 2-core Intel Xeon VM)",
     )
+    p.add_argument(
+        "--width-study",
+        action="store_true",
+        help="the pre-registered width study instead (docs/width_study.md): widths 32 64 128 256, "
+        "seeds 200-203, depth 4, 192 steps, lr = 0.003 * 32 / width; fits ln d_align on ln width "
+        "at the middle and last residual points (680 s CPU; on a shared 2-core Intel Xeon VM 39 min "
+        "wall nice'd under load, about 12 min without other jobs; --quick: widths 32 64, seeds "
+        "900 901, depth 2, 16 steps)",
+    )
     p.add_argument("--out", default="fused_stats_out", help="output folder (default: %(default)s)")
     p.add_argument(
         "--force", action="store_true", help="write into an --out folder that is not empty (default: refuse)"
@@ -88,6 +97,8 @@ def register(sub) -> None:
 def cmd_demo(args) -> int:
     from ..demo.experiment import DemoConfig, run_demo
 
+    if args.width_study:
+        return cmd_width_study(args)
     overrides = {}
     for arg, key in (("seeds", "seeds"), ("widths", "widths"), ("depths", "depths")):
         value = getattr(args, arg)
@@ -112,4 +123,39 @@ def cmd_demo(args) -> int:
 
         torch.set_num_threads(args.threads)
     run_demo(cfg, args.out, progress=False if args.no_progress else None)
+    return 0
+
+
+def cmd_width_study(args) -> int:
+    from ..demo.width_study import WidthStudyConfig, run_width_study
+    from ..errors import FusedStatsError
+
+    for arg in ("depths", "depth_sweep_width"):
+        if getattr(args, arg):
+            raise FusedStatsError(
+                f"--{arg.replace('_', '-')} has no effect with --width-study (its depth: --width-sweep-depth)"
+            )
+    overrides = {}
+    for arg in ("seeds", "widths"):
+        value = getattr(args, arg)
+        if value:
+            overrides[arg] = tuple(v for group in value for v in group)
+    for arg, key in (
+        ("width_sweep_depth", "depth"),
+        ("steps", "train_steps"),
+        ("probe_batches", "probe_batches"),
+        ("lr", "base_lr"),
+        ("split", "split"),
+    ):
+        value = getattr(args, arg)
+        if value is not None:
+            overrides[key] = value
+    cfg = WidthStudyConfig.quick(**overrides) if args.quick else WidthStudyConfig(**overrides)
+    cfg.validate()  # every bad value is reported before a thread count or a folder changes
+    check_out_folder(args.out, args.force)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    run_width_study(cfg, args.out, progress=False if args.no_progress else None)
     return 0
