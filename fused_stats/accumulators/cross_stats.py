@@ -3,21 +3,11 @@
 For a zero-output block ``h(z) = W_out φ(W_in z)`` at a point, ``c_i = Σ_{t∈i} q_t φ(W_in z_t)ᵀ``
 and ``C = E[c_i]``. The state is ``n``, ``Σ c_i`` (d × r, fp64), ``Σ |c_i|_F²`` and, from pairs of
 samples inside each batch, sums of ``k_ij²``, ``k_ij k_jk``, ``k_ij k_kl`` over distinct tuples
-(``k_ij = <c_i, c_j>``) with their counts. Estimates:
+(``k_ij = <c_i, c_j>``) with their counts. The estimates from them (the unbiased ``|C|_F²``, its
+Hoeffding variance, the saturation test of ``H0: C = 0``) are in
+:mod:`~fused_stats.accumulators.cross_estimators`; several accumulators fed at once (a probe's
+points) share batched calls (:mod:`~fused_stats.accumulators.cross_stacked`).
 
-* ``|C|_F² = (|Σ c_i|_F² − Σ |c_i|_F²) / (n(n−1))`` — the U-statistic with kernel ``<c_i, c_j>``,
-  exactly unbiased.
-* Its variance (Hoeffding): ``Var = (4(n−2) ζ1 + 2 ζ2) / (n(n−1))`` with ``ζ1 = Cᵀ Σ_c C =
-  E[k_ij k_jk] − |C|⁴`` and ``ζ2 = Var(k_ij) = E[k_ij²] − |C|⁴``; the three expectations are
-  estimated without bias by the within-batch tuple averages (``|C|⁴`` by ``E[k_ij k_kl]``).
-* Saturation test of ``H0: C = 0``: under H0, ``ζ1 = 0`` and ``Var = 2 E[k_ij²]/(n(n−1))``.
-  The statistic is a degenerate U-statistic: ``(n−1)·|C|²_hat ≈ |Z|² − tr Σ_c`` with
-  ``Z ~ N(0, Σ_c)``, a weighted sum of centred chi-squares, which is skewed when ``Σ_c`` has few
-  dominant eigenvalues. Its upper tail is taken from the moment-matched ``a·χ²_ν``
-  (Satterthwaite: ``a = tr Σ_c² / tr Σ_c``, ``ν = (tr Σ_c)² / tr Σ_c²``, with ``tr Σ_c = E|c|²``
-  and ``tr Σ_c² = E[k_ij²]`` under H0) and the Wilson–Hilferty cube-root normal approximation of
-  the chi-square tail. ``saturated`` means H0 was not rejected at level ``alpha``; ``z`` is the
-  equivalent standard-normal score.
 * Streams of one sample per batch (long-context probes) have no within-batch pairs, so a batch
   holding exactly one sample is also paired with the previous such batch: ``k = <c_prev, c_now>``
   of two independent samples adds ``2k²`` to the ``Σ k²`` sum (both orders) and 2 to its count —
@@ -43,14 +33,13 @@ exposed by :meth:`CrossStats.estimate` for comparison with other tools.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import ClassVar, Literal
 
 import torch
 
 from .. import ops
 from ..backend import Backend
-from ..contracts import ACTIVATIONS, all_finite, tuple_counts
+from ..contracts import ACTIVATIONS, tuple_counts
 from ..errors import FusedStatsError
 from .base import (
     NONFINITE_POLICIES,
@@ -59,97 +48,28 @@ from .base import (
     IncompatibleStates,
     Nonfinite,
     Prepared,
-    StackedPrepared,
 )
+from .cross_estimators import (  # noqa: F401  (re-exported)
+    UNADJUSTED_TEST,
+    CrossEstimate,
+    Saturation,
+    normal_sf,
+    null_tail,
+    saturation_test,
+    unbiased_frob2,
+)
+from .cross_stacked import StackedCrossUpdates
 
 F64 = torch.float64
 CrossUnit = Literal["sample", "position"]
 UNITS: tuple[str, ...] = ("sample", "position")
 
 
-# the test a Saturation reports; the same point can be saturated after fs.advise's Holm adjustment
-# across a protocol's candidates while not saturated here, and the other way round never
-UNADJUSTED_TEST = (
-    "unadjusted one-sided z-test of H0: C = 0 at this point alone "
-    "(fs.advise: Holm-adjusted across the candidates)"
-)
-
-
-@dataclass(frozen=True)
-class Saturation:
-    """Depth-saturation summary at one point: ``p_value`` and ``saturated`` are this point's
-    own test (``test``), not adjusted for the other points probed with it."""
-
-    n: int
-    rank: int
-    cross_frob2: float  # unbiased |C|_F^2
-    cross_frob2_se: float  # standard error (full Hoeffding variance, plug-in); NaN when that is < 0
-    cross_frob2_se_null: float  # standard error under H0: C = 0
-    z: float
-    p_value: float
-    alpha: float
-    saturated: bool
-    ag_max: float
-    ag_mean: float
-    test: str = UNADJUSTED_TEST
-
-    @property
-    def cross_frob(self) -> float:
-        """``|C|_F`` from the unbiased square (0 when the estimate is negative)."""
-        return math.sqrt(max(self.cross_frob2, 0.0))
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["cross_frob"] = self.cross_frob
-        return out
-
-
-@dataclass(frozen=True)
-class CrossEstimate:
-    """The cross-gradient ``C = E[c_i]`` at one point (``c_i = Σ_{t∈i} q_t φ(W_in z_t)ᵀ``).
-
-    * ``n``: samples; ``rank``: columns of ``C`` (the block's width ``r``); ``dim``: rows (``d``).
-    * ``cross_frob2 = (|Σ c_i|_F² − Σ |c_i|_F²) / (n(n−1))``: the unbiased ``|C|_F²``.
-    * ``plugin_frob2 = |C̄|_F²`` with ``C̄ = Σ c_i / n``: the plug-in value other tools report;
-      its expectation is ``|C|_F² + tr Σ_c / n`` (biased upwards).
-    * ``mean_sq_norm = Σ |c_i|_F² / n``: estimates ``E|c|_F² = |C|_F² + tr Σ_c``.
-    * ``c_mean``: ``C̄`` itself (d × r, fp64, on CPU).
-    """
-
-    n: int
-    dim: int
-    rank: int
-    cross_frob2: float
-    plugin_frob2: float
-    mean_sq_norm: float
-    c_mean: torch.Tensor
-
-    def to_dict(self) -> dict:
-        """The scalar fields (``c_mean`` left out: a matrix)."""
-        return {k: v for k, v in asdict(self).items() if k != "c_mean"}
-
-
-def normal_sf(z: float) -> float:
-    """Upper tail of the standard normal."""
-    return 0.5 * math.erfc(z / math.sqrt(2.0))
-
-
-def null_tail(value: float, n: int, tr1: float, tr2: float) -> tuple[float, float]:
-    """``(z, p)``: upper-tail p-value of ``|C|²_hat = value`` under H0 (module docstring)."""
-    if tr2 <= 0 or tr1 <= 0:
-        return (math.inf, 0.0) if value > 0 else (0.0, 1.0)
-    scale, dof = tr2 / tr1, tr1 * tr1 / tr2
-    x = max(((n - 1) * value + tr1) / scale, 0.0)
-    # Wilson–Hilferty: (χ²_ν/ν)^(1/3) ≈ N(1 − 2/(9ν), 2/(9ν))
-    z = ((x / dof) ** (1.0 / 3.0) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return z, normal_sf(z)
-
-
 def _block(acc, c) -> tuple:
     return (acc.dim, acc.rank)
 
 
-class CrossStats(Accumulator):
+class CrossStats(StackedCrossUpdates, Accumulator):
     """Streaming ``|C|_F²`` for a zero-output block with input projection ``w_in`` (r × d_in).
 
     Parameters
@@ -355,112 +275,6 @@ class CrossStats(Accumulator):
             )
         return grad, act
 
-    @classmethod
-    def prepare_many(
-        cls, accumulators, grads, acts, masks=None, unit: CrossUnit = "sample"
-    ) -> list[Prepared] | StackedPrepared | None:
-        """:meth:`prepare` for several accumulators at once (the points of a probe), each with its
-        own batch; nothing changes. ``grads``, ``acts`` lists (``masks`` a list or None for none)
-        give a list of :class:`Prepared`: batches of one shape, unmasked, share batched calls
-        where they apply, any other mix is prepared one accumulator at a time. ``grads`` (P, B,
-        T, d) and ``acts`` (P, B, T, d_in) tensors (one unmasked batch per accumulator) give one
-        :class:`StackedPrepared` for :meth:`commit_many`, or None where the batched calls do not
-        apply (:meth:`_prepare_stacked`)."""
-        accs = list(accumulators)
-        if isinstance(grads, torch.Tensor):
-            if masks is not None:
-                raise FusedStatsError("prepare_many: a stacked batch (P, B, T, d) takes no masks")
-            return cls._prepare_stacked(accs, grads, acts, unit)
-        masks = [None] * len(accs) if masks is None else list(masks)
-        if any(acc.w_in is None for acc in accs):
-            return [acc.prepare(g, a, m, unit=unit) for acc, g, a, m in zip(accs, grads, acts, masks)]
-        checked = [acc._checked(g, a, m, unit) for acc, g, a, m in zip(accs, grads, acts, masks)]
-        if len(accs) > 1 and all(m is None for m in masks):
-            g0, a0 = checked[0]
-            if all(
-                g.shape == g0.shape and a.shape == a0.shape and g.dtype == g0.dtype and a.dtype == a0.dtype
-                for g, a in checked
-            ):
-                stacked = cls._prepare_stacked(
-                    accs, torch.stack([g for g, _ in checked]), torch.stack([a for _, a in checked]), unit
-                )
-                if stacked is not None:
-                    return cls._split_stacked(accs, stacked)
-        return [acc.prepare(g, a, m, unit=unit) for acc, (g, a), m in zip(accs, checked, masks)]
-
-    def _stack_key(self) -> tuple:
-        """What must agree for the batches of several accumulators to share batched calls."""
-        return (self._dtype, self.activation, self.group_size, self.rank, self.backend, self.device)
-
-    @classmethod
-    def _prepare_stacked(
-        cls, accumulators, grads: torch.Tensor, acts: torch.Tensor, unit: CrossUnit = "sample"
-    ) -> StackedPrepared | None:
-        """The batches ``grads[i]`` (B, T, d) and ``acts[i]`` (B, T, d_in) of P accumulators,
-        stacked as (P, B, T, ·), unmasked, reduced by one set of batched calls
-        (``ops.cross_reduce_stacked``: ``unit="sample"`` in the ghost form with the whole batch one
-        group, torch path) with one finiteness read for all; nothing changes. None where that
-        does not apply (or for a batch :meth:`prepare` would refuse: it then says why)."""
-        accs = list(accumulators)
-        if any(acc.w_in is None for acc in accs):
-            return None
-        if unit != "sample" or grads.dim() != 4 or acts.dim() != 4 or grads.shape[0] != len(accs) or not accs:
-            return None
-        _, B, T, d = grads.shape
-        first = accs[0]
-        key = first._stack_key()
-        if (
-            not (B and T)
-            or acts.shape[1:3] != grads.shape[1:3]
-            or not (grads.is_floating_point() and acts.is_floating_point())
-            or grads.device != first.device
-            or acts.device != first.device
-            or not ops.cross_stacks(B, T, d, first.rank, unit, first.group_size)
-        ):
-            return None
-        for acc in accs:
-            if (
-                acc.dim != d
-                or acc.in_dim != acts.shape[3]
-                or acc.unit not in (None, unit)
-                or acc._stack_key() != key
-            ):
-                return None
-        out = ops.cross_reduce_stacked(
-            grads, acts, torch.stack([acc.w_in for acc in accs]), first.activation, first.backend
-        )
-        if out is None:
-            return None
-        c_sum, sums, n = out
-        if all_finite(sums, c_sum):
-            finite = [True] * len(accs)
-        else:
-            finite = (torch.isfinite(sums).all(dim=1) & torch.isfinite(c_sum).flatten(1).all(dim=1)).tolist()
-        return StackedPrepared(unit, tuple(acc.n for acc in accs), finite, (c_sum, sums, n))
-
-    @staticmethod
-    def _stacked_parts(stacked: StackedPrepared):
-        """Per accumulator: ``c_sum``, ``sq_norm_sum``, ``(u2, u3, u4)`` as views of the stack."""
-        c_sum, sums, _ = stacked.tensors
-        return c_sum.unbind(0), sums[:, 0].unbind(0), sums[:, 1:].unbind(0)
-
-    @classmethod
-    def _split_stacked(cls, accs, stacked: StackedPrepared) -> list[Prepared]:
-        """Per-accumulator :class:`Prepared` from :meth:`_prepare_stacked`."""
-        n = stacked.tensors[2]
-        p2, p3, p4 = tuple_counts(n)
-        return [
-            Prepared(
-                unit=stacked.unit,
-                base_n=base,
-                batch=ops.CrossBatch(
-                    n=n, c_sum=c, sq_norm_sum=sq, u2=u[0], u3=u[1], u4=u[2], p2=p2, p3=p3, p4=p4, u=u
-                ),
-                finite=ok,
-            )
-            for base, ok, c, sq, u in zip(stacked.base_n, stacked.finite, *cls._stacked_parts(stacked))
-        ]
-
     @staticmethod
     def _finite(batch) -> bool:
         """Whether every sum of a batch is finite (also the tuple sums, which square
@@ -497,62 +311,6 @@ class CrossStats(Accumulator):
             self.carry = batch.c_sum.clone()
         else:
             self.carry = None
-
-    @classmethod
-    def commit_many(cls, accumulators, prepared) -> None:
-        """:meth:`commit` of several accumulators' batches (the points of a probe): ``prepared``
-        a list of :class:`Prepared` or one :class:`StackedPrepared` of :meth:`prepare_many`.
-        Folded together (:meth:`_fold_together`) where every batch holds more than one sample (no
-        single-sample pairing) and is one ``commit`` would fold; otherwise one by one (a stale or
-        non-finite batch goes through ``commit``, which refuses or skips it)."""
-        accs = list(accumulators)
-        if isinstance(prepared, StackedPrepared):
-            cls._commit_stacked(accs, prepared)
-            return
-        prepared = list(prepared)
-        if (
-            len(accs) < 2
-            or not cls._all_fold(accs, prepared, [a.device for a in accs])
-            or not all(p.batch.n > 1 for p in prepared)
-        ):
-            super().commit_many(accs, prepared)
-            return
-        batches = [p.batch for p in prepared]
-        cls._fold_together(
-            accs,
-            prepared[0].unit,
-            [b.n for b in batches],
-            [(b.p2, b.p3, b.p4) for b in batches],
-            [b.c_sum for b in batches],
-            [b.sq_norm_sum for b in batches],
-            [b.u if b.u is not None else torch.stack([b.u2, b.u3, b.u4]) for b in batches],
-        )
-
-    @classmethod
-    def _commit_stacked(cls, accs, stacked: StackedPrepared) -> None:
-        """:meth:`commit_many` of the batches of :meth:`_prepare_stacked`."""
-        n = stacked.tensors[2]
-        if n < 2 or not stacked.folds_into(accs):
-            cls.commit_many(accs, cls._split_stacked(accs, stacked))
-            return
-        P = len(accs)
-        cls._fold_together(accs, stacked.unit, [n] * P, [tuple_counts(n)] * P, *cls._stacked_parts(stacked))
-
-    @staticmethod
-    def _fold_together(accs, unit, sizes, counts, c_sums, sq_sums, u_sums) -> None:
-        """Add batches of ``sizes[i]`` > 1 samples (tuple counts ``counts[i] = (p2, p3, p4)``, tuple
-        sums ``u_sums[i] = (u2, u3, u4)``), each one
-        ``commit`` would fold, by one foreach call (the same bits as one by one)."""
-        states, parts = [], []
-        for acc, size, (p2, p3, p4), c, sq, u in zip(accs, sizes, counts, c_sums, sq_sums, u_sums):
-            states += (acc.c_sum, acc.sq_norm_sum, acc.u)
-            parts += (c, sq, u)
-            acc.n += size
-            acc.batches += 1
-            acc.unit = unit
-            acc.p = [acc.p[0] + p2, acc.p[1] + p3, acc.p[2] + p4]
-            acc.carry = None
-        torch._foreach_add_(states, parts)
 
     def update(
         self,
@@ -764,16 +522,15 @@ class CrossStats(Accumulator):
 
     # ------------------------------------------------------------------ results
     def cross_frob2(self) -> float:
-        """Unbiased ``|C|_F²`` (module docstring)."""
+        """Unbiased ``|C|_F²`` (:func:`~fused_stats.accumulators.cross_estimators.unbiased_frob2`)."""
         if self.n < 2:
             raise FusedStatsError(f"|C|_F^2{self._where()} needs at least 2 samples, have n={self.n}")
-        total = float((self.c_sum * self.c_sum).sum())
-        return (total - float(self.sq_norm_sum)) / (self.n * (self.n - 1))
+        return unbiased_frob2(self.c_sum, self.sq_norm_sum, self.n)
 
     def saturation(
         self, alpha: float = 0.05, ag_max: float = math.nan, ag_mean: float = math.nan
     ) -> Saturation:
-        """The saturation test at level ``alpha`` (module docstring)."""
+        """The saturation test at level ``alpha`` (:mod:`~fused_stats.accumulators.cross_estimators`)."""
         if not 0 < alpha < 1:
             raise FusedStatsError(f"alpha must be in (0, 1), got {alpha}")
         value = self.cross_frob2()
@@ -784,27 +541,8 @@ class CrossStats(Accumulator):
                 f"two consecutive single-sample batches (for the standard error); got "
                 f"{self.batches} batches totalling n={n}"
             )
-        e2 = float(self.u[0]) / self.p[0]
-        m4 = float(self.u[2]) / self.p[2] if self.p[2] else max(value, 0.0) ** 2
-        e3 = float(self.u[1]) / self.p[1] if self.p[1] else m4
-        zeta1, zeta2 = e3 - m4, e2 - m4
-        var = (4 * (n - 2) * zeta1 + 2 * zeta2) / (n * (n - 1))
-        # the plug-in variance can come out negative at small n: no standard error, not a zero one
-        se = math.sqrt(var) if var >= 0 else math.nan
-        se0 = math.sqrt(max(2 * e2 / (n * (n - 1)), 0.0))
-        z, p = null_tail(value, n, tr1=float(self.sq_norm_sum) / n, tr2=e2)
-        return Saturation(
-            n=n,
-            rank=self.rank,
-            cross_frob2=value,
-            cross_frob2_se=se,
-            cross_frob2_se_null=se0,
-            z=z,
-            p_value=p,
-            alpha=alpha,
-            saturated=p > alpha,
-            ag_max=ag_max,
-            ag_mean=ag_mean,
+        return saturation_test(
+            value, n, self.rank, self.u, self.p, self.sq_norm_sum, alpha, ag_max=ag_max, ag_mean=ag_mean
         )
 
     def estimate(self) -> CrossEstimate:

@@ -48,17 +48,12 @@ Checkpoints, the all-reduce, merges and logs iterate the table. Drivers other th
 :meth:`feature_dim`, :meth:`new_accumulator` and :attr:`needs_activations`.
 
 **Train and test streams.** :attr:`stats` (train) and :attr:`test_stats` (held-out) hold one
-accumulator per point. The results are a view over the table (:attr:`Probe.results`,
-:class:`~fused_stats.api.probe.results.ProbeResults`; the methods below delegate to it). :meth:`realized_alignment` is ``s_trainᵀ s_test/(M K)``;
-:meth:`certificate` evaluates the width paper's Theorem 1 at ``M`` = train n, ``K`` = test n with
-the moments estimated from the *pooled* train + test samples (both streams sample the same
-population, so pooling gives the lower-variance unbiased estimate); :meth:`misalignment` draws
-random disjoint (M, K) splits of that pooled pool.
+accumulator per point; what is read from them (estimates, certificates, saturation, reports) is
+:mod:`fused_stats.api.probe.readout`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy as _copy
 import weakref
 from collections.abc import Mapping
@@ -68,12 +63,6 @@ from torch import nn
 
 from ...accumulators import (
     Accumulator,
-    Alignment,
-    Certificate,
-    CrossEstimate,
-    Estimate,
-    GradStats,
-    Misalignment,
     NormHistogram,
 )
 from ...accumulators.base import Nonfinite
@@ -81,52 +70,18 @@ from ...accumulators.grad_stats import NONFINITE_POLICIES, SECOND_MOMENTS, UNITS
 from ...backend import Backend, validate_backend
 from ...contracts import all_finite
 from ...errors import FusedStatsError
-from ..report.data import report_data
 from .feature_axis import resolve_feature_dim
 from .fold import REGISTRY, SAME_MASK, PointCapture, StepFold, fold_stacked  # noqa: F401  (PointCapture re-exported)
 from .fold import fold as fold_batch
 from .hooks import ActivationCapture, FrozenEval, submodule
 from .masks import MASK_MODES, counted_positions  # noqa: F401  (MASK_MODES re-exported)
-from .points import residual_points, resolve_points
-from .results import ProbeResults
-from .spec import PointKwargs, gradient_points, is_feature_source, protocol_record, source_points
+from .points import resolve_points
+from .readout import ProbeReadout, model_summary  # noqa: F401  (model_summary re-exported)
+from .spec import PointKwargs, gradient_points, is_feature_source, source_points
 from .table import STREAMS, TableView, check_stream
 
 
-def model_summary(model: nn.Module, points: list[str] | None = None) -> dict:
-    """``{"class", "num_parameters", "config"}`` for a report; ``config`` holds a few plain sizes."""
-    num = sum(p.numel() for p in model.parameters())
-    config: dict = {}
-    cfg = getattr(model, "config", None)
-    if cfg is not None:
-        for key in (
-            "model_type",
-            "hidden_size",
-            "num_hidden_layers",
-            "intermediate_size",
-            "num_attention_heads",
-            "vocab_size",
-            "max_position_embeddings",
-        ):
-            try:
-                value = getattr(cfg, key)
-            except AttributeError:
-                continue
-            if isinstance(value, (int, float, str, bool)):
-                config[key] = value
-    width = getattr(model, "width", None)
-    if isinstance(width, int):
-        config["width"] = width
-    if "hidden_size" in config:
-        config.setdefault("width", config["hidden_size"])
-    with contextlib.suppress(FusedStatsError):
-        config["depth"] = len(residual_points(model))
-    if points is not None:
-        config["num_points"] = len(points)
-    return {"class": type(model).__name__, "num_parameters": int(num), "config": config}
-
-
-class Probe:
+class Probe(ProbeReadout):
     """Activation-gradient statistics at insertion points of ``model`` (module docstring).
 
     Parameters
@@ -621,83 +576,6 @@ class Probe:
         from ..state.checkpoint import load_probe_state
 
         return load_probe_state(self, directory)
-
-    # ------------------------------------------------------------------ results
-    @property
-    def results(self) -> ProbeResults:
-        """The results view of :attr:`table` (:class:`~fused_stats.api.probe.results.ProbeResults`):
-        live, so later steps show in it; the result methods below delegate to it."""
-        return ProbeResults(self.table, self.points, has_cross=self.cross is not None)
-
-    def estimate(self, point: str, stream: str = "train") -> Estimate:
-        """The unbiased :class:`~fused_stats.Estimate` at ``point`` from ``stream`` alone."""
-        return self.results.estimate(point, stream)
-
-    def estimates(self, stream: str = "train") -> dict[str, Estimate]:
-        """Point name -> :class:`Estimate` for ``stream`` (raises for a point with n < 4)."""
-        return self.results.estimates(stream)
-
-    def pooled(self, point: str) -> GradStats:
-        """A new accumulator holding the train and test samples of ``point`` (exact merge)."""
-        return self.results.pooled(point)
-
-    def realized_alignment(self, point: str) -> Alignment:
-        """``μ_Mᵀ g_K = s_trainᵀ s_test / (M K)`` at ``point`` (needs both streams)."""
-        return self.results.realized_alignment(point)
-
-    def certificate(
-        self,
-        point: str,
-        M: int | None = None,
-        K: int | None = None,
-        pooled: bool = True,
-        stream: str | None = None,
-    ) -> Certificate:
-        """Theorem 1 at ``(M, K)``: :meth:`ProbeResults.certificate
-        <fused_stats.api.probe.results.ProbeResults.certificate>`."""
-        return self.results.certificate(point, M, K, pooled, stream)
-
-    def misalignment(
-        self, point: str, M: int | None = None, K: int | None = None, trials: int = 10_000, seed: int = 0
-    ) -> Misalignment:
-        """Fraction of random disjoint (M, K) splits of the pooled pool with ``μ_Mᵀg_K ≤ 0``:
-        :meth:`ProbeResults.misalignment <fused_stats.api.probe.results.ProbeResults.misalignment>`."""
-        return self.results.misalignment(point, M, K, trials, seed)
-
-    def saturation(self, point: str, alpha: float = 0.05, stream: str = "train"):
-        """The depth-saturation test at ``point`` (:class:`~fused_stats.Saturation`):
-        :meth:`ProbeResults.saturation <fused_stats.api.probe.results.ProbeResults.saturation>`."""
-        return self.results.saturation(point, alpha, stream)
-
-    def cross_estimate(self, point: str, stream: str = "train") -> CrossEstimate:
-        """The cross-gradient at ``point`` (:class:`~fused_stats.accumulators.CrossEstimate`):
-        the unbiased ``|C|_F²``, the plug-in ``|C̄|_F²`` and ``C̄`` itself."""
-        return self.results.cross_estimate(point, stream)
-
-    # ------------------------------------------------------------------ report
-    def _report_data(self, meta: dict | None = None, misalignment_trials: int = 2000) -> dict:
-        """The version-1 report dict (:func:`fused_stats.api.report.data.report_data`)."""
-        return report_data(
-            self.results,
-            self.model,
-            points=self.points,
-            dims=self.dims,
-            unit=self.unit,
-            second_moment=self.second_moment,
-            summary=model_summary(self.model, self.points),
-            norm_histograms=self.accumulators("norm_hist", "train"),
-            protocol=protocol_record(self.cross, self),
-            with_saturation=self.cross is not None,
-            meta=meta,
-            misalignment_trials=misalignment_trials,
-        )
-
-    def report(self, meta: dict | None = None, misalignment_trials: int = 2000):
-        """A :class:`fused_stats.api.report.document.Report` of every point (train, test, certificate,
-        misalignment when a pool exists, realized alignment). ``meta``: free-form, e.g. width."""
-        from ..report.document import Report
-
-        return Report(self._report_data(meta, misalignment_trials))
 
     def __repr__(self) -> str:
         n = {
