@@ -227,7 +227,21 @@ class GrowthSchedule:
             probe.step(_on_device(batch, device), self.loss_fn, stream="train")
         if _world() > 1:
             probe.all_reduce()
+        self._probe = probe  # its calibrated BatchNorm statistics go into a grown ResNet block
         return plan, advise(probe, self.protocol, alpha=self.alpha)
+
+    def _batchnorm_stats(self):
+        """The decision probe's calibrated BatchNorm statistics (ResNet), rank 0's under
+        ``torch.distributed`` so that every replica inserts the same block; None otherwise."""
+        tangent = getattr(getattr(self, "_probe", None), "cross", None)
+        if not getattr(tangent, "channelwise", False):
+            return None
+        stats = dict(tangent.batchnorm_stats)
+        if _world() > 1:
+            shared = [stats]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            stats = shared[0]
+        return stats
 
     def maybe_grow(self, model: nn.Module, step: int, optimizer=None, training_batches=()) -> dict | None:
         """At a scheduled ``step``: probe, advise, grow at the top significant candidate or record
@@ -276,7 +290,15 @@ class GrowthSchedule:
             self.stopped = True
         else:
             evidence = {event["point"]: {k: event[k] for k in ("cross_frob2", "p_value", "p_adjusted")}}
-            grow(model, plan, at=[event["point"]], optimizer=optimizer, step=step, evidence=evidence)
+            grow(
+                model,
+                plan,
+                at=[event["point"]],
+                optimizer=optimizer,
+                step=step,
+                evidence=evidence,
+                batchnorm_stats=self._batchnorm_stats(),
+            )
             if self.max_growths is not None and self.growths + 1 >= self.max_growths:
                 self.stopped = True
         self.events.append(event)
