@@ -12,6 +12,7 @@ numerator against the same grown model's half gradients.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 import fused_stats as fs
 from fused_stats.api.growth.architecture import describe
+from fused_stats.api.state.checkpoint import merge_checkpoints
 from tests.test_growth_tangent import brute_force
 from tests.test_resnet_origin import batch, build, new_parameters, only_trainable
 
@@ -172,3 +174,157 @@ def test_batchnorm_stats_refusals_leave_the_model_unchanged():
     lm = llama(layers=2)
     with pytest.raises(fs.FusedStatsError, match="have no BatchNorm"):
         fs.grow(lm, llama_protocol, batchnorm_stats={"model.layers.0": {}})
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _stepped(model, points, protocol, batches, stats=None):
+    probe = fs.Probe(model, points=points, cross=protocol)
+    if stats is not None:
+        probe.cross.set_batchnorm_stats(stats)
+    for b in batches:
+        probe.step(b, fs.classification_loss)
+    return probe
+
+
+def _assert_same_calibration(a, b):
+    assert set(a) == set(b) and a
+    for point in a:
+        assert set(a[point]) == set(b[point])
+        for name in a[point]:
+            for x, y in zip(a[point][name], b[point][name]):
+                assert torch.equal(x, y), (point, name)
+
+
+def test_a_resumed_probe_keeps_its_calibration_bit_for_bit(tmp_path):
+    """Saved after the calibration batch and resumed in a fresh probe, the run goes on with the
+    statistics of the first batch (not the next one's): every statistic and the grown block equal
+    the uninterrupted run's bit for bit."""
+    model, side, _ = build("basic")
+    points = ["layer1.1", "layer3.0"]
+    protocol = fs.GrowthProtocol(points, seed=4)
+    data = [batch(5, side, 60 + i) for i in range(3)]
+    whole = _stepped(model, points, protocol, data)
+    part = _stepped(model, points, protocol, data[:1])
+    part.save_state(tmp_path / "ckpt")
+    resumed = fs.Probe(model, points=points, cross=protocol)
+    resumed.load_state(tmp_path / "ckpt")
+    _assert_same_calibration(resumed.cross.batchnorm_stats, part.cross.batchnorm_stats)
+    for b in data[1:]:
+        resumed.step(b, fs.classification_loss)
+    _assert_same_calibration(resumed.cross.batchnorm_stats, whole.cross.batchnorm_stats)
+    for point in points:
+        assert torch.equal(resumed.cross_stats[point].c_sum, whole.cross_stats[point].c_sum)
+        assert resumed.saturation(point) == whole.saturation(point)
+    # a probe calibrated on batch 1 instead (what the resume did without the saved statistics)
+    # measures another block: the check above is not between equal things
+    other = _stepped(model, points, protocol, data[1:])
+    assert not torch.equal(
+        other.cross.batchnorm_stats["layer1.1"]["bn1"][0], whole.cross.batchnorm_stats["layer1.1"]["bn1"][0]
+    )
+    grown = [copy.deepcopy(model) for _ in range(2)]
+    for g, probe in zip(grown, (whole, resumed)):
+        fs.grow(g, protocol, batchnorm_stats=probe)
+    for (name, a), (_, b) in zip(grown[0].state_dict().items(), grown[1].state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_checkpoint_without_or_with_damaged_calibration_is_refused(tmp_path):
+    model, side, _ = build("basic")
+    points = ["layer1.1"]
+    protocol = fs.GrowthProtocol(points, seed=4)
+    _stepped(model, points, protocol, [batch(5, side, 70)]).save_state(tmp_path / "ckpt")
+    snap = tmp_path / "ckpt" / (tmp_path / "ckpt" / "LATEST").read_text()
+    manifest = json.loads((snap / "manifest.json").read_text())
+    entries = [e for e in manifest["points"] if e["kind"] == "feature_source"]
+    assert [e["file"] for e in entries] == ["feature-source.safetensors"]
+
+    def fresh_refuses(match):
+        probe = fs.Probe(model, points=points, cross=protocol)
+        with pytest.raises(fs.FusedStatsError, match=match):
+            probe.load_state(tmp_path / "ckpt")
+        assert not probe.table and not probe.cross.batchnorm_stats and not probe.steps.get("train")
+
+    # a checkpoint of samples without the statistics they were measured with (an older writer)
+    stripped = dict(manifest, points=[e for e in manifest["points"] if e["kind"] != "feature_source"])
+    (snap / "manifest.json").write_text(json.dumps(stripped))
+    fresh_refuses(r"samples at \['layer1\.1'\] but not the BatchNorm statistics")
+    (snap / "manifest.json").write_text(json.dumps(manifest))
+    raw = bytearray((snap / "feature-source.safetensors").read_bytes())
+    raw[-3] ^= 0xFF
+    (snap / "feature-source.safetensors").write_bytes(bytes(raw))
+    fresh_refuses("SHA-256")
+
+
+def test_merge_refuses_jobs_calibrated_on_other_batches_and_carries_a_shared_calibration(tmp_path):
+    model, side, _ = build("basic")
+    points = ["layer2.1"]
+    protocol = fs.GrowthProtocol(points, seed=8)
+    b0, b1 = batch(5, side, 80), batch(5, side, 81)
+    first = _stepped(model, points, protocol, [b0])
+    first.save_state(tmp_path / "a")
+    _stepped(model, points, protocol, [b1]).save_state(tmp_path / "b")
+    with pytest.raises(fs.FusedStatsError, match="another feature-source state"):
+        merge_checkpoints(tmp_path / "ab", [tmp_path / "a", tmp_path / "b"])
+    assert not (tmp_path / "ab").exists()
+    # the second job measures with the first job's statistics: the merge is one run over both
+    _stepped(model, points, protocol, [b1], stats=first.cross.batchnorm_stats).save_state(tmp_path / "c")
+    merge_checkpoints(tmp_path / "ac", [tmp_path / "a", tmp_path / "c"])
+    merged = fs.Probe(model, points=points, cross=protocol)
+    merged.load_state(tmp_path / "ac")
+    whole = _stepped(model, points, protocol, [b0, b1])
+    _assert_same_calibration(merged.cross.batchnorm_stats, whole.cross.batchnorm_stats)
+    torch.testing.assert_close(
+        merged.cross_stats["layer2.1"].c_sum, whole.cross_stats["layer2.1"].c_sum, rtol=1e-13, atol=0
+    )
+    assert merged.saturation("layer2.1").cross_frob2 == pytest.approx(
+        whole.saturation("layer2.1").cross_frob2, rel=1e-12
+    )
+
+
+def test_set_batchnorm_stats_and_a_stale_probe_are_refused():
+    model, side, _ = build("basic")
+    points = ["layer1.1", "layer2.1"]
+    protocol = fs.GrowthProtocol(points, seed=1)
+    probe = _stepped(model, points, protocol, [batch(4, side, 90)])
+    stats = probe.cross.batchnorm_stats
+    other = _stepped(model, points, protocol, [batch(4, side, 91)]).cross.batchnorm_stats
+    before = copy.deepcopy(stats)
+    with pytest.raises(fs.FusedStatsError, match="calibrated with other statistics"):
+        probe.cross.set_batchnorm_stats({"layer1.1": other["layer1.1"]})
+    with pytest.raises(fs.FusedStatsError, match="not candidates"):
+        fresh = fs.Probe(model, points=points, cross=protocol)
+        fresh.cross.set_batchnorm_stats({"layer3.1": other["layer1.1"]})
+    negative = {"layer1.1": {n: (m, -v) for n, (m, v) in other["layer1.1"].items()}}
+    with pytest.raises(fs.FusedStatsError, match="variance is negative"):
+        fresh.cross.set_batchnorm_stats(negative)
+    assert not fresh.cross.batchnorm_stats
+    _assert_same_calibration(probe.cross.batchnorm_stats, before)
+    probe.cross.set_batchnorm_stats({"layer1.1": before["layer1.1"]})  # the same statistics: kept
+    # after a growth the probe's blocks are not those of the grown model
+    fs.grow(model, protocol, at=["layer2.1"], batchnorm_stats=probe)
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(fs.FusedStatsError, match="probe it again"):
+        fs.grow(model, protocol, at=["layer1.1"], batchnorm_stats=probe)
+    assert list(model.state_dict()) == list(state)
+
+
+def test_a_schedule_grows_the_block_its_probe_calibrated():
+    model, side, _ = build("basic")
+    points = ["layer1.1", "layer2.1"]
+    protocol = fs.GrowthProtocol(points, seed=3)
+    data = [batch(6, side, 95), batch(6, side, 96)]
+    reference = copy.deepcopy(model)
+    schedule = fs.GrowthSchedule(
+        protocol, at_steps=[1], probe_batches=data, loss_fn=fs.classification_loss, alpha=0.99
+    )
+    event = schedule.maybe_grow(model, 1, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert event["event"] == "grew"
+    probe = _stepped(reference, points, protocol, data)
+    fs.grow(reference, protocol, at=[event["point"]], batchnorm_stats=probe)
+    grown = model.state_dict()
+    assert list(grown) == list(reference.state_dict())
+    for name, value in reference.state_dict().items():
+        assert torch.equal(value, grown[name]), name
+    new = fs.growth_history(model)[-1]["position"]
+    stats = [v for n, v in grown.items() if n.startswith(f"{new}.") and n.endswith("running_var")]
+    assert stats and not any(torch.equal(v, torch.ones_like(v)) for v in stats)  # not the fresh (0, 1)

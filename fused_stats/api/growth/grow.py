@@ -355,7 +355,7 @@ def grow(
             f"protocol is {protocol.digest[:12]}…; give the advice of this protocol's probe"
         )
     motive = check_step_and_evidence(step, evidence, points)
-    calibrated = batchnorm.resolve(batchnorm_stats, protocol, points, plan.architecture, init)
+    calibrated = batchnorm.resolve(batchnorm_stats, plan, points, init)
     result = GrowthResult(protocol.family, init, protocol.digest)
     restore_config = _own_config(model)
     try:

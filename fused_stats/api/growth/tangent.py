@@ -69,7 +69,7 @@ from ...errors import FusedStatsError
 from ...ops.cross_twin import apply_activation, seeded_w_in
 from ..probe.fold import cross_view
 from . import blocks
-from .batchnorm import calibrate
+from .batchnorm import BatchNormCalibration
 from .plan import GrowthPlan
 from .protocol import register_feature_source
 from .scores import ADAM_EPS, candidate_scores
@@ -121,7 +121,7 @@ class SplitHalf:
         self.a_sum, self.n_a, self.n_seen = None, 0, -1
 
 
-class GrowthTangent(TangentSelfCheck):
+class GrowthTangent(TangentSelfCheck, BatchNormCalibration):
     """The feature source (:class:`fused_stats.api.probe.spec.FeatureSource`) of a growth
     protocol on ``model``: at each candidate, the features of the new block's origin parameters.
 
@@ -466,9 +466,8 @@ class GrowthTangent(TangentSelfCheck):
                 f"{tuple(act.shape)}), but the probe reads axis {feature_dim} as the features; "
                 "leave feature_dim at its default for this point"
             )
-        if point not in self.batchnorm_stats:
-            # on the first batch seen here, before anything is measured (and self-checked)
-            self.batchnorm_stats[point] = calibrate(block, act.detach())
+        # on the first batch seen here, before anything is measured (and self-checked)
+        self.calibrate_point(point, block, act)
         if self.self_check and point not in self.checked:
             self.checked.add(point)
             self.check_errors[point] = self.check_channel_point(point, act)
