@@ -100,7 +100,8 @@ top = args.at if args.at is not None else advice.top.point
 x_check, _ = sample(8)
 with torch.no_grad():
     before = model(x_check)
-result = fs.grow(model, protocol, at=[top], optimizer=opt)
+# the new block with the BatchNorm statistics the probe calibrated and measured it with
+result = fs.grow(model, protocol, at=[top], optimizer=opt, batchnorm_stats=probe)
 with torch.no_grad():
     after = model(x_check)
 print(f"grown at {top}: new block {result.positions[top]}, {len(result.new_parameters)} new tensors; "

@@ -405,13 +405,14 @@ def resnet_model(kind):
     return model.double(), ["layer1.0", "layer3.0"], (32, 32), "bn3"
 
 
-def reference_bn_grads(model, protocol, point, x, y, last, projection=None):
+def reference_bn_grads(model, protocol, point, x, y, last, projection=None, probe=None):
     """c_i: the per-sample gradient of every new parameter of the block fs.grow inserts after
     ``point`` (the grown fp64 model in eval mode, one backward per sample). At the origin only the
     zero last BatchNorm's ``[∂ℓ_i/∂γ ; ∂ℓ_i/∂β]`` is not zero (checked); with ``projection`` the
-    rows are ``P [∂ℓ_i/∂γ ; ∂ℓ_i/∂β]``, the order of the probe's features."""
+    rows are ``P [∂ℓ_i/∂γ ; ∂ℓ_i/∂β]``, the order of the probe's features; ``probe``: the block
+    gets the BatchNorm statistics that probe calibrated (fused_stats/api/growth/batchnorm.py)."""
     grown = copy.deepcopy(model).eval()
-    result = fs.grow(grown, protocol, at=[point])
+    result = fs.grow(grown, protocol, at=[point], batchnorm_stats=probe)
     bn = grown.get_submodule(f"{result.positions[point]}.{last}")
     assert bool((bn.weight == 0).all()) and bool((bn.bias == 0).all())
     for p in grown.parameters():
@@ -453,7 +454,7 @@ def test_resnet_tangent_matches_per_sample_gradients_of_the_zero_batchnorm(kind,
     for point in points:
         channels = model.get_submodule(point).get_submodule(last).num_features
         P = None if projection is None else probe.cross.feature_w_in(point, dtype=torch.float64)
-        c = reference_bn_grads(model, protocol, point, x, y, last, P)
+        c = reference_bn_grads(model, protocol, point, x, y, last, P, probe=probe)
         sat = probe.saturation(point)
         assert sat.n == 6 and sat.rank == (2 * channels if projection is None else projection)
         assert_matches(sat, c, 1e-12)
@@ -505,7 +506,7 @@ def test_resnet_tangent_by_pixel_sums_to_the_per_sample_gradients():
         channels = model.get_submodule(point).get_submodule(last).num_features
         # the identity "projection": the rows [∂ℓ_i/∂γ ; ∂ℓ_i/∂β] in the order of c_sum
         c = reference_bn_grads(
-            model, protocol, point, x, y, last, torch.eye(2 * channels, dtype=torch.float64)
+            model, protocol, point, x, y, last, torch.eye(2 * channels, dtype=torch.float64), probe=probe
         )
         acc = probe.cross_stats[point]
         assert acc.unit == "position" and acc.dim == 1 and acc.n == 4 * math.prod(shapes[point][2:])

@@ -86,7 +86,8 @@ def first_step_errors(model, point, last, etas, x, y):
     errors = {}
     for eta in etas:
         grown = copy.deepcopy(model)
-        result = fs.grow(grown, protocol)
+        # the block with the BatchNorm statistics the probe calibrated and measured with
+        result = fs.grow(grown, protocol, batchnorm_stats=probe)
         params = new_parameters(grown, result)
         only_trainable(grown, params)
         block = result.positions[point]
@@ -149,7 +150,7 @@ def test_probe_matches_per_sample_gradients_of_all_new_parameters(kind):
     probe.step((x, y), fs.classification_loss)
     for point in points:
         grown = copy.deepcopy(model).eval()
-        result = fs.grow(grown, protocol, at=[point])
+        result = fs.grow(grown, protocol, at=[point], batchnorm_stats=probe)
         params = new_parameters(grown, result)
         only_trainable(grown, params)
         rows = []

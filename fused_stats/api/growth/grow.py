@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from ...errors import FusedStatsError
+from . import batchnorm
 from .architecture import Architecture, Boundary
 from .blocks import block_for, cross_spec, stream_width, units_for, widen_block
 from .insert import INSERTED_NAME, insert_zero_block
@@ -306,6 +307,7 @@ def grow(
     init_directions=None,
     step: int | None = None,
     evidence=None,
+    batchnorm_stats=None,
 ) -> GrowthResult:
     """Grow ``model`` in place at the points ``at`` (default: all candidates) under ``protocol``
     (a :class:`~fused_stats.GrowthProtocol`, whose plan on ``model`` is built here, or a
@@ -319,6 +321,10 @@ def grow(
     ``fs.growth_history``), with ``step`` (the training step, if any) and ``evidence`` (an
     :class:`~fused_stats.api.growth.advise.Advice`, or a dict point -> ``{cross_frob2, p_value,
     p_adjusted}``) that motivated it; an Advice made under another protocol (digest) is refused.
+    ``batchnorm_stats`` (ResNet ``family="layer"``): the probe that measured ``protocol`` (or a
+    dict point -> BatchNorm name -> (mean, var)); each new block gets the running statistics the
+    probe calibrated and measured it with (:mod:`.batchnorm`); None: a new block keeps fresh
+    statistics (mean 0, variance 1).
     Returns a :class:`GrowthResult`. Raises :class:`FusedStatsError`, with nothing changed, for
     a point that is not a candidate / block boundary, an unsupported family or config, tied
     parameters, partial width growth of a model whose config holds one intermediate size, or an
@@ -349,11 +355,12 @@ def grow(
             f"protocol is {protocol.digest[:12]}…; give the advice of this protocol's probe"
         )
     motive = check_step_and_evidence(step, evidence, points)
+    calibrated = batchnorm.resolve(batchnorm_stats, plan, points, init)
     result = GrowthResult(protocol.family, init, protocol.digest)
     restore_config = _own_config(model)
     try:
         if protocol.family == "layer":
-            _grow_layers(plan, bounds, init, optimizer, result)
+            _grow_layers(plan, bounds, init, optimizer, result, calibrated)
         elif protocol.family == "mlp_width":
             _grow_width(plan, bounds, optimizer, init_directions, result)
         else:
@@ -365,10 +372,12 @@ def grow(
     return result
 
 
-def _grow_layers(plan: GrowthPlan, bounds: list[Boundary], init, optimizer, result) -> None:
+def _grow_layers(plan: GrowthPlan, bounds: list[Boundary], init, optimizer, result, calibrated=None) -> None:
     model, arch = plan.model, plan.architecture
     # built first: a failure (e.g. "copy" after a downsampling block) changes nothing
     blocks = {b.point: block_for(plan, b.point, init=init) for b in bounds}
+    for point, stats in (calibrated or {}).items():
+        batchnorm.apply(blocks[point], stats, point)
     siblings = {}
     for b in bounds:
         neighbour = model.get_submodule(b.neighbour)

@@ -8,7 +8,9 @@ candidates (Holm-adjusted test of ``H0: C = 0`` at ``alpha``), and
 * a significant candidate exists: :func:`~fused_stats.api.growth.grow.grow` grows at
   ``advice.top`` (the significant candidate of largest ``|C|_F²``), extending the optimizer (new
   parameters join their counterparts' param group with no state), with the step and the advice
-  written into the model's growth record;
+  written into the model's growth record (a ResNet block with the BatchNorm statistics the probe
+  calibrated on its first batch and measured with, :mod:`.batchnorm`; under ``torch.distributed``
+  rank 0's, which every rank measures with);
 * none: the event "saturated everywhere" is recorded and the schedule stops (the stopping rule
   of the depth paper: to first order no new block of the protocol lowers the loss).
 
@@ -215,19 +217,33 @@ class GrowthSchedule:
         """The advice on ``model`` from the probe batches (nothing changes). Under
         ``torch.distributed`` each rank folds its own ``probe_batches`` and the probe is
         all-reduced, so the advice is that of all ranks' batches together."""
-        return self._decide(model)[1]
+        return self._decide(model)[2]
 
     def _decide(self, model: nn.Module):
-        """``(plan, advice)``: the plan the probe measured, which the growth then follows."""
+        """``(plan, probe, advice)``: the plan the probe measured, which the growth then follows,
+        and the probe (a ResNet block grows with the BatchNorm statistics it calibrated)."""
         plan = GrowthPlan.build(model, self.protocol)
         probe = Probe(model, points=list(self.protocol.candidates), cross=plan)
         device = next((p.device for p in model.parameters()), None)
-        for batch in self.probe_batches:
+        batches = iter(self.probe_batches)
+        if _world() > 1 and probe.cross.channelwise:
+            # rank 0 calibrates the new BatchNorms on its first batch and every rank measures with
+            # those statistics: the all-reduced sums are then of one block per candidate
+            if torch.distributed.get_rank() == 0:
+                probe.step(_on_device(next(batches), device), self.loss_fn, stream="train")
+            probe.cross.broadcast_batchnorm_stats(src=0)
+            missing = [p for p in self.protocol.candidates if p not in probe.cross.batchnorm_stats]
+            if missing:  # the same broadcast object on every rank: refused on all of them
+                raise FusedStatsError(
+                    f"GrowthSchedule: rank 0's first probe batch did not reach {missing}, so their "
+                    "BatchNorm statistics could not be calibrated for every rank"
+                )
+        for batch in batches:
             # the Trainer moves its own batches to the model's device; the held-out ones follow
             probe.step(_on_device(batch, device), self.loss_fn, stream="train")
         if _world() > 1:
             probe.all_reduce()
-        return plan, advise(probe, self.protocol, alpha=self.alpha)
+        return plan, probe, advise(probe, self.protocol, alpha=self.alpha)
 
     def maybe_grow(self, model: nn.Module, step: int, optimizer=None, training_batches=()) -> dict | None:
         """At a scheduled ``step``: probe, advise, grow at the top significant candidate or record
@@ -250,7 +266,7 @@ class GrowthSchedule:
                 "the grown model in a new DistributedDataParallel after a growth event"
             )
         self.check_not_training_batches(training_batches)
-        plan, advice = self._decide(model)
+        plan, probe, advice = self._decide(model)
         top = advice.top
         if top is None:
             event = {"step": step, "event": SATURATED, "point": None, "cross_frob2": None, "p_value": None}
@@ -276,7 +292,15 @@ class GrowthSchedule:
             self.stopped = True
         else:
             evidence = {event["point"]: {k: event[k] for k in ("cross_frob2", "p_value", "p_adjusted")}}
-            grow(model, plan, at=[event["point"]], optimizer=optimizer, step=step, evidence=evidence)
+            grow(
+                model,
+                plan,
+                at=[event["point"]],
+                optimizer=optimizer,
+                step=step,
+                evidence=evidence,
+                batchnorm_stats=probe if probe.cross.channelwise else None,
+            )
             if self.max_growths is not None and self.growths + 1 >= self.max_growths:
                 self.stopped = True
         self.events.append(event)

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 
 from ...errors import FusedStatsError
+from .batchnorm import calibrate
+from .blocks import block_for
 from .grow import grow
 from .plan import GrowthPlan
 from .protocol import DEFAULT_ADAM_EPS
@@ -147,7 +149,32 @@ class SplitAdamScore:
     n_b: int
 
 
-def _grown_copy(model: nn.Module, protocol, point: str):
+def _calibrated(plan: GrowthPlan, point: str, batch, loss_fn) -> dict:
+    """The new ResNet block's BatchNorm statistics from the candidate's output on ``batch`` with
+    the model in eval mode: the probe's calibration on its first batch (:mod:`.batchnorm`)."""
+    model = plan.model
+    seen: list[torch.Tensor] = []
+    handle = model.get_submodule(point).register_forward_hook(
+        lambda mod, args, out: seen.append(out.detach())
+    )
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            loss_fn(model, batch)
+    finally:
+        handle.remove()
+        model.train(training)
+    if not seen:
+        raise FusedStatsError(
+            f"loss_fn did not run {point!r} on the first batch: cannot calibrate its BatchNorms"
+        )
+    return calibrate(block_for(plan, point).eval(), seen[0])
+
+
+def _grown_copy(model: nn.Module, protocol, point: str, first=None):
+    """A grown copy and its new parameters; ``first = (batch, loss_fn)`` calibrates a new ResNet
+    block's BatchNorms on that batch, as the probe does on its first one."""
     plan = GrowthPlan.build(model, protocol)
     plan.candidate(point)  # refused before the copy
     if plan.protocol.family == "mlp_width":
@@ -159,7 +186,12 @@ def _grown_copy(model: nn.Module, protocol, point: str):
             "probe's scores for width growth (fs.advise: cross_frob2, signal_fraction, split_adam)"
         )
     grown = copy.deepcopy(model)
-    result = grow(grown, plan.rebound(grown), at=[point])
+    grown_plan = plan.rebound(grown)
+    stats = None
+    resnet = plan.family == "layer" and not plan.architecture.transformer
+    if first is not None and resnet and plan.protocol.init != "copy":  # calibrated as the probe does
+        stats = {point: _calibrated(grown_plan, point, *first)}
+    result = grow(grown, grown_plan, at=[point], batchnorm_stats=stats)
     grown.eval()
     named = dict(grown.named_parameters())
     params = [named[name] for name in result.new_parameters]
@@ -187,7 +219,7 @@ def split_adam_score(model: nn.Module, protocol, point: str, batches, loss_fn, e
         raise FusedStatsError(f"split_adam_score needs at least 2 batches (two halves), got {len(batches)}")
     declared = protocol.protocol if isinstance(protocol, GrowthPlan) else protocol
     eps = getattr(declared, "adam_eps", ADAM_EPS) if eps is None else float(eps)
-    grown, params, _ = _grown_copy(model, protocol, point)
+    grown, params, _ = _grown_copy(model, protocol, point, (batches[0], loss_fn))
     sums = [[torch.zeros_like(p, dtype=F64) for p in params] for _ in range(2)]
     counts = [0, 0]
     for index, batch in enumerate(batches):
@@ -253,7 +285,7 @@ def curvature_gain(model: nn.Module, protocol, point: str, batches, loss_fn) -> 
             f"curvature_gain needs at least 2 batches (|g|² from two halves, even and odd batches), "
             f"got {len(batches)}"
         )
-    grown, params, names = _grown_copy(model, protocol, point)
+    grown, params, names = _grown_copy(model, protocol, point, (batches[0], loss_fn))
     attention = getattr(getattr(grown, "config", None), "_attn_implementation", None)
     note = ""
     if attention not in (None, "eager") and callable(getattr(grown, "set_attn_implementation", None)):

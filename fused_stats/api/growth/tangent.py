@@ -46,9 +46,11 @@ candidate and
 
     ∂ℓ_i/∂γ = Σ_t q_t ⊙ x̂_t,   ∂ℓ_i/∂β = Σ_t q_t,
 
-per channel, ``t`` the pixels and ``x̂`` the new block's normalised conv output (its BatchNorm in
-eval mode: running statistics, mean 0 and variance 1 at birth, so samples stay independent; the
-probe runs the model in eval mode too). These are true derivatives: the block is smooth at its
+per channel, ``t`` the pixels and ``x̂`` the new block's normalised conv output (its BatchNorms in
+eval mode, as the probe runs the model, so samples stay independent, with running statistics
+calibrated on the first batch the probe sees at the candidate: the batch's own mean and biased
+variance, which train mode normalises by (:mod:`.batchnorm`); ``fs.grow(...,
+batchnorm_stats=probe)`` inserts the block with them). These are true derivatives: the block is smooth at its
 origin (a trailing ReLU on ``z + 0``, ``z`` a ReLU output with exact zeros, would leave only
 one-sided ones there). The features are ``x_t = [x̂_t ; 1]`` (2C) and ``cross_terms`` turns
 ``(q, x)`` into ``(1, x ⊙ [q ; q])``: a CrossStats of width 1 whose ``c_i`` is the 2C-vector of
@@ -67,6 +69,7 @@ from ...errors import FusedStatsError
 from ...ops.cross_twin import apply_activation, seeded_w_in
 from ..probe.fold import cross_view
 from . import blocks
+from .batchnorm import BatchNormCalibration
 from .plan import GrowthPlan
 from .protocol import register_feature_source
 from .scores import ADAM_EPS, candidate_scores
@@ -118,7 +121,7 @@ class SplitHalf:
         self.a_sum, self.n_a, self.n_seen = None, 0, -1
 
 
-class GrowthTangent(TangentSelfCheck):
+class GrowthTangent(TangentSelfCheck, BatchNormCalibration):
     """The feature source (:class:`fused_stats.api.probe.spec.FeatureSource`) of a growth
     protocol on ``model``: at each candidate, the features of the new block's origin parameters.
 
@@ -219,6 +222,8 @@ class GrowthTangent(TangentSelfCheck):
         # per candidate: the B-sized sub-batches of the train stream (protocol.train_batch_size)
         self.train_batch_size = getattr(protocol, "train_batch_size", None)
         self.sub_batches: dict[str, SubBatches] = {}
+        # ResNet: per candidate, the new block's BatchNorm statistics (:mod:`.batchnorm`)
+        self.batchnorm_stats: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         # the input scale is a fact of the model's forward (e.g. where an embedding scale is
         # applied, which moved between transformers releases): checked even with self_check off
         if arch.input_point in protocol.candidates and self.family != "cross_block":
@@ -445,7 +450,8 @@ class GrowthTangent(TangentSelfCheck):
 
     def map_features(self, point: str, act: torch.Tensor, feature_dim: int = 1) -> torch.Tensor:
         """ResNet: ``[x̂_t ; 1]`` (B, H·W, 2C), ``x̂`` the new block's last BatchNorm input,
-        normalised with its running statistics, the block run on the candidate's output ``act``
+        normalised with its running statistics (calibrated on the first ``act`` seen at ``point``),
+        the block run on the candidate's output ``act``
         (B, C, H, W), whose channels (axis 1) the probe must read as its features."""
         block = self.block(point)
         _, channels, _ = self.maps[point][0]
@@ -460,6 +466,8 @@ class GrowthTangent(TangentSelfCheck):
                 f"{tuple(act.shape)}), but the probe reads axis {feature_dim} as the features; "
                 "leave feature_dim at its default for this point"
             )
+        # on the first batch seen here, before anything is measured (and self-checked)
+        self.calibrate_point(point, block, act)
         if self.self_check and point not in self.checked:
             self.checked.add(point)
             self.check_errors[point] = self.check_channel_point(point, act)

@@ -17,6 +17,9 @@ version 1: a reader that does not know a kind meets its file as a state of the w
 refuses it. A kind added with ``register_kind`` whose accumulator is an existing class (a second,
 dense GradStats) also names that class's kind (``"class"``), by which its file is read.
 
+A feature source's own state (growth's ResNet tangent: the BatchNorm statistics its blocks were
+calibrated with) is saved and restored with the accumulators, all or nothing (:mod:`.source_state`).
+
 A snapshot is written into a temporary folder beside it, every file fsync'ed, the manifest last;
 the folder is then renamed to its final name and only then is ``LATEST`` replaced (temp file +
 ``os.replace``). A process killed at any moment therefore leaves either the previous snapshot or
@@ -55,6 +58,14 @@ from ...accumulators.persistence import fsync_dir, write_atomic
 from ...errors import FusedStatsError
 from ..probe.spec import cross_w_in
 from ..probe.table import probe_device
+from .source_state import (
+    SOURCE_KIND,
+    check_same_source,
+    probe_source_state,
+    read_source_file,
+    source_commit,
+    write_source_file,
+)
 
 FORMAT = "fused_stats.ProbeCheckpoint"
 VERSION = 1
@@ -121,10 +132,17 @@ def has_checkpoint(directory) -> bool:
 
 
 # ---------------------------------------------------------------------------- writing
-def write_snapshot(directory, accs: dict, consumed: dict | None = None, extra: dict | None = None) -> Path:
+def write_snapshot(
+    directory,
+    accs: dict,
+    consumed: dict | None = None,
+    extra: dict | None = None,
+    source_state: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write ``accs`` as a new snapshot of ``directory`` and point ``LATEST`` at it (module doc).
 
-    ``accs``: ``{(kind, stream, point): accumulator}`` (or ``{(stream, point): GradStats}``)."""
+    ``accs``: ``{(kind, stream, point): accumulator}`` (or ``{(stream, point): GradStats}``);
+    ``source_state``: the feature source's own tensors (none: no such file)."""
     from ..._version import __version__
 
     accs = _keyed(accs)
@@ -166,6 +184,8 @@ def write_snapshot(directory, accs: dict, consumed: dict | None = None, extra: d
             }
             entry["sha256"] = _file_sha256(tmp / filename)
             points.append(entry)
+        if source_state:
+            points.append(write_source_file(tmp, source_state))
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -223,7 +243,11 @@ def save_probe_state(probe, directory, consumed: dict | None = None) -> Path:
     counters = _probe_counters(probe)
     points = list(probe.points)
     return write_snapshot(
-        directory, accs, consumed=consumed, extra={"probe": counters, "probe_points": points}
+        directory,
+        accs,
+        consumed=consumed,
+        extra={"probe": counters, "probe_points": points},
+        source_state=probe_source_state(probe),
     )
 
 
@@ -255,17 +279,26 @@ def read_snapshot(directory, device=None, backend: str = "auto"):
 
     ``device``: where the states go (default CPU), or a callable ``(kind, stream, point) -> device``.
     """
+    manifest, accs, _ = read_snapshot_with_source(directory, device, backend)
+    return manifest, accs
+
+
+def read_snapshot_with_source(directory, device=None, backend: str = "auto"):
+    """:func:`read_snapshot` and the feature source's tensors (``{}`` where the snapshot has none)."""
     snap = latest_snapshot(directory)
     if snap is None:
         raise FusedStatsError(f"no checkpoint in {str(directory)!r} (no {LATEST} file)")
     manifest = read_manifest(snap)
-    accs = {}
+    accs, source = {}, None
     for entry in manifest["points"]:
         try:
             stream, name, filename = entry["stream"], entry["name"], entry["file"]
             kind = entry.get("kind", "grad")
         except (KeyError, TypeError, AttributeError) as exc:
             raise FusedStatsError(f"checkpoint {str(snap)!r}: bad point entry {entry!r}") from exc
+        if kind == SOURCE_KIND:
+            source = read_source_file(snap, entry, seen=source is not None)
+            continue
         try:
             cls = accumulator_class(entry.get("class", kind))
         except FusedStatsError as exc:
@@ -293,7 +326,7 @@ def read_snapshot(directory, device=None, backend: str = "auto"):
                 f"manifest says dim={entry.get('dim')}, n={entry.get('n')}"
             )
         accs[key] = acc
-    return manifest, accs
+    return manifest, accs, source or {}
 
 
 def _check_settings_fit(probe, key, loaded, mine) -> None:
@@ -362,8 +395,9 @@ def _check_cross_fits(probe, key, loaded: CrossStats, mine: CrossStats | None) -
         )
 
 
-def _install(probe, accs: dict, manifest: dict) -> None:
-    """Put loaded accumulators into the probe, after checking all of them (all or nothing)."""
+def _install(probe, accs: dict, manifest: dict, source: dict | None = None) -> None:
+    """Put loaded accumulators (and the feature source's state) into the probe, after checking
+    all of them (all or nothing)."""
     accs = _keyed(accs)
     table = probe.table
     current = probe_state(probe)
@@ -431,6 +465,7 @@ def _install(probe, accs: dict, manifest: dict) -> None:
                 counters[attr] = {str(k): int(v) for k, v in dict(raw[attr]).items()}
     except (TypeError, ValueError) as exc:
         raise FusedStatsError(f"checkpoint manifest has a malformed 'probe' entry {raw!r}: {exc}") from exc
+    commit_source = source_commit(probe, accs, source or {})
     # ---- commit: nothing below rejects the checkpoint
     for key, loaded in accs.items():
         kind, stream, name = key
@@ -447,6 +482,8 @@ def _install(probe, accs: dict, manifest: dict) -> None:
         mine = getattr(probe, attr)
         mine.clear()
         mine.update(value)
+    if commit_source is not None:
+        commit_source()
 
 
 def load_probe_state(probe, directory, device=None) -> dict:
@@ -465,8 +502,8 @@ def load_probe_state(probe, directory, device=None) -> dict:
         mine = current.get((kind, stream, name))
         return mine.device if mine is not None and mine.device is not None else fallback
 
-    manifest, accs = read_snapshot(directory, device=where)
-    _install(probe, accs, manifest)
+    manifest, accs, source = read_snapshot_with_source(directory, device=where)
+    _install(probe, accs, manifest, source)
     return manifest
 
 
@@ -519,7 +556,8 @@ def run_with_checkpoints(
 def merge_checkpoints(out_directory, directories) -> Path:
     """Merge the newest snapshots of several probe checkpoints (separate jobs) into a new one.
 
-    Every input must hold the same (kind, stream, point) entries; the accumulators of each are
+    Every input must hold the same (kind, stream, point) entries and feature-source state
+    (:mod:`.source_state`); the accumulators of each are
     merged exactly (each accumulator's ``merge``) and the result is written
     as a snapshot of ``out_directory`` whose manifest sums the inputs' ``consumed`` counts and
     lists them under ``merged_from``. All inputs are read, checked and merged before anything is
@@ -528,7 +566,9 @@ def merge_checkpoints(out_directory, directories) -> Path:
     directories = [Path(d) for d in directories]
     if not directories:
         raise FusedStatsError("merge needs at least one input checkpoint")
-    loaded = [read_snapshot(d) for d in directories]
+    with_source = [read_snapshot_with_source(d) for d in directories]
+    loaded = [(manifest, accs) for manifest, accs, _ in with_source]
+    source = check_same_source(directories, [s for _, _, s in with_source])
     keys = set(loaded[0][1])
     for directory, (_, accs) in zip(directories[1:], loaded[1:]):
         if set(accs) != keys:
@@ -570,4 +610,5 @@ def merge_checkpoints(out_directory, directories) -> Path:
             "probe_points": loaded[0][0].get("probe_points", []),
             "merged_from": [str(d.resolve()) for d in directories],
         },
+        source_state=source,
     )
