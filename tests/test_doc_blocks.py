@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import linecache
 import re
 import traceback
 from dataclasses import dataclass
@@ -132,8 +133,13 @@ def test_python_blocks_run(page, quiet_process):
         if not sequential:
             namespace = {}
         namespace["__name__"] = "__main__"
-        # leading newlines keep the page's line numbers in a traceback
-        code = compile("\n" * block.line + block.code, str(page), "exec")
+        # leading newlines keep the page's line numbers in a traceback; the block's own source is
+        # registered under its own name, so tools that read a function's source back (inspect,
+        # import-time type checkers) get Python, not the Markdown page
+        source = "\n" * block.line + block.code
+        name = f"{page}:{block.line}"
+        linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+        code = compile(source, name, "exec")
         output = io.StringIO()
         try:
             with contextlib.redirect_stdout(output):
