@@ -8,7 +8,13 @@ candidates (Holm-adjusted test of ``H0: C = 0`` at ``alpha``), and
 * a significant candidate exists: :func:`~fused_stats.api.growth.grow.grow` grows at
   ``advice.top`` (the significant candidate of largest ``|C|_F²``), extending the optimizer (new
   parameters join their counterparts' param group with no state), with the step and the advice
-  written into the model's growth record;
+  written into the model's growth record, with ``first_step_change``: the predicted change of
+  the mean held-out loss from the optimizer's first step on the new parameters
+  (:func:`fused_stats.predicted_change`'s rules at each group's lr at the decision; the probe
+  has one stream, so its batches are split by parity, one half's step scored on the other's
+  tangent and the two averaged, :func:`.first_step.split_predicted_change`), and
+  ``first_step_note``: how it was made, or why it is None (an optimizer class without a rule,
+  fewer than 2 probe batches, a probe all-reduced across processes); it never stops training;
 * none: the event "saturated everywhere" is recorded and the schedule stops (the stopping rule
   of the depth paper: to first order no new block of the protocol lowers the loss).
 
@@ -37,10 +43,11 @@ from ...errors import FusedStatsError
 from ..probe.driver import Probe
 from ..probe.losses import causal_lm_loss
 from .advise import advise
+from .first_step import is_supported, split_predicted_change
 from .grow import grow
 from .plan import GrowthPlan
 from .protocol import GrowthProtocol
-from .record import GREW, SATURATED, record_saturation
+from .record import EVIDENCE_KEYS, FIRST_STEP_KEYS, GREW, SATURATED, record_saturation
 
 
 def _world() -> int:
@@ -87,6 +94,25 @@ def _same_batch(a, b) -> bool:
     if not isinstance(ids_a, torch.Tensor) or not isinstance(ids_b, torch.Tensor):
         return False
     return ids_a.shape == ids_b.shape and torch.equal(ids_a.detach().cpu(), ids_b.detach().cpu())
+
+
+def first_step_prediction(probe, point: str, optimizer) -> tuple[float | None, str]:
+    """``(change, note)``: the predicted change of the mean held-out loss from the first step of
+    ``optimizer`` on the growth at ``point`` (:func:`.first_step.split_predicted_change`: the
+    probe batches split by parity, one half stepping and the other scoring), or None and why not.
+    A prediction that cannot be made never stops the training."""
+    inner = optimizer
+    while not is_supported(inner) and isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer  # accelerate's AcceleratedOptimizer steps the torch optimizer it wraps
+    try:
+        change = split_predicted_change(probe, point, inner)
+    except FusedStatsError as exc:
+        return None, f"no first-step prediction: {exc}"
+    note = (
+        f"{type(inner).__name__} at the groups' lr: the probe batches split by parity, each half's "
+        "step scored on the other"
+    )
+    return change, note
 
 
 class GrowthSchedule:
@@ -215,10 +241,10 @@ class GrowthSchedule:
         """The advice on ``model`` from the probe batches (nothing changes). Under
         ``torch.distributed`` each rank folds its own ``probe_batches`` and the probe is
         all-reduced, so the advice is that of all ranks' batches together."""
-        return self._decide(model)[1]
+        return self._decide(model)[2]
 
     def _decide(self, model: nn.Module):
-        """``(plan, advice)``: the plan the probe measured, which the growth then follows."""
+        """``(plan, probe, advice)``: the plan the probe measured, which the growth then follows."""
         plan = GrowthPlan.build(model, self.protocol)
         probe = Probe(model, points=list(self.protocol.candidates), cross=plan)
         device = next((p.device for p in model.parameters()), None)
@@ -227,7 +253,7 @@ class GrowthSchedule:
             probe.step(_on_device(batch, device), self.loss_fn, stream="train")
         if _world() > 1:
             probe.all_reduce()
-        return plan, advise(probe, self.protocol, alpha=self.alpha)
+        return plan, probe, advise(probe, self.protocol, alpha=self.alpha)
 
     def maybe_grow(self, model: nn.Module, step: int, optimizer=None, training_batches=()) -> dict | None:
         """At a scheduled ``step``: probe, advise, grow at the top significant candidate or record
@@ -250,7 +276,7 @@ class GrowthSchedule:
                 "the grown model in a new DistributedDataParallel after a growth event"
             )
         self.check_not_training_batches(training_batches)
-        plan, advice = self._decide(model)
+        plan, probe, advice = self._decide(model)
         top = advice.top
         if top is None:
             event = {"step": step, "event": SATURATED, "point": None, "cross_frob2": None, "p_value": None}
@@ -265,6 +291,8 @@ class GrowthSchedule:
                 "p_adjusted": top.p_adjusted,
                 "verdict": advice.verdict,
             }
+            # before the growth: the prediction reads the groups the new parameters will join
+            event.update(zip(FIRST_STEP_KEYS, first_step_prediction(probe, top.point, optimizer)))
         if _world() > 1:
             # every rank holds the same reduced statistics; rank 0's event is taken everywhere, so
             # a last-bit difference between ranks cannot split the decision
@@ -275,7 +303,7 @@ class GrowthSchedule:
             record_saturation(model, self.protocol, step, event["verdict"])
             self.stopped = True
         else:
-            evidence = {event["point"]: {k: event[k] for k in ("cross_frob2", "p_value", "p_adjusted")}}
+            evidence = {event["point"]: {k: event[k] for k in EVIDENCE_KEYS + FIRST_STEP_KEYS}}
             grow(model, plan, at=[event["point"]], optimizer=optimizer, step=step, evidence=evidence)
             if self.max_growths is not None and self.growths + 1 >= self.max_growths:
                 self.stopped = True
@@ -294,6 +322,8 @@ class GrowthSchedule:
             out["fused_stats/growth/p_value"] = float(event["p_value"])
             out["fused_stats/growth/p_adjusted"] = float(event["p_adjusted"])
             out["fused_stats/growth/point_index"] = float(self.protocol.index(event["point"]))
+            if event.get("first_step_change") is not None:  # events of older states have none
+                out["fused_stats/growth/first_step_change"] = float(event["first_step_change"])
         return out
 
     # ------------------------------------------------------------------ resume
