@@ -18,6 +18,7 @@ from test_first_step_optimizers import (  # noqa: F401  (fp64_norms: the module'
     fp64_norms,
     groups,
     probed,
+    realised_adam_mean,
     realised_layer_change,
     tiny_llama,
 )
@@ -64,6 +65,19 @@ def test_the_event_predicts_the_realised_split_steps(case):
     (entry,) = fs.growth_history(grown)
     assert entry["first_step_change"] == event["first_step_change"]
     assert entry["first_step_note"] == event["first_step_note"]
+
+
+def test_the_adam_prediction_at_a_training_batch_size_is_for_one_batch_of_each_half():
+    model = tiny_llama()
+    protocol = fs.GrowthProtocol([POINT], seed=2, train_batch_size=6)
+    data = batches(0, 6)  # one probe step is one batch of B = 6
+    _, _, event = scheduled_event(model, protocol, data, lambda m: OPT.Adam(m.parameters(), lr=ETA))
+    even, odd = data[0::2], data[1::2]
+    # each half's B-sized batches, one Adam step each, scored on the other half
+    realised = (
+        realised_adam_mean(model, protocol, even, odd) + realised_adam_mean(model, protocol, odd, even)
+    ) / 2
+    assert abs(event["first_step_change"] / realised - 1) < 0.01, (event, realised)
 
 
 def test_an_optimizer_without_a_rule_records_none_and_why_and_grows():
