@@ -10,16 +10,13 @@ import pytest
 import torch
 import transformers
 
+# the tiny fp64 LLaMA, its batches and the fp64 RMSNorm of the scores' tests (one definition)
+from test_growth_scores import batches, fp64_rms_norm, tiny_llama
+
 import fused_stats as fs
 
 ETA = 1e-4
 POINT = "model.layers.0"
-
-
-def fp64_rms_norm(self, hidden):
-    # LlamaRMSNorm computes in float32: its rounding would hide the O(η²) remainder of a small step
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,31 +24,6 @@ def fp64_norms():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", fp64_rms_norm)
         yield
-
-
-def tiny_llama(seed=3):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=20,
-        hidden_size=8,
-        intermediate_size=12,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-    )
-    return transformers.LlamaForCausalLM(cfg).double().eval()
-
-
-def batches(seed: int, count: int, size: int = 6, T: int = 8) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(count):
-        start = torch.randint(0, 5, (size, 1), generator=g)
-        noise = torch.randint(0, 20, (size, T), generator=g)
-        keep = torch.rand(size, T, generator=g) < 0.8
-        out.append({"input_ids": torch.where(keep, (start + torch.arange(T)) % 7, noise)})
-    return out
 
 
 def mean_loss(model, data) -> torch.Tensor:

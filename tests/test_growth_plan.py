@@ -117,3 +117,46 @@ def test_plan_record_names_each_candidate():
     assert by_point["model.embed_tokens"]["position"] == 0
     assert by_point["model.embed_tokens"]["source"] == "model.layers.0"
     assert all(c["earlier_growths"] == 0 for c in record["candidates"])
+
+
+def test_the_first_step_prediction_follows_the_probes_plan():
+    protocol = fs.GrowthProtocol(POINTS)
+    model = _llama()
+    probe = fs.Probe(model, cross=protocol)
+    probe.step(_batch(1), fs.causal_lm_loss, stream="train")
+    probe.step(_batch(2), fs.causal_lm_loss, stream="test")
+    advice = fs.advise(probe, protocol)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert _counted(lambda: fs.predicted_change(advice, optimizer)) == {"describe": 0, "check": 0}
+    # after the model grew, the probe's plan no longer describes it: the prediction plans anew
+    fs.grow(model, protocol, at=["model.layers.1"])
+    assert _counted(lambda: fs.predicted_change(advice, optimizer)) == {"describe": 3, "check": 3}
+
+
+def test_a_schedule_decision_with_its_prediction_and_growth_plans_once():
+    protocol = fs.GrowthProtocol(POINTS)
+    model = _llama()
+    schedule = fs.GrowthSchedule(protocol, at_steps=[1], probe_batches=[_batch(1), _batch(2)], alpha=0.99)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    events = []
+    assert _counted(lambda: events.append(schedule.maybe_grow(model, 1, optimizer))) == {
+        "describe": 1,
+        "check": 1,
+    }
+    assert events[0]["event"] == "grew" and events[0]["first_step_change"] is not None
+
+
+def test_a_suite_growth_run_describes_the_model_once():
+    from types import SimpleNamespace
+
+    from fused_stats.api.suite.single_run import growth_plan
+
+    growth = {"candidates": [0, 0.5, 1.0], "family": "layer", "init": "zero", "seed": 0}
+    Spec = SimpleNamespace(growth=dict(growth, width=None, projection=None, budget=None, alpha=0.05))
+    model = _llama()
+    plans = []
+    assert _counted(lambda: plans.append(growth_plan(Spec, model))) == {"describe": 1, "check": 1}
+    plan, depths = plans[0]
+    assert list(plan.candidates) == ["model.embed_tokens", "model.layers.1", "model.layers.2"]
+    assert depths == {"0": "model.embed_tokens", "0.5": "model.layers.1", "1.0": "model.layers.2"}
+    assert _counted(lambda: fs.Probe(model, cross=plan)) == {"describe": 0, "check": 0}

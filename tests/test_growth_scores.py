@@ -19,8 +19,8 @@ CANDIDATES = ["model.embed_tokens", "model.layers.0", "model.layers.1"]
 ETAS = (1e-3, 1e-4, 1e-5)
 
 
-def tiny_llama():
-    torch.manual_seed(3)
+def tiny_llama(seed=3):
+    torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         vocab_size=20,
         hidden_size=8,

@@ -5,10 +5,14 @@ record the protocol and its digest); several reports (e.g. candidates probed in 
 are combined when they share the protocol and were measured on one model (their fingerprints
 agree); reports probed with ``unit="position"`` are refused. Writes ``advice.json``, ``advice.md``
 and ``advice.png`` to ``--out`` (a folder that holds files is refused without ``--force``) and
-prints the markdown; "saturated everywhere" is said plainly."""
+prints the markdown; "saturated everywhere" is said plainly. ``--optimizer`` (with ``--lr`` and its
+settings): the first-step prediction for that optimizer needs the tangents of a live probe, which
+reports do not keep; it says so and prints the per-unit-step numbers (``probe --growth`` with the
+same options prints the prediction)."""
 
 from __future__ import annotations
 
+from . import optimizer_args
 from .args import check_out_folder, positive_float, positive_int
 
 
@@ -37,6 +41,7 @@ def register(sub) -> None:
     p.add_argument(
         "--force", action="store_true", help="write into an --out folder that is not empty (default: refuse)"
     )
+    optimizer_args.add_optimizer_arguments(p)
     p.set_defaults(func=cmd_advise)
 
 
@@ -44,6 +49,7 @@ def cmd_advise(args) -> int:
     from ..api.growth.advise import advise
     from ..api.report.document import Report
 
+    settings = optimizer_args.optimizer_settings(args)
     out = check_out_folder(args.out, args.force)
     reports = [Report.from_json(p) for p in args.reports]  # a bad file raises before any output
     advice = advise(reports, alpha=args.alpha, M=args.M, K=args.K)
@@ -54,4 +60,6 @@ def cmd_advise(args) -> int:
         written.append(advice.plot(out / "advice.png"))
     print(advice.to_markdown())
     print("wrote " + ", ".join(str(w) for w in written))
+    if settings is not None:
+        print("\n".join(optimizer_args.unit_step_lines(advice, settings)))
     return 0

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..contracts import ACTIVATIONS
 from ..errors import FusedStatsError
+from . import optimizer_args
 from .args import check_out_folder, int_at_least, nonnegative_int, positive_int
 
 HELD_OUT = 0.1
@@ -160,6 +161,7 @@ def register(sub) -> None:
         help="stream the --model folder's block weights from its safetensors shards, one "
         "block at a time (models larger than the device; default: load it whole)",
     )
+    optimizer_args.add_optimizer_arguments(p)
     p.set_defaults(func=cmd_probe)
 
 
@@ -437,6 +439,8 @@ def check_arguments(args):
         from ..api.growth.protocol_file import read_protocol_file
 
         growth = read_protocol_file(args.growth)
+    if optimizer_args.optimizer_settings(args) is not None:
+        optimizer_args.check_prediction_arguments(growth and growth.arguments, args.batch_size)
     if args.cross is not None and args.unit == "flat":
         raise FusedStatsError(
             "--cross needs --unit sample or position (the cross-gradient sums "
@@ -584,4 +588,7 @@ def cmd_probe(args) -> int:
     print(f"data: {data_what}")
     print(report.to_markdown())
     print("wrote " + ", ".join(str(f) for f in files))
+    settings = optimizer_args.optimizer_settings(args)
+    if settings is not None:
+        print("\n".join(optimizer_args.prediction_lines(probe, model, settings)))
     return 0

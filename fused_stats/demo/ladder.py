@@ -87,6 +87,7 @@ def ladder_seed(corpus, cfg: LadderConfig, seed: int, echo=print) -> dict:
     import fused_stats as fs
 
     from ..api.growth.architecture import describe
+    from ..api.growth.plan import GrowthPlan
     from .models import build_llama, eval_loss, lr_for
 
     B = cfg.batch_size
@@ -106,9 +107,12 @@ def ladder_seed(corpus, cfg: LadderConfig, seed: int, echo=print) -> dict:
     for _ in range(cfg.rungs):
         depth = model.config.num_hidden_layers
         loss = eval_loss(model, held_out)
-        candidates = [describe(model).input_point] + [f"model.layers.{i}" for i in range(depth)]
+        arch = describe(model)
+        candidates = [arch.input_point] + [f"model.layers.{i}" for i in range(depth)]
         protocol = fs.GrowthProtocol(candidates, family="layer", init="zero", seed=seed)
-        probe = fs.Probe(model, points=candidates, cross=protocol, second_moment="dense")
+        # one plan for the probe, the scores and the growth of this rung
+        plan = GrowthPlan.from_architecture(model, protocol, arch)
+        probe = fs.Probe(model, points=candidates, cross=plan, second_moment="dense")
         train_batches = []
         for stream in ("train", "test"):
             for ids in corpus.probe_batches(stream, B, cfg.probe_batches):
@@ -117,11 +121,9 @@ def ladder_seed(corpus, cfg: LadderConfig, seed: int, echo=print) -> dict:
                     train_batches.append({"input_ids": ids})
         advice = fs.advise(probe, protocol, alpha=cfg.alpha)
         first = advice.ranked[0]
-        scores = scores_before_growth(model, protocol, [first], train_batches, cfg.curvature_batches)[
-            first.point
-        ]
+        scores = scores_before_growth(model, plan, [first], train_batches, cfg.curvature_batches)[first.point]
         stay, stay_opt = copy.deepcopy((model, opt))
-        fs.grow(model, protocol, at=[first.point], init="zero", optimizer=opt)
+        fs.grow(model, plan, at=[first.point], init="zero", optimizer=opt)
         _train(model, opt, text(cfg.budget, position))
         stay_steps = max(
             1, round(cfg.budget * training_flops_per_token(model) / training_flops_per_token(stay))

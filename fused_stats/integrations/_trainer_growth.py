@@ -17,7 +17,15 @@ import os
 
 from ..api.growth.distributed import SUPPORTED_SETUPS, refuse_unsupported_model
 from ..api.growth.grow import grow
-from ..api.growth.record import EVIDENCE_KEYS, GREW, RECORD_KEY, SATURATED, growth_history, record_saturation
+from ..api.growth.record import (
+    EVIDENCE_KEYS,
+    FIRST_STEP_KEYS,
+    GREW,
+    RECORD_KEY,
+    SATURATED,
+    growth_history,
+    record_saturation,
+)
 from ..errors import FusedStatsError
 
 # accelerate's DistributedType values whose model wrapper is not a plain DDP
@@ -123,7 +131,11 @@ def replay_checkpoint_growth(model, checkpoint: str, protocol, optimizer=None) -
             record_saturation(model, protocol, first.get("step"), first.get("verdict", ""))
             continue
         points = [e["point"] for e in entries]
-        evidence = {e["point"]: {k: e.get(k) for k in EVIDENCE_KEYS} for e in entries}
+        # the schedule's first-step prediction is replayed where the entry holds it
+        evidence = {
+            e["point"]: {k: e.get(k) for k in EVIDENCE_KEYS} | {k: e[k] for k in FIRST_STEP_KEYS if k in e}
+            for e in entries
+        }
         grow(model, protocol, at=points, init=first.get("init"), step=first.get("step"), evidence=evidence)
     if growth_history(model) != record:
         raise FusedStatsError(

@@ -40,7 +40,10 @@ the adaptive rules read ``(1/n_B) Σ_b s_b`` over the train stream's B-sized sub
 (:mod:`.sub_batches`, kept at the protocol's ``adam_eps``): exact for a rule whose ``c = 0`` and
 ``ε/a`` is that ε, refused otherwise; the linear ones read ``C_M``. What is kept for this: the
 mean train and test tangents (fp64, C's shape) per candidate, on each :class:`.advise.Candidate`
-of advice made from a live probe (``first_step``); advice read from a report has none.
+of advice made from a live probe (``first_step``); advice read from a report has none. A probe
+with a train stream only (:class:`fused_stats.GrowthSchedule`'s) is split by step parity into
+halves A and B (:func:`split_records`): A's step scored on B's mean tangent and the reverse,
+averaged (:func:`split_predicted_change`), independent halves, so no noise-on-noise term.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ...errors import FusedStatsError
+from .grow import planned_groups
+from .plan import GrowthPlan
 
 F64 = torch.float64
 SUPPORTED = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adamax")
@@ -85,6 +90,7 @@ class FirstStepTangent:
     c_test: torch.Tensor = field(repr=False)
     segments: tuple = ()
     sub_batches: object = field(default=None, repr=False)
+    plan: object = field(default=None, repr=False)  # the GrowthPlan the probe measured
 
     def __deepcopy__(self, memo):  # kept by reference in copies of the advice
         return self
@@ -106,38 +112,103 @@ class FirstStepPrediction:
     untrained: tuple = ()
 
 
+def _segments(source, point: str) -> tuple:
+    """``(rel, start, stop)``: the parameter each column range of ``point``'s tangent belongs to."""
+    if source.family == "mlp_width":
+        return ((f"{source.adapter.mlp_output}.weight", 0, int(source.protocol.width)),)
+    source.block(point)
+    segments, at = [], 0
+    for name, width, bias in source.maps[point]:
+        rel = "w_out" if source.family == "cross_block" else f"{name}.weight"
+        segments.append((rel, at, at + width))
+        at += width
+        if bias:  # a linear map's bias: one column; a BatchNorm's shift: one entry per channel
+            step = width if source.channelwise else 1
+            segments.append((f"{name}.bias", at, at + step))
+            at += step
+    return tuple(segments)
+
+
+def _growth_source(probe):
+    """The probe's tangent feature source, or None (not a growth probe, or under a projection)."""
+    source = getattr(probe, "cross", None)
+    if getattr(source, "protocol", None) is None or getattr(source, "maps", None) is None:
+        return None
+    return None if source.projection is not None else source
+
+
 def tangent_record(probe, point: str) -> FirstStepTangent | None:
     """The :class:`FirstStepTangent` of ``point`` from a live probe over a growth protocol (None:
     not a growth probe, a projection, or no train / test samples)."""
-    source = getattr(probe, "cross", None)
-    protocol = getattr(source, "protocol", None)
-    if protocol is None or getattr(source, "maps", None) is None or source.projection is not None:
+    source = _growth_source(probe)
+    if source is None:
         return None
     train, test = probe.cross_stats.get(point), probe.test_cross_stats.get(point)
     if train is None or test is None or train.n == 0 or test.n == 0:
         return None
-    if source.family == "mlp_width":
-        segments = [(f"{source.adapter.mlp_output}.weight", 0, int(protocol.width))]
-    else:
-        source.block(point)
-        segments, at = [], 0
-        for name, width, bias in source.maps[point]:
-            rel = "w_out" if source.family == "cross_block" else f"{name}.weight"
-            segments.append((rel, at, at + width))
-            at += width
-            if bias:  # a linear map's bias: one column; a BatchNorm's shift: one entry per channel
-                step = width if source.channelwise else 1
-                segments.append((f"{name}.bias", at, at + step))
-                at += step
     return FirstStepTangent(
         point,
         probe.model,
-        protocol,
+        source.protocol,
         train.c_sum.detach().to(device="cpu", dtype=F64) / train.n,
         test.c_sum.detach().to(device="cpu", dtype=F64) / test.n,
-        tuple(segments),
+        _segments(source, point),
         getattr(source, "sub_batches", {}).get(point),
+        plan=source.plan,
     )
+
+
+@dataclass(frozen=True)
+class _HalfDirections:
+    """The sub-batch directions of one half of a split stream, read as :class:`.sub_batches.SubBatches`."""
+
+    s_mean: torch.Tensor | None
+
+    def mean(self) -> torch.Tensor | None:
+        return self.s_mean
+
+
+def split_records(probe, point: str) -> tuple[FirstStepTangent, FirstStepTangent]:
+    """The train stream of one probe split by step parity (A: train steps 0, 2, …, whose tangent
+    sum the feature source keeps; B: the rest) as two records: A's mean tangent stepping and B's
+    scoring, and the reverse. Each pair is independent, so the mean of the two predictions has no
+    noise-on-noise term, where one stream taken for both would (the ``split_adam`` score's
+    reasoning, :mod:`.scores`). Raises :class:`FusedStatsError` saying why there is no split."""
+    source = _growth_source(probe)
+    if source is None:
+        raise FusedStatsError(
+            "the probe is not a growth probe without a projection (fs.Probe(model, cross=protocol)): no tangents"
+        )
+    train = probe.cross_stats.get(point)
+    half = source.split_half(point, probe)
+    if train is None or half is None or not 0 < half[1] < train.n:
+        raise FusedStatsError(
+            f"no split of the train stream at {point!r}: it needs at least 2 train steps, all of them "
+            "by Probe.step (samples folded in another way, such as all_reduce across processes, end the split)"
+        )
+    a_sum = half[0].detach().to(device="cpu", dtype=F64)
+    n_a, n_b = int(half[1]), train.n - int(half[1])
+    c_a, c_b = a_sum / n_a, (train.c_sum.detach().to(device="cpu", dtype=F64) - a_sum) / n_b
+    sub = getattr(source, "sub_batches", {}).get(point)
+    s_a = s_b = None
+    if sub is not None:
+        s_a, s_b = sub.halves() or (None, None)
+    segments = _segments(source, point)
+
+    def record(c_step, c_score, s_step):
+        directions = None if sub is None else _HalfDirections(s_step)
+        return FirstStepTangent(
+            point, probe.model, source.protocol, c_step, c_score, segments, directions, plan=source.plan
+        )
+
+    return record(c_a, c_b, s_a), record(c_b, c_a, s_b)
+
+
+def split_predicted_change(probe, point: str, optimizer, lr=None) -> float:
+    """The mean of :func:`predict` over :func:`split_records` of ``point``: the first step's
+    predicted change of the mean loss from a probe with a train stream only (the schedule's)."""
+    a_on_b, b_on_a = (predict(r, optimizer, lr).change for r in split_records(probe, point))
+    return (a_on_b + b_on_a) / 2
 
 
 def _value(x) -> float:
@@ -206,23 +277,35 @@ def _unsupported(optimizer) -> str:
     )
 
 
+def is_supported(optimizer) -> bool:
+    """Whether ``optimizer`` is exactly one of the :data:`SUPPORTED` torch classes."""
+    return type(optimizer) in tuple(getattr(torch.optim, n) for n in SUPPORTED)
+
+
 def _check_optimizer(optimizer) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise FusedStatsError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if type(optimizer) not in tuple(getattr(torch.optim, n) for n in SUPPORTED):
+    if not is_supported(optimizer):
         raise FusedStatsError(_unsupported(optimizer))
+
+
+def _current_plan(record: FirstStepTangent):
+    """The plan the tangents were measured under while it still describes the model; after the
+    model changed (grown since), the plan of the model as it is now."""
+    plan = record.plan
+    if plan is not None and plan.is_current(record.model):
+        return plan
+    return GrowthPlan.build(record.model, record.protocol)
 
 
 def predict(record: FirstStepTangent, optimizer, lr=None) -> FirstStepPrediction:
     """:func:`predicted_change` at one candidate (module docstring)."""
-    from .grow import planned_groups  # grow imports blocks and protocol: kept out of import time
-
     _check_optimizer(optimizer)
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
         raise FusedStatsError(f"lr must be None (each group's own) or a float > 0, got {lr!r}")
     protocol = record.protocol
     rels = [rel for rel, _, _ in record.segments]
-    joins = planned_groups(record.model, protocol, record.point, optimizer, rels)
+    joins = planned_groups(record.model, _current_plan(record), record.point, optimizer, rels)
     size = getattr(protocol, "train_batch_size", None)
     s_mean = None
     if size is not None:

@@ -130,6 +130,11 @@ class GrowthPlan:
     def seed(self, point: str) -> int:
         return self.candidate(point).seed
 
+    def is_current(self, model: nn.Module) -> bool:
+        """Whether the plan still describes ``model`` (:meth:`require_current` without the error)."""
+        now = _structure(model, self.architecture, len(growth_history(model)))
+        return model is self.model and now == self.structure
+
     def require_current(self, model: nn.Module) -> None:
         """Refuse the plan for another model, or for its model after a change of structure or a
         growth since the plan was made (its boundaries and seeds would be stale)."""

@@ -11,7 +11,10 @@ candidate grown at; None for saturation), ``family``, ``init``, ``protocol_diges
 ``position`` (the module that now holds the growth), ``new_parameters`` and ``widened`` (full
 names in the grown model), and ``step``, ``cross_frob2``, ``p_value``, ``p_adjusted`` where the
 caller gave them (None otherwise): the training step and the evidence that motivated the growth;
-a saturation entry also holds the advice's ``verdict``.
+a saturation entry also holds the advice's ``verdict``. An entry written by
+:class:`fused_stats.GrowthSchedule` also holds ``first_step_change`` (the predicted change of the
+mean held-out loss from the first optimizer step on the growth, None where it could not be made)
+and ``first_step_note`` (how it was made, or why not).
 
 Names stay current: when a later depth growth inserts blocks into a stack, the earlier entries'
 ``position``, ``new_parameters`` and ``widened`` under that stack are renumbered as the blocks
@@ -35,6 +38,9 @@ RECORD_KEY = "fused_stats_growth"
 GREW = "grew"
 SATURATED = "saturated everywhere"
 EVIDENCE_KEYS = ("cross_frob2", "p_value", "p_adjusted")
+# written only where the evidence gives them (fs.GrowthSchedule): the predicted change of the
+# first optimizer step on the growth (a number or None) and what it is, or why there is none
+FIRST_STEP_KEYS = ("first_step_change", "first_step_note")
 
 
 def _holder(model: nn.Module):
@@ -82,12 +88,20 @@ def check_step_and_evidence(step, evidence, points) -> dict[str, dict]:
             raise FusedStatsError(
                 f"evidence names {point!r}, which is not grown here (grown: {list(points)})"
             )
-        if not isinstance(values, dict) or set(values) - set(EVIDENCE_KEYS):
+        if not isinstance(values, dict) or set(values) - set(EVIDENCE_KEYS + FIRST_STEP_KEYS):
             raise FusedStatsError(
-                f"evidence for {point!r} must be a dict with keys among {EVIDENCE_KEYS}, got {values!r}"
+                f"evidence for {point!r} must be a dict with keys among {EVIDENCE_KEYS + FIRST_STEP_KEYS}, "
+                f"got {values!r}"
             )
         clean = {}
         for key, value in values.items():
+            if key == "first_step_note":
+                if not isinstance(value, str):
+                    raise FusedStatsError(
+                        f"evidence first_step_note for {point!r} must be a str, got {value!r}"
+                    )
+                clean[key] = value
+                continue
             if value is not None and (
                 not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
             ):
@@ -118,8 +132,10 @@ def record_growth(model: nn.Module, result, step=None, evidence: dict | None = N
             "widened": [n for n in result.widened if n.startswith(prefix)],
             "step": step,
         }
+        given = evidence.get(point, {})
         for key in EVIDENCE_KEYS:
-            entry[key] = evidence.get(point, {}).get(key)
+            entry[key] = given.get(key)
+        entry.update((key, given[key]) for key in FIRST_STEP_KEYS if key in given)
         entry["block_id"] = next_id + len(added)
         added.append(entry)
     setattr(_holder(model), RECORD_KEY, record + copy.deepcopy(added))
@@ -184,4 +200,12 @@ def _append(model: nn.Module, entries: list[dict]) -> None:
     setattr(_holder(model), RECORD_KEY, growth_history(model) + copy.deepcopy(entries))
 
 
-__all__ = ["GREW", "RECORD_KEY", "SATURATED", "growth_history", "record_growth", "record_saturation"]
+__all__ = [
+    "FIRST_STEP_KEYS",
+    "GREW",
+    "RECORD_KEY",
+    "SATURATED",
+    "growth_history",
+    "record_growth",
+    "record_saturation",
+]

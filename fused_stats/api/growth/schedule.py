@@ -39,10 +39,11 @@ from ...errors import FusedStatsError
 from ..probe.driver import Probe
 from ..probe.losses import causal_lm_loss
 from .advise import advise
+from .first_step import is_supported, split_predicted_change
 from .grow import grow
 from .plan import GrowthPlan
 from .protocol import GrowthProtocol
-from .record import GREW, SATURATED, record_saturation
+from .record import EVIDENCE_KEYS, FIRST_STEP_KEYS, GREW, SATURATED, record_saturation
 
 
 def _world() -> int:
@@ -89,6 +90,25 @@ def _same_batch(a, b) -> bool:
     if not isinstance(ids_a, torch.Tensor) or not isinstance(ids_b, torch.Tensor):
         return False
     return ids_a.shape == ids_b.shape and torch.equal(ids_a.detach().cpu(), ids_b.detach().cpu())
+
+
+def first_step_prediction(probe, point: str, optimizer) -> tuple[float | None, str]:
+    """``(change, note)``: the predicted change of the mean held-out loss from the first step of
+    ``optimizer`` on the growth at ``point`` (:func:`.first_step.split_predicted_change`: the
+    probe batches split by parity, one half stepping and the other scoring), or None and why not.
+    A prediction that cannot be made never stops the training."""
+    inner = optimizer
+    while not is_supported(inner) and isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer  # accelerate's AcceleratedOptimizer steps the torch optimizer it wraps
+    try:
+        change = split_predicted_change(probe, point, inner)
+    except FusedStatsError as exc:
+        return None, f"no first-step prediction: {exc}"
+    note = (
+        f"{type(inner).__name__} at the groups' lr: the probe batches split by parity, each half's "
+        "step scored on the other"
+    )
+    return change, note
 
 
 class GrowthSchedule:
@@ -281,6 +301,8 @@ class GrowthSchedule:
                 "p_adjusted": top.p_adjusted,
                 "verdict": advice.verdict,
             }
+            # before the growth: the prediction reads the groups the new parameters will join
+            event.update(zip(FIRST_STEP_KEYS, first_step_prediction(probe, top.point, optimizer)))
         if _world() > 1:
             # every rank holds the same reduced statistics; rank 0's event is taken everywhere, so
             # a last-bit difference between ranks cannot split the decision
@@ -291,7 +313,7 @@ class GrowthSchedule:
             record_saturation(model, self.protocol, step, event["verdict"])
             self.stopped = True
         else:
-            evidence = {event["point"]: {k: event[k] for k in ("cross_frob2", "p_value", "p_adjusted")}}
+            evidence = {event["point"]: {k: event[k] for k in EVIDENCE_KEYS + FIRST_STEP_KEYS}}
             grow(
                 model,
                 plan,
@@ -318,6 +340,8 @@ class GrowthSchedule:
             out["fused_stats/growth/p_value"] = float(event["p_value"])
             out["fused_stats/growth/p_adjusted"] = float(event["p_adjusted"])
             out["fused_stats/growth/point_index"] = float(self.protocol.index(event["point"]))
+            if event.get("first_step_change") is not None:  # events of older states have none
+                out["fused_stats/growth/first_step_change"] = float(event["first_step_change"])
         return out
 
     # ------------------------------------------------------------------ resume

@@ -35,6 +35,7 @@ from .single_run import (  # noqa: F401  (re-exported)
     advice_entry,
     check_points,
     execute_run,
+    growth_plan,
     growth_protocol,
     probe_windows,
     reuse_loaded,

@@ -84,10 +84,10 @@ def probe_windows(model, windows: Windows, spec: SuiteSpec, device, progress: bo
     from ..probe.spec import CrossSpec
 
     p = spec.probe
-    protocol, depths = None, None
+    plan, depths = None, None
     if spec.growth is not None:
-        protocol, depths = growth_protocol(spec, model)
-        probe = Probe(model, unit=p["unit"], second_moment=p["second_moment"], cross=protocol)
+        plan, depths = growth_plan(spec, model)
+        probe = Probe(model, unit=p["unit"], second_moment=p["second_moment"], cross=plan)
     else:
         cross = (
             None
@@ -121,7 +121,7 @@ def probe_windows(model, windows: Windows, spec: SuiteSpec, device, progress: bo
             }
         budgets.append({"M": M, "K": K, "points": per_point})
     extra = {"test_loss": held_out.mean(), "test_perplexity": held_out.perplexity()}
-    if protocol is not None:
+    if plan is not None:
         from ..growth.advise import advise
 
         extra["advice"] = advice_entry(advise(probe, alpha=spec.growth["alpha"]), depths)
@@ -160,15 +160,23 @@ class TokenLoss:
         return None if mean is None else math.exp(mean)
 
 
-def growth_protocol(spec: SuiteSpec, model):
-    """The [growth] section's protocol for ``model`` (its candidates resolved and checked on it)
-    and the map of relative depths to the points they name (None for names or "all")."""
+def growth_plan(spec: SuiteSpec, model):
+    """The [growth] section's :class:`~fused_stats.api.growth.plan.GrowthPlan` for ``model`` (its
+    candidates resolved and checked on it; the model described once) and the map of relative
+    depths to the points they name (None for names or "all")."""
+    from ..growth.architecture import describe
+    from ..growth.plan import GrowthPlan
     from .spec import growth_candidates, protocol_for
 
-    candidates, depths = growth_candidates(spec.growth, model)
-    protocol = protocol_for(spec.growth, candidates)
-    protocol.check(model)
-    return protocol, depths
+    arch = describe(model)
+    candidates, depths = growth_candidates(spec.growth, model, arch)
+    return GrowthPlan.from_architecture(model, protocol_for(spec.growth, candidates), arch), depths
+
+
+def growth_protocol(spec: SuiteSpec, model):
+    """``(protocol, depths)`` of :func:`growth_plan`."""
+    plan, depths = growth_plan(spec, model)
+    return plan.protocol, depths
 
 
 def advice_entry(advice, depths: dict | None) -> dict:
@@ -238,7 +246,7 @@ def check_points(spec: SuiteSpec, run: RunSpec, device, loader):
     section = "[growth] candidates" if spec.growth is not None else "[probe] points"
     try:
         if spec.growth is not None:
-            growth_protocol(spec, model)
+            growth_plan(spec, model)
         else:
             resolve_points(model, spec.probe["points"])
     except FusedStatsError as exc:

@@ -330,19 +330,20 @@ def protocol_for(growth: dict, candidates: list[str]):
     )
 
 
-def growth_candidates(growth: dict, model) -> tuple[list[str], dict | None]:
+def growth_candidates(growth: dict, model, arch=None) -> tuple[list[str], dict | None]:
     """``(point names, {requested depth: point})`` of a [growth] section for ``model``.
 
     A relative depth ``d`` names the boundary after block ``round(d·L)`` of the model's ``L``
     blocks (the suite's own relative depth of a point, :func:`~.compare.relative_depths`), ``0``
     the input boundary; two depths that land on one boundary probe it once. "all": every
-    :func:`fused_stats.growth_points`."""
+    :func:`fused_stats.growth_points`. ``arch``: the model's row of the architecture table when
+    the caller has described it already (None: described here)."""
     import math
 
-    from ..growth.architecture import growth_points
+    from ..growth.architecture import describe
     from ..probe.points import residual_points
 
-    points = growth_points(model)
+    points = list((arch or describe(model)).boundaries)
     cands = growth["candidates"]
     if cands == "all":
         return points, None
