@@ -1,4 +1,5 @@
-"""Probe checkpoints: save / load every accumulator of a probe, resumable runs, offline merge.
+"""Probe checkpoints: save / load every accumulator of a probe, resumable runs, offline merge
+(the snapshot folders and their LATEST pointer: :mod:`.snapshot_dir`).
 
 A probe keeps one table of accumulators keyed by ``(kind, stream, point)`` (``probe.table``:
 GradStats of kind ``"grad"``, and, as configured, CrossStats of kind ``"cross"``, norm
@@ -42,7 +43,6 @@ merging; cross statistics are plain sums, so their merge is an addition).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -58,6 +58,7 @@ from ...accumulators.persistence import fsync_dir, write_atomic
 from ...errors import FusedStatsError
 from ..probe.spec import cross_w_in
 from ..probe.table import probe_device
+from .snapshot_dir import LATEST, PREFIX, file_sha256, has_checkpoint, latest_snapshot
 from .source_state import (
     SOURCE_KIND,
     check_same_source,
@@ -70,8 +71,6 @@ from .source_state import (
 FORMAT = "fused_stats.ProbeCheckpoint"
 VERSION = 1
 STREAMS = ("train", "test")
-LATEST = "LATEST"
-PREFIX = "ckpt-"
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -99,36 +98,6 @@ def _keyed(accs: dict) -> dict:
 def _label(key) -> str:
     kind, stream, name = key
     return f"{name!r} ({stream}{'' if kind == 'grad' else ', ' + kind})"
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def latest_snapshot(directory) -> Path | None:
-    """The newest complete snapshot folder of ``directory``, or None if there is none."""
-    directory = Path(directory)
-    pointer = directory / LATEST
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    if not name.startswith(PREFIX) or "/" in name or name in (".", ".."):
-        raise FusedStatsError(f"checkpoint pointer {str(pointer)!r} names {name!r}, not a snapshot")
-    snap = directory / name
-    if not (snap / "manifest.json").is_file():
-        raise FusedStatsError(
-            f"checkpoint {str(directory)!r}: LATEST names {name!r} but {str(snap)!r} has no "
-            "manifest.json (the folder was removed or damaged)"
-        )
-    return snap
-
-
-def has_checkpoint(directory) -> bool:
-    return (Path(directory) / LATEST).is_file()
 
 
 # ---------------------------------------------------------------------------- writing
@@ -182,7 +151,7 @@ def write_snapshot(
                 "n": acc.n,
                 **acc.describe(),
             }
-            entry["sha256"] = _file_sha256(tmp / filename)
+            entry["sha256"] = file_sha256(tmp / filename)
             points.append(entry)
         if source_state:
             points.append(write_source_file(tmp, source_state))
@@ -313,7 +282,7 @@ def read_snapshot_with_source(directory, device=None, backend: str = "auto"):
             raise FusedStatsError(
                 f"checkpoint {str(snap)!r}: point {name!r} ({stream}) file {filename!r} is missing"
             )
-        if _file_sha256(path) != entry.get("sha256"):
+        if file_sha256(path) != entry.get("sha256"):
             raise FusedStatsError(
                 f"checkpoint {str(snap)!r}: {filename!r} (point {name!r}, {stream}) does not match "
                 "the manifest's SHA-256 (damaged or replaced)"
