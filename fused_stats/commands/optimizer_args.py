@@ -66,15 +66,22 @@ def add_optimizer_arguments(parser) -> None:
         "--optimizer",
         choices=sorted(OPTIMIZERS),
         default=None,
-        help="the torch.optim class (one param group over the model, no state)",
+        help="the torch.optim class (one param group over the model, no state; default: none, no prediction)",
     )
     group.add_argument(
-        "--lr", type=positive_float, default=None, help="its learning rate (required with --optimizer)"
+        "--lr",
+        type=positive_float,
+        default=None,
+        help="its learning rate (required with --optimizer; default: none)",
     )
     group.add_argument("--eps", type=positive_float, default=None, help="its eps (default: torch's)")
     group.add_argument("--betas", type=_betas, default=None, help="'b1,b2' (default: torch's)")
-    group.add_argument("--weight-decay", type=_nonnegative_float, default=None, help="its weight decay")
-    group.add_argument("--momentum", type=_nonnegative_float, default=None, help="SGD / RMSprop momentum")
+    group.add_argument(
+        "--weight-decay", type=_nonnegative_float, default=None, help="its weight decay (default: torch's)"
+    )
+    group.add_argument(
+        "--momentum", type=_nonnegative_float, default=None, help="SGD / RMSprop momentum (default: torch's)"
+    )
     group.add_argument("--nesterov", action="store_true", help="SGD with Nesterov momentum")
 
 
