@@ -129,3 +129,78 @@ def test_shared_seeds_are_refused(exploratory):
     del broken["summary"]["scores"]["drop_alone"]["gain_adam"]
     with pytest.raises(fs.FusedStatsError, match=r"summary\.scores\.drop_alone\.gain_adam"):
         claims_table(exploratory, broken)
+
+
+def test_the_confirm_flag_and_its_preregistered_seeds(exploratory):
+    from fused_stats.cli import build_parser
+    from fused_stats.demo.confirm import CONFIRM_SEEDS, EXPLORATORY_JSON, confirm_seeds
+
+    args = build_parser().parse_args(["grow-demo", "--confirm", "--exploratory", "x.json"])
+    assert args.confirm and args.exploratory == "x.json"
+    assert not build_parser().parse_args(["grow-demo"]).confirm
+    # docs/grow_demo_confirm.md: "Seeds 100–109 (10 seeds, as many as the exploratory set)"
+    assert CONFIRM_SEEDS == (100, 101, 102, 103, 104, 105, 106, 107, 108, 109)
+    assert confirm_seeds(True) == (100, 101) and confirm_seeds(False) == CONFIRM_SEEDS
+    assert "**Seeds 100–109**" in (BENCH.parents[2] / "docs" / "grow_demo_confirm.md").read_text()
+    assert not set(CONFIRM_SEEDS) & {r["seed"] for r in exploratory["runs"]}
+    assert {r["seed"] for r in exploratory["runs"]} == set(range(10)) and EXPLORATORY_JSON == BENCH
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--exploratory", "x.json"], "--exploratory is read by --confirm only"),
+        (["--confirm", "--seeds", "3"], "no --seeds"),
+        (["--confirm", "--ladder"], "no --ladder"),
+        (["--confirm", "--exploratory", "missing.json"], "no such file"),
+        (["--confirm", "--exploratory", "shared.json"], "uses the confirmatory seeds [100]"),
+    ],
+)
+def test_confirm_refusals_write_nothing(argv, needle, exploratory, tmp_path, capsys, monkeypatch):
+    from fused_stats.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    shared = copy.deepcopy(exploratory)
+    shared["runs"][3]["seed"] = 100
+    (tmp_path / "shared.json").write_text(json.dumps(shared))
+    assert main(["grow-demo", "--quick", "--out", "o", *argv]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_quick_confirm_run_writes_the_table(exploratory, tmp_path, capsys):
+    from fused_stats.cli import main
+
+    out = tmp_path / "c"
+    assert main(["grow-demo", "--confirm", "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    record = json.loads((out / "growth_demo.json").read_text())
+    assert [r["seed"] for r in record["runs"]] == [100, 101]
+    conf = json.loads((out / "confirm.json").read_text())
+    assert conf["confirmatory_seeds"] == [100, 101] and conf["exploratory_seeds"] == list(range(10))
+    rows = by_id(conf["claims"])
+    assert len(rows) == 20
+    # A1 by hand from the confirmatory run's arms; the exploratory column from the committed JSON
+    diffs = [
+        r["arms"]["top"]["held_out_loss"] - r["arms"]["scratch_flops"]["held_out_loss"]
+        for r in record["runs"]
+    ]
+    assert rows["A1"]["confirmatory"] == pytest.approx([sum(diffs) / 2, sign_flip(diffs)])
+    top = exploratory["summary"]["paired_vs_scratch_flops"]["top"]
+    assert rows["A1"]["exploratory"] == pytest.approx([top["mean"], top["p_value"]])
+    for cid, row in rows.items():
+        effect, p = row["confirmatory"]
+        hit = p is not None and effect is not None and not isinstance(p, bool) and p < 0.05
+        if row["kind"] == "directional":
+            want = (
+                "confirmed"
+                if hit and (effect < 0) == (cid in ("A1", "A2", "A3", "A4", "C9", "D1"))
+                else "not confirmed"
+            )
+            assert row["status"] == want, cid
+    assert conf["default_score"].startswith("cross_frob2")
+    assert set(conf["confirmed"]) | set(conf["not_confirmed"]) == set(rows) - {"C10", "D2", "D3"}
+    md = (out / "confirm.md").read_text()
+    for cid in rows:
+        assert f"| {cid} |" in md and f"| {cid} |" in printed
+    assert f"default score by the pre-registered rule: {conf['default_score']}" in md

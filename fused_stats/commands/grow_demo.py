@@ -42,19 +42,41 @@ def register(sub) -> None:
     p.add_argument(
         "--budget", type=positive_int, help="ladder: training steps after each growth (default: 48)"
     )
+    p.add_argument(
+        "--confirm",
+        action="store_true",
+        help="run the pre-registered confirmatory seeds (100 .. 109; --quick: 100 101) and print and write "
+        "the claims of docs/grow_demo_confirm.md side by side with the exploratory run (confirm.md, confirm.json)",
+    )
+    p.add_argument(
+        "--exploratory",
+        help="--confirm: the exploratory growth_demo.json (default: bench/results/grow_demo_scores_cpu.json)",
+    )
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     p.set_defaults(func=cmd_grow_demo)
 
 
 def cmd_grow_demo(args) -> int:
     from ..demo.growth import GrowthDemoConfig, run_growth_demo
+    from ..errors import FusedStatsError
 
+    if args.exploratory and not args.confirm:
+        raise FusedStatsError("--exploratory is read by --confirm only")
+    if args.confirm and (args.ladder or args.seeds):
+        raise FusedStatsError(
+            "--confirm runs the pre-registered seeds of the grow-demo: no --seeds, no --ladder"
+        )
     if args.ladder:
         return _ladder(args)
 
     overrides = {}
     if args.seeds:
         overrides["seeds"] = tuple(v for group in args.seeds for v in group)
+    if args.confirm:
+        from ..demo.confirm import confirm_seeds, load_exploratory
+
+        exploratory = load_exploratory(args.exploratory)
+        overrides["seeds"] = confirm_seeds(args.quick)
     for arg, key in (
         ("width", "width"),
         ("depth", "depth"),
@@ -71,7 +93,11 @@ def cmd_grow_demo(args) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    run_growth_demo(cfg, args.out)
+    record = run_growth_demo(cfg, args.out)
+    if args.confirm:
+        from ..demo.confirm import write_confirm
+
+        write_confirm(exploratory, record, args.out, args.exploratory)
     return 0
 
 

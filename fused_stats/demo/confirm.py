@@ -7,15 +7,21 @@ claimed sign and p < α; a null claim ("no score does X") is *contradicted* when
 the excluded sign with p < α, else *not contradicted*. The directional p-values are also Holm
 adjusted as one family (:func:`fused_stats.api.growth.advise.holm`). The paired tests are
 ``growth.paired_test`` (exact sign-flip over seeds), the rank tests those the JSON holds.
+:func:`write_confirm` is what ``grow-demo --confirm`` prints and writes (confirm.md, confirm.json).
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 from ..errors import FusedStatsError
 
 ALPHA = 0.05
+# pre-registered in docs/grow_demo_confirm.md; never used in development
+CONFIRM_SEEDS = tuple(range(100, 110))
+EXPLORATORY_JSON = Path(__file__).resolve().parents[2] / "bench" / "results" / "grow_demo_scores_cpu.json"
 GAIN_CHECKS = ("gain_continued", "gain_continued_blocks")
 
 
@@ -183,3 +189,92 @@ def claims_lines(rows: list[dict]) -> list[str]:
             f"{r['status']} | {holm_p} |"
         )
     return out
+
+
+def confirm_seeds(quick: bool) -> tuple[int, ...]:
+    """The pre-registered confirmatory seeds; ``--quick`` (a smoke run) takes the first two."""
+    return CONFIRM_SEEDS[:2] if quick else CONFIRM_SEEDS
+
+
+def load_exploratory(path=None) -> dict:
+    """The exploratory ``growth_demo.json`` (default: the committed seeds-0–9 run), checked to
+    share no seed with :data:`CONFIRM_SEEDS` before anything runs."""
+    path = Path(path) if path is not None else EXPLORATORY_JSON
+    try:
+        data = json.loads(path.read_text())
+        seeds = {r["seed"] for r in data["runs"]}
+        data["summary"]["scores"]
+    except FileNotFoundError:
+        raise FusedStatsError(f"--exploratory {str(path)!r}: no such file (a growth_demo.json)") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FusedStatsError(f"--exploratory {str(path)!r} is not a growth_demo.json ({exc!r})") from None
+    if seeds & set(CONFIRM_SEEDS):
+        raise FusedStatsError(
+            f"--exploratory {str(path)!r} uses the confirmatory seeds {sorted(seeds & set(CONFIRM_SEEDS))}"
+        )
+    return data
+
+
+def _saturated(data) -> list[int]:
+    return [r["seed"] for r in data["runs"] if r["advice"]["saturated_everywhere"]]
+
+
+def confirm_summary(exploratory: dict, confirmatory: dict, exploratory_path=None) -> tuple[dict, list[str]]:
+    """The claims table, the counts (unadjusted and Holm), the default-score rule's outcome and
+    the descriptive verdict (E), as a record and as printable lines."""
+    rows = claims_table(exploratory, confirmatory)
+    directional = [r for r in rows if r["kind"] != "null"]
+    confirmed = [r["id"] for r in directional if r["status"] == "confirmed"]
+    holm_kept = [
+        r["id"] for r in rows if r["holm"] is not None and r["status"] == "confirmed" and r["holm"] < ALPHA
+    ]
+    contradicted = [r["id"] for r in rows if r["status"] == "contradicted"]
+    default = default_score(rows)
+    seeds = [r["seed"] for r in confirmatory["runs"]]
+    sat = _saturated(confirmatory)
+    record = {
+        "exploratory": str(exploratory_path or EXPLORATORY_JSON),
+        "exploratory_seeds": [r["seed"] for r in exploratory["runs"]],
+        "confirmatory_seeds": seeds,
+        "claims": rows,
+        "confirmed": confirmed,
+        "confirmed_holm": holm_kept,
+        "not_confirmed": [r["id"] for r in directional if r["status"] != "confirmed"],
+        "contradicted": contradicted,
+        "default_score": default,
+        "saturated_everywhere_seeds": sat,
+    }
+    lines = [
+        f"grow-demo claims (docs/grow_demo_confirm.md): exploratory seeds {record['exploratory_seeds']} "
+        f"vs confirmatory seeds {seeds}",
+        "",
+        *claims_lines(rows),
+        "",
+        f"confirmed: {len(confirmed)} of {len(directional)} directional claims ({', '.join(confirmed) or 'none'}); "
+        f"{len(holm_kept)} survive Holm (alpha {ALPHA}); not confirmed: {', '.join(record['not_confirmed']) or 'none'}",
+        f"null claims contradicted: {', '.join(contradicted) or 'none'}",
+        f"default score by the pre-registered rule: {default}",
+        f"saturated everywhere in {len(sat)} of {len(seeds)} seeds"
+        + (f" ({', '.join(map(str, sat))})" if sat else ""),
+    ]
+    for seed in sat:
+        run = next(r for r in confirmatory["runs"] if r["seed"] == seed)
+        gains = run["candidate_gain_continued"]
+        lines.append(
+            f"  seed {seed}: gain after continued training > 0 at {sum(v > 0 for v in gains.values())} of "
+            f"{len(gains)} boundaries: " + ", ".join(f"{k} {v:+.4f}" for k, v in gains.items())
+        )
+    return record, lines
+
+
+def write_confirm(exploratory: dict, confirmatory: dict, out, exploratory_path=None, echo=print) -> dict:
+    """Print the claims table and write ``confirm.md`` and ``confirm.json`` into ``out``."""
+    from ..accumulators.persistence import write_text_atomic
+
+    record, lines = confirm_summary(exploratory, confirmatory, exploratory_path)
+    for line in lines:
+        echo(line)
+    out = Path(out)
+    write_text_atomic(out / "confirm.json", json.dumps(record, indent=1, default=float) + "\n")
+    write_text_atomic(out / "confirm.md", "# grow-demo --confirm\n\n" + "\n".join(lines) + "\n")
+    return record
