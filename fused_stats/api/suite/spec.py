@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ...errors import FusedStatsError
 from ...tomlfile import read_toml
+from ..growth.protocol_file import KEYS as PROTOCOL_KEYS
 
 SECTIONS = {
     "data": {
@@ -44,21 +45,12 @@ SECTIONS = {
     },
     "labels": {"path_regex"},
     "compare": {"trends", "point"},
-    # the fs.GrowthProtocol fields, candidates also as relative depths or "all", and advise's alpha
-    "growth": {
-        "candidates",
-        "family",
-        "init",
-        "seed",
-        "width",
-        "projection",
-        "budget",
-        "score",
-        "adam_eps",
-        "alpha",
-    },
+    # the protocol file's keys (candidates also as relative depths or "all") and advise's alpha
+    "growth": {*PROTOCOL_KEYS, "alpha"},
 }
 RUN_KEYS = {"model", "glob", "name", "labels"}
+# protocol keys handed to GrowthProtocol only when the file sets them (else its defaults hold)
+GIVEN_ONLY = ("score", "adam_eps", "train_batch_size")
 UNITS = ("sample", "position", "flat")
 MASKS = ("labels", "attention", "none")
 SECOND_MOMENTS = ("auto", "dense", "pool")
@@ -305,7 +297,7 @@ def _check_growth(path: Path, growth: dict, probe: dict) -> dict:
         "width": arguments.get("width"),
         "projection": arguments.get("projection"),
         "budget": None if "budget" not in arguments else list(arguments["budget"]),
-        **{key: arguments[key] for key in ("score", "adam_eps") if key in arguments},
+        **{key: arguments[key] for key in GIVEN_ONLY if key in arguments},
     }
     alpha = growth.get("alpha", 0.05)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha < 1:
@@ -326,7 +318,7 @@ def protocol_for(growth: dict, candidates: list[str]):
         width=growth["width"],
         projection=growth["projection"],
         budget=None if growth["budget"] is None else tuple(growth["budget"]),
-        **{key: growth[key] for key in ("score", "adam_eps") if key in growth},
+        **{key: growth[key] for key in GIVEN_ONLY if key in growth},
     )
 
 
