@@ -99,30 +99,45 @@ def cmd_demo(args) -> int:
 
     if args.width_study:
         return cmd_width_study(args)
+    overrides = _overrides(
+        args,
+        ("seeds", "widths", "depths"),
+        (
+            ("width_sweep_depth", "width_sweep_depth"),
+            ("depth_sweep_width", "depth_sweep_width"),
+            ("steps", "train_steps"),
+            ("probe_batches", "probe_batches"),
+            ("lr", "base_lr"),
+            ("split", "split"),
+        ),
+    )
+    return _run(args, DemoConfig, run_demo, overrides)
+
+
+def _overrides(args, grouped: tuple, scalars: tuple) -> dict:
+    """The config fields the command line sets: ``grouped`` options (repeatable lists, flattened)
+    and ``scalars`` as ``(option, field)``; an option not given leaves the config's default."""
     overrides = {}
-    for arg, key in (("seeds", "seeds"), ("widths", "widths"), ("depths", "depths")):
+    for arg in grouped:
         value = getattr(args, arg)
         if value:
-            overrides[key] = tuple(v for group in value for v in group)
-    for arg, key in (
-        ("width_sweep_depth", "width_sweep_depth"),
-        ("depth_sweep_width", "depth_sweep_width"),
-        ("steps", "train_steps"),
-        ("probe_batches", "probe_batches"),
-        ("lr", "base_lr"),
-        ("split", "split"),
-    ):
+            overrides[arg] = tuple(v for group in value for v in group)
+    for arg, key in scalars:
         value = getattr(args, arg)
         if value is not None:
             overrides[key] = value
-    cfg = DemoConfig.quick(**overrides) if args.quick else DemoConfig(**overrides)
+    return overrides
+
+
+def _run(args, config_class, run, overrides: dict) -> int:
+    cfg = config_class.quick(**overrides) if args.quick else config_class(**overrides)
     cfg.validate()  # every bad value is reported before a thread count or a folder changes
     check_out_folder(args.out, args.force)
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-    run_demo(cfg, args.out, progress=False if args.no_progress else None)
+    run(cfg, args.out, progress=False if args.no_progress else None)
     return 0
 
 
@@ -135,27 +150,15 @@ def cmd_width_study(args) -> int:
             raise FusedStatsError(
                 f"--{arg.replace('_', '-')} has no effect with --width-study (its depth: --width-sweep-depth)"
             )
-    overrides = {}
-    for arg in ("seeds", "widths"):
-        value = getattr(args, arg)
-        if value:
-            overrides[arg] = tuple(v for group in value for v in group)
-    for arg, key in (
-        ("width_sweep_depth", "depth"),
-        ("steps", "train_steps"),
-        ("probe_batches", "probe_batches"),
-        ("lr", "base_lr"),
-        ("split", "split"),
-    ):
-        value = getattr(args, arg)
-        if value is not None:
-            overrides[key] = value
-    cfg = WidthStudyConfig.quick(**overrides) if args.quick else WidthStudyConfig(**overrides)
-    cfg.validate()  # every bad value is reported before a thread count or a folder changes
-    check_out_folder(args.out, args.force)
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    run_width_study(cfg, args.out, progress=False if args.no_progress else None)
-    return 0
+    overrides = _overrides(
+        args,
+        ("seeds", "widths"),
+        (
+            ("width_sweep_depth", "depth"),
+            ("steps", "train_steps"),
+            ("probe_batches", "probe_batches"),
+            ("lr", "base_lr"),
+            ("split", "split"),
+        ),
+    )
+    return _run(args, WidthStudyConfig, run_width_study, overrides)
