@@ -1,4 +1,4 @@
-"""Issue "Exact or refused, round 2": the curvature gain's numerator and its refusal of
+"""The curvature gain's numerator and its refusal of
 non-finite losses, and refusals that came too late or said the wrong thing.
 
 References: per-sample gradients of the grown model (one backward per sample) and the brute

@@ -1,4 +1,4 @@
-"""The growth record's names follow later insertions (issue "Exact or refused, round 2", item 7).
+"""The growth record's names follow later insertions.
 
 References: the blocks and parameters each growth created, kept by identity at the time, found
 again under the names the record gives after later growths, in both orders (the later block

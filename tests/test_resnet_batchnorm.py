@@ -1,5 +1,5 @@
 """A new ResNet block is measured, and grown, with BatchNorm statistics calibrated on the probe's
-first batch (fused_stats/api/growth/batchnorm.py; issue "Exact or refused, round 2", item 4).
+first batch (fused_stats/api/growth/batchnorm.py).
 
 References: the statistics against the block itself run in train mode on the candidate's output
 (torch's own batch normalisation); the probe against per-sample gradients of the model grown with
