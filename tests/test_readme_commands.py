@@ -138,7 +138,9 @@ def test_every_module_a_test_imports_is_installed_by_the_readme_test_command():
         if not dists:
             problems.append(f"{module} (imported by tests/{first}) is not installed here")
         elif not dists & installed:
-            problems.append(f"{module} (tests/{first}) comes from {sorted(dists)}, which {command!r} does not install")
+            problems.append(
+                f"{module} (tests/{first}) comes from {sorted(dists)}, which {command!r} does not install"
+            )
     assert not problems, "\n".join(problems)
 
 
