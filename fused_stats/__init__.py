@@ -36,6 +36,7 @@ from .api.report.document import Report
 from .api.streaming.builders import stream_blocks
 from .api.training.monitor_log import MonitorLog
 from .errors import FusedStatsError
+from .networks.pretrained import pretrained, pretrained_folder
 
 __all__ = [
     "Advice",
@@ -72,6 +73,8 @@ __all__ = [
     "misalignment_probability",
     "plan_growth",
     "predicted_change",
+    "pretrained",
+    "pretrained_folder",
     "realized_alignment",
     "remove_inserted_block",
     "residual_points",

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from ..errors import FusedStatsError
+from ..networks.pretrained import resolve_model
 from .args import check_out_folder
 
 INITS = ("zero", "copy", "random")
@@ -157,6 +158,7 @@ def cmd_grow(args) -> int:
     from ..api.growth.protocol import check_init
     from ..api.growth.protocol_file import read_protocol_file
 
+    args.model = resolve_model(args.model)  # a known pretrained name or a .gguf: its converted folder
     source = Path(args.model)
     out = check_out_folder(args.out, args.force)
     if source.is_dir() and out.exists() and out.resolve() == source.resolve():

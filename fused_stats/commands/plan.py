@@ -10,6 +10,7 @@ from the config or preset.
 
 from __future__ import annotations
 
+from ..networks.pretrained import resolve_model
 from .args import int_at_least, nonnegative_int, positive_int
 
 # `--tangent` without a value: the MLP width of the model's config or preset
@@ -41,7 +42,9 @@ def register(sub) -> None:
         "(default: unknown; auto is shown at its dense bound)",
     )
     cmd.add_argument(
-        "--model", help="model config JSON, or a model directory holding config.json (default: none)"
+        "--model",
+        help="model config JSON, a model directory holding config.json, a .gguf file or 'smollm2-135m' "
+        "(default: none)",
     )
     cmd.add_argument(
         "--preset",
@@ -111,6 +114,7 @@ def cmd_plan(args) -> int:
         )
     plans = []  # (plan, the config or preset it was read from, or None for --dim/--points)
     if args.model is not None:
+        args.model = resolve_model(args.model)  # a known pretrained name or a .gguf: its folder
         plans.append(
             (
                 plan_memory(

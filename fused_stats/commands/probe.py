@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..contracts import ACTIVATIONS
 from ..errors import FusedStatsError
+from ..networks.pretrained import resolve_model
 from . import optimizer_args
 from .args import check_out_folder, int_at_least, nonnegative_int, positive_int
 
@@ -47,7 +48,8 @@ def register(sub) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="local HF causal-LM folder, or a config .json with a 'model_type' (required)",
+        help="local HF causal-LM folder, a config .json with a 'model_type', a .gguf file or "
+        "'smollm2-135m' (a real pretrained LLaMA, converted once into a user cache) (required)",
     )
     data = p.add_mutually_exclusive_group()
     data.add_argument(
@@ -505,6 +507,7 @@ def cmd_probe(args) -> int:
     from ..progress import Progress, quiet_hf_progress, stderr_is_terminal
 
     device, out, growth = check_arguments(args)
+    args.model = resolve_model(args.model)  # a known pretrained name or a .gguf: its converted folder
     progress = not args.no_progress
     if not (progress and stderr_is_terminal()):
         quiet_hf_progress()  # the loading bars redraw with \r: only on a terminal

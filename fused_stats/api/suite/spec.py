@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import FusedStatsError
+from ...networks.pretrained import is_pretrained_spec, resolve_model
 from ...tomlfile import read_toml
 from ..growth.protocol_file import KEYS as PROTOCOL_KEYS
 
@@ -432,7 +433,12 @@ def _find_runs(path: Path, entries, base: Path, pattern: re.Pattern) -> list[Run
         if "model" in entry:
             if not isinstance(entry["model"], str):
                 _fail(path, f"{where}: model must be a path string, got {entry['model']!r}")
-            folder = (base / entry["model"]).resolve()
+            folder = (
+                Path(resolve_model(entry["model"], base=base))
+                if is_pretrained_spec(entry["model"])
+                else base / entry["model"]
+            )
+            folder = folder.resolve()
             if not (folder / "config.json").is_file():
                 _fail(
                     path,
