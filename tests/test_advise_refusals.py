@@ -121,8 +121,8 @@ def test_negative_estimate_reads_no_detectable_gain(report, protocol):
     assert by_point["model.layers.1"].predicted_change is None
     assert by_point["model.layers.2"].predicted_change == 0.0  # a zero estimate is not negative
     row = next(line for line in advice.to_markdown().splitlines() if "| model.layers.1 |" in line)
-    # column 13: the predicted change per unit SGD step (the first-step columns follow it)
-    assert row.split("|")[13].strip() == "no detectable gain"
+    # column 14: the predicted change per unit SGD step (the first-step columns follow it)
+    assert row.split("|")[14].strip() == "no detectable gain"
     assert json.loads(json.dumps(advice.to_dict()))["ranked"][-1]["predicted_change"] is None
 
 

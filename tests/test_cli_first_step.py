@@ -1,6 +1,6 @@
 """First-step predictions from the command line: ``probe --growth ... --optimizer`` prints
-fs.predicted_change per candidate; ``advise --optimizer`` says that reports keep no tangents and
-prints the per-unit-step numbers. References: fs.predicted_change on a probe built in Python over
+fs.predicted_change per candidate; ``advise --optimizer`` prints the change at the given lr where
+the reports' per-unit-step numbers give it (SGD, Adam at the advice's eps) and those numbers. References: fs.predicted_change on a probe built in Python over
 the same windows with the same torch optimizer; Nesterov SGD's first step against (1 + μ)·lr times
 the report's per-unit-step SGD number (the rule worked by hand: the first buffer is g, the step
 g + μ·g). Bad options: exit 2, one error line, nothing written, before the model loads."""
@@ -84,16 +84,24 @@ def test_nesterov_sgd_is_one_plus_mu_times_the_unit_step_number(folder, capsys):
         assert ours[c.point] == pytest.approx(1.9 * 0.01 * c.predicted_change_sgd, rel=1e-5), c.point
 
 
-def test_advise_says_the_prediction_needs_the_probe_and_gives_the_unit_step_numbers(folder, capsys):
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_advise_prints_the_change_at_the_given_lr_as_the_probe_predicts_it(folder, capsys, optimizer):
+    """advise --optimizer X --lr: the numbers at that lr equal the ones probe --growth prints from
+    the live tangents with torch's own optimizer (fs.predicted_change), and the per-unit numbers
+    follow."""
     path = write_protocol(folder, PROTOCOL)
-    assert main([str(a) for a in probe_argv(folder, path)]) == 0
+    options = ["--optimizer", optimizer, "--lr", "1e-3"]
+    assert main([str(a) for a in probe_argv(folder, path, *options)]) == 0
+    from_probe = printed(capsys.readouterr().out)
     report = folder / "out" / "report.json"
-    argv = ["advise", report, "--out", folder / "adv", "--no-plot", "--optimizer", "adam", "--lr", "1e-3"]
-    capsys.readouterr()
+    argv = ["advise", report, "--out", folder / "adv", "--no-plot", *options]
     assert main([str(a) for a in argv]) == 0
     out = capsys.readouterr().out
-    assert "not from reports, which keep no tangents" in out and "fused-stats probe --growth" in out
-    assert (folder / "adv" / "advice.json").is_file()
+    from_advise = printed(out)
+    assert set(from_advise) == set(from_probe) and len(from_probe) == 2
+    for point, value in from_probe.items():
+        assert from_advise[point] == pytest.approx(value, rel=1e-5), point
+    assert "fused-stats probe --growth" in out and (folder / "adv" / "advice.json").is_file()
     for c in fs.advise(report).ranked:
         assert f"  {c.point}: sgd {c.predicted_change_sgd:+.6g}, adam {c.predicted_change_adam:+.6g}" in out
 

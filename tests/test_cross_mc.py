@@ -43,7 +43,7 @@ def run_reps(q, z, w_in, activation="relu", alpha=0.05):
         s = acc.saturation(alpha)
         assert s.n == n
         out["est"].append(s.cross_frob2)
-        out["se"].append(s.cross_frob2_se)
+        out["se"].append(math.nan if s.cross_frob2_se is None else s.cross_frob2_se)  # None: not estimable
         out["se0"].append(s.cross_frob2_se_null)
         out["saturated"].append(s.saturated)
         out["p"].append(s.p_value)

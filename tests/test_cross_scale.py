@@ -112,8 +112,10 @@ def assert_same_sums(got: CrossStats, ref: CrossStats, rel=1e-10) -> None:
 
 
 def same_number(a: float, b: float, rel: float) -> bool:
-    """Equal to ``rel``, or both NaN (an SE that is not estimable at this n, on both sides)."""
-    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rel, abs_tol=0)
+    """Equal to ``rel``, or both None (a value not estimable at this n, on both sides)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return math.isclose(a, b, rel_tol=rel, abs_tol=0)
 
 
 def assert_same_saturation(a, b, rel=1e-10) -> None:

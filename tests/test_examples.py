@@ -28,12 +28,12 @@ def test_quickstart(tmp_path):
         "Certificate(",
         "Misalignment(",
         "realized alignment",
-        "Saturation(",
+        "test of C = 0 (SE under H0 = ",  # print(probe.saturation(point)): the labelled line
         "| eta | predicted | measured | ratio |",
     ):
         assert needle in out, needle
     # at n = 32 the plug-in variance of |C|_F^2 comes out negative at a point: no false "0"
-    assert "SE not estimable at this n" in out and "cross_frob2_se=0," not in out
+    assert "SE of the estimate = not estimable" in out and "cross_frob2_se=0," not in out
 
 
 def test_probe_llama_tiny(tmp_path):

@@ -35,13 +35,14 @@ def brute_force(q: torch.Tensor) -> dict:
     )
     mu4, msm, tr2 = float(u4), float(u3 - u4), float(u2 - 2 * u3 + u4)
     norms = q.norm(dim=1)
-    # docs/design.md, section 2 conventions: |mu|^4 <= 0 means no signal (dimensions 0); a variance
-    # estimate <= 0 makes that bound vacuous (infinite dimension)
+    # docs/design.md, section 2 conventions: |mu|^4 <= 0 means no signal (dimensions 0); a ratio over
+    # a variance estimate <= 0 is not estimable (None), and d_align is then the other ratio
     if mu4 > 0:
-        d_par = mu4 / msm if msm > 0 else math.inf
-        d_2 = mu4 / tr2 if tr2 > 0 else math.inf
+        d_par = mu4 / msm if msm > 0 else None
+        d_2 = mu4 / tr2 if tr2 > 0 else None
     else:
         d_par = d_2 = 0.0
+    ratios = [d for d in (d_par, d_2) if d is not None]
     return {
         "n": n,
         "mu_norm2": float(u1),
@@ -50,7 +51,7 @@ def brute_force(q: torch.Tensor) -> dict:
         "trace_sigma2": tr2,
         "d_par": d_par,
         "d_2": d_2,
-        "d_align": min(d_par, d_2),
+        "d_align": min(ratios) if ratios else None,
         "ag_max": float(norms.max()),
         "ag_mean": float(norms.mean()),
     }
@@ -113,6 +114,9 @@ def test_report_numbers_equal_brute_force_u_statistics():
         for stream, q in (("train", qa), ("test", qb)):
             ref = brute_force(q)
             for key, value in ref.items():
+                if value is None:  # not estimable at this n: None, never inf
+                    assert entry[stream][key] is None and key in entry[stream]["not_estimable"], key
+                    continue
                 assert entry[stream][key] == pytest.approx(value, rel=1e-9, abs=1e-12), (stream, key)
         ref = brute_force(qa)
         M, K = 3, 4
@@ -194,6 +198,9 @@ def test_markdown_shows_brute_force_values():
         table = _table_after(md, f"## Point `{entry['name']}`")
         for label, key in labels.items():
             for col, q in enumerate((qa, qb)):
+                if brute_force(q)[key] is None:  # not estimable at this n
+                    assert table[label][col] == "—", (label, col)
+                    continue
                 shown = float(table[label][col])
                 # 4 significant digits are printed
                 assert shown == pytest.approx(brute_force(q)[key], rel=1e-3), (label, col)
@@ -672,8 +679,8 @@ def test_markdown_says_when_the_saturation_se_is_not_estimable():
     data["points"][1]["saturation"] = {"cross_frob2": 3e-5, "cross_frob2_se": 2.5e-5, "z": 0.9}
     lines = [line for line in Report(data).to_markdown().splitlines() if line.startswith("- saturation")]
     assert len(lines) == 2
-    assert "cross_frob2_se=SE not estimable at this n" in lines[0] and "nan" not in lines[0]
-    assert "cross_frob2_se=2.5e-05" in lines[1]
+    assert "SE of the estimate = not estimable" in lines[0] and "nan" not in lines[0]
+    assert "SE of the estimate = 2.5e-05" in lines[1]
 
 
 def _transfer_colours(ax) -> dict:

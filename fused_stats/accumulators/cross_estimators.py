@@ -17,12 +17,19 @@ With ``n`` samples, ``Σ c_i``, ``Σ |c_i|_F²`` and the within-batch tuple aver
   and ``tr Σ_c² = E[k_ij²]`` under H0) and the Wilson–Hilferty cube-root normal approximation of
   the chi-square tail. ``saturated`` means H0 was not rejected at level ``alpha``; ``z`` is the
   equivalent standard-normal score.
+
+Two standard errors, and which one the test uses: ``cross_frob2_se`` (full Hoeffding variance) is
+the error of the estimate wherever ``C`` is; ``cross_frob2_se_null`` is the spread under H0, the scale
+the test's ``z`` and ``p`` come from. Where ``C ≠ 0`` the first is the larger (the ``ζ1`` term), so
+an estimate can lie within one SE of 0 while the test rejects H0; every printed line shows both,
+labelled (:func:`saturation_line`). A value not estimable at this n (the plug-in Hoeffding variance
+below 0; a null variance of 0) is None, with the reason in ``not_estimable``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -32,6 +39,7 @@ __all__ = [
     "Saturation",
     "normal_sf",
     "null_tail",
+    "saturation_line",
     "saturation_test",
     "unbiased_frob2",
 ]
@@ -48,20 +56,23 @@ UNADJUSTED_TEST = (
 @dataclass(frozen=True)
 class Saturation:
     """Depth-saturation summary at one point: ``p_value`` and ``saturated`` are this point's
-    own test (``test``), not adjusted for the other points probed with it."""
+    own test (``test``), not adjusted for the other points probed with it. ``z`` and ``p_value``
+    come from the null standard error ``cross_frob2_se_null``, not from ``cross_frob2_se``
+    (module docstring); ``not_estimable``: ``{field: reason}`` for each field that is None."""
 
     n: int
     rank: int
     cross_frob2: float  # unbiased |C|_F^2
-    cross_frob2_se: float  # standard error (full Hoeffding variance, plug-in); NaN when that is < 0
-    cross_frob2_se_null: float  # standard error under H0: C = 0
-    z: float
+    cross_frob2_se: float | None  # SE of the estimate (full Hoeffding, plug-in); None: variance < 0
+    cross_frob2_se_null: float  # SE under H0: C = 0, the one the test uses
+    z: float | None  # None where the null variance estimate is 0 (p is then 0 or 1)
     p_value: float
     alpha: float
     saturated: bool
-    ag_max: float
-    ag_mean: float
+    ag_max: float | None
+    ag_mean: float | None
     test: str = UNADJUSTED_TEST
+    not_estimable: dict = field(default_factory=dict)
 
     @property
     def cross_frob(self) -> float:
@@ -72,6 +83,37 @@ class Saturation:
         out = asdict(self)
         out["cross_frob"] = self.cross_frob
         return out
+
+    def __str__(self) -> str:
+        return saturation_line(self.to_dict())
+
+
+_MISSING = object()
+
+
+def _num(value, spec: str = ".3g") -> str:
+    """``—`` for a key the dict lacks, "not estimable" for a None value, else the number."""
+    if value is _MISSING:
+        return "—"
+    return "not estimable" if value is None else format(value, spec)
+
+
+def saturation_line(sat: dict) -> str:
+    """One saturation test as printed everywhere (CLI, markdown, the demo): the estimate, the
+    null SE the test uses with its z and p, the verdict, then the estimate's own SE, each
+    labelled. ``sat``: a :meth:`Saturation.to_dict` (or a report's saturation dict)."""
+
+    def get(key, spec=".3g"):
+        return _num(sat.get(key, _MISSING), spec)
+
+    verdict = {True: "saturated", False: "not saturated"}.get(sat.get("saturated"), "verdict —")
+    reason = (sat.get("not_estimable") or {}).get("cross_frob2_se")
+    own = get("cross_frob2_se") + (f" ({reason})" if reason else "")
+    return (
+        f"|C|_F^2 = {get('cross_frob2')}; test of C = 0 (SE under H0 = {get('cross_frob2_se_null')}): "
+        f"z = {get('z')}, p = {get('p_value')}, {verdict} at alpha = {get('alpha', 'g')}; "
+        f"SE of the estimate = {own}"
+    )
 
 
 @dataclass(frozen=True)
@@ -104,10 +146,11 @@ def normal_sf(z: float) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
-def null_tail(value: float, n: int, tr1: float, tr2: float) -> tuple[float, float]:
-    """``(z, p)``: upper-tail p-value of ``|C|²_hat = value`` under H0 (module docstring)."""
+def null_tail(value: float, n: int, tr1: float, tr2: float) -> tuple[float | None, float]:
+    """``(z, p)``: upper-tail p-value of ``|C|²_hat = value`` under H0 (module docstring); ``z`` is
+    None where a null variance estimate is 0 (no scale: p is 0 for a positive value, else 1)."""
     if tr2 <= 0 or tr1 <= 0:
-        return (math.inf, 0.0) if value > 0 else (0.0, 1.0)
+        return None, (0.0 if value > 0 else 1.0)
     scale, dof = tr2 / tr1, tr1 * tr1 / tr2
     x = max(((n - 1) * value + tr1) / scale, 0.0)
     # Wilson–Hilferty: (χ²_ν/ν)^(1/3) ≈ N(1 − 2/(9ν), 2/(9ν))
@@ -122,7 +165,15 @@ def unbiased_frob2(c_sum: torch.Tensor, sq_norm_sum: torch.Tensor, n: int) -> fl
 
 
 def saturation_test(
-    value: float, n: int, rank: int, u, p_counts, sq_norm_sum, alpha: float, ag_max: float, ag_mean: float
+    value: float,
+    n: int,
+    rank: int,
+    u,
+    p_counts,
+    sq_norm_sum,
+    alpha: float,
+    ag_max: float | None,
+    ag_mean: float | None,
 ) -> Saturation:
     """The saturation test at level ``alpha`` of ``|C|²_hat = value`` from the tuple sums ``u``
     (``Σ k², Σ k k', Σ k k''``) and their counts ``p_counts`` (``p_counts[0] > 0``), with
@@ -132,10 +183,15 @@ def saturation_test(
     e3 = float(u[1]) / p_counts[1] if p_counts[1] else m4
     zeta1, zeta2 = e3 - m4, e2 - m4
     var = (4 * (n - 2) * zeta1 + 2 * zeta2) / (n * (n - 1))
+    reasons = {}
     # the plug-in variance can come out negative at small n: no standard error, not a zero one
-    se = math.sqrt(var) if var >= 0 else math.nan
+    se = math.sqrt(var) if var >= 0 else None
+    if se is None:
+        reasons["cross_frob2_se"] = f"its plug-in Hoeffding variance {var:.3e} is < 0 at n={n}"
     se0 = math.sqrt(max(2 * e2 / (n * (n - 1)), 0.0))
     z, p = null_tail(value, n, tr1=float(sq_norm_sum) / n, tr2=e2)
+    if z is None:
+        reasons["z"] = f"the null variance estimate is 0 at n={n} (p from the sign of |C|_F^2 alone)"
     return Saturation(
         n=n,
         rank=rank,
@@ -148,4 +204,5 @@ def saturation_test(
         saturated=p > alpha,
         ag_max=ag_max,
         ag_mean=ag_mean,
+        not_estimable=reasons,
     )

@@ -32,7 +32,6 @@ exposed by :meth:`CrossStats.estimate` for comparison with other tools.
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar, Literal
 
 import torch
@@ -528,7 +527,7 @@ class CrossStats(StackedCrossUpdates, Accumulator):
         return unbiased_frob2(self.c_sum, self.sq_norm_sum, self.n)
 
     def saturation(
-        self, alpha: float = 0.05, ag_max: float = math.nan, ag_mean: float = math.nan
+        self, alpha: float = 0.05, ag_max: float | None = None, ag_mean: float | None = None
     ) -> Saturation:
         """The saturation test at level ``alpha`` (:mod:`~fused_stats.accumulators.cross_estimators`)."""
         if not 0 < alpha < 1:

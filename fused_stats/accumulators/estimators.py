@@ -16,15 +16,34 @@ Certificate (width paper, Theorem 1): for a train mean over M draws and a test m
 ``Var(μ_Mᵀg_K) = (1/M + 1/K) μᵀΣμ + tr(Σ²)/(MK)``; ``d_par = |μ|⁴/μᵀΣμ``, ``d_2 = |μ|⁴/tr(Σ²)``,
 ``d_align = min(d_par, d_2)``, ``n_eff = MK/(M+K+1)``, ``B_align = 1/(1 + n_eff d_align)`` and the
 Cantelli bound ``B_exact = Var/(Var + |μ|⁴)``, with ``Pr(μ_Mᵀg_K ≤ 0) ≤ B_exact ≤ B_align``.
-A non-positive ``|μ|⁴`` estimate means "no certificate": B = 1, d_align = 0, ``certified=False``.
+A non-positive ``|μ|⁴`` estimate means "no certificate": B = 1, d_align = 0, ``estimable=False``.
+
+Read ``d_align`` as a sample size: a larger value means a smaller bound ``B_align`` on the probability
+that a direction found on M training samples is misaligned on K test samples; ``n_eff d_align = 1``
+gives ``B_align = 1/2``, ``n_eff d_align = 99`` gives ``B_align = 0.01``.
+
+Not estimable at this n: an unbiased variance estimate (``μᵀΣμ`` or ``tr(Σ²)``) can come out ``≤ 0``
+by chance. The ratio over it (``d_par`` or ``d_2``) is then None, never inf, and
+``Estimate.not_estimable`` names the field and the reason; ``d_align`` is the other ratio, or None
+(and no certificate) when neither is estimable.
 """
 
 from __future__ import annotations
 
-import math
+import warnings
 from dataclasses import asdict, dataclass, field
 
 from .plugin import PluginEstimate, plugin_from_centred
+
+# one line that says what d_align is and how to read it, printed beside every d_align a report shows
+D_ALIGN_READING = (
+    "d_align = min(d_par, d_2), with d_par = ‖μ‖⁴/μᵀΣμ and d_2 = ‖μ‖⁴/tr(Σ²), measures how well the "
+    "mean gradient stands out of the per-sample noise. A larger value means a smaller bound "
+    "B_align = 1/(1 + n_eff·d_align) on the probability that a direction found on M training samples "
+    "is misaligned on K test samples (n_eff = MK/(M+K+1)): n_eff·d_align = 1 gives B_align = 1/2, "
+    "n_eff·d_align = 99 gives 0.01. '—' marks a value not estimable at this n (the reason is "
+    "printed with the point)."
+)
 
 
 @dataclass(frozen=True)
@@ -35,8 +54,9 @@ class Certificate:
     * ``b_align = 1/(1 + n_eff·d_align)``;
     * ``b_exact = Var/(Var + |μ|⁴)`` (Cantelli) with ``Var = (1/M + 1/K) μᵀΣμ + tr(Σ²)/(MK)``;
       ``Pr(μ_Mᵀg_K ≤ 0) ≤ b_exact ≤ b_align``;
-    * ``certified``: False (and both bounds 1) when the ``|μ|⁴`` estimate is ``≤ 0``; ``reason``
-      says why.
+    * ``estimable``: whether the bounds could be estimated at this n; False (and both bounds the
+      vacuous 1) when the ``|μ|⁴`` estimate is ``≤ 0`` or no variance estimate is ``> 0``;
+      ``reason`` says why. It says nothing about how small the bounds are.
     """
 
     M: int
@@ -44,8 +64,19 @@ class Certificate:
     n_eff: float
     b_align: float
     b_exact: float
-    certified: bool
+    estimable: bool
     reason: str = ""
+
+    @property
+    def certified(self) -> bool:
+        """Deprecated name of :attr:`estimable` (it never meant "the bound is small")."""
+        warnings.warn(
+            "Certificate.certified is deprecated: use Certificate.estimable (whether the bounds "
+            "could be estimated at this n)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.estimable
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,10 +96,13 @@ class Estimate:
     * ``trace_sigma2 = U2 − 2U3 + U4`` estimates ``tr(Σ²)``;
     * ``trace_sigma = Σ|q_i − q̄|²/(n−1)`` estimates ``tr Σ``;
     * ``d_par = mu_norm4/mu_sigma_mu``, ``d_2 = mu_norm4/trace_sigma2``,
-      ``d_align = min(d_par, d_2)`` (ratios of unbiased estimates; ``inf`` where the denominator
-      estimate is ``≤ 0``, and 0 when ``has_signal`` is False);
+      ``d_align = min(d_par, d_2)`` (ratios of unbiased estimates; None where the denominator
+      estimate is ``≤ 0``, with the reason in ``not_estimable``; ``d_align`` is then the other
+      ratio, None when neither is estimable; all 0 when ``has_signal`` is False);
     * ``ag_max = max_i |q_i|``, ``ag_mean = Σ|q_i|/n`` (the depth paper's indicators);
-    * ``has_signal``: whether ``mu_norm4 > 0`` (else no certificate).
+    * ``has_signal``: whether ``mu_norm4 > 0`` (else no certificate);
+    * ``not_estimable``: ``{field: reason}`` for each field that is None because it cannot be
+      estimated at this n.
 
     All are computed in fp64 from centred streaming sums (module docstring), exactly equal to the
     U-statistics above.
@@ -81,20 +115,22 @@ class Estimate:
     mu_sigma_mu: float
     trace_sigma2: float
     trace_sigma: float
-    d_par: float
-    d_2: float
-    d_align: float
+    d_par: float | None
+    d_2: float | None
+    d_align: float | None
     ag_max: float
     ag_mean: float
     has_signal: bool = field(default=True)
     # the biased values per-sequence scripts report (fused_stats.accumulators.plugin)
     plugin: PluginEstimate | None = field(default=None)
+    not_estimable: dict = field(default_factory=dict)
 
     @property
-    def effective_rank(self) -> float:
-        """``(tr Σ)² / tr(Σ²)`` (a ratio of estimates, not itself unbiased); nan if undefined."""
+    def effective_rank(self) -> float | None:
+        """``(tr Σ)² / tr(Σ²)`` (a ratio of estimates, not itself unbiased); None where the
+        ``tr(Σ²)`` estimate is ``≤ 0``."""
         if self.trace_sigma2 <= 0:
-            return math.nan
+            return None
         return self.trace_sigma**2 / self.trace_sigma2
 
     def certificate(self, M: int, K: int) -> Certificate:
@@ -135,11 +171,16 @@ def finalize(
     mu_sigma_mu = beta / (n - 1) - 2 * tau / ((n - 1) * (n - 2)) + (2 * n * a2 - (n - 1) * F - a1 * a1) / n4
     trace_sigma2 = ((n - 1) * (n - 2) * F - n * (n - 1) * a2 + a1 * a1) / n4
     has_signal = mu_norm4 > 0
+    reasons = {}
     if has_signal:
-        # an unbiased variance estimate can come out <= 0 by chance: then that bound is vacuous
-        d_par = mu_norm4 / mu_sigma_mu if mu_sigma_mu > 0 else math.inf
-        d_2 = mu_norm4 / trace_sigma2 if trace_sigma2 > 0 else math.inf
-        d_align = min(d_par, d_2)
+        # an unbiased variance estimate can come out <= 0 by chance: the ratio over it is not
+        # estimable at this n (None, not inf), and d_align rests on the other ratio alone
+        d_par = _ratio_or_reason(mu_norm4, mu_sigma_mu, "d_par", "mu_sigma_mu (μᵀΣμ)", n, reasons)
+        d_2 = _ratio_or_reason(mu_norm4, trace_sigma2, "d_2", "trace_sigma2 (tr(Σ²))", n, reasons)
+        estimable = [d for d in (d_par, d_2) if d is not None]
+        d_align = min(estimable) if estimable else None
+        if d_align is None:
+            reasons["d_align"] = f"neither variance estimate is > 0 at n={n}"
     else:
         d_par = d_2 = d_align = 0.0
     return Estimate(
@@ -157,7 +198,16 @@ def finalize(
         ag_mean=ag_sum / n,
         has_signal=has_signal,
         plugin=plugin_from_centred(n, kappa, beta, F),
+        not_estimable=reasons,
     )
+
+
+def _ratio_or_reason(num: float, den: float, name: str, den_name: str, n: int, reasons: dict):
+    """``num/den``, or None with ``reasons[name]`` set when the estimate ``den`` is ``≤ 0``."""
+    if den > 0:
+        return num / den
+    reasons[name] = f"the {den_name} estimate {den:.3e} is <= 0 at n={n}"
+    return None
 
 
 def certificate(est: Estimate, M: int, K: int) -> Certificate:
@@ -172,6 +222,8 @@ def certificate(est: Estimate, M: int, K: int) -> Certificate:
         return Certificate(
             M, K, n_eff, 1.0, 1.0, False, f"no certificate: estimated |mu|^4 = {est.mu_norm4:.3e} <= 0"
         )
+    if est.d_align is None:
+        return Certificate(M, K, n_eff, 1.0, 1.0, False, f"no certificate: {est.not_estimable['d_align']}")
     var = (1 / M + 1 / K) * max(est.mu_sigma_mu, 0.0) + max(est.trace_sigma2, 0.0) / (M * K)
     b_exact = var / (var + est.mu_norm4)
     b_align = 1.0 / (1.0 + n_eff * est.d_align)

@@ -18,7 +18,6 @@ reported only for comparison with such scripts, never used for a certificate.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 
@@ -29,9 +28,9 @@ class PluginEstimate:
     S: float
     V: float
     T: float
-    d_par: float
-    d_2: float
-    d_align: float
+    d_par: float | None  # None where V = 0 (no spread along the mean: not estimable)
+    d_2: float | None  # None where T = 0
+    d_align: float | None  # the smaller of the two that exist; None where neither does
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,6 +43,7 @@ def plugin_from_centred(n: int, kappa: float, beta: float, F: float) -> PluginEs
     V = beta / (n - 1)
     T = F / (n - 1) ** 2
     S2 = S * S
-    d_par = S2 / V if V > 0 else math.inf
-    d_2 = S2 / T if T > 0 else math.inf
-    return PluginEstimate(S=S, V=V, T=T, d_par=d_par, d_2=d_2, d_align=min(d_par, d_2))
+    d_par = S2 / V if V > 0 else None
+    d_2 = S2 / T if T > 0 else None
+    ratios = [d for d in (d_par, d_2) if d is not None]
+    return PluginEstimate(S=S, V=V, T=T, d_par=d_par, d_2=d_2, d_align=min(ratios) if ratios else None)

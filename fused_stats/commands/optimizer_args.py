@@ -173,15 +173,46 @@ def prediction_lines(probe, model, settings) -> list[str]:
 
 
 def unit_step_lines(advice, settings) -> list[str]:
-    """What ``advise`` can say from reports: that the prediction needs the probe, and the
-    per-unit-step numbers."""
+    """What ``advise`` can say from reports: the first-order change at the given lr where the
+    reports' per-unit-step numbers give it (SGD; Adam/AdamW at the advice's eps), why not where
+    they do not, and the per-unit-step numbers themselves."""
+    lr = settings[1]["lr"]
     lines = [
-        f"first-step prediction for {describe(settings)}: not from reports, which keep no tangents; "
-        "run 'fused-stats probe --growth PROTOCOL.toml' with the same --optimizer options, which prints it. "
-        f"Per unit step (multiply by lr): SGD -<C_M, C_K>, zero-state Adam -<s_M, C_K> at eps {advice.adam_eps:g}:"
+        f"first-step prediction for {describe(settings)} (first order, change of the mean test loss, "
+        f"one step at lr {lr:g}):"
     ]
+    for c in advice.ranked:
+        value, why = at_lr(advice, settings, c)
+        lines.append(f"  {c.point}: " + (f"{value:+.6g}" if value is not None else f"n/a ({why})"))
+    lines.append(
+        "Per unit step (the numbers above divided by lr): SGD -<C_M, C_K>, zero-state Adam -<s_M, C_K> "
+        f"at eps {advice.adam_eps:g}; 'fused-stats probe --growth PROTOCOL.toml' with the same "
+        "--optimizer options predicts every optimizer from the live tangents:"
+    )
     for c in advice.ranked:
         sgd = "n/a" if c.predicted_change_sgd is None else f"{c.predicted_change_sgd:+.6g}"
         adam = "n/a" if c.predicted_change_adam is None else f"{c.predicted_change_adam:+.6g}"
         lines.append(f"  {c.point}: sgd {sgd}, adam {adam}")
     return lines
+
+
+def at_lr(advice, settings, candidate) -> tuple[float | None, str]:
+    """``(change, "")`` of one first step at the settings' lr from a candidate's per-unit-step
+    numbers, or ``(None, why)``. On the new zero parameters weight decay adds nothing; SGD's first
+    step is ``lr·g`` (Nesterov: ``lr·(1 + momentum)·g``, torch's buffer starts at ``g``); zero-state
+    Adam/AdamW's is ``lr·g/(|g| + eps)`` whatever the betas (bias correction)."""
+    name, kwargs = settings
+    lr = kwargs["lr"]
+    if name == "SGD":
+        if candidate.predicted_change_sgd is None:
+            return None, "no SGD score in the reports"
+        factor = 1.0 + kwargs.get("momentum", 0.0) if kwargs.get("nesterov") else 1.0
+        return lr * factor * candidate.predicted_change_sgd, ""
+    if name in ("Adam", "AdamW"):
+        eps = kwargs.get("eps", 1e-8)  # torch's default
+        if eps != advice.adam_eps:
+            return None, f"the reports' Adam score is at eps {advice.adam_eps:g}, not {eps:g}"
+        if candidate.predicted_change_adam is None:
+            return None, "no Adam score in the reports"
+        return lr * candidate.predicted_change_adam, ""
+    return None, f"the reports keep no {name} score; probe --growth predicts it"

@@ -33,8 +33,8 @@ from ..errors import FusedStatsError
 from ..networks.pretrained import resolve_model
 from . import optimizer_args
 from .args import check_out_folder, int_at_least, nonnegative_int, positive_int
+from .probe_data import HELD_OUT, _batches, _split_rows, _split_stream, short_of_data  # noqa: F401
 
-HELD_OUT = 0.1
 MASKS = ("labels", "attention", "none")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -213,9 +213,15 @@ def check_causal_config(config, spec: str) -> None:
 
 def _known_model_type(config_file: Path, spec: str, transformers) -> None:
     """A folder's config.json with an unknown ``model_type`` gets a one-line error (transformers'
-    own message lists every known type)."""
+    own message lists every known type); a folder without one is told so (transformers would ask
+    for a model_type key)."""
     from transformers import CONFIG_MAPPING
 
+    if not config_file.is_file():
+        raise FusedStatsError(
+            f"--model {spec!r}: the folder has no {config_file.name} (a saved Hugging Face model "
+            "folder holds config.json beside its weights; or pass a config .json file)"
+        )
     try:
         kind = json.loads(config_file.read_text()).get("model_type")
     except (OSError, UnicodeDecodeError, ValueError, AttributeError):
@@ -388,32 +394,6 @@ def load_tokens(args, tokenizer):
     return train, test, f"python stdlib source as bytes ({corpus.describe()})"
 
 
-def _split_stream(ids, T: int, what: str):
-    n = ids.numel() // T
-    if n < 2:
-        raise FusedStatsError(f"{what}: fewer than 2 windows of --seq-len {T}")
-    windows = ids[: n * T].view(n, T)
-    return _split_rows(windows, what)
-
-
-def _split_rows(rows, what: str):
-    n = rows.shape[0]
-    n_test = max(1, round(n * HELD_OUT))
-    if n - n_test < 1:
-        raise FusedStatsError(f"{what}: {n} sequences are too few for a train and a test part")
-    return (
-        rows[: n - n_test],
-        rows[n - n_test :],
-        f"{what}; first {n - n_test} sequences -> train, last {n_test} -> test",
-    )
-
-
-def _batches(rows, batch_size: int, count: int, device):
-    """Batches of ``input_ids`` with ``labels`` (the same ids: ``causal_lm_loss`` shifts them)."""
-    out = [rows[i : i + batch_size].to(device) for i in range(0, rows.shape[0], batch_size)][:count]
-    return [{"input_ids": b, "labels": b} for b in out]
-
-
 # ---------------------------------------------------------------------------- command
 def check_arguments(args):
     """Every check that needs neither the model nor the data; returns ``(device, out, protocol
@@ -535,6 +515,7 @@ def cmd_probe(args) -> int:
     test_count = args.test_batches or args.batches
     counts = {}
     for stream, rows, count in (("train", train, args.batches), ("test", test, test_count)):
+        short_of_data(stream, rows.shape[0], count, args)
         batches = _batches(rows, args.batch_size, count, device)
         with Progress(len(batches), f"probe {stream}", enabled=progress, unit="batches") as bar:
             for batch in batches:

@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ...accumulators.estimators import Estimate
+from ...accumulators.estimators import D_ALIGN_READING, Estimate
 from ...errors import FusedStatsError
 from ..report.document import Report, fmt, fmt_se, save_figure
 from .first_step import tangent_record
@@ -71,8 +71,8 @@ class Candidate:
 
     point: str
     cross_frob2: float
-    se: float
-    z: float
+    se: float | None  # SE of the estimate (full Hoeffding); None: not estimable at this n
+    z: float | None  # None where the null variance estimate is 0
     p_value: float
     p_adjusted: float
     saturated: bool  # Holm-adjusted p > alpha
@@ -88,6 +88,7 @@ class Candidate:
     signal_fraction: float | None = None  # |C|_F² / E|c_i|_F² (train stream)
     # (⟨s_A, C_B⟩ + ⟨s_B, C_A⟩)/2, halves A/B: even/odd train steps; None under a projection
     split_adam_score: float | None = None
+    se_null: float | None = None  # SE under H0: C = 0, the one z and p come from
     # advice from a live probe: the mean train / test tangents for fs.predicted_change (not saved)
     first_step: object = field(default=None, compare=False, repr=False)
 
@@ -228,17 +229,23 @@ class Advice:
                 if self.protocol.get("projection") is None
                 else f" Measured through a fixed random projection to k = {self.protocol['projection']} "
                 "features: |C|_F² and se are (r/k)|C Pᵀ|_F², unbiased over P; p is unchanged."
-            ),
+            )
+            + " Two standard errors: se (H0) is the spread of ‖C‖_F² under C = 0, the scale z and p "
+            "come from; se (estimate) is the error of ‖C‖_F² itself, larger where C ≠ 0, so an "
+            "estimate within one se (estimate) of 0 can still reject C = 0.",
             "",
-            "| rank | point | n | r | ‖C‖_F² | se | z | p | p (Holm) | saturated | d_align | B_exact "
+            D_ALIGN_READING,
+            "",
+            "| rank | point | n | r | ‖C‖_F² | se (H0) | z | p | p (Holm) | saturated | se (estimate) "
+            "| d_align | B_exact "
             "| predicted ΔL per unit step | ΔL SGD | ΔL Adam | signal fraction | split Adam score |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for i, c in enumerate(self.ranked, 1):
             lines.append(
-                f"| {i} | {c.point} | {c.n} | {c.features or c.rank} | {fmt(c.cross_frob2)} | {fmt_se(c.se)} "
-                f"| {fmt(c.z)} "
-                f"| {fmt(c.p_value)} | {fmt(c.p_adjusted)} | {'yes' if c.saturated else 'no'} "
+                f"| {i} | {c.point} | {c.n} | {c.features or c.rank} | {fmt(c.cross_frob2)} "
+                f"| {_cell(c.se_null)} | {_cell(c.z)} "
+                f"| {fmt(c.p_value)} | {fmt(c.p_adjusted)} | {'yes' if c.saturated else 'no'} | {fmt_se(c.se)} "
                 f"| {fmt(c.d_align)} | {fmt(c.b_exact)} | "
                 f"{NO_DETECTABLE_GAIN if c.predicted_change is None else fmt(c.predicted_change)} "
                 f"| {_cell(c.predicted_change_sgd)} | {_cell(c.predicted_change_adam)} "
@@ -248,21 +255,27 @@ class Advice:
         return "\n".join(lines)
 
     def plot(self, path) -> Path:
-        """|C|_F² ± se per candidate (filled: not saturated) and the Holm-adjusted p-values."""
+        """|C|_F² per candidate with ± its SE under H0 (thick, the test's scale) and ± its own SE
+        (thin; filled: not saturated), and the Holm-adjusted p-values."""
         from ..report.plots import figure_classes
 
         Figure, Canvas = figure_classes()
         names = [c.point for c in self.ranked]
         ys = [c.cross_frob2 for c in self.ranked]
-        es = [c.se for c in self.ranked]
+        es = [0.0 if c.se is None else c.se for c in self.ranked]
+        es0 = [0.0 if c.se_null is None else c.se_null for c in self.ranked]
         fig = Figure(figsize=(max(8.0, 1.0 + 0.9 * len(names)), 4.2))
         Canvas(fig)
         a1, a2 = fig.subplots(1, 2)
         xs = list(range(len(names)))
         colors = ["tab:blue" if not c.saturated else "white" for c in self.ranked]
-        a1.bar(xs, ys, yerr=es, color=colors, edgecolor="tab:blue", capsize=3)
+        a1.bar(xs, ys, color=colors, edgecolor="tab:blue")
+        a1.errorbar(xs, ys, yerr=es0, fmt="none", elinewidth=6, alpha=0.35, color="tab:orange",
+                    label="± se under H0 (the test's)")  # fmt: skip
+        a1.errorbar(xs, ys, yerr=es, fmt="none", capsize=3, color="black", label="± se of the estimate")
         a1.axhline(0.0, color="black", lw=0.8)
-        a1.set_title("first-order gain |C|_F² ± se (filled: not saturated)", fontsize=9)
+        a1.legend(loc="upper right", fontsize=7)
+        a1.set_title("first-order gain |C|_F² (filled: not saturated)", fontsize=9)
         p = [max(c.p_adjusted, 1e-300) for c in self.ranked]
         a2.bar(xs, [-math.log10(v) for v in p], color="tab:orange")
         a2.axhline(-math.log10(self.alpha), color="black", ls="--", lw=0.8, label=f"alpha = {self.alpha:g}")
@@ -286,6 +299,14 @@ def _adam_label(size, eps: float) -> str:
         f"zero-state Adam/AdamW on a batch of B = {size}: the mean of −⟨s_b, C_K⟩ over B-sized "
         f"sub-batches of the train stream, s_b = C_b/(|C_b|+ε), ε = {eps:g}"
     )
+
+
+def _scaled(scale: float, value) -> float | None:
+    """``scale · value``, None where the report holds none (not estimable; NaN or inf in reports
+    written before such values became None)."""
+    if value is None or not math.isfinite(float(value)):
+        return None
+    return scale * float(value)
 
 
 def _cell(value) -> str:
@@ -519,8 +540,9 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
             Candidate(
                 point=name,
                 cross_frob2=scale * float(sat["cross_frob2"]),
-                se=scale * float(sat["cross_frob2_se"]),
-                z=float(sat["z"]),
+                se=_scaled(scale, sat.get("cross_frob2_se")),
+                se_null=_scaled(scale, sat.get("cross_frob2_se_null")),
+                z=_scaled(1.0, sat.get("z")),
                 p_value=float(sat["p_value"]),
                 p_adjusted=p_adj,
                 saturated=p_adj > alpha,

@@ -157,6 +157,9 @@ def residual_points(model: nn.Module) -> list[str]:
 
 
 def _suggestions(model: nn.Module, name: str) -> str:
+    # the keyword "residual" is a candidate too: a typo of it reads as a module name
+    if difflib.get_close_matches(name, ["residual"], n=1, cutoff=0.75):
+        return 'did you mean points="residual" (the residual stream after each block)?'
     all_names = [n for n, _ in model.named_modules() if n]
     close = difflib.get_close_matches(name, all_names, n=5, cutoff=0.5)
     try:

@@ -40,9 +40,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 from pathlib import Path
 
+from ...accumulators.cross_estimators import saturation_line
 from ...accumulators.cross_stats import UNADJUSTED_TEST
+from ...accumulators.estimators import D_ALIGN_READING
 from ...accumulators.persistence import write_text_atomic
 from ...accumulators.trends import median, rank_correlation  # noqa: F401  (re-exported)
 from ...errors import FusedStatsError
@@ -184,26 +187,42 @@ class Report:
                 + ", ".join(f"`{c}`" for c in record.get("candidates", []))
             )
         lines.append(f"- created {d['created']} by fused_stats {d['fused_stats_version']}")
+        with_cross = any(p["saturation"] is not None for p in self.points)
         lines += [
             "",
             "## Summary",
             "",
+            D_ALIGN_READING,
+            "",
             "Which stream each number comes from: n, d_align and AG_max from the train stream alone; "
             "B_align and B_exact from the pooled train + test moments at the certificate's M and K; "
             "the misalignment over random M/K splits of the pooled samples; the realized alignment "
-            "from the train mean against the test mean.",
+            "from the train mean against the test mean"
+            + (
+                "; ‖C‖_F², p and saturated from the train stream's saturation test (H0: C = 0, "
+                "this point alone, not adjusted for the others)."
+                if with_cross
+                else "."
+            ),
             "",
             "| point | index | dim | n (train) | d_align (train) | B_align (pooled) | B_exact (pooled) | "
-            "misalignment (pooled splits) | realized alignment (train · test) | AG_max (train) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "misalignment (pooled splits) | realized alignment (train · test) | AG_max (train) |"
+            + (" ‖C‖_F² (train) | p | saturated |" if with_cross else ""),
+            "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if with_cross else ""),
         ]
         for p in self.points:
-            tr, cert, mis = p["train"], p["certificate"], p["misalignment"]
+            tr, cert, mis, sat = p["train"], p["certificate"], p["misalignment"], p["saturation"]
+            verdict = (
+                f" {fmt(cell(sat, 'cross_frob2'))} | {fmt(cell(sat, 'p_value'))} | "
+                f"{fmt(cell(sat, 'saturated'))} |"
+                if with_cross
+                else ""
+            )
             lines.append(
                 f"| `{p['name']}` | {p['index']} | {p['dim']} | {fmt(cell(tr, 'n'))} | "
                 f"{fmt(cell(tr, 'd_align'))} | {fmt(cell(cert, 'b_align'))} | "
                 f"{fmt(cell(cert, 'b_exact'))} | {fmt(cell(mis, 'probability'))} | "
-                f"{fmt(p['realized_alignment'])} | {fmt(cell(tr, 'ag_max'))} |"
+                f"{fmt(p['realized_alignment'])} | {fmt(cell(tr, 'ag_max'))} |{verdict}"
             )
         for p in self.points:
             lines += [
@@ -241,11 +260,16 @@ class Report:
                         f"| {label} (plug-in, biased) | {fmt(cell(plug['train'], key))} | "
                         f"{fmt(cell(plug['test'], key))} |"
                     )
+            for stream in ("train", "test"):
+                for key, why in ((p[stream] or {}).get("not_estimable") or {}).items():
+                    lines.append(f"\n- {key} ({stream}) not estimable: {why}")
             cert = p["certificate"]
             if cert is None:
                 lines.append("\n- certificate: not computed")
             else:
-                status = "" if cert.get("certified", True) else f" ({cert.get('reason') or 'no signal'})"
+                # "estimable": whether the bounds could be computed at all ("certified" before)
+                estimable = cert.get("estimable", cert.get("certified", True))
+                status = "" if estimable else f" (not estimable: {cert.get('reason') or 'no signal'})"
                 lines.append(
                     f"\n- certificate (M={cert['M']}, K={cert['K']}, n_eff={fmt(cert['n_eff'])}): "
                     f"b_align={fmt(cert['b_align'])}, b_exact={fmt(cert['b_exact'])}{status}"
@@ -262,12 +286,13 @@ class Report:
             lines.append(f"- realized alignment (train mean · test mean): {fmt(p['realized_alignment'])}")
             sat = p["saturation"]
             if sat is not None:
-                parts = [
-                    f"{k}={fmt_se(v) if k.endswith('_se') else fmt(v)}"
-                    for k, v in sat.items()
-                    if not isinstance(v, (dict, list, str))
-                ]
-                lines.append(f"- saturation ({sat.get('test', UNADJUSTED_TEST)}): " + ", ".join(parts))
+                details = [
+                    f"{k}={fmt(sat.get(k))}" for k in ("n", "rank", "ag_max", "ag_mean") if k in sat
+                ] + [f"{k} not estimable: {why}" for k, why in (sat.get("not_estimable") or {}).items()]
+                lines.append(
+                    f"- saturation ({sat.get('test', UNADJUSTED_TEST)}): {saturation_line(_no_nan(sat))}"
+                    + (f" ({', '.join(details)})" if details else "")
+                )
             hist = p.get("norm_histogram")
             if hist is not None:
                 lines += _histogram_lines(hist)
@@ -286,6 +311,12 @@ class Report:
     def plot(self, path) -> Path:
         """PNG of the points (:func:`fused_stats.api.report.plots.plot_report`)."""
         return plot_report(self, path)
+
+
+def _no_nan(sat: dict) -> dict:
+    """A saturation dict with NaN (how reports written before such values became None stored a
+    standard error not estimable at this n) as None."""
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in sat.items()}
 
 
 def _histogram_lines(hist: dict) -> list[str]:

@@ -271,13 +271,21 @@ def _probability_axis(ax, values) -> None:
 
 
 def _saturation_panel(ax, xs, points) -> None:
-    """|C|_F² per point with ± one standard error (no bar where it is not estimable), a zero
-    line (C = 0: saturated), and open markers where the test did not reject C = 0."""
+    """|C|_F² per point with two labelled bars: ± the SE under H0 (the scale the test's p comes
+    from; thick) and ± the estimate's own SE (thin, capped; none where it is not estimable), a
+    zero line (C = 0: saturated), and open markers where the test did not reject C = 0."""
     value = [finite(cell(p["saturation"], "cross_frob2")) for p in points]
     se = [finite(cell(p["saturation"], "cross_frob2_se")) for p in points]
+    se_null = [finite(cell(p["saturation"], "cross_frob2_se_null")) for p in points]
     kept = [cell(p["saturation"], "saturated") for p in points]
     ax.axhline(0.0, color="grey", linewidth=0.8)
-    _errorbar(ax, xs, value, se, marker="o", color="tab:purple", label="|C|_F^2 (unbiased) ± SE")
+    _errorbar(
+        ax, xs, value, se_null, fmt="none", elinewidth=6, alpha=0.35, color="tab:orange",
+        label="± SE under H0 (what the test's p uses)",
+    )  # fmt: skip
+    _errorbar(
+        ax, xs, value, se, marker="o", color="tab:purple", label="|C|_F^2 (unbiased) ± SE of the estimate"
+    )
     open_x = [x for x, v, s in zip(xs, value, kept) if v is not None and s]
     if open_x:
         ax.plot(
@@ -355,7 +363,8 @@ def _line(ax, xs, ys, **kw):
 def _errorbar(ax, xs, ys, es, **kw):
     trip = [(x, y, e or 0.0) for x, y, e in zip(xs, ys, es) if y is not None]
     if trip:
-        ax.errorbar([t[0] for t in trip], [t[1] for t in trip], yerr=[t[2] for t in trip], capsize=3, **kw)
+        kw.setdefault("capsize", 3)
+        ax.errorbar([t[0] for t in trip], [t[1] for t in trip], yerr=[t[2] for t in trip], **kw)
 
 
 def _spread(ax, rows, key, label, color=None, marker="o"):

@@ -19,14 +19,25 @@ FORMAT = "fused_stats.report"
 VERSION = 1
 
 
+_NULLABLE = ("float | None",)
+
+
 def _number_fields(cls) -> tuple[str, ...]:
-    """The int and float fields of a result dataclass (the numbers its ``to_dict`` writes)."""
-    return tuple(f.name for f in dataclasses.fields(cls) if f.type in ("int", "float", int, float))
+    """The int and float fields of a result dataclass (the numbers its ``to_dict`` writes), those
+    that may be None (not estimable at this n) included."""
+    return tuple(
+        f.name for f in dataclasses.fields(cls) if f.type in ("int", "float", int, float, *_NULLABLE)
+    )
 
 
-# Keys a point's sub-dicts must carry, as numbers; extra keys (e.g. ``effective_rank``) are kept
-# as they are.
+def _nullable_fields(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.type in _NULLABLE)
+
+
+# Keys a point's sub-dicts must carry, as numbers (or null where the field may be not estimable);
+# extra keys (e.g. ``effective_rank``) are kept as they are.
 ESTIMATE_KEYS = _number_fields(Estimate)
+NULLABLE_KEYS = frozenset(_nullable_fields(Estimate) + _nullable_fields(Certificate))
 CERTIFICATE_KEYS = _number_fields(Certificate)
 MISALIGNMENT_KEYS = _number_fields(Misalignment)
 TOP_KEYS = (
@@ -106,7 +117,7 @@ def _check_sub(where: str, value, keys: tuple[str, ...]) -> None:
     if missing:
         raise FusedStatsError(f"report: {where} lacks keys {missing} (has {sorted(value)})")
     for k in keys:
-        if not is_number(value[k]):
+        if not is_number(value[k]) and not (value[k] is None and k in NULLABLE_KEYS):
             raise FusedStatsError(f"report: {where}[{k!r}] must be a number, got {value[k]!r}")
 
 
@@ -235,7 +246,8 @@ def _check_histogram(name: str, hist) -> None:
 
 
 def fmt(value, spec: str = ".4g") -> str:
-    """A number as the markdown shows it; ``—`` for missing values."""
+    """A number as the markdown shows it; ``—`` for missing values (a field not estimable at
+    this n is None; the report prints its reason beside it)."""
     if value is None:
         return "—"
     if isinstance(value, bool):
@@ -255,9 +267,9 @@ SE_NOT_ESTIMABLE = "SE not estimable at this n"
 
 
 def fmt_se(value, spec: str = ".4g") -> str:
-    """A standard error as printed: a NaN one (its variance estimate came out negative) says so
-    instead of showing a number."""
-    if is_number(value) and math.isnan(value):
+    """A standard error as printed: a missing one (None; NaN in reports written before such values
+    became None) says it is not estimable instead of showing a number."""
+    if value is None or (is_number(value) and math.isnan(value)):
         return SE_NOT_ESTIMABLE
     return fmt(value, spec)
 
