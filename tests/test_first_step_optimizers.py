@@ -131,6 +131,32 @@ def test_advice_probe_and_candidate_give_one_prediction(layer_setting):
     assert abs(half / by_advice - 0.5) < 1e-12
 
 
+def test_an_lr_is_what_torch_takes_finite_and_positive(layer_setting):
+    model, *_, advice = layer_setting
+    opt = groups(model, lambda gs: OPT.Adam(gs, lr=ETA))
+    by_number = fs.predicted_change(advice.ranked[0], opt, lr=3e-4).change
+    # torch takes a one-element tensor as an lr: so does the prediction, at the same value
+    assert torch.optim.Adam(model.parameters(), lr=torch.tensor(3e-4)).param_groups[0]["lr"] == 3e-4
+    for lr in (torch.tensor(3e-4), torch.tensor([3e-4], dtype=torch.float64)):
+        assert fs.predicted_change(advice.ranked[0], opt, lr=lr).change == pytest.approx(by_number, rel=1e-6)
+    assert by_number == pytest.approx(3 * fs.predicted_change(advice.ranked[0], opt, lr=1e-4).change)
+    bad = [
+        (float("inf"), "inf"),
+        (float("-inf"), "-inf"),
+        (float("nan"), "nan"),
+        (0.0, "0.0"),
+        (-1e-4, "-0.0001"),
+        (torch.tensor(float("inf")), "inf"),
+        (torch.tensor(-1.0), "-1.0"),
+    ]
+    for lr, shown in bad:
+        with pytest.raises(fs.FusedStatsError, match=rf"lr must be finite and > 0, got {shown}$"):
+            fs.predicted_change(advice.ranked[0], opt, lr=lr)
+    for lr, shown in [(True, "True"), ("1e-4", "'1e-4'"), (torch.ones(2), r"a tensor of shape \(2,\)")]:
+        with pytest.raises(fs.FusedStatsError, match=rf"lr must be None .* got {shown}"):
+            fs.predicted_change(advice.ranked[0], opt, lr=lr)
+
+
 class MyAdam(torch.optim.Adam):
     pass
 

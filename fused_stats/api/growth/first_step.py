@@ -289,6 +289,33 @@ def _check_optimizer(optimizer) -> None:
         raise FusedStatsError(_unsupported(optimizer))
 
 
+def _checked_lr(lr) -> float | None:
+    """``lr`` as a float (None: each group's own). What torch takes as an lr, a number or a
+    one-element tensor, is accepted; a bool, an lr that is not finite or not above zero (whose
+    prediction would be ±inf, NaN or no step at all) is refused."""
+    if lr is None:
+        return None
+    if (
+        isinstance(lr, torch.Tensor)
+        and lr.numel() == 1
+        and not lr.dtype.is_complex
+        and lr.dtype != torch.bool
+    ):
+        value = float(lr.item())
+    elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        value = float(lr)
+    else:
+        shown = (
+            f"a tensor of shape {tuple(lr.shape)}, {lr.dtype}" if isinstance(lr, torch.Tensor) else repr(lr)
+        )
+        raise FusedStatsError(
+            f"lr must be None (each group's own), a number or a one-element tensor, got {shown}"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise FusedStatsError(f"lr must be finite and > 0, got {value!r}")
+    return value
+
+
 def _current_plan(record: FirstStepTangent):
     """The plan the tangents were measured under while it still describes the model; after the
     model changed (grown since), the plan of the model as it is now."""
@@ -301,8 +328,7 @@ def _current_plan(record: FirstStepTangent):
 def predict(record: FirstStepTangent, optimizer, lr=None) -> FirstStepPrediction:
     """:func:`predicted_change` at one candidate (module docstring)."""
     _check_optimizer(optimizer)
-    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
-        raise FusedStatsError(f"lr must be None (each group's own) or a float > 0, got {lr!r}")
+    lr = _checked_lr(lr)
     protocol = record.protocol
     rels = [rel for rel, _, _ in record.segments]
     joins = planned_groups(record.model, _current_plan(record), record.point, optimizer, rels)
@@ -369,7 +395,8 @@ def predicted_change(advice_or_candidate, optimizer, lr=None):
     from a live ``fs.Probe`` (returns a dict point -> :class:`FirstStepPrediction`), one of its
     candidates (returns one), or the probe itself (a dict). ``optimizer``: the optimizer over the
     model before growth (or after, for ``family="layer"``), one of the classes in
-    :data:`SUPPORTED`. ``lr``: None, each group's own lr, or one lr for every group. Raises
+    :data:`SUPPORTED`. ``lr``: None, each group's own lr, or one lr for every group (a number or
+    a one-element tensor, as torch takes it; finite and > 0). Raises
     :class:`FusedStatsError` for another optimizer class, for advice without the tangents (read
     from a report), and under a projection.
     """
