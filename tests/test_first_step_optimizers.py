@@ -382,3 +382,87 @@ def test_a_zero_gradient_step_keeps_gemma2_exactly(make):
     # a second growth joins the same copy
     fs.grow(model, fs.GrowthProtocol(["model.layers.1"]), optimizer=opt)
     assert len(opt.param_groups) == 2
+
+
+def fp64_gemma_rms_norm(self, x):
+    # Gemma2RMSNorm computes in float32 (as LlamaRMSNorm, fp64_rms_norm): its formula in x's dtype
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def gemma_layout(model, factory, layout):
+    """Param groups of tiny Gemma2: ``"two_decayed"``: the post-attention norms with attention,
+    the post-feedforward norms with the MLP (decay 0.01, lr 1e-4 and 3e-4), the rest (no decay,
+    lr 2e-4, so matching neither); each decayed post norm lands in an appended no-decay copy, in
+    model order. ``"no_decay_exists"``: the
+    block norms in the decayed group 0 and a no-decay group 1 of its settings already there (the
+    final norm's): the post norms join group 1, not their counterpart's group 0."""
+    named = list(model.named_parameters())
+    if layout == "two_decayed":
+        attn = [p for n, p in named if "self_attn" in n or "post_attention_layernorm" in n]
+        mlp = [p for n, p in named if ".mlp." in n or "post_feedforward_layernorm" in n]
+        rest = [p for n, p in named if not any(p is q for q in attn + mlp)]
+        return factory(
+            [
+                {"params": attn},
+                {"params": mlp, "lr": 3 * ETA},
+                {"params": rest, "lr": 2 * ETA, "weight_decay": 0.0},
+            ]
+        )
+    final = [p for n, p in named if n == "model.norm.weight"]
+    others = [p for n, p in named if n != "model.norm.weight"]
+    return factory([{"params": others}, {"params": final, "weight_decay": 0.0}])
+
+
+GEMMA_OPT = {
+    "adamw": lambda gs: OPT.AdamW(gs, lr=ETA, weight_decay=0.01),
+    "sgd": lambda gs: OPT.SGD(gs, lr=ETA, weight_decay=0.01, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("layout", ["two_decayed", "no_decay_exists"])
+@pytest.mark.parametrize("name", sorted(GEMMA_OPT))
+def test_parts_are_keyed_by_the_group_the_parameters_land_in(name, layout):
+    """Gemma2's post-norm scales (origin −1) land in a weight_decay = 0 group, not their
+    counterpart's: each part of the prediction is keyed by the landing group of the grown
+    optimizer and equals the realised change of stepping that group's new parameters alone."""
+    make = GEMMA_OPT[name]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm, "forward", fp64_gemma_rms_norm
+        )
+        model = tiny_gemma2()
+        protocol = fs.GrowthProtocol([POINT], seed=2)
+        train, test = batches(0, 3), batches(1, 2)
+        advice = fs.advise(probed(model, protocol, train, test), protocol)
+        opt = gemma_layout(model, make, layout)
+        groups_before = len(opt.param_groups)
+        prediction = fs.predicted_change(advice.ranked[0], opt)
+        assert len(opt.param_groups) == groups_before  # the prediction changes no optimizer
+        grown, g_opt = copy.deepcopy((model, opt))
+        result = fs.grow(grown, protocol, at=[POINT], optimizer=g_opt)
+        grown.eval()
+        named = dict(grown.named_parameters())
+        origin = [n for n in result.new_parameters if n.endswith("post_attention_layernorm.weight")]
+        origin += [n for n in result.new_parameters if n.endswith("post_feedforward_layernorm.weight")]
+        landed = {n: result.optimizer_groups[n] for n in origin}
+        # the grown optimizer's own groups: the scales sit in groups without decay
+        assert all(g_opt.param_groups[g]["weight_decay"] == 0 for g in landed.values())
+        expected = {"two_decayed": {3, 4}, "no_decay_exists": {1}}[layout]
+        assert set(prediction.by_group) == set(landed.values()) == expected
+        assert prediction.lr == {g: g_opt.param_groups[g]["lr"] for g in landed.values()}
+        with torch.no_grad():
+            base = float(mean_loss(grown, test))
+        grads = dict(zip(origin, torch.autograd.grad(mean_loss(grown, train), [named[n] for n in origin])))
+        for g in prediction.by_group:
+            once, once_opt = copy.deepcopy((grown, g_opt))
+            once_named = dict(once.named_parameters())
+            for p in once.parameters():
+                p.grad = None
+            for n in origin:
+                if landed[n] == g:
+                    once_named[n].grad = grads[n].clone()
+            once_opt.step()
+            with torch.no_grad():
+                realised = float(mean_loss(once, test)) - base
+            assert realised != 0.0
+            assert abs(realised / prediction.by_group[g] - 1) < 0.01, (g, realised, prediction)

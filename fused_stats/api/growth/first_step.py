@@ -34,7 +34,8 @@ the carried ``mu_product``; RAdam rectified when ``ρ_t > 5``; Adagrad ``c = 0``
 ``fs.grow`` puts a parameter of non-zero origin in a group with ``weight_decay = 0``.
 
 Each new parameter's settings are those of the param group it joins under ``fs.grow``
-(:func:`.grow.planned_groups`, the join rule itself); a parameter whose counterpart the
+(:func:`.grow.planned_groups`, the join rule itself, which also gives the index that group has
+after growth, the key of the prediction's per-group parts); a parameter whose counterpart the
 optimizer does not hold is not trained and adds nothing. With ``protocol.train_batch_size = B``
 the adaptive rules read ``(1/n_B) Σ_b s_b`` over the train stream's B-sized sub-batches
 (:mod:`.sub_batches`, kept at the protocol's ``adam_eps``): exact for a rule whose ``c = 0`` and
@@ -99,8 +100,11 @@ class FirstStepTangent:
 @dataclass(frozen=True)
 class FirstStepPrediction:
     """:func:`predicted_change`'s result at one candidate: ``change``, the predicted change of the
-    mean test loss of one step; per group index, its part, lr and rule; the new parameters
-    that are not trained (their counterpart is frozen)."""
+    mean test loss of one step; ``by_group``, ``lr`` and ``rules``: per param group, its part,
+    lr and rule, keyed by the group's index in ``optimizer.param_groups`` after ``fs.grow`` at
+    this candidate alone (the one its new parameters land in: Gemma2/3's post-norm scales in the
+    ``weight_decay = 0`` copy that growth appends, not their counterpart's group); the new
+    parameters that are not trained (their counterpart is frozen)."""
 
     point: str
     optimizer: str
@@ -348,12 +352,12 @@ def predict(record: FirstStepTangent, optimizer, lr=None) -> FirstStepPrediction
     lrs: dict[int, float] = {}
     untrained = []
     for rel, start, stop in record.segments:
-        g, shared = joins[rel]
+        join = joins[rel]
+        g, group = join.group, join.settings
         if g is None:
             untrained.append(rel)
             continue
-        group = optimizer.param_groups[g]
-        state = None if shared is None else optimizer.state.get(shared)
+        state = None if join.shared is None else optimizer.state.get(join.shared)
         rule = first_step_rule(optimizer, group, state)
         step = float(_value(group["lr"]) if lr is None else lr)
         sign = -1.0 if group.get("maximize", False) else 1.0
