@@ -77,6 +77,30 @@ def realised_layer_change(model, protocol, train, test, make) -> float:
         return float(mean_loss(grown, test)) - base
 
 
+def realised_by_group(grown, opt, landed: dict, train, test) -> dict:
+    """Per param group ``g`` of the grown ``opt``: the change of the mean test loss of one torch
+    step of the parameters ``landed`` (full name -> group) in ``g`` alone, on their train gradient
+    (a fresh copy of model and optimizer each; every other parameter without a gradient)."""
+    named = dict(grown.named_parameters())
+    names = list(landed)
+    grads = dict(zip(names, torch.autograd.grad(mean_loss(grown, train), [named[n] for n in names])))
+    with torch.no_grad():
+        base = float(mean_loss(grown, test))
+    out = {}
+    for g in sorted(set(landed.values())):
+        once, once_opt = copy.deepcopy((grown, opt))
+        once_named = dict(once.named_parameters())
+        for p in once.parameters():
+            p.grad = None
+        for n in names:
+            if landed[n] == g:
+                once_named[n].grad = grads[n].clone()
+        once_opt.step()
+        with torch.no_grad():
+            out[g] = float(mean_loss(once, test)) - base
+    return out
+
+
 OPT = torch.optim
 PER_GROUP = {"attn": {"lr": 10 * ETA, "eps": 1e-3}, "mlp": {"lr": 3 * ETA}}
 CASES = {
@@ -117,6 +141,43 @@ def test_prediction_matches_the_realised_first_step(layer_setting, case, per_gro
     assert abs(realised / prediction.change - 1) < 0.01, (realised, prediction)
     # o_proj (attention group) and down_proj (MLP group) are predicted from their own groups
     assert set(prediction.by_group) == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "factory, attn",
+    [
+        (lambda gs: OPT.Adam(gs, lr=ETA), {"maximize": True}),
+        (lambda gs: OPT.SGD(gs, lr=ETA, momentum=0.9, nesterov=True, maximize=True), {"maximize": False}),
+        (lambda gs: OPT.RMSprop(gs, lr=ETA, eps=1e-3), {"maximize": True}),
+    ],
+    ids=["adam_group_maximizes", "sgd_group_does_not", "rmsprop_group_maximizes"],
+)
+def test_a_group_whose_maximize_differs_from_the_defaults(layer_setting, factory, attn):
+    """torch reads ``maximize`` from each param group: the attention group's new o_proj steps up
+    the gradient where the MLP group's down_proj steps down (or the reverse), each part against
+    torch's realised step of that group's new parameters alone."""
+    model, protocol, train, test, advice = layer_setting
+
+    def make(m):
+        return groups(m, factory, attn=attn)
+
+    prediction = fs.predicted_change(advice.ranked[0], make(model))
+    grown = copy.deepcopy(model)
+    opt = make(grown)
+    assert opt.param_groups[0]["maximize"] != opt.defaults["maximize"] == opt.param_groups[1]["maximize"]
+    result = fs.grow(grown, protocol, at=[POINT], optimizer=opt)
+    grown.eval()
+    # the origin parameters (o_proj, down_proj at zero): every other new one has a zero gradient
+    origin = {
+        n: g for n, g in result.optimizer_groups.items() if n.endswith(("o_proj.weight", "down_proj.weight"))
+    }
+    realised = realised_by_group(grown, opt, origin, train, test)
+    assert set(prediction.by_group) == set(realised) == {0, 1}
+    # one group ascends, the other descends: the parts have opposite signs (the test loss moves
+    # down along the train gradient here)
+    assert prediction.by_group[0] * prediction.by_group[1] < 0
+    for g, change in realised.items():
+        assert abs(change / prediction.by_group[g] - 1) < 0.01, (g, change, prediction)
 
 
 def test_advice_probe_and_candidate_give_one_prediction(layer_setting):
@@ -244,9 +305,9 @@ def test_widened_tensors_after_several_steps(factory):
 B = 8
 
 
-def realised_adam_mean(model, protocol, train, test, eta=ETA) -> float:
-    """The mean over the train batches of the test-loss change of one zero-state Adam step on
-    that batch alone (a fresh grown copy each)."""
+def realised_adam_mean(model, protocol, train, test, eta=ETA, make=torch.optim.Adam) -> float:
+    """The mean over the train batches of the test-loss change of one zero-state Adam step (or
+    ``make(params, lr=eta)``'s) on that batch alone (a fresh grown copy each)."""
     changes = []
     for data in train:
         grown = copy.deepcopy(model)
@@ -256,7 +317,7 @@ def realised_adam_mean(model, protocol, train, test, eta=ETA) -> float:
         new = [named[n] for n in result.new_parameters]
         with torch.no_grad():
             base = float(mean_loss(grown, test))
-        opt = torch.optim.Adam(new, lr=eta)
+        opt = make(new, lr=eta)
         for p, g in zip(new, torch.autograd.grad(mean_loss(grown, [data]), new)):
             p.grad = g
         opt.step()
@@ -314,6 +375,35 @@ def test_sub_batches_are_whole_steps_and_refused_eps_is_named():
         fs.predicted_change(b, torch.optim.RMSprop(model.parameters(), lr=ETA))
     same = fs.predicted_change(b, torch.optim.RMSprop(model.parameters(), lr=ETA, eps=1e-9))
     assert abs(same.change / (10 * ETA * b.predicted_change_adam) - 1) < 1e-9
+
+
+def test_adagrad_with_an_initial_accumulator_is_refused_at_a_training_batch_size():
+    """With B set, an adaptive rule is read from sub-batch sums of g/(|g| + ε); Adagrad's first
+    step g/(√(c + g²) + ε) is that only at c = 0 (c: the defaults' initial_accumulator_value, which
+    a parameter added after construction takes)."""
+    model = tiny_llama()
+    protocol = fs.GrowthProtocol([POINT], seed=2, train_batch_size=B)
+    train, test = batches(20, 3, size=B), batches(1, 2, size=B)
+    candidate = fs.advise(probed(model, protocol, train, test), protocol).ranked[0]
+
+    def adagrad(params, lr=ETA, c=0.0):
+        # ε = the protocol's adam_eps, so c is the only term that differs
+        return torch.optim.Adagrad(params, lr=lr, eps=protocol.adam_eps, initial_accumulator_value=c)
+
+    for c in (0.01, 1e-12):
+        with pytest.raises(fs.FusedStatsError, match=r"initial_accumulator_value=0\)"):
+            fs.predicted_change(candidate, adagrad(model.parameters(), c=c))
+    # a group's own value does not count: a new parameter starts from the defaults' (0 here)
+    per_group = torch.optim.Adagrad(
+        [{"params": list(model.parameters()), "initial_accumulator_value": 0.5}],
+        lr=ETA,
+        eps=protocol.adam_eps,
+    )
+    accepted = fs.predicted_change(candidate, per_group).change
+    assert fs.predicted_change(candidate, adagrad(model.parameters())).change == accepted
+    # at c = 0 the prediction is torch's own Adagrad step on one batch of B, averaged
+    realised = realised_adam_mean(model, protocol, train, test, make=adagrad)
+    assert abs(accepted / realised - 1) < 0.01, (accepted, realised)
 
 
 def test_train_batch_size_enters_the_digest_only_when_set():
@@ -441,7 +531,6 @@ def test_parts_are_keyed_by_the_group_the_parameters_land_in(name, layout):
         grown, g_opt = copy.deepcopy((model, opt))
         result = fs.grow(grown, protocol, at=[POINT], optimizer=g_opt)
         grown.eval()
-        named = dict(grown.named_parameters())
         origin = [n for n in result.new_parameters if n.endswith("post_attention_layernorm.weight")]
         origin += [n for n in result.new_parameters if n.endswith("post_feedforward_layernorm.weight")]
         landed = {n: result.optimizer_groups[n] for n in origin}
@@ -450,19 +539,7 @@ def test_parts_are_keyed_by_the_group_the_parameters_land_in(name, layout):
         expected = {"two_decayed": {3, 4}, "no_decay_exists": {1}}[layout]
         assert set(prediction.by_group) == set(landed.values()) == expected
         assert prediction.lr == {g: g_opt.param_groups[g]["lr"] for g in landed.values()}
-        with torch.no_grad():
-            base = float(mean_loss(grown, test))
-        grads = dict(zip(origin, torch.autograd.grad(mean_loss(grown, train), [named[n] for n in origin])))
-        for g in prediction.by_group:
-            once, once_opt = copy.deepcopy((grown, g_opt))
-            once_named = dict(once.named_parameters())
-            for p in once.parameters():
-                p.grad = None
-            for n in origin:
-                if landed[n] == g:
-                    once_named[n].grad = grads[n].clone()
-            once_opt.step()
-            with torch.no_grad():
-                realised = float(mean_loss(once, test)) - base
-            assert realised != 0.0
-            assert abs(realised / prediction.by_group[g] - 1) < 0.01, (g, realised, prediction)
+        realised = realised_by_group(grown, g_opt, landed, train, test)
+    for g, change in realised.items():
+        assert change != 0.0
+        assert abs(change / prediction.by_group[g] - 1) < 0.01, (g, change, prediction)
