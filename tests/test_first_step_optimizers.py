@@ -77,6 +77,30 @@ def realised_layer_change(model, protocol, train, test, make) -> float:
         return float(mean_loss(grown, test)) - base
 
 
+def realised_by_group(grown, opt, landed: dict, train, test) -> dict:
+    """Per param group ``g`` of the grown ``opt``: the change of the mean test loss of one torch
+    step of the parameters ``landed`` (full name -> group) in ``g`` alone, on their train gradient
+    (a fresh copy of model and optimizer each; every other parameter without a gradient)."""
+    named = dict(grown.named_parameters())
+    names = list(landed)
+    grads = dict(zip(names, torch.autograd.grad(mean_loss(grown, train), [named[n] for n in names])))
+    with torch.no_grad():
+        base = float(mean_loss(grown, test))
+    out = {}
+    for g in sorted(set(landed.values())):
+        once, once_opt = copy.deepcopy((grown, opt))
+        once_named = dict(once.named_parameters())
+        for p in once.parameters():
+            p.grad = None
+        for n in names:
+            if landed[n] == g:
+                once_named[n].grad = grads[n].clone()
+        once_opt.step()
+        with torch.no_grad():
+            out[g] = float(mean_loss(once, test)) - base
+    return out
+
+
 OPT = torch.optim
 PER_GROUP = {"attn": {"lr": 10 * ETA, "eps": 1e-3}, "mlp": {"lr": 3 * ETA}}
 CASES = {
@@ -119,6 +143,43 @@ def test_prediction_matches_the_realised_first_step(layer_setting, case, per_gro
     assert set(prediction.by_group) == {0, 1}
 
 
+@pytest.mark.parametrize(
+    "factory, attn",
+    [
+        (lambda gs: OPT.Adam(gs, lr=ETA), {"maximize": True}),
+        (lambda gs: OPT.SGD(gs, lr=ETA, momentum=0.9, nesterov=True, maximize=True), {"maximize": False}),
+        (lambda gs: OPT.RMSprop(gs, lr=ETA, eps=1e-3), {"maximize": True}),
+    ],
+    ids=["adam_group_maximizes", "sgd_group_does_not", "rmsprop_group_maximizes"],
+)
+def test_a_group_whose_maximize_differs_from_the_defaults(layer_setting, factory, attn):
+    """torch reads ``maximize`` from each param group: the attention group's new o_proj steps up
+    the gradient where the MLP group's down_proj steps down (or the reverse), each part against
+    torch's realised step of that group's new parameters alone."""
+    model, protocol, train, test, advice = layer_setting
+
+    def make(m):
+        return groups(m, factory, attn=attn)
+
+    prediction = fs.predicted_change(advice.ranked[0], make(model))
+    grown = copy.deepcopy(model)
+    opt = make(grown)
+    assert opt.param_groups[0]["maximize"] != opt.defaults["maximize"] == opt.param_groups[1]["maximize"]
+    result = fs.grow(grown, protocol, at=[POINT], optimizer=opt)
+    grown.eval()
+    # the origin parameters (o_proj, down_proj at zero): every other new one has a zero gradient
+    origin = {
+        n: g for n, g in result.optimizer_groups.items() if n.endswith(("o_proj.weight", "down_proj.weight"))
+    }
+    realised = realised_by_group(grown, opt, origin, train, test)
+    assert set(prediction.by_group) == set(realised) == {0, 1}
+    # one group ascends, the other descends: the parts have opposite signs (the test loss moves
+    # down along the train gradient here)
+    assert prediction.by_group[0] * prediction.by_group[1] < 0
+    for g, change in realised.items():
+        assert abs(change / prediction.by_group[g] - 1) < 0.01, (g, change, prediction)
+
+
 def test_advice_probe_and_candidate_give_one_prediction(layer_setting):
     model, *_, advice = layer_setting
     opt = groups(model, lambda gs: OPT.Adam(gs, lr=ETA))
@@ -129,6 +190,32 @@ def test_advice_probe_and_candidate_give_one_prediction(layer_setting):
     # one lr for every group
     half = fs.predicted_change(advice.ranked[0], opt, lr=ETA / 2).change
     assert abs(half / by_advice - 0.5) < 1e-12
+
+
+def test_an_lr_is_what_torch_takes_finite_and_positive(layer_setting):
+    model, *_, advice = layer_setting
+    opt = groups(model, lambda gs: OPT.Adam(gs, lr=ETA))
+    by_number = fs.predicted_change(advice.ranked[0], opt, lr=3e-4).change
+    # torch takes a one-element tensor as an lr: so does the prediction, at the same value
+    assert torch.optim.Adam(model.parameters(), lr=torch.tensor(3e-4)).param_groups[0]["lr"] == 3e-4
+    for lr in (torch.tensor(3e-4), torch.tensor([3e-4], dtype=torch.float64)):
+        assert fs.predicted_change(advice.ranked[0], opt, lr=lr).change == pytest.approx(by_number, rel=1e-6)
+    assert by_number == pytest.approx(3 * fs.predicted_change(advice.ranked[0], opt, lr=1e-4).change)
+    bad = [
+        (float("inf"), "inf"),
+        (float("-inf"), "-inf"),
+        (float("nan"), "nan"),
+        (0.0, "0.0"),
+        (-1e-4, "-0.0001"),
+        (torch.tensor(float("inf")), "inf"),
+        (torch.tensor(-1.0), "-1.0"),
+    ]
+    for lr, shown in bad:
+        with pytest.raises(fs.FusedStatsError, match=rf"lr must be finite and > 0, got {shown}$"):
+            fs.predicted_change(advice.ranked[0], opt, lr=lr)
+    for lr, shown in [(True, "True"), ("1e-4", "'1e-4'"), (torch.ones(2), r"a tensor of shape \(2,\)")]:
+        with pytest.raises(fs.FusedStatsError, match=rf"lr must be None .* got {shown}"):
+            fs.predicted_change(advice.ranked[0], opt, lr=lr)
 
 
 class MyAdam(torch.optim.Adam):
@@ -218,9 +305,9 @@ def test_widened_tensors_after_several_steps(factory):
 B = 8
 
 
-def realised_adam_mean(model, protocol, train, test, eta=ETA) -> float:
-    """The mean over the train batches of the test-loss change of one zero-state Adam step on
-    that batch alone (a fresh grown copy each)."""
+def realised_adam_mean(model, protocol, train, test, eta=ETA, make=torch.optim.Adam) -> float:
+    """The mean over the train batches of the test-loss change of one zero-state Adam step (or
+    ``make(params, lr=eta)``'s) on that batch alone (a fresh grown copy each)."""
     changes = []
     for data in train:
         grown = copy.deepcopy(model)
@@ -230,7 +317,7 @@ def realised_adam_mean(model, protocol, train, test, eta=ETA) -> float:
         new = [named[n] for n in result.new_parameters]
         with torch.no_grad():
             base = float(mean_loss(grown, test))
-        opt = torch.optim.Adam(new, lr=eta)
+        opt = make(new, lr=eta)
         for p, g in zip(new, torch.autograd.grad(mean_loss(grown, [data]), new)):
             p.grad = g
         opt.step()
@@ -288,6 +375,35 @@ def test_sub_batches_are_whole_steps_and_refused_eps_is_named():
         fs.predicted_change(b, torch.optim.RMSprop(model.parameters(), lr=ETA))
     same = fs.predicted_change(b, torch.optim.RMSprop(model.parameters(), lr=ETA, eps=1e-9))
     assert abs(same.change / (10 * ETA * b.predicted_change_adam) - 1) < 1e-9
+
+
+def test_adagrad_with_an_initial_accumulator_is_refused_at_a_training_batch_size():
+    """With B set, an adaptive rule is read from sub-batch sums of g/(|g| + ε); Adagrad's first
+    step g/(√(c + g²) + ε) is that only at c = 0 (c: the defaults' initial_accumulator_value, which
+    a parameter added after construction takes)."""
+    model = tiny_llama()
+    protocol = fs.GrowthProtocol([POINT], seed=2, train_batch_size=B)
+    train, test = batches(20, 3, size=B), batches(1, 2, size=B)
+    candidate = fs.advise(probed(model, protocol, train, test), protocol).ranked[0]
+
+    def adagrad(params, lr=ETA, c=0.0):
+        # ε = the protocol's adam_eps, so c is the only term that differs
+        return torch.optim.Adagrad(params, lr=lr, eps=protocol.adam_eps, initial_accumulator_value=c)
+
+    for c in (0.01, 1e-12):
+        with pytest.raises(fs.FusedStatsError, match=r"initial_accumulator_value=0\)"):
+            fs.predicted_change(candidate, adagrad(model.parameters(), c=c))
+    # a group's own value does not count: a new parameter starts from the defaults' (0 here)
+    per_group = torch.optim.Adagrad(
+        [{"params": list(model.parameters()), "initial_accumulator_value": 0.5}],
+        lr=ETA,
+        eps=protocol.adam_eps,
+    )
+    accepted = fs.predicted_change(candidate, per_group).change
+    assert fs.predicted_change(candidate, adagrad(model.parameters())).change == accepted
+    # at c = 0 the prediction is torch's own Adagrad step on one batch of B, averaged
+    realised = realised_adam_mean(model, protocol, train, test, make=adagrad)
+    assert abs(accepted / realised - 1) < 0.01, (accepted, realised)
 
 
 def test_train_batch_size_enters_the_digest_only_when_set():
@@ -356,3 +472,74 @@ def test_a_zero_gradient_step_keeps_gemma2_exactly(make):
     # a second growth joins the same copy
     fs.grow(model, fs.GrowthProtocol(["model.layers.1"]), optimizer=opt)
     assert len(opt.param_groups) == 2
+
+
+def fp64_gemma_rms_norm(self, x):
+    # Gemma2RMSNorm computes in float32 (as LlamaRMSNorm, fp64_rms_norm): its formula in x's dtype
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def gemma_layout(model, factory, layout):
+    """Param groups of tiny Gemma2: ``"two_decayed"``: the post-attention norms with attention,
+    the post-feedforward norms with the MLP (decay 0.01, lr 1e-4 and 3e-4), the rest (no decay,
+    lr 2e-4, so matching neither); each decayed post norm lands in an appended no-decay copy, in
+    model order. ``"no_decay_exists"``: the
+    block norms in the decayed group 0 and a no-decay group 1 of its settings already there (the
+    final norm's): the post norms join group 1, not their counterpart's group 0."""
+    named = list(model.named_parameters())
+    if layout == "two_decayed":
+        attn = [p for n, p in named if "self_attn" in n or "post_attention_layernorm" in n]
+        mlp = [p for n, p in named if ".mlp." in n or "post_feedforward_layernorm" in n]
+        rest = [p for n, p in named if not any(p is q for q in attn + mlp)]
+        return factory(
+            [
+                {"params": attn},
+                {"params": mlp, "lr": 3 * ETA},
+                {"params": rest, "lr": 2 * ETA, "weight_decay": 0.0},
+            ]
+        )
+    final = [p for n, p in named if n == "model.norm.weight"]
+    others = [p for n, p in named if n != "model.norm.weight"]
+    return factory([{"params": others}, {"params": final, "weight_decay": 0.0}])
+
+
+GEMMA_OPT = {
+    "adamw": lambda gs: OPT.AdamW(gs, lr=ETA, weight_decay=0.01),
+    "sgd": lambda gs: OPT.SGD(gs, lr=ETA, weight_decay=0.01, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("layout", ["two_decayed", "no_decay_exists"])
+@pytest.mark.parametrize("name", sorted(GEMMA_OPT))
+def test_parts_are_keyed_by_the_group_the_parameters_land_in(name, layout):
+    """Gemma2's post-norm scales (origin −1) land in a weight_decay = 0 group, not their
+    counterpart's: each part of the prediction is keyed by the landing group of the grown
+    optimizer and equals the realised change of stepping that group's new parameters alone."""
+    make = GEMMA_OPT[name]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm, "forward", fp64_gemma_rms_norm
+        )
+        model = tiny_gemma2()
+        protocol = fs.GrowthProtocol([POINT], seed=2)
+        train, test = batches(0, 3), batches(1, 2)
+        advice = fs.advise(probed(model, protocol, train, test), protocol)
+        opt = gemma_layout(model, make, layout)
+        groups_before = len(opt.param_groups)
+        prediction = fs.predicted_change(advice.ranked[0], opt)
+        assert len(opt.param_groups) == groups_before  # the prediction changes no optimizer
+        grown, g_opt = copy.deepcopy((model, opt))
+        result = fs.grow(grown, protocol, at=[POINT], optimizer=g_opt)
+        grown.eval()
+        origin = [n for n in result.new_parameters if n.endswith("post_attention_layernorm.weight")]
+        origin += [n for n in result.new_parameters if n.endswith("post_feedforward_layernorm.weight")]
+        landed = {n: result.optimizer_groups[n] for n in origin}
+        # the grown optimizer's own groups: the scales sit in groups without decay
+        assert all(g_opt.param_groups[g]["weight_decay"] == 0 for g in landed.values())
+        expected = {"two_decayed": {3, 4}, "no_decay_exists": {1}}[layout]
+        assert set(prediction.by_group) == set(landed.values()) == expected
+        assert prediction.lr == {g: g_opt.param_groups[g]["lr"] for g in landed.values()}
+        realised = realised_by_group(grown, g_opt, landed, train, test)
+    for g, change in realised.items():
+        assert change != 0.0
+        assert abs(change / prediction.by_group[g] - 1) < 0.01, (g, change, prediction)

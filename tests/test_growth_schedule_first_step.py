@@ -80,6 +80,42 @@ def test_the_adam_prediction_at_a_training_batch_size_is_for_one_batch_of_each_h
     assert abs(event["first_step_change"] / realised - 1) < 0.01, (event, realised)
 
 
+@pytest.mark.parametrize("case", ["adam_per_group", "sgd_nesterov"])
+def test_unequal_halves_of_an_odd_number_of_probe_batches(case):
+    """Five probe batches: half A (batches 0, 2, 4) holds 18 samples, half B (1, 3) 12. Each half's
+    mean tangent is over its own count: the event is the mean of torch's realised steps on one
+    half scored on the other's mean loss, and the two-probe route's number."""
+    model = tiny_llama()
+    protocol = fs.GrowthProtocol([POINT], seed=2)
+    data = batches(5, 5)
+    _, _, event = scheduled_event(model, protocol, data, MAKERS[case])
+    even, odd = data[0::2], data[1::2]
+    assert (len(even), len(odd)) == (3, 2)
+    realised = [
+        realised_layer_change(model, protocol, s, t, MAKERS[case]) for s, t in ((even, odd), (odd, even))
+    ]
+    assert abs(event["first_step_change"] / (sum(realised) / 2) - 1) < 0.01, (event, realised)
+    reference = [
+        fs.predicted_change(fs.advise(probed(model, protocol, s, t), protocol), MAKERS[case](model))[POINT]
+        for s, t in ((even, odd), (odd, even))
+    ]
+    assert event["first_step_change"] == pytest.approx(sum(r.change for r in reference) / 2, rel=1e-10)
+
+
+def test_unequal_halves_at_a_training_batch_size():
+    """Five probe steps of B = 6: three one-batch Adam steps in half A, two in half B, each half's
+    mean over its own sub-batches, scored on the other half's mean loss."""
+    model = tiny_llama()
+    protocol = fs.GrowthProtocol([POINT], seed=2, train_batch_size=6)
+    data = batches(5, 5)
+    _, _, event = scheduled_event(model, protocol, data, lambda m: OPT.Adam(m.parameters(), lr=ETA))
+    even, odd = data[0::2], data[1::2]
+    realised = (
+        realised_adam_mean(model, protocol, even, odd) + realised_adam_mean(model, protocol, odd, even)
+    ) / 2
+    assert abs(event["first_step_change"] / realised - 1) < 0.01, (event, realised)
+
+
 def test_an_optimizer_without_a_rule_records_none_and_why_and_grows():
     model = tiny_llama()
     protocol = fs.GrowthProtocol([POINT], seed=2)

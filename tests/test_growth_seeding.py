@@ -150,3 +150,35 @@ def test_a_report_or_advice_of_the_old_format_is_refused(tmp_path):
         advise(data)
     with pytest.raises(fs.FusedStatsError, match="version 1"):
         advise(data, protocol)
+
+
+def _drawn_under(default_dtype, model, protocol, point):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)
+    try:
+        block = new_block(model, protocol, point)
+        assert torch.get_default_dtype() == default_dtype  # the draw puts it back
+    finally:
+        torch.set_default_dtype(before)
+    return _state(block)
+
+
+@pytest.mark.parametrize("kind", ["llama", "resnet"])
+def test_the_block_at_a_name_does_not_depend_on_the_default_dtype(kind):
+    """The same seed drawn in float64 gives other values than in float32: a block drawn under a
+    float64 default must still be the float32-default one (cast to the model's dtype)."""
+    from test_resnet_origin import build
+
+    if kind == "llama":
+        model, point = _llama(torch.float64), POINT
+    else:
+        model, point = build("tiny_basic")[0], "layer1.1"
+    protocol = fs.GrowthProtocol([point], init="random", seed=3)  # every part drawn, none zeroed
+    single = _drawn_under(torch.float32, model, protocol, point)
+    double = _drawn_under(torch.float64, model, protocol, point)
+    drawn = [k for k, v in single.items() if v.is_floating_point() and v.numel() > 1 and v.std() > 0]
+    assert drawn and all(single[k].dtype == torch.float64 for k in drawn)
+    assert _same_state(single, double), max((single[k] - double[k]).abs().max().item() for k in drawn)
+    # the reference: the float32-default draw is the block of a float32 model, cast
+    fp32 = _state(new_block(copy.deepcopy(model).float(), protocol, point))
+    assert all(torch.equal(fp32[k].double(), single[k]) for k in drawn)

@@ -5,7 +5,9 @@ Reference: the probe stepped one batch at a time; per step the change of the tra
 ``c_sum`` (its tangent sum); per sub-batch ``c_b`` = the sum of its steps' changes / B and
 ``s_b = c_b/(|c_b| + ε)``; the Adam number ``−⟨mean_b s_b, C_K⟩`` and the split score
 ``(⟨s̄_even, C_odd⟩ + ⟨s̄_odd, C_even⟩)/2`` with ``C_even``/``C_odd`` the mean tangents of the
-even/odd train steps' samples, all as the module docstring defines them.
+even/odd train steps' samples, all as the module docstring defines them. Samples that come in
+between steps (load_state, all_reduce across two gloo ranks) end the sub-batch under way;
+observe is refused on a growth probe and changes nothing.
 """
 
 from __future__ import annotations
@@ -129,3 +131,73 @@ def test_samples_arriving_by_load_state_end_the_sub_batch_under_way(model, tmp_p
     s_mean = (s((first[0] + first[1]) / B) + s((after[0] + after[1]) / B)) / 2
     assert close(candidate.predicted_change_adam, -float((s_mean * c_k).sum()))
     assert probe.cross.sub_batches[POINT].n_sub == 2
+
+
+def observed(probe, model, batch):
+    """Train samples folded in by ``observe`` (the user's own backward), not by ``Probe.step``."""
+    with probe.observe(loss_reduction="mean"):
+        fs.causal_lm_loss(model, batch).mean().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def test_observe_on_a_growth_probe_is_refused_and_the_sub_batch_goes_on(model):
+    """observe cannot fold samples into a growth probe (the new block needs the arguments its
+    point was called with, which only Probe.step records): the refusal folds nothing, so the
+    sub-batch under way goes on (steps 0 + 1 make one; steps 2 + 3, 12 > B, are dropped)."""
+    probe = fs.Probe(model, points=[POINT], cross=protocol())
+    data = train_batches([4, 4, 4, 8])
+    first = step_tangents(probe, data[:1])
+    with pytest.raises(fs.FusedStatsError, match=r"recorded by Probe\.step only"):
+        observed(probe, model, batches(77, 1, size=4)[0])
+    assert probe.cross_stats[POINT].n == 4 and probe.steps["train"] == 1
+    after = step_tangents(probe, data[1:])
+    candidate, c_k = finish(probe)
+    s_mean = s((first[0] + after[0]) / B)
+    assert close(candidate.predicted_change_adam, -float((s_mean * c_k).sum()))
+    sub = probe.cross.sub_batches[POINT]
+    assert (sub.n_sub, sub.dropped) == (1, 12)
+
+
+def _all_reduce_worker(rank, world, out_dir):
+    import json
+    from pathlib import Path
+
+    from gloo_harness import init_gloo
+
+    torch.set_num_threads(1)
+    transformers.models.llama.modeling_llama.LlamaRMSNorm.forward = fp64_rms_norm
+    init_gloo(rank, world, out_dir)
+    try:
+        model = tiny_llama()
+        probe = fs.Probe(model, points=[POINT], cross=protocol())
+        data = train_batches([4, 4, 4, 8], seed=40 + 10 * rank)  # each rank its own samples
+        step_tangents(probe, data[:1])  # a sub-batch under way: 4 of B = 8
+        probe.all_reduce()  # the other rank's 4 samples come in: the count goes from 4 to 8
+        n_reduced = probe.cross_stats[POINT].n
+        after = step_tangents(probe, data[1:])
+        candidate, c_k = finish(probe)
+        s_mean = (s((after[0] + after[1]) / B) + s(after[2] / B)) / 2
+        sub = probe.cross.sub_batches[POINT]
+        result = {
+            "n_reduced": n_reduced,
+            "adam": candidate.predicted_change_adam,
+            "hand": -float((s_mean * c_k).sum()),
+            "n_sub": sub.n_sub,
+            "dropped": sub.dropped,
+        }
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def test_samples_arriving_by_all_reduce_end_the_sub_batch_under_way(tmp_path):
+    """As with observe: two gloo ranks, step 0 then all_reduce (4 → 8 samples), then steps of
+    4, 4, 8: each rank's sub-batches are its own steps 1 + 2 and 3."""
+    from gloo_harness import run_two_ranks
+
+    for result in run_two_ranks(_all_reduce_worker, tmp_path):
+        assert result["n_reduced"] == 8
+        assert close(result["adam"], result["hand"]), result
+        assert (result["n_sub"], result["dropped"]) == (2, 0)

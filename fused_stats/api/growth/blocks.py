@@ -26,6 +26,7 @@ gradient of a zero linear map ``W`` in ``W x`` is ``q xᵀ``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -83,10 +84,29 @@ def config_after_insert(config, adapter: Adapter, position: int, source_index: i
     return config
 
 
+# The dtype a fresh layer block is drawn in, whatever torch's default dtype is; the block is then
+# cast to its neighbour's dtype. A constructor draws in the default dtype, and the same seed gives
+# other values in float64 than in float32: without a fixed dtype the block at a name (and the
+# |C|_F² measured at it) would depend on torch.set_default_dtype. float32 is torch's own default,
+# so blocks drawn under it are unchanged (mlp_width and cross_block draw in float64, then cast).
+DRAW_DTYPE = torch.float32
+
+
+@contextlib.contextmanager
+def _drawn_in(dtype: torch.dtype):
+    """torch's default dtype set to ``dtype`` inside the block, restored after (also on error)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def _fresh_block(
     model: nn.Module, arch: Architecture, neighbour: nn.Module, position: int, seed: int, neighbour_index: int
 ) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _drawn_in(DRAW_DTYPE):
         torch.manual_seed(seed)
         if arch.transformer:
             config = config_after_insert(model.config, arch.adapter, position, neighbour_index)

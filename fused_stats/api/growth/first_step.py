@@ -34,7 +34,8 @@ the carried ``mu_product``; RAdam rectified when ``ρ_t > 5``; Adagrad ``c = 0``
 ``fs.grow`` puts a parameter of non-zero origin in a group with ``weight_decay = 0``.
 
 Each new parameter's settings are those of the param group it joins under ``fs.grow``
-(:func:`.grow.planned_groups`, the join rule itself); a parameter whose counterpart the
+(:func:`.grow.planned_groups`, the join rule itself, which also gives the index that group has
+after growth, the key of the prediction's per-group parts); a parameter whose counterpart the
 optimizer does not hold is not trained and adds nothing. With ``protocol.train_batch_size = B``
 the adaptive rules read ``(1/n_B) Σ_b s_b`` over the train stream's B-sized sub-batches
 (:mod:`.sub_batches`, kept at the protocol's ``adam_eps``): exact for a rule whose ``c = 0`` and
@@ -99,8 +100,11 @@ class FirstStepTangent:
 @dataclass(frozen=True)
 class FirstStepPrediction:
     """:func:`predicted_change`'s result at one candidate: ``change``, the predicted change of the
-    mean test loss of one step; per group index, its part, lr and rule; the new parameters
-    that are not trained (their counterpart is frozen)."""
+    mean test loss of one step; ``by_group``, ``lr`` and ``rules``: per param group, its part,
+    lr and rule, keyed by the group's index in ``optimizer.param_groups`` after ``fs.grow`` at
+    this candidate alone (the one its new parameters land in: Gemma2/3's post-norm scales in the
+    ``weight_decay = 0`` copy that growth appends, not their counterpart's group); the new
+    parameters that are not trained (their counterpart is frozen)."""
 
     point: str
     optimizer: str
@@ -289,6 +293,33 @@ def _check_optimizer(optimizer) -> None:
         raise FusedStatsError(_unsupported(optimizer))
 
 
+def _checked_lr(lr) -> float | None:
+    """``lr`` as a float (None: each group's own). What torch takes as an lr, a number or a
+    one-element tensor, is accepted; a bool, an lr that is not finite or not above zero (whose
+    prediction would be ±inf, NaN or no step at all) is refused."""
+    if lr is None:
+        return None
+    if (
+        isinstance(lr, torch.Tensor)
+        and lr.numel() == 1
+        and not lr.dtype.is_complex
+        and lr.dtype != torch.bool
+    ):
+        value = float(lr.item())
+    elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        value = float(lr)
+    else:
+        shown = (
+            f"a tensor of shape {tuple(lr.shape)}, {lr.dtype}" if isinstance(lr, torch.Tensor) else repr(lr)
+        )
+        raise FusedStatsError(
+            f"lr must be None (each group's own), a number or a one-element tensor, got {shown}"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise FusedStatsError(f"lr must be finite and > 0, got {value!r}")
+    return value
+
+
 def _current_plan(record: FirstStepTangent):
     """The plan the tangents were measured under while it still describes the model; after the
     model changed (grown since), the plan of the model as it is now."""
@@ -301,8 +332,7 @@ def _current_plan(record: FirstStepTangent):
 def predict(record: FirstStepTangent, optimizer, lr=None) -> FirstStepPrediction:
     """:func:`predicted_change` at one candidate (module docstring)."""
     _check_optimizer(optimizer)
-    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
-        raise FusedStatsError(f"lr must be None (each group's own) or a float > 0, got {lr!r}")
+    lr = _checked_lr(lr)
     protocol = record.protocol
     rels = [rel for rel, _, _ in record.segments]
     joins = planned_groups(record.model, _current_plan(record), record.point, optimizer, rels)
@@ -322,12 +352,12 @@ def predict(record: FirstStepTangent, optimizer, lr=None) -> FirstStepPrediction
     lrs: dict[int, float] = {}
     untrained = []
     for rel, start, stop in record.segments:
-        g, shared = joins[rel]
+        join = joins[rel]
+        g, group = join.group, join.settings
         if g is None:
             untrained.append(rel)
             continue
-        group = optimizer.param_groups[g]
-        state = None if shared is None else optimizer.state.get(shared)
+        state = None if join.shared is None else optimizer.state.get(join.shared)
         rule = first_step_rule(optimizer, group, state)
         step = float(_value(group["lr"]) if lr is None else lr)
         sign = -1.0 if group.get("maximize", False) else 1.0
@@ -369,7 +399,8 @@ def predicted_change(advice_or_candidate, optimizer, lr=None):
     from a live ``fs.Probe`` (returns a dict point -> :class:`FirstStepPrediction`), one of its
     candidates (returns one), or the probe itself (a dict). ``optimizer``: the optimizer over the
     model before growth (or after, for ``family="layer"``), one of the classes in
-    :data:`SUPPORTED`. ``lr``: None, each group's own lr, or one lr for every group. Raises
+    :data:`SUPPORTED`. ``lr``: None, each group's own lr, or one lr for every group (a number or
+    a one-element tensor, as torch takes it; finite and > 0). Raises
     :class:`FusedStatsError` for another optimizer class, for advice without the tangents (read
     from a report), and under a projection.
     """

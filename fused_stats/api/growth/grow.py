@@ -159,17 +159,29 @@ def _counterpart_group(optimizer, block_name: str, name: str, sibling) -> int | 
     return None if where is None else where[0]
 
 
+@dataclass(frozen=True)
+class PlannedJoin:
+    """Where one parameter of a growth lands in the optimizer (:func:`planned_groups`)."""
+
+    group: int | None  # the index in optimizer.param_groups after fs.grow (None: not trained)
+    settings: dict | None = field(default=None, repr=False)  # that group's (of a copy, if appended)
+    shared: nn.Parameter | None = field(default=None, repr=False)  # a widened tensor's old self
+
+
 def planned_groups(
     model: nn.Module, protocol: GrowthProtocol | GrowthPlan, point: str, optimizer, rels
 ) -> dict:
     """The join rule of :func:`grow`, without growing: for each parameter ``rel`` of the growth at
-    ``point`` (relative to the new block; for ``mlp_width`` to the widened block; ``"w_out"`` for
-    ``cross_block``), ``(group index, tensor whose state it shares)``: the group it joins (None:
-    left out, its counterpart frozen) and, for a widened tensor, the tensor whose optimizer state
-    (and step count) its new slice shares (None: a new parameter, no state)."""
+    ``point`` alone (relative to the new block; for ``mlp_width`` to the widened block; ``"w_out"``
+    for ``cross_block``), a :class:`PlannedJoin`: the index in ``optimizer.param_groups`` the
+    parameter has after ``fs.grow`` (None: left out, its counterpart frozen; a group that growth
+    appends, the ``weight_decay = 0`` copy for a non-zero origin, by the index it will have), that
+    group's settings, and for a widened tensor the tensor whose optimizer state (and step count)
+    its new slice shares (None: a new parameter, no state). The optimizer is not changed."""
     plan = protocol if isinstance(protocol, GrowthPlan) else GrowthPlan.build(model, protocol)
     protocol = plan.protocol
     b = plan.candidate(point).boundary
+    groups = optimizer.param_groups
     if protocol.family == "mlp_width":
         name = f"{b.container}.{b.position}"
         block = model.get_submodule(name)
@@ -178,15 +190,26 @@ def planned_groups(
         for rel in rels:
             param = block.get_parameter(rel)
             where = _locate(optimizer, param)
-            out[rel] = (None, None) if where is None else (where[0], param)
+            out[rel] = PlannedJoin(None) if where is None else PlannedJoin(where[0], groups[where[0]], param)
         return out
     neighbour = model.get_submodule(b.neighbour)
     if protocol.family == "cross_block":
         g = _cross_group(optimizer, b.neighbour, neighbour)
-        return {rel: (g, None) for rel in rels}
+        return {rel: PlannedJoin(g, None if g is None else groups[g]) for rel in rels}
     _held_by(optimizer, b.neighbour, neighbour)
     siblings = dict(neighbour.named_parameters())
-    return {rel: (_counterpart_group(optimizer, b.neighbour, rel, siblings.get(rel)), None) for rel in rels}
+    no_decay = nonzero_origin_parameters(protocol, plan.architecture)
+    # grow's own steps on a copy of the group list: the new parameters in model order, each one
+    # of non-zero origin into the no-decay copy of its group (appended to the copy, if new)
+    planned = [dict(group) for group in groups]
+    order = {rel: i for i, rel in enumerate(siblings)}
+    out = {}
+    for rel in sorted(set(rels) | set(no_decay), key=lambda r: order.get(r, len(order))):
+        g = _counterpart_group(optimizer, b.neighbour, rel, siblings.get(rel))
+        if g is not None and rel in no_decay:
+            g = _without_decay(planned, g)
+        out[rel] = PlannedJoin(g, None if g is None else planned[g])
+    return {rel: out[rel] for rel in rels}
 
 
 def nonzero_origin_parameters(protocol: GrowthProtocol, arch: Architecture) -> tuple[str, ...]:
@@ -200,23 +223,25 @@ def nonzero_origin_parameters(protocol: GrowthProtocol, arch: Architecture) -> t
     return tuple(f"{m}.weight" for m in adapter.origin_modules)
 
 
-def _without_decay(optimizer, g: int) -> int:
+def _without_decay(param_groups: list, g: int) -> int:
     """The index of a group that is group ``g`` with ``weight_decay = 0``: ``g`` itself when its
     decay is zero, else the first group appended by an earlier call that matches, else a new one
-    appended to the optimizer (its settings copied from ``g``, no parameters yet)."""
-    group = optimizer.param_groups[g]
+    appended to ``param_groups`` (its settings copied from ``g``, no parameters yet).
+    ``param_groups``: the optimizer's own list (:func:`grow`), or a copy of it (:func:`planned_groups`,
+    which finds the index without changing the optimizer)."""
+    group = param_groups[g]
     if not group.get("weight_decay"):
         return g
     settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
     settings["weight_decay"] = 0.0
-    for i, other in enumerate(optimizer.param_groups):
+    for i, other in enumerate(param_groups):
         if i != g and {k: v for k, v in other.items() if k not in ("params", "param_names")} == settings:
             return i
     clone = dict(settings, params=[])
     if "param_names" in group:
         clone["param_names"] = []
-    optimizer.param_groups.append(clone)
-    return len(optimizer.param_groups) - 1
+    param_groups.append(clone)
+    return len(param_groups) - 1
 
 
 def _join_in_model_order(optimizer, model: nn.Module, joins: dict, result, no_decay=()) -> None:
@@ -226,7 +251,7 @@ def _join_in_model_order(optimizer, model: nn.Module, joins: dict, result, no_de
     rank = {id(p): i for i, p in enumerate(model.parameters())}
     for name, (param, g) in sorted(joins.items(), key=lambda item: rank[id(item[1][0])]):
         if name in no_decay:
-            g = _without_decay(optimizer, g)
+            g = _without_decay(optimizer.param_groups, g)
         group = optimizer.param_groups[g]
         params = group["params"]
         earlier = [i for i, p in enumerate(params) if rank[id(p)] < rank[id(param)]]

@@ -9,9 +9,10 @@ prediction (it grows with ``M``). With ``protocol.train_batch_size = B`` the pre
 over the complete sub-batches ``b`` of ``B`` consecutive train samples. A sub-batch is made of
 whole probe steps (``Probe.step``; the probe never sees a step's samples one by one): the
 steps' tangent sums are added until they hold exactly ``B`` samples; a step that would make
-more is dropped with what was gathered (no sub-batch straddles it), and samples that came in
-another way (``observe``, ``load_state``, ``all_reduce``) end the sub-batch under way without
-joining it. State per candidate: ``Σ_b s_b`` (one fp64 tensor of C's shape), the count, the
+more is dropped with what was gathered (no sub-batch straddles it), and a change of the count
+between steps (``load_state``, ``all_reduce``: the count going down or up) ends the sub-batch
+under way without joining it. (``observe`` folds nothing into a growth probe: it is refused,
+the new block needs the arguments only ``Probe.step`` records, and the sub-batch goes on.) State per candidate: ``Σ_b s_b`` (one fp64 tensor of C's shape), the count, the
 partial sum of the sub-batch under way, and, for the split Adam score, ``Σ_b s_b`` over the
 sub-batches that are one even train step (:attr:`SubBatches.s_even`).
 """

@@ -377,7 +377,7 @@ class GrowthTangent(TangentSelfCheck, BatchNormCalibration):
             n = 0 if acc is None else acc.n
             half = self.split_halves.setdefault(point, SplitHalf())
             if half.n_seen != n:
-                half.off()  # samples came in another way (observe, load_state, all-reduce)
+                half.off()  # samples came in another way (load_state, all-reduce)
             half.open_even = even and half.n_seen >= 0
             if half.open_even and acc is not None:
                 half.a_sum = -acc.c_sum.detach().clone() if half.a_sum is None else half.a_sum.sub_(acc.c_sum)
