@@ -169,7 +169,7 @@ def _calibrated(plan: GrowthPlan, point: str, batch, loss_fn) -> dict:
         raise FusedStatsError(
             f"loss_fn did not run {point!r} on the first batch: cannot calibrate its BatchNorms"
         )
-    return calibrate(block_for(plan, point).eval(), seen[0])
+    return calibrate(block_for(plan, point).eval(), seen[0], point)
 
 
 def _grown_copy(model: nn.Module, protocol, point: str, first=None):
