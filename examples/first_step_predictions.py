@@ -121,8 +121,9 @@ mean_loss(model, train).backward()
 step = time.perf_counter() - start
 model.zero_grad(set_to_none=True)
 print()
+value = f"{gain.gain:.4g}" if gain.gain is not None else f"not estimable ({gain.reason})"
 print(
     f"curvature gain at {top}: |g|^2 = {gain.grad_sq:.4g}, g^T H g = {gain.ghg:.4g}, "
-    f"|g|^4/(2 g^T H g) = {gain.gain:.4g} over {gain.n} samples; {hvp:.2f} s "
+    f"|g|^4/(2 g^T H g) = {value} over {gain.n} samples; {hvp:.2f} s "
     f"({hvp / step:.1f}x one forward-backward of the {args.batches} train batches, {step:.2f} s)"
 )

@@ -58,8 +58,8 @@ def test_curvature_gain_numerator_is_the_mean_over_pairs_of_distinct_samples():
     assert abs(plug_in - brute) > 1e-3 * abs(plug_in)  # the test can tell the two apart
     if result.grad_sq > 0 and result.ghg > 0:
         assert result.gain == pytest.approx(result.grad_sq**2 / (2 * result.ghg), rel=1e-12)
-    with pytest.raises(fs.FusedStatsError, match="at least 2 batches"):
-        fs.curvature_gain(model, protocol, POINT, data[:1], fs.causal_lm_loss)
+    with pytest.raises(fs.FusedStatsError, match="at least 3 batches"):
+        fs.curvature_gain(model, protocol, POINT, data[:2], fs.causal_lm_loss)
 
 
 def test_curvature_gain_numerator_is_unbiased_where_the_plug_in_is_not():
@@ -107,7 +107,7 @@ def test_curvature_gain_refuses_a_left_padded_batch_instead_of_reporting_no_mini
     finite (so the NaN is the eager copy's, not the data's)."""
     model = tiny_llama()
     protocol = fs.GrowthProtocol([POINT], seed=2)
-    data = [left_padded(0), left_padded(1)]
+    data = [left_padded(0), left_padded(1), left_padded(2)]
     assert bool(torch.isfinite(fs.causal_lm_loss(model, data[0])).all())
     with pytest.raises(
         fs.FusedStatsError, match=r"'model.layers.0'.*non-finite for samples \[0, 2\] of batch 0"
@@ -153,7 +153,7 @@ def test_width_scores_say_why_they_are_refused(scorer):
     protocol = fs.GrowthProtocol(points, family="mlp_width", width=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(fs.FusedStatsError, match="slices of widened parameter tensors") as info:
-        getattr(fs, scorer)(model, protocol, POINT, batches(0, 2), fs.causal_lm_loss)
+        getattr(fs, scorer)(model, protocol, POINT, batches(0, 3), fs.causal_lm_loss)
     assert "partial" not in str(info.value) and "only some blocks" not in str(info.value)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 

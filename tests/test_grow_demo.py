@@ -237,7 +237,7 @@ def test_saturated_everywhere_grows_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(fs, "split_adam_score", split)
     monkeypatch.setattr(fs, "curvature_gain", curvature)
     cfg = GrowthDemoConfig.quick(
-        seeds=(0,), steps1=2, steps2=2, short_steps=1, probe_batches=2, curvature_batches=2, eval_batches=1
+        seeds=(0,), steps1=2, steps2=2, short_steps=1, probe_batches=3, curvature_batches=3, eval_batches=1
     )
     lines = []
     record = run_growth_demo(cfg, tmp_path, echo=lines.append)

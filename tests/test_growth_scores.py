@@ -246,10 +246,9 @@ class WithValues(torch.nn.Module):
 def test_curvature_gain_against_an_explicit_hessian(setting):
     model, protocol, train, _, _ = setting
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    # a point where the new block's gᵀHg > 0 (under protocol version 2's name-seeded blocks;
-    # model.layers.0's is negative there, where the gain is None)
+    # a point where the new block's gᵀHg > 0 (else the gain is None)
     point = "model.layers.1"
-    result = fs.curvature_gain(model, protocol, point, train[:2], fs.causal_lm_loss)
+    result = fs.curvature_gain(model, protocol, point, train, fs.causal_lm_loss)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     grown, new = grown_at(model, protocol, point)
     grown.set_attn_implementation("eager")  # CPU SDPA has no double backward
@@ -257,27 +256,27 @@ def test_curvature_gain_against_an_explicit_hessian(setting):
     shapes = [p.shape for p in new]
     sizes = [p.numel() for p in new]
 
-    def loss_of(flat):
-        values = dict(zip(names, (v.reshape(s) for v, s in zip(flat.split(sizes), shapes))))
-        losses = [fs.causal_lm_loss(WithValues(grown, values), b) for b in train[:2]]
-        return torch.cat(losses).mean()
-
-    def half_loss(flat, b):
+    def batch_loss(flat, b):
         values = dict(zip(names, (v.reshape(s) for v, s in zip(flat.split(sizes), shapes))))
         return fs.causal_lm_loss(WithValues(grown, values), b).mean()
 
     flat = torch.cat([p.detach().reshape(-1) for p in new])
-    hessian = torch.autograd.functional.hessian(loss_of, flat, vectorize=True)
-    g = torch.autograd.functional.jacobian(loss_of, flat)
-    ghg = float(g @ hessian @ g)
-    # |g|² from the halves (batch 0 against batch 1): the mean gradients of the two halves
-    g_a, g_b = (torch.autograd.functional.jacobian(lambda f, b=b: half_loss(f, b), flat) for b in train[:2])
-    grad_sq = float(g_a @ g_b)
-    assert grad_sq > 0
-    assert result.n == 12 and result.parameters == tuple(names)
+    # three batches of 6, each its own group: batch c's Hessian between the other two's mean
+    # gradients, averaged over c
+    grads = [torch.autograd.functional.jacobian(lambda f, b=b: batch_loss(f, b), flat) for b in train]
+    hessians = [
+        torch.autograd.functional.hessian(lambda f, b=b: batch_loss(f, b), flat, vectorize=True)
+        for b in train
+    ]
+    ghg = sum(float(grads[(c + 2) % 3] @ hessians[c] @ grads[(c + 1) % 3]) for c in range(3)) / 3
+    # |g|² from the halves (batches 0 and 2 against batch 1): the mean gradients of the halves
+    grad_sq = float((grads[0] + grads[2]) / 2 @ grads[1])
+    assert grad_sq > 0 and ghg > 0
+    assert result.n == 18 and result.parameters == tuple(names)
     assert result.grad_sq == pytest.approx(grad_sq, rel=1e-10)
     assert result.ghg == pytest.approx(ghg, rel=1e-8)
     assert result.gain == pytest.approx(grad_sq**2 / (2 * ghg), rel=1e-8)
+    assert result.reason is None
 
 
 def test_split_adam_score_against_per_sample_gradients(setting):

@@ -130,14 +130,15 @@ def test_curvature_gain_on_a_resnet_uses_the_calibrated_block():
     model, side, last = build("basic")
     point = "layer1.1"
     protocol = fs.GrowthProtocol([point], seed=2)
-    data = [batch(4, side, 40), batch(4, side, 41)]
+    data = [batch(4, side, 40), batch(4, side, 41), batch(4, side, 42)]
     result = fs.curvature_gain(model, protocol, point, data, fs.classification_loss)
     probe = fs.Probe(model, points=[point], cross=protocol)
     probe.step(data[0], fs.classification_loss)  # calibrated on the same first batch
     grown = copy.deepcopy(model).eval()
     grown_result = fs.grow(grown, protocol, batchnorm_stats=probe)
-    g_a, g_b = (zero_bn_gradient(grown, grown_result, point, last, x, y) / x.shape[0] for x, y in data)
-    assert result.grad_sq == pytest.approx(float(g_a @ g_b), rel=1e-9)
+    g0, g1, g2 = (zero_bn_gradient(grown, grown_result, point, last, x, y) for x, y in data)
+    # halves: batches 0 and 2 (8 samples) against batch 1 (4)
+    assert result.grad_sq == pytest.approx(float((g0 + g2) @ g1) / (8 * 4), rel=1e-9)
 
 
 def test_batchnorm_stats_refusals_leave_the_model_unchanged():

@@ -62,7 +62,7 @@ class GrowthDemoConfig:
     steps2: int = 48
     short_steps: int = 12
     probe_batches: int = 6
-    curvature_batches: int = 2
+    curvature_batches: int = 3
     eval_batches: int = 8
     base_lr: float = 3e-3
     alpha: float = 0.05
@@ -77,8 +77,8 @@ class GrowthDemoConfig:
             steps1=8,
             steps2=4,
             short_steps=2,
-            probe_batches=2,
-            curvature_batches=2,
+            probe_batches=3,
+            curvature_batches=3,
             eval_batches=2,
         )
         base.update(overrides)
@@ -98,10 +98,10 @@ class GrowthDemoConfig:
             raise FusedStatsError("the probe needs >= 4 samples per stream")
         if self.probe_batches < 2:
             raise FusedStatsError(f"the split Adam score needs probe_batches >= 2, got {self.probe_batches}")
-        if self.curvature_batches < 2:
-            # fs.curvature_gain's |g|² is the inner product of two halves of its batches
+        if self.curvature_batches < 3:
+            # fs.curvature_gain: |g|² from two halves of its batches, gᵀHg from three groups
             raise FusedStatsError(
-                f"the curvature gain needs curvature_batches >= 2, got {self.curvature_batches}"
+                f"the curvature gain needs curvature_batches >= 3, got {self.curvature_batches}"
             )
         if self.curvature_batches > self.probe_batches:
             raise FusedStatsError(

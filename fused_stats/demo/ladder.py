@@ -41,7 +41,7 @@ class LadderConfig:
     batch_size: int = 16
     budget: int = 48
     probe_batches: int = 4
-    curvature_batches: int = 2
+    curvature_batches: int = 3
     eval_batches: int = 8
     base_lr: float = 3e-3
     alpha: float = 0.05
@@ -49,7 +49,7 @@ class LadderConfig:
     @classmethod
     def quick(cls, **overrides) -> LadderConfig:
         base = dict(
-            width=16, rungs=3, seeds=(0, 1), budget=2, probe_batches=2, curvature_batches=2, eval_batches=2
+            width=16, rungs=3, seeds=(0, 1), budget=2, probe_batches=3, curvature_batches=3, eval_batches=2
         )
         base.update(overrides)
         return cls(**base)
@@ -60,10 +60,10 @@ class LadderConfig:
         for name in ("rungs", "budget", "eval_batches", "curvature_batches"):
             if getattr(self, name) < 1:
                 raise FusedStatsError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.curvature_batches < 2:
-            # fs.curvature_gain's |g|² is the inner product of two halves of its batches
+        if self.curvature_batches < 3:
+            # fs.curvature_gain: |g|² from two halves of its batches, gᵀHg from three groups
             raise FusedStatsError(
-                f"the curvature gain needs curvature_batches >= 2, got {self.curvature_batches}"
+                f"the curvature gain needs curvature_batches >= 3, got {self.curvature_batches}"
             )
         if self.probe_batches < 2 or self.curvature_batches > self.probe_batches:
             raise FusedStatsError(

@@ -18,6 +18,13 @@ computes in train mode, its zero BatchNorm's ``∂L/∂γ = Σ_t q_t ⊙ x̂_t``
 keeps the block the identity either way, so ``q`` is the same); on later batches of the same
 distribution it is the normalisation a training batch would see, up to the batch's noise.
 
+A calibration batch with one value per channel (batch × H × W < 2: one sample of a 1×1 output),
+or one in which a channel is constant, gives a variance of 0; every later batch would then be
+divided by ``√eps`` (a |C|_F² of −15.9 where a batch of 8 gives −0.0025). Train mode refuses the
+first (torch: "Expected more than 1 value per channel when training"), and neither has a
+normalisation to measure with: :func:`calibrate` refuses both, naming the candidate, the BatchNorm,
+the input's shape and the channels.
+
 The probe calibrates at a candidate on the first batch it sees there
 (:meth:`.tangent.GrowthTangent.map_features`); ``fs.grow(..., batchnorm_stats=probe)`` inserts the
 block with those statistics (:func:`resolve`). Without ``batchnorm_stats`` a grown block keeps the
@@ -42,9 +49,13 @@ def batchnorms(block: nn.Module) -> list[tuple[str, nn.BatchNorm2d]]:
     return [(name, m) for name, m in block.named_modules() if isinstance(m, nn.BatchNorm2d)]
 
 
-def calibrate(block: nn.Module, act: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def calibrate(
+    block: nn.Module, act: torch.Tensor, point: str = "the candidate"
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Set the running statistics of every BatchNorm of ``block`` (eval mode) from the block run on
-    ``act`` (module docstring); returns name -> (mean, var) copies, fp64 on the CPU."""
+    ``act`` (module docstring); returns name -> (mean, var) copies, fp64 on the CPU. Refused where
+    a BatchNorm sees fewer than 2 values per channel or a channel of variance 0 (``point`` names
+    the candidate in the message)."""
     stats = {}
     for name, bn in batchnorms(block):
         seen: list[torch.Tensor] = []
@@ -65,11 +76,26 @@ def calibrate(block: nn.Module, act: torch.Tensor) -> dict[str, tuple[torch.Tens
             raise FusedStatsError(
                 f"the new block did not run its BatchNorm {name!r} on the calibration batch"
             )
+        shape = tuple(seen[0].shape)
         x = seen[0].detach().to(F64).transpose(0, 1).reshape(bn.num_features, -1)
+        where = f"BatchNorm {name!r} of the new block at {point!r}"
+        if x.shape[1] < 2:
+            raise FusedStatsError(
+                f"{where}: its calibration input of shape {shape} holds {x.shape[1]} value per channel "
+                "(batch × H × W); the variance needs at least 2 (train mode refuses it too): make the "
+                "first batch at this candidate larger"
+            )
         mean = x.mean(dim=1)
         var = (x - mean[:, None]).pow(2).mean(dim=1)
         if not bool(torch.isfinite(mean).all() and torch.isfinite(var).all()):
-            raise FusedStatsError(f"the calibration batch gives non-finite statistics at BatchNorm {name!r}")
+            raise FusedStatsError(f"{where}: the calibration batch gives non-finite statistics")
+        dead = torch.nonzero(var == 0).flatten().tolist()
+        if dead:
+            raise FusedStatsError(
+                f"{where}: channels {dead} are constant over the calibration input of shape {shape} "
+                "(variance 0: later batches would be divided by sqrt(eps)); calibrate on a batch "
+                "where every channel varies"
+            )
         with torch.no_grad():
             bn.running_mean.copy_(mean)
             bn.running_var.copy_(var)
@@ -229,7 +255,7 @@ class BatchNormCalibration:
                 "probe.cross.broadcast_batchnorm_stats() on every rank before the others step "
                 "(GrowthSchedule does this)"
             )
-        self.batchnorm_stats[point] = calibrate(block, act.detach())
+        self.batchnorm_stats[point] = calibrate(block, act.detach(), point)
 
     def _checked_stats(self, stats, where: str) -> dict:
         """``stats`` (point -> name -> (mean, var)) checked against the candidates' blocks:
