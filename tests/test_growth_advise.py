@@ -87,6 +87,8 @@ def test_report_records_the_protocol_verbatim(probed, tmp_path):
         "feature_ranks": ranks,
         # the protocol's zero parameters this LLaMA has: no biases, no other architecture's maps
         "model_zero_parameters": {"llama": ["self_attn.o_proj.weight", "mlp.down_proj.weight"]},
+        # the model as measured: its 3 blocks, never grown
+        "model_structure": {"blocks": {"model.layers": 3}, "record_events": 0},
     }
 
 

@@ -52,7 +52,8 @@ from pathlib import Path
 
 from ...accumulators.estimators import D_ALIGN_READING, Estimate
 from ...errors import FusedStatsError
-from ..report.document import Report, fmt, fmt_se, save_figure
+from ..report.document import fmt, fmt_se, save_figure
+from .advise_inputs import check_one_model, check_units, measured_structure, reports_of
 from .first_step import tangent_record
 from .protocol import DEFAULT_ADAM_EPS, DEFAULT_SCORE, GrowthProtocol, check_record_version
 from .scores import NO_ADAM_UNDER_PROJECTION
@@ -61,8 +62,6 @@ CORRECTION = "Holm-Bonferroni"
 NO_DETECTABLE_GAIN = "no detectable gain"
 # what each candidate's p_adjusted and saturated are (a Saturation's own p is unadjusted)
 ADJUSTED_TEST = "one-sided z-test of H0: C = 0, Holm-adjusted across the candidates"
-# the probe units whose samples are independent (one sequence, or one flattened sample, each)
-INDEPENDENT_UNITS = ("sample", "flat")
 
 
 @dataclass(frozen=True)
@@ -96,8 +95,11 @@ class Candidate:
 @dataclass(frozen=True)
 class Advice:
     """The ranked candidates, the protocol (verbatim, with its digest), the test's settings, the
-    model the reports measured (``model``: class, parameter count and fingerprint) and the
-    protocol's zero parameters that apply to it (``zero_parameters``; None: not recorded)."""
+    model the reports measured (``model``: class, parameter count and fingerprint), the
+    protocol's zero parameters that apply to it (``zero_parameters``; None: not recorded) and the
+    model's structure when measured (``structure``: ``{"blocks": {container: count},
+    "record_events": n}``, the plan's; None: not recorded). ``fs.grow(evidence=advice)`` and
+    ``fs.predicted_change`` refuse the advice once the model's structure differs from it."""
 
     ranked: tuple[Candidate, ...]
     protocol: dict
@@ -110,6 +112,7 @@ class Advice:
     zero_parameters: dict | None = None
     score: str = DEFAULT_SCORE  # the protocol's ranking score
     adam_eps: float = DEFAULT_ADAM_EPS
+    structure: dict | None = None
 
     @property
     def saturated_everywhere(self) -> bool:
@@ -156,6 +159,7 @@ class Advice:
             "K": self.K,
             "score": self.score,
             "adam_eps": self.adam_eps,
+            "model_structure": self.structure,
             "adam_available": self.protocol.get("projection") is None,
             "saturated_everywhere": self.saturated_everywhere,
             "verdict": self.verdict,
@@ -197,6 +201,13 @@ class Advice:
                     else ""
                 )
                 + ".",
+                "",
+            ]
+        if self.structure is not None:
+            blocks = ", ".join(f"{c}: {n} blocks" for c, n in self.structure["blocks"].items())
+            lines += [
+                f"Measured on the model with {blocks}, {self.structure['record_events']} growth record "
+                "events: the candidate names are those of that model (a growth since renumbers them).",
                 "",
             ]
         if self.zero_parameters is None:
@@ -347,95 +358,6 @@ def holm(p_values: list[float]) -> list[float]:
     return out
 
 
-def _reports(source, probes=None) -> list[dict]:
-    from ..probe.driver import Probe
-
-    items = source if isinstance(source, (list, tuple)) else [source]
-    out = []
-    for item in items:
-        if isinstance(item, Probe):
-            out.append(item.report(misalignment_trials=0).data)
-            if probes is not None:
-                probes.append(item)
-        elif isinstance(item, Report):
-            out.append(item.data)
-        elif isinstance(item, (str, Path)):
-            out.append(Report.from_json(item).data)
-        elif isinstance(item, dict):
-            out.append(Report(item).data)
-        else:
-            raise FusedStatsError(
-                f"advise takes a Probe, a Report, a report path or a list of them; got {type(item).__name__}"
-            )
-    if not out:
-        raise FusedStatsError("advise needs at least one probe or report")
-    return out
-
-
-def _check_units(reports: list[dict]) -> None:
-    for i, data in enumerate(reports):
-        unit = data.get("unit")
-        if unit not in INDEPENDENT_UNITS:
-            raise FusedStatsError(
-                f"report {i} was probed with unit={unit!r}: the positions of one sequence are not "
-                "independent samples, so the standard errors and the Holm-adjusted p-values of the "
-                f"saturation test would not hold; advise takes units {list(INDEPENDENT_UNITS)} (probe "
-                "with fs.Probe(..., unit='sample'): each sequence one sample)"
-            )
-
-
-def _model_differences(a: dict, b: dict) -> list[str]:
-    """What differs between two reports' ``model`` records (class, config, count, values)."""
-    fa, fb = a["fingerprint"], b["fingerprint"]
-    out = []
-    if a.get("class") != b.get("class"):
-        out.append(f"model class {a.get('class')} vs {b.get('class')}")
-    if fa["config_digest"] != fb["config_digest"]:
-        ca, cb = a.get("config") or {}, b.get("config") or {}
-        keys = [k for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)]
-        shown = ", ".join(f"{k} {ca.get(k)} vs {cb.get(k)}" for k in keys)
-        out.append(
-            f"configuration (digest {fa['config_digest'][:12]}… vs {fb['config_digest'][:12]}…"
-            + (f": {shown}" if shown else "")
-            + ")"
-        )
-    if fa["num_parameters"] != fb["num_parameters"]:
-        out.append(f"parameter count {fa['num_parameters']:,} vs {fb['num_parameters']:,}")
-    if fa["parameters_digest"] != fb["parameters_digest"]:
-        out.append(
-            f"parameter values (digest {fa['parameters_digest'][:12]}… vs {fb['parameters_digest'][:12]}…: "
-            "other weights, e.g. another seed, checkpoint or training step)"
-        )
-    return out
-
-
-def _check_one_model(reports: list[dict]) -> None:
-    """Several reports are combined only when their fingerprints name one model."""
-    if len(reports) < 2:
-        return
-    for i, data in enumerate(reports):
-        fingerprint = data["model"].get("fingerprint")
-        if fingerprint is None:
-            raise FusedStatsError(
-                f"report {i} records no model fingerprint (written by an older fused_stats): cannot "
-                "check that the reports measured one model; re-run its probe"
-            )
-        if fingerprint["parameters_digest"] is None:
-            raise FusedStatsError(
-                f"report {i} has no digest of the parameter values "
-                f"({fingerprint.get('parameters_digest_missing')}): cannot check that the reports "
-                "measured one model; probe the candidates in one run, or on a model whose weights "
-                "this process holds"
-            )
-    for i, data in enumerate(reports[1:], 1):
-        differences = _model_differences(reports[0]["model"], data["model"])
-        if differences:
-            raise FusedStatsError(
-                f"reports 0 and {i} were measured on different models: {'; '.join(differences)}. "
-                "advise combines the reports of one model only"
-            )
-
-
 def _estimate(record: dict) -> Estimate:
     names = {f.name for f in fields(Estimate)} - {"plugin"}
     return Estimate(**{k: v for k, v in record.items() if k in names})
@@ -455,9 +377,9 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
     if (M is None) != (K is None):
         raise FusedStatsError(f"give both M and K or neither, got M={M!r}, K={K!r}")
     probes: list = []
-    reports = _reports(source, probes)
-    _check_units(reports)
-    _check_one_model(reports)
+    reports = reports_of(source, probes)
+    check_units(reports)
+    check_one_model(reports)
     records = []
     for i, data in enumerate(reports):
         rec = data.get("growth_protocol")
@@ -589,6 +511,7 @@ def advise(source, protocol: GrowthProtocol | None = None, alpha: float = 0.05, 
         zero_parameters=records[0].get("model_zero_parameters"),
         score=protocol.score,
         adam_eps=protocol.adam_eps,
+        structure=measured_structure(records),
     )
 
 

@@ -91,7 +91,7 @@ class FirstStepTangent:
     c_test: torch.Tensor = field(repr=False)
     segments: tuple = ()
     sub_batches: object = field(default=None, repr=False)
-    plan: object = field(default=None, repr=False)  # the GrowthPlan the probe measured
+    plan: GrowthPlan | None = field(default=None, repr=False)  # the probe's plan (always given)
 
     def __deepcopy__(self, memo):  # kept by reference in copies of the advice
         return self
@@ -320,13 +320,18 @@ def _checked_lr(lr) -> float | None:
     return value
 
 
-def _current_plan(record: FirstStepTangent):
-    """The plan the tangents were measured under while it still describes the model; after the
-    model changed (grown since), the plan of the model as it is now."""
-    plan = record.plan
-    if plan is not None and plan.is_current(record.model):
-        return plan
-    return GrowthPlan.build(record.model, record.protocol)
+def _current_plan(record: FirstStepTangent) -> GrowthPlan:
+    """The plan the tangents were measured under, while it still describes the model. After the
+    model changed (a growth since), the candidate's name may mean another place and the tangents
+    are of the model as it was: refused, naming the change."""
+    changed = record.plan.changes(record.model)
+    if changed:
+        raise FusedStatsError(
+            f"candidate {record.point!r}: its tangents were measured on the model as it was, and the "
+            f"model changed since ({changed}); predict the first step before growing, or probe the "
+            "grown model again"
+        )
+    return record.plan
 
 
 def predict(record: FirstStepTangent, optimizer, lr=None) -> FirstStepPrediction:
@@ -398,11 +403,12 @@ def predicted_change(advice_or_candidate, optimizer, lr=None):
     ``advice_or_candidate``: an :class:`~fused_stats.Advice` made by :func:`fused_stats.advise`
     from a live ``fs.Probe`` (returns a dict point -> :class:`FirstStepPrediction`), one of its
     candidates (returns one), or the probe itself (a dict). ``optimizer``: the optimizer over the
-    model before growth (or after, for ``family="layer"``), one of the classes in
-    :data:`SUPPORTED`. ``lr``: None, each group's own lr, or one lr for every group (a number or
-    a one-element tensor, as torch takes it; finite and > 0). Raises
+    model as the probe measured it (before growth), one of the classes in :data:`SUPPORTED`.
+    ``lr``: None, each group's own lr, or one lr for every group (a number or a one-element
+    tensor, as torch takes it; finite and > 0). Raises
     :class:`FusedStatsError` for another optimizer class, for advice without the tangents (read
-    from a report), and under a projection.
+    from a report), under a projection, and once the model has changed since the probe measured
+    it (a growth since: the tangents are of the model as it was).
     """
     _check_optimizer(optimizer)
     # advise imports this module: Advice and Candidate are recognised by their fields

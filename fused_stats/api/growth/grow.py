@@ -345,7 +345,9 @@ def grow(
     Every point grown adds an entry to the model's growth record (:mod:`.record`,
     ``fs.growth_history``), with ``step`` (the training step, if any) and ``evidence`` (an
     :class:`~fused_stats.api.growth.advise.Advice`, or a dict point -> ``{cross_frob2, p_value,
-    p_adjusted}``) that motivated it; an Advice made under another protocol (digest) is refused.
+    p_adjusted}``) that motivated it; an Advice made under another protocol (digest), for another
+    ``init``, or on the model before it last changed (:meth:`.plan.GrowthPlan.check_advice`) is
+    refused.
     ``batchnorm_stats`` (ResNet ``family="layer"``): the probe that measured ``protocol`` (or a
     dict point -> BatchNorm name -> (mean, var)); each new block gets the running statistics the
     probe calibrated and measured it with (:mod:`.batchnorm`); None: a new block keeps fresh
@@ -372,13 +374,8 @@ def grow(
     if init_directions is not None and protocol.family != "mlp_width":
         raise FusedStatsError(f"init_directions is for family 'mlp_width', not {protocol.family!r}")
     bounds = [plan.candidate(p).boundary for p in points]
-    advised = getattr(evidence, "digest", None) if hasattr(evidence, "ranked") else None
-    if advised is not None and advised != protocol.digest:
-        # advice measured the blocks of another protocol: recording it here would misattribute it
-        raise FusedStatsError(
-            f"evidence: the advice was made under protocol {str(advised)[:12]}…, this growth's "
-            f"protocol is {protocol.digest[:12]}…; give the advice of this protocol's probe"
-        )
+    if hasattr(evidence, "ranked"):
+        plan.check_advice(evidence, init)  # its protocol, init and the model structure it measured
     motive = check_step_and_evidence(step, evidence, points)
     calibrated = batchnorm.resolve(batchnorm_stats, plan, points, init)
     result = GrowthResult(protocol.family, init, protocol.digest)

@@ -59,9 +59,40 @@ class PlannedCandidate:
         }
 
 
-def _structure(model: nn.Module, arch: Architecture, history_length: int) -> tuple:
-    """What a plan's facts rest on: the block counts of the containers and the record's length."""
-    return tuple(len(model.get_submodule(c)) for c in arch.containers), history_length
+def _structure(model: nn.Module, arch: Architecture, history_length: int) -> dict:
+    """What a plan's facts rest on, as plain data (reports and advice keep it): the block count of
+    each container and the number of entries in the model's growth record."""
+    return {
+        "blocks": {c: len(model.get_submodule(c)) for c in arch.containers},
+        "record_events": history_length,
+    }
+
+
+def _event(entry: dict) -> str:
+    if entry.get("event") != GREW:
+        return f"{entry.get('event')} at step {entry.get('step')}"
+    return (
+        f"grew at {entry.get('point')!r} ({entry.get('family')}, init {entry.get('init')!r}), now "
+        f"{entry.get('position')}"
+    )
+
+
+def structure_changes(then: dict, model: nn.Module, now: dict) -> str:
+    """What differs between the structure ``then`` and ``model``'s structure ``now``: the block
+    counts, and the growth record's events added since (as the record names them now)."""
+    parts = []
+    for container in sorted(set(then["blocks"]) | set(now["blocks"])):
+        a, b = then["blocks"].get(container), now["blocks"].get(container)
+        if a != b:
+            parts.append(f"{container}: {a} blocks then, {b} now")
+    a, b = then["record_events"], now["record_events"]
+    if a != b:
+        added = growth_history(model)[a:] if b > a else []
+        parts.append(
+            f"growth record: {a} events then, {b} now"
+            + (f" ({'; '.join(map(_event, added))})" if added else "")
+        )
+    return "; ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -73,7 +104,7 @@ class GrowthPlan:
     protocol: GrowthProtocol
     architecture: Architecture
     candidates: dict[str, PlannedCandidate]
-    structure: tuple
+    structure: dict
 
     @classmethod
     def build(cls, model: nn.Module, protocol: GrowthProtocol) -> GrowthPlan:
@@ -131,7 +162,8 @@ class GrowthPlan:
         return self.candidate(point).seed
 
     def is_current(self, model: nn.Module) -> bool:
-        """Whether the plan still describes ``model`` (:meth:`require_current` without the error)."""
+        """Whether the plan still describes ``model`` (:meth:`require_current` without the error):
+        False for any other model object, even one of the same structure and weights."""
         now = _structure(model, self.architecture, len(growth_history(model)))
         return model is self.model and now == self.structure
 
@@ -143,11 +175,54 @@ class GrowthPlan:
                 f"this growth plan was made for another {type(self.model).__name__} object, not the "
                 f"{type(model).__name__} given: build the plan on the model that grows"
             )
-        now = _structure(model, self.architecture, len(growth_history(model)))
-        if now != self.structure:
+        changed = self.changes(model)
+        if changed:
             raise FusedStatsError(
-                f"the growth plan is stale: the model changed since it was made (blocks per container "
-                f"and growth events {self.structure} then, {now} now); build a new plan"
+                f"the growth plan is stale: the model changed since it was made ({changed}); build a new plan"
+            )
+
+    def changes(self, model: nn.Module) -> str:
+        """What changed in ``model``'s structure since the plan was made (:func:`structure_changes`;
+        ``""``: nothing)."""
+        now = _structure(model, self.architecture, len(growth_history(model)))
+        return "" if now == self.structure else structure_changes(self.structure, model, now)
+
+    def check_advice(self, advice, init: str) -> None:
+        """Refuse ``advice`` (an :class:`~fused_stats.Advice`) as the evidence of a growth under this
+        plan (the model as it is now) at ``init``: advice of another protocol, of another init, or
+        measured on the model before it changed, where its candidate names meant other places (a
+        growth inserts blocks and renumbers the ones after them). An object with rows only (no
+        ``digest``) is taken as given, like a dict."""
+        digest = getattr(advice, "digest", None)
+        if digest is None:
+            return
+        if digest != self.protocol.digest:
+            # advice measured the blocks of another protocol: recording it here would misattribute it
+            raise FusedStatsError(
+                f"evidence: the advice was made under protocol {str(digest)[:12]}…, this growth's "
+                f"protocol is {self.protocol.digest[:12]}…; give the advice of this protocol's probe"
+            )
+        measured_init = (getattr(advice, "protocol", None) or {}).get("init")
+        if measured_init != init:
+            raise FusedStatsError(
+                f"evidence: the advice measured blocks of init {measured_init!r}, this growth makes init "
+                f"{init!r}; its |C|_F² and p are not those of the blocks grown here: grow with init "
+                f"{measured_init!r}, or probe a protocol of init {init!r}"
+            )
+        measured = getattr(advice, "structure", None)
+        if measured is None:
+            raise FusedStatsError(
+                "evidence: the advice records no model structure (its reports were written by an older "
+                "fused_stats), so it cannot be checked against the model as it is now; probe again, or "
+                "give the evidence as a dict point -> {cross_frob2, p_value, p_adjusted}"
+            )
+        if measured != self.structure:
+            raise FusedStatsError(
+                f"evidence: the advice was measured on the model as it was, and the model changed since "
+                f"({structure_changes(measured, self.model, self.structure)}): its numbers are those of "
+                "the blocks it measured there, and a growth renumbers the blocks after it, so a candidate's "
+                "name may now mean another place; grow every advised point in one fs.grow call, or probe "
+                "the grown model again (docs/growth/grow.md, evidence after a growth)"
             )
 
     def rebound(self, copy: nn.Module) -> GrowthPlan:
@@ -201,4 +276,4 @@ def plan_growth(model: nn.Module, protocol: GrowthProtocol) -> GrowthPlan:
     return GrowthPlan.build(model, protocol)
 
 
-__all__ = ["GrowthPlan", "PlannedCandidate", "plan_growth"]
+__all__ = ["GrowthPlan", "PlannedCandidate", "plan_growth", "structure_changes"]

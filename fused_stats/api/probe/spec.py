@@ -13,6 +13,7 @@ driver's hooks into sources are the helpers at the end.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -294,8 +295,9 @@ def protocol_record(cross, probe=None) -> dict | None:
     """The growth protocol behind a feature source, verbatim with its digest (for reports), the
     width ``r`` of the full tangent at each point the source has measured (``feature_ranks``:
     a projected ``|C Pᵀ|²`` is rescaled by ``r / k`` from it), the parameters of the new blocks at
-    their origin in this model (``model_zero_parameters``, from a source that names them) and,
-    given the ``probe``, the
+    their origin in this model (``model_zero_parameters``, from a source that names them), the
+    structure of the model measured (``model_structure``: the source's plan's block counts and
+    growth record length: the plan's ``structure``) and, given the ``probe``, the
     source's per-candidate scores from its accumulators (``scores``: ``candidate_scores(probe)``)."""
     protocol = getattr(cross, "protocol", None)
     if protocol is None or not hasattr(protocol, "to_dict"):
@@ -308,6 +310,10 @@ def protocol_record(cross, probe=None) -> dict | None:
     if callable(zero):
         # named by the source from the model's own architecture (a post-norm block's norm scales)
         record["model_zero_parameters"] = dict(zero())
+    plan = getattr(cross, "plan", None)
+    if isinstance(getattr(plan, "structure", None), dict):
+        # the model as measured: advice from this record is refused once the model changed
+        record["model_structure"] = copy.deepcopy(plan.structure)
     scores = getattr(cross, "candidate_scores", None)
     if probe is not None and callable(scores):
         record["scores"] = scores(probe)

@@ -17,7 +17,9 @@ Role: the one exchange format between :class:`fused_stats.Probe` (which fills it
                  "norm_histogram": {"n": int, "edges": [float] * (bins + 1), "counts": [int] * bins,
                                     "underflow": int, "overflow": int}   (optional)}],
      "growth_protocol": {"digest": str, "protocol": dict, "feature_ranks": {point: int},
-                         "model_zero_parameters": dict}   (optional: a probe with cross=protocol),
+                         "model_zero_parameters": dict,
+                         "model_structure": {"blocks": {container: int}, "record_events": int}}
+                        (optional: a probe with cross=protocol; model_structure: the model measured),
      "meta": dict}
 
 The Estimate / Certificate / Misalignment dicts are the ``to_dict()`` of the classes in
