@@ -219,9 +219,9 @@ GIVEN = {
 }
 
 
-def given_claims():
+def given_claims(given=GIVEN):
     rows = [
-        (cid, cid, "directional", sign, lambda d, e=e, p=p: (e, p)) for cid, (sign, e, p) in GIVEN.items()
+        (cid, cid, "directional", sign, lambda d, e=e, p=p: (e, p)) for cid, (sign, e, p) in given.items()
     ]
     rows.append(("B3", "a rule", "rule", None, lambda d: (7, True)))
     rows.append(("C10", "a null", "null", ">", lambda d: (0.3, 0.001)))
@@ -252,3 +252,17 @@ def test_confirmed_holm_is_the_holm_step_down_by_hand(exploratory, tmp_path, mon
         line = next(x for x in md.splitlines() if x.startswith(f"| {cid} |"))
         assert float(line.rstrip(" |").rsplit("|", 1)[1]) == pytest.approx(value, rel=1e-3), cid
     assert "1 survive Holm (alpha 0.05)" in md
+
+
+def test_a_holm_p_of_exactly_alpha_does_not_survive(exploratory, monkeypatch):
+    import fused_stats.demo.confirm as confirm
+
+    # m = 5: 0.001 x 5 = 0.005 survives; 0.0125 x 4 = 0.05 exactly (x4 is exact in binary) does
+    # not: the pre-registered rule is p < alpha, for the unadjusted and the Holm-adjusted p alike
+    given = {"C1": (">", 0.3, 0.001), "C5": (">", 0.2, 0.0125), "C4": (">", 0.2, 0.02)}
+    given.update(C6=(">", 0.2, 0.03), A1=("<", -0.1, 0.3))
+    monkeypatch.setattr(confirm, "CLAIMS", given_claims(given))
+    record, _ = confirm.confirm_summary(exploratory, relabelled(exploratory))
+    assert by_id(record["claims"])["C5"]["holm"] == 0.05
+    assert record["confirmed_holm"] == ["C1"]
+    assert record["confirmed"] == ["C1", "C5", "C4", "C6", "B3"]
