@@ -4,7 +4,9 @@ grows the Trainer's original model as the checkpoint's growth record says before
 
 References: the gradients of the same model without DDP (world 1: DDP's all-reduce is the
 identity); the parameter count of a hand-grown model; the uninterrupted run for the resumed one
-(bit-equal parameters and optimizer state); a copy of the model before each refused call.
+(bit-equal parameters and optimizer state); fs.grow called by hand once per event of a
+checkpoint's record; a copy of the model before each refused call; for nn.DataParallel (several
+GPUs simulated through TrainingArguments' n_gpu), the Trainer's own wrapping of the model.
 """
 
 from __future__ import annotations
