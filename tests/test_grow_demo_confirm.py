@@ -204,3 +204,65 @@ def test_a_quick_confirm_run_writes_the_table(exploratory, tmp_path, capsys):
     for cid in rows:
         assert f"| {cid} |" in md and f"| {cid} |" in printed
     assert f"default score by the pre-registered rule: {conf['default_score']}" in md
+
+
+# seven directional claims with given (effect, p); A1 significant the wrong way; a rule and a null
+# claim outside the Holm family
+GIVEN = {
+    "C1": (">", 0.3, 0.001),
+    "A1": ("<", 0.1, 0.002),
+    "C5": (">", 0.2, 0.011),
+    "C4": (">", 0.25, 0.012),
+    "C6": (">", 0.22, 0.0125),
+    "A2": ("<", -0.05, 0.04),
+    "A3": ("<", -0.05, 0.3),
+}
+
+
+def given_claims(given=GIVEN):
+    rows = [
+        (cid, cid, "directional", sign, lambda d, e=e, p=p: (e, p)) for cid, (sign, e, p) in given.items()
+    ]
+    rows.append(("B3", "a rule", "rule", None, lambda d: (7, True)))
+    rows.append(("C10", "a null", "null", ">", lambda d: (0.3, 0.001)))
+    return rows
+
+
+def test_confirmed_holm_is_the_holm_step_down_by_hand(exploratory, tmp_path, monkeypatch):
+    import fused_stats.demo.confirm as confirm
+
+    monkeypatch.setattr(confirm, "CLAIMS", given_claims())
+    record = confirm.write_confirm(exploratory, relabelled(exploratory), tmp_path, echo=lambda line: None)
+    assert json.loads((tmp_path / "confirm.json").read_text()) == json.loads(json.dumps(record))
+    # Holm by hand over the m = 7 directional p-values, ascending: 0.001 (x7), 0.002 (x6), 0.011
+    # (x5 = 0.055 >= 0.05: the step-down stops here), then each adjusted p is the running maximum
+    holm = {"C1": 7 * 0.001, "A1": 6 * 0.002, "C5": 5 * 0.011, "C4": 5 * 0.011, "C6": 5 * 0.011}
+    holm.update(A2=2 * 0.04, A3=0.3)
+    rows = by_id(record["claims"])
+    assert {cid: rows[cid]["holm"] for cid in holm} == pytest.approx(holm, rel=1e-12)
+    assert rows["B3"]["holm"] is None and rows["C10"]["holm"] is None
+    # rejected by Holm: C1 and A1 (p below 0.05/7 and 0.05/6); A1's effect has the wrong sign.
+    # C6's 3 x 0.0125 < 0.05 does not count: the step-down stopped at C5
+    assert record["confirmed_holm"] == ["C1"]
+    assert record["confirmed"] == ["C1", "C5", "C4", "C6", "A2", "B3"]
+    assert rows["C10"]["status"] == "contradicted" and record["contradicted"] == ["C10"]
+    # the Holm column of confirm.md shows the same numbers, and the count line says one survives
+    md = (tmp_path / "confirm.md").read_text()
+    for cid, value in holm.items():
+        line = next(x for x in md.splitlines() if x.startswith(f"| {cid} |"))
+        assert float(line.rstrip(" |").rsplit("|", 1)[1]) == pytest.approx(value, rel=1e-3), cid
+    assert "1 survive Holm (alpha 0.05)" in md
+
+
+def test_a_holm_p_of_exactly_alpha_does_not_survive(exploratory, monkeypatch):
+    import fused_stats.demo.confirm as confirm
+
+    # m = 5: 0.001 x 5 = 0.005 survives; 0.0125 x 4 = 0.05 exactly (x4 is exact in binary) does
+    # not: the pre-registered rule is p < alpha, for the unadjusted and the Holm-adjusted p alike
+    given = {"C1": (">", 0.3, 0.001), "C5": (">", 0.2, 0.0125), "C4": (">", 0.2, 0.02)}
+    given.update(C6=(">", 0.2, 0.03), A1=("<", -0.1, 0.3))
+    monkeypatch.setattr(confirm, "CLAIMS", given_claims(given))
+    record, _ = confirm.confirm_summary(exploratory, relabelled(exploratory))
+    assert by_id(record["claims"])["C5"]["holm"] == 0.05
+    assert record["confirmed_holm"] == ["C1"]
+    assert record["confirmed"] == ["C1", "C5", "C4", "C6", "B3"]

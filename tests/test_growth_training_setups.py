@@ -4,7 +4,9 @@ grows the Trainer's original model as the checkpoint's growth record says before
 
 References: the gradients of the same model without DDP (world 1: DDP's all-reduce is the
 identity); the parameter count of a hand-grown model; the uninterrupted run for the resumed one
-(bit-equal parameters and optimizer state); a copy of the model before each refused call.
+(bit-equal parameters and optimizer state); fs.grow called by hand once per event of a
+checkpoint's record; a copy of the model before each refused call; for nn.DataParallel (several
+GPUs simulated through TrainingArguments' n_gpu), the Trainer's own wrapping of the model.
 """
 
 from __future__ import annotations
@@ -201,3 +203,116 @@ def test_a_model_grown_elsewhere_is_refused_before_it_changes(uninterrupted, tmp
     with pytest.raises(fs.FusedStatsError, match="is not the start of the checkpoint's"):
         train(tmp_path, [GrowthScheduleCallback(schedule())], model=model, resume=str(checkpoint))
     assert same_parameters(model, before) and len(fs.growth_history(model)) == 1
+
+
+# ---------------------------------------------------------------------------- two events, resumed
+def two_event_schedule():
+    return fs.GrowthSchedule(protocol(), at_steps=[1, 3], probe_batches=probe_batches(0))
+
+
+@pytest.fixture(scope="module")
+def two_events(tmp_path_factory):
+    """An uninterrupted run growing at steps 1 and 3; checkpoint-3 is written after both."""
+    directory = tmp_path_factory.mktemp("two_events")
+    whole = two_event_schedule()
+    model, trainer = train(directory, [GrowthScheduleCallback(whole)])
+    return model, trainer, whole, directory / "checkpoint-3"
+
+
+def checkpoint_growth(checkpoint):
+    import json
+
+    return json.loads((checkpoint / "config.json").read_text())[fs.api.growth.record.RECORD_KEY]
+
+
+def test_two_growth_events_at_different_steps_are_replayed_one_by_one(two_events):
+    from fused_stats.api.growth.record import EVIDENCE_KEYS, FIRST_STEP_KEYS
+    from fused_stats.integrations._trainer_growth import replay_checkpoint_growth
+
+    _, _, whole, checkpoint = two_events
+    record = checkpoint_growth(checkpoint)
+    assert [(e["event"], e["step"]) for e in record] == [("grew", 1), ("grew", 3)]
+    assert [e["step"] for e in whole.events] == [1, 3]
+    # the hand reference: fs.grow called once per event, at the record's point, step and evidence
+    hand = tiny_llama()
+    for entry in record:
+        kept = {k: entry[k] for k in EVIDENCE_KEYS + FIRST_STEP_KEYS if k in entry}
+        fs.grow(hand, protocol(), at=[entry["point"]], step=entry["step"], evidence={entry["point"]: kept})
+    assert fs.growth_history(hand) == record
+    replayed = tiny_llama()
+    assert replay_checkpoint_growth(replayed, str(checkpoint), protocol()) == 2
+    assert replayed.config.num_hidden_layers == 4
+    assert fs.growth_history(replayed) == record and same_parameters(replayed, hand)
+    # a model holding the first event already gets the second alone
+    first = tiny_llama()
+    kept = {k: record[0][k] for k in EVIDENCE_KEYS + FIRST_STEP_KEYS if k in record[0]}
+    fs.grow(first, protocol(), at=[record[0]["point"]], step=1, evidence={record[0]["point"]: kept})
+    assert replay_checkpoint_growth(first, str(checkpoint), protocol()) == 1
+    assert fs.growth_history(first) == record and same_parameters(first, hand)
+
+
+def test_the_mixin_resumes_two_growth_events_as_the_uninterrupted_run(two_events, tmp_path):
+    model, trainer, whole, checkpoint = two_events
+    resumed = two_event_schedule()
+    model_b, trainer_b = train(
+        tmp_path, [GrowthScheduleCallback(resumed)], model=tiny_llama(), resume=str(checkpoint)
+    )
+    assert model_b.config.num_hidden_layers == 4 and resumed.events == whole.events
+    assert fs.growth_history(model_b) == fs.growth_history(model) == checkpoint_growth(checkpoint)
+    assert same_parameters(model_b, model)
+    sa, sb = trainer.optimizer.optimizer.state_dict(), trainer_b.optimizer.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"] and sorted(sa["state"]) == sorted(sb["state"])
+    for i in sa["state"]:
+        for key in sa["state"][i]:
+            assert torch.equal(sa["state"][i][key], sb["state"][i][key]), (i, key)
+
+
+# ---------------------------------------------------------------------------- nn.DataParallel
+def several_gpus(monkeypatch, n_gpu, world_size=1):
+    """TrainingArguments as the Trainer sees them with ``n_gpu`` GPUs in each of ``world_size``
+    processes (the properties torch's device count sets; no GPU needed)."""
+    monkeypatch.setattr(transformers.TrainingArguments, "n_gpu", property(lambda self: n_gpu))
+    monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: world_size))
+
+
+@pytest.mark.parametrize("n_gpu", [2, 3])
+def test_data_parallel_is_refused_at_train_begin_before_anything_changes(n_gpu, tmp_path, monkeypatch):
+    several_gpus(monkeypatch, n_gpu)
+    whole = schedule()
+    callback = GrowthScheduleCallback(whole)
+    model = tiny_llama()
+    before = snapshot(model)
+    with pytest.raises(fs.FusedStatsError, match=rf"DataParallel over {n_gpu} GPUs in one process.*supports"):
+        train(tmp_path, [callback], model=model)
+    # refused before the first step: no parameter moved, nothing grown or saved, no hook left
+    assert same_parameters(model, before) and fs.growth_history(model) == [] and whole.events == []
+    assert callback._hook is None and not model._forward_pre_hooks
+    assert not list(tmp_path.glob("checkpoint-*"))
+
+
+def test_data_parallel_is_refused_before_a_resume_grows_the_model(uninterrupted, tmp_path, monkeypatch):
+    _, _, _, checkpoint = uninterrupted
+    several_gpus(monkeypatch, 2)
+    original = tiny_llama()
+    before = snapshot(original)
+    with pytest.raises(fs.FusedStatsError, match="DataParallel over 2 GPUs in one process"):
+        train(tmp_path, [GrowthScheduleCallback(schedule())], model=original, resume=str(checkpoint))
+    assert same_parameters(original, before) and fs.growth_history(original) == []
+    assert original.config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("n_gpu, world_size", [(0, 1), (1, 1), (2, 1), (1, 2), (2, 2)])
+def test_refused_exactly_where_the_trainer_wraps_the_model_in_data_parallel(n_gpu, world_size, monkeypatch):
+    from fused_stats.integrations._trainer_growth import check_trainer_setup
+
+    several_gpus(monkeypatch, n_gpu, world_size)
+    args = trainer_args("/nonexistent")
+    model = tiny_llama()
+    # the reference: the Trainer's own wrapping of the model it trains
+    wrapped = transformers.Trainer(model=model, args=args)._wrap_model(model)
+    if isinstance(wrapped, torch.nn.DataParallel):
+        with pytest.raises(fs.FusedStatsError, match=f"DataParallel over {n_gpu} GPUs"):
+            check_trainer_setup(args, model)
+    else:
+        check_trainer_setup(args, model)  # accepted: nothing raised
+    assert (n_gpu, world_size) != (2, 1) or isinstance(wrapped, torch.nn.DataParallel)

@@ -30,6 +30,9 @@ from ..errors import FusedStatsError
 
 # accelerate's DistributedType values whose model wrapper is not a plain DDP
 _UNSUPPORTED_TYPES = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "XLA": "XLA", "MEGATRON_LM": "Megatron-LM"}
+# the names a later depth growth renumbers in the entries before it (record module docstring): a
+# model holding a checkpoint's first events holds them under the names they had before the later ones
+_RENUMBERED_KEYS = ("position", "new_parameters", "widened")
 
 
 def _accelerate_type() -> str | None:
@@ -53,7 +56,8 @@ def check_trainer_setup(args, model) -> None:
     kind = _accelerate_type()
     if kind in _UNSUPPORTED_TYPES:
         found.append(f"{_UNSUPPORTED_TYPES[kind]} (accelerate distributed_type {kind})")
-    if int(getattr(args, "n_gpu", 1) or 1) > 1 and int(getattr(args, "world_size", 1) or 1) == 1:
+    # the Trainer's own rule (Trainer._wrap_model): more than one GPU in this process, DataParallel
+    if int(getattr(args, "n_gpu", 1) or 1) > 1:
         found.append(f"torch.nn.DataParallel over {args.n_gpu} GPUs in one process")
     if found:
         raise FusedStatsError(
@@ -74,6 +78,10 @@ def checkpoint_record(checkpoint: str) -> list[dict] | None:
     if not isinstance(record, list) or not all(isinstance(e, dict) for e in record):
         raise FusedStatsError(f"{path}: {RECORD_KEY} is not a list of growth entries")
     return record
+
+
+def _unrenumbered(entries: list[dict]) -> list[dict]:
+    return [{k: v for k, v in e.items() if k not in _RENUMBERED_KEYS} for e in entries]
 
 
 def _events(entries: list[dict]) -> list[list[dict]]:
@@ -98,14 +106,15 @@ def replay_checkpoint_growth(model, checkpoint: str, protocol, optimizer=None) -
 
     Returns the number of events replayed (0 when the model already holds the checkpoint's
     architecture, e.g. built by ``from_pretrained(checkpoint)``). Refused with nothing changed: a
-    model whose record is not a prefix of the checkpoint's, an entry of another protocol, and an
+    model whose record is not a prefix of the checkpoint's (compared without the block names a later
+    growth renumbered in the checkpoint's entries), an entry of another protocol, and an
     optimizer built before the replay (the grown parameters would be missing from it).
     """
     record = checkpoint_record(checkpoint)
     if record is None:
         return 0
     have = growth_history(model)
-    if record[: len(have)] != have:
+    if _unrenumbered(record[: len(have)]) != _unrenumbered(have):
         raise FusedStatsError(
             f"resume from {checkpoint}: the model's growth record ({len(have)} entries) is not the start "
             f"of the checkpoint's ({len(record)} entries); build the model the checkpoint continues"
