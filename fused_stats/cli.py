@@ -80,6 +80,10 @@ def main(argv=None) -> int:
     except (UsageError, FusedStatsError) as exc:
         print(f"fused-stats: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # one line, not a traceback: every file a command writes is written whole or not at all
+        print("fused-stats: interrupted (Ctrl-C); no file was left half-written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

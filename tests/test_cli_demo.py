@@ -221,7 +221,7 @@ def demo_out(tmp_path_factory):
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["demo", "--quick", "--out", str(out), "--no-progress", "--threads", "1"])
+        rc = main(["demo", "--toy", "--quick", "--out", str(out), "--no-progress", "--threads", "1"])
     return out, rc, buf.getvalue()
 
 
