@@ -212,13 +212,17 @@ def causal_lm_loss(model, batch) -> torch.Tensor:
             f"sequences {empty[:10]} of the batch (input_ids {tuple(ids.shape)}) have no valid "
             "target token (all labels -100 or masked); drop them from the batch"
         )
-    pred = logits[:, :-1]
+    pred = logits
     if pred.dtype in (torch.float16, torch.bfloat16):
         pred = pred.float()  # a softmax over a large vocabulary in half precision loses digits
-    target = labels[:, 1:].masked_fill(~valid, 0).long()  # cross_entropy takes int64 targets only
-    token_loss = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="none").view(
-        B, T - 1
-    )
+    # Every position's logits go in, the last one with a dummy target that is dropped below: the
+    # slice logits[:, :-1] is not contiguous, so flattening it would copy all (B, T - 1, vocab)
+    # logits, and its backward would write them once more into a zero-filled (B, T, vocab) buffer.
+    # The per-token losses and the gradients are the same, row by row.
+    target = torch.zeros((B, T), dtype=torch.long, device=labels.device)  # int64: cross_entropy's only
+    target[:, :-1] = labels[:, 1:].masked_fill(~valid, 0)
+    token_loss = F.cross_entropy(pred.reshape(B * T, -1), target.view(-1), reduction="none").view(B, T)
+    token_loss = token_loss[:, :-1]
     # where(), not multiply: an inf at an ignored position must not turn the sum into nan
     token_loss = torch.where(
         valid, token_loss, torch.zeros((), dtype=token_loss.dtype, device=token_loss.device)
