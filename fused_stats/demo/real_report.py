@@ -31,9 +31,9 @@ def fmt(value, spec: str = ".3g") -> str:
     return format(value, spec)
 
 
-def _range(values) -> str:
+def _range(values, spec: str = ".3g") -> str:
     values = [v for v in values if v is not None]
-    return f"{fmt(min(values))}–{fmt(max(values))}" if values else "—"
+    return f"{fmt(min(values), spec)}–{fmt(max(values), spec)}" if values else "—"
 
 
 def summary_lines(result: dict) -> list[str]:
@@ -69,7 +69,7 @@ def summary_lines(result: dict) -> list[str]:
                 if r["optimizer"] == opt
             ]
             lines.append(
-                f"- {kind}, {opt} first step: measured (central difference) / predicted {_range(ratios)} "
+                f"- {kind}, {opt} first step: measured (central difference) / predicted {_range(ratios, '.4f')} "
                 f"over {len(ratios)} steps."
             )
     return lines
@@ -96,10 +96,10 @@ def markdown(result: dict) -> str:
         "",
         'Moments of the train and test sequences pooled (unbiased; `unit="sample"`, one vector per '
         "sequence). Certificate and misalignment at "
-        f"M = K = {result['points'][0]['certificate']['M']}. |C|_F²: a rank-{result['config']['cross_rank']} "
+        f"M = K = {result['points'][0]['certificate']['M']}. ‖C‖_F²: a rank-{result['config']['cross_rank']} "
         "zero-output block's cross-gradient on the train stream, tested for C = 0 with its null SE.",
         "",
-        "| point | ‖μ‖² | d_par | d_2 | d_align | B_align | B_exact | misaligned | |C|_F² | SE (H0) | p | saturated | AG_max |",
+        "| point | ‖μ‖² | d_par | d_2 | d_align | B_align | B_exact | misaligned | ‖C‖_F² | SE (H0) | p | saturated | AG_max |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in result["points"]:
