@@ -229,9 +229,9 @@ def run_real_demo(cfg: RealDemoConfig, out, progress=None) -> dict:
 
     t0 = time.perf_counter()
     candidates = fs.growth_points(model)
-    chosen = sorted(
-        {candidates[min(len(candidates) - 1, max(0, round(b * len(points))))] for b in cfg.boundaries}
-    )
+    # boundary after block round(b·L): growth_points lists the input boundary first
+    at = sorted({min(len(candidates) - 1, max(0, round(b * len(points)))) for b in cfg.boundaries})
+    chosen = [candidates[k] for k in at]  # in depth order
     protocol = fs.GrowthProtocol(chosen, family="layer", init="zero", seed=cfg.seed)
     tangent = fs.Probe(model, points=protocol.candidates, cross=protocol)
     with Progress(len(train) + len(test), "probe, zero-layer tangents", enabled=show, unit="batches") as bar:
