@@ -313,6 +313,23 @@ def test_the_cli_probes_a_gguf_file(cache, tiny, here, capsys):
     assert "GGUF file 'nosuch-model-name.gguf' does not exist" in capsys.readouterr().err
 
 
+def test_stream_blocks_takes_a_gguf_file_and_streams_the_same_model(cache, tiny):
+    """fs.stream_blocks("x.gguf") reads the converted folder: a streamed probe step gives the
+    statistics of the in-memory model that fs.pretrained returns for the same file."""
+    path, _ = tiny
+    model, _ = fs.pretrained(path, dtype=torch.float64, progress=False)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(5))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    direct = fs.Probe(model, second_moment="pool")
+    direct.step(batch, fs.causal_lm_loss)
+    with fs.stream_blocks(path, dtype=torch.float64) as st:
+        streamed = fs.Probe(st.model, second_moment="pool")
+        streamed.step(batch, fs.causal_lm_loss)
+        for point in direct.points:
+            want, got = direct.estimate(point).mu_norm2, streamed.estimate(point).mu_norm2
+            assert got == pytest.approx(want, rel=1e-12, abs=0.0), point
+
+
 @needs_smollm2
 def test_the_cli_probes_the_real_model_by_name(here, capsys):
     (here / "corpus.txt").write_text(Path(json.__file__).read_text(encoding="utf-8"))

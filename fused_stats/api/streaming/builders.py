@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ...errors import FusedStatsError
+from ...networks.pretrained import resolve_model
 from ..probe.points import residual_points
 from .recompute import StreamedBlock
 from .shards import CheckpointShards
@@ -316,7 +317,8 @@ def stream_blocks(source, device=None, dtype=None, prefetch: int = 1) -> BlockSt
         A module whose weights are in host memory (changed in place until ``close()``, then
         restored exactly), or a local HF checkpoint folder (``config.json`` plus
         ``model.safetensors`` or sharded ``model-*-of-*.safetensors`` with
-        ``model.safetensors.index.json``).
+        ``model.safetensors.index.json``); a known pretrained name or a ``.gguf`` file is read from
+        its converted folder (:func:`fused_stats.pretrained_folder`).
     device : None, str or torch.device
         Where blocks run and the resident parts live (default: the module's device; CPU for a folder).
     dtype : None or torch.dtype
@@ -337,7 +339,8 @@ def stream_blocks(source, device=None, dtype=None, prefetch: int = 1) -> BlockSt
     if isinstance(source, nn.Module):
         return _from_module(source, dev, dtype, prefetch)
     if isinstance(source, (str, os.PathLike)):
-        return _from_folder(Path(source), dev, dtype, prefetch)
+        # a known pretrained name or a .gguf file: its converted folder (fs.pretrained_folder)
+        return _from_folder(Path(resolve_model(source)), dev, dtype, prefetch)
     raise FusedStatsError(
         f"stream_blocks needs an nn.Module or a checkpoint folder, got {type(source).__name__}"
     )
