@@ -4,6 +4,8 @@ miniature on small models trained here (:mod:`fused_stats.demo.experiment`); ``-
 
 from __future__ import annotations
 
+from functools import partial
+
 from .args import check_out_folder, int_at_least, int_list, positive_float, positive_int
 
 
@@ -53,7 +55,11 @@ def register(sub) -> None:
     )
     p.add_argument("--out", default="fused_stats_out", help="output folder (default: %(default)s)")
     p.add_argument(
-        "--force", action="store_true", help="write into an --out folder that is not empty (default: refuse)"
+        "--force",
+        action="store_true",
+        help="write into an --out folder that is not empty (default: refuse); with --toy a rerun into the "
+        "folder of an interrupted run of the same configuration resumes without it, and --force starts "
+        "afresh (every run recomputed, the runs of another configuration removed)",
     )
     p.add_argument(
         "--seeds",
@@ -157,7 +163,10 @@ def cmd_demo(args) -> int:
             ("split", "split"),
         ),
     )
-    return _run(args, DemoConfig, run_demo, overrides)
+    from ..demo.toy_resume import check_out
+
+    # a rerun into the folder of an interrupted run of this configuration resumes it (no --force)
+    return _run(args, DemoConfig, partial(run_demo, force=args.force), overrides, check=check_out)
 
 
 def _overrides(args, grouped: tuple, scalars: tuple) -> dict:
@@ -175,10 +184,14 @@ def _overrides(args, grouped: tuple, scalars: tuple) -> dict:
     return overrides
 
 
-def _run(args, config_class, run, overrides: dict) -> int:
+def _run(args, config_class, run, overrides: dict, check=None) -> int:
+    """``check(cfg, out, force)`` refuses the output folder (default: :func:`check_out_folder`)."""
     cfg = config_class.quick(**overrides) if args.quick else config_class(**overrides)
     cfg.validate()  # every bad value is reported before a thread count or a folder changes
-    check_out_folder(args.out, args.force)
+    if check is None:
+        check_out_folder(args.out, args.force)
+    else:
+        check(cfg, args.out, args.force)
     if args.threads is None:
         args.threads = 1
     if args.threads is not None:

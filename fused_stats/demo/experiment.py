@@ -23,7 +23,12 @@ The depth sweep also lists, per run, ``|C|_F²`` with its standard error and the
 decision (:func:`saturation_lines`); and one trained model of the depth sweep (its deepest, first
 seed) gets the direct interventions of :func:`fused_stats.intervene`, a zero bias and a zero
 block at its last residual point, run on an fp64 copy so that the small changes of small steps are
-resolved: measured vs first-order predicted test-loss change per η (:func:`intervention_lines`).
+resolved: measured (a central difference) vs first-order predicted test-loss change per η, for an
+SGD and a zero-state Adam step (:func:`intervention_lines`).
+
+Each run's report is written to ``runs/`` when the run is done, with the configuration's key; a
+rerun of the same configuration into the same folder reads those back and computes only the
+missing runs (:mod:`.toy_resume`).
 
 The width sweep runs every width at ``width_sweep_depth``; the depth sweep every depth at
 ``depth_sweep_width`` (a shared (N, L) run is trained once). Tables show the median and range over
@@ -40,7 +45,6 @@ import os
 import platform
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -283,7 +287,7 @@ def intervention_lines(model, corpus, cfg: DemoConfig, etas=INTERVENTION_ETAS) -
     B = cfg.batch_size
     train = corpus.probe_batches("train", B, cfg.probe_batches)
     test = corpus.probe_batches("test", B, cfg.probe_batches)
-    lines, dicts = [], []
+    dicts = []
     for kind in ("bias", "block"):
         result = fs.intervene(
             model64,
@@ -295,9 +299,18 @@ def intervention_lines(model, corpus, cfg: DemoConfig, etas=INTERVENTION_ETAS) -
             loss_fn=fs.causal_lm_loss,
             spec=fs.CrossSpec(rank=cfg.cross_rank, seed=0),
         )
-        lines += ["", result.to_markdown()]
         dicts.append(result.to_dict())
-    return lines, dicts
+    return intervention_markdown(dicts), dicts
+
+
+def intervention_markdown(dicts: list[dict]) -> list[str]:
+    """The text lines of :func:`intervention_lines` from its dicts (as a run's report keeps them)."""
+    from ..api.growth.intervene import Intervention
+
+    lines = []
+    for d in dicts:
+        lines += ["", Intervention.from_dict(d).to_markdown()]
+    return lines
 
 
 def _header(cfg: DemoConfig, corpus) -> list[str]:
@@ -324,46 +337,63 @@ def _header(cfg: DemoConfig, corpus) -> list[str]:
     ]
 
 
-def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> dict:
+def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None, force: bool = False) -> dict:
     """Run both sweeps, print tables, write reports/plots under ``out``; returns a summary dict.
 
     ``progress``: False = no progress output; True or None = the rule of
     :mod:`fused_stats.progress` (a bar on a terminal, a plain line every 30 s otherwise).
+    A rerun into the same ``out`` with the same configuration reads the runs finished before back
+    and computes only the missing ones; ``force`` starts afresh (:mod:`.toy_resume`).
     """
     from ..api.report.document import Report, plot_sweep, sweep_summary
     from ..progress import Progress
     from .corpus import StdlibCorpus
+    from .toy_resume import KEY_FIELD, check_out, finished_run, open_out, run_path
 
     cfg.validate()
+    check_out(cfg, out, force)  # refused before anything is read or written
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    out = Path(out)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
     need = cfg.train_steps * cfg.batch_size
     corpus = StdlibCorpus(cfg.seq_len, probe_windows=cfg.probe_batches * cfg.batch_size)
     have = len(corpus.order("train", 0))
     if need > have:
         raise FusedStatsError(f"the demo needs {need} training windows, the corpus has {have}")
+    out, key, resume = open_out(cfg, out, force)
     lines = _header(cfg, corpus)
     for line in lines:
         echo(line)
     runs = cfg.runs()
     reports: list[Report] = []
-    # the model that gets the interventions: the deepest of the depth sweep, first seed
+    # the model that gets the interventions: the deepest of the depth sweep, first seed; they
+    # are computed as soon as it is trained and kept in its report, so a resumed demo has them
     keep = (cfg.depth_sweep_width, max(cfg.depths), cfg.seeds[0])
-    kept = None
+    reused = 0
     bar = Progress(len(runs) * cfg.train_steps, "demo", enabled=progress is not False, unit="training steps")
     try:
         for width, depth, seed in runs:
             bar.set_description(f"width {width} depth {depth} seed {seed}")
-            report = run_one(corpus, cfg, width, depth, seed, bar, keep_model=(width, depth, seed) == keep)
-            if isinstance(report, tuple):
-                report, kept = report
-            report.to_json(out / "runs" / f"w{width}-d{depth}-s{seed}.json")
+            report = finished_run(out, key, width, depth, seed) if resume else None
+            read_back = report is not None
+            if read_back:
+                reused += 1
+                bar.update(cfg.train_steps)
+            else:
+                report, model = run_one(corpus, cfg, width, depth, seed, bar, keep_model=True)
+                report.meta[KEY_FIELD] = key
+                if (width, depth, seed) == keep:
+                    report.meta["interventions"] = intervention_lines(model, corpus, cfg)[1]
+                del model
+                report.to_json(run_path(out, width, depth, seed))
             m = report.meta
             msg = (
                 f"run width={width:<4} depth={depth:<2} seed={seed}: loss {m['first_loss']:.2f} "
                 f"-> {m['train_loss']:.3f} (held-out {m['test_loss']:.3f}), "
                 f"train {m['train_seconds']:.1f} s, probe {m['probe_seconds']:.1f} s"
+                + (
+                    f" (finished earlier: read back from {run_path(out, width, depth, seed).name})"
+                    if read_back
+                    else ""
+                )
             )
             bar.write(msg, echo)  # keeps a terminal bar intact
             lines.append(msg)
@@ -412,22 +442,28 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
             "noise of 0 means no first-order gain from a block inserted there):",
         ]
         sections += saturation_lines(depth_runs, cfg.point)
-    if kept is not None:
+    kept = next(r for r in reports if (r.meta["width"], r.meta["depth"], r.meta["seed"]) == keep)
+    dicts = kept.meta.get("interventions")
+    if dicts:
         title = (
             f"Direct interventions on the width {keep[0]}, depth {keep[1]}, seed {keep[2]} "
-            "model (fp64 copy): one gradient step of size eta on an inserted zero "
-            "parameter, using the probe's train windows; change of the mean held-out loss"
+            "model (fp64 copy): one step of size eta on an inserted zero parameter (SGD, then "
+            "zero-state Adam), from the probe's train windows; first-order change of the mean "
+            "held-out loss, measured as a central difference"
         )
-        lines_iv, dicts = intervention_lines(kept, corpus, cfg)
-        sections += ["", f"== {title} ==", *lines_iv]
+        sections += ["", f"== {title} ==", *intervention_markdown(dicts)]
         sections.append(
-            "(predicted = -eta mu_M.g_K for the bias, -eta <C_M, C_K>_F for the block; "
-            "the ratio tends to 1 as eta shrinks when the first-order picture holds)"
+            "(predicted = -eta mu_M.g_K for the bias, -eta <C_M, C_K>_F for the block, -eta <s, g_K> "
+            "for Adam; measured = (L(step) - L(-step))/2, the step against its mirror step: the "
+            "curvature term cancels, so the ratio is 1 + O(eta^2) and tends to 1 as eta shrinks; "
+            "Adam's sign-like step moves every coordinate by eta, so it needs a smaller eta than SGD. "
+            "one-sided step = L(step) - L(zero parameter), curvature included: for Adam it can have "
+            "the wrong sign)"
         )
         from ..accumulators.persistence import write_text_atomic
 
         write_text_atomic(out / "interventions.json", json.dumps(dicts, indent=1) + "\n")
-    files = [out / "interventions.json"] if kept is not None else []
+    files = [out / "interventions.json"] if dicts else []
     try:
         files.append(plot_sweep(width_runs, "width", out / "width_sweep.png", cfg.point))
         files.append(plot_sweep(depth_runs, "depth", out / "depth_sweep.png", cfg.point))
@@ -450,7 +486,8 @@ def run_demo(cfg: DemoConfig, out, echo=print, progress: bool | None = None) -> 
         f"wrote {len(reports)} JSON reports to {out / 'runs'}, "
         + ", ".join(str(f) for f in files)
         + f", {out / 'summary.md'}",
-        f"total: {wall:.0f} s wall, {cpu:.0f} s CPU (process time) for {len(runs)} runs",
+        f"total: {wall:.0f} s wall, {cpu:.0f} s CPU (process time) for {len(runs)} runs"
+        + (f" ({reused} finished earlier, read back from {out / 'runs'})" if reused else ""),
     ]
     for line in sections:
         echo(line)

@@ -23,10 +23,16 @@ elementwise (``d`` the SGD direction above: bias-corrected moments of one gradie
 of a zero parameter is zero) is taken from the zero block too, predicted ``−η ⟨s, g_K⟩``
 (``adam_rows``; :mod:`.scores`).
 
-The measured change is ``L_K(after) − L_K(zero block)``, both the mean of the per-sample losses
-over every test sample, computed in ``eval()`` mode like the probe. For small ``η`` the ratio
-measured / predicted tends to 1 (the remainder is ``O(η²)``); run the model in fp64 to see it at
-small ``η`` (the change is ``O(η)`` against a loss of ``O(1)``).
+The measured first-order change is the **central difference** ``(L_K(θ₀ + Δ) − L_K(θ₀ − Δ))/2``
+(``θ₀ = 0`` the zero parameter, ``Δ`` the step): the step against its mirror step. The curvature
+term ``½ Δᵀ H Δ`` is the same on both sides and cancels, so measured / predicted is
+``1 + O(η²)``; the one-sided change ``L_K(θ₀ + Δ) − L_K(θ₀)`` (kept as ``one_sided``) carries that
+curvature at ``O(η)`` relative. It matters for the zero-state Adam step: its ``s`` is about
+``sign(d)``, a step of size ``η`` in *every* coordinate, so at a given ``η`` its curvature term is
+far larger than the SGD step's and its one-sided ratio can even have the wrong sign. Every loss is
+the mean of the per-sample losses over every test sample, computed in ``eval()`` mode like the
+probe. Run the model in fp64 to see the ratio at small ``η`` (the change is ``O(η)`` against a loss
+of ``O(1)``).
 
 The inserted parameter acts at every position, so its gradient sums over every position: the probe
 runs with ``mask="none"``. The model is left exactly as it was: the block is removed in a
@@ -54,8 +60,9 @@ KINDS = ("bias", "block")
 class InterventionRow:
     eta: float
     predicted: float  # first-order change of the mean test loss
-    measured: float  # measured change of the mean test loss
-    ratio: float  # measured / predicted (nan when predicted == 0)
+    measured: float  # central difference (L(θ₀ + Δ) − L(θ₀ − Δ))/2 of the mean test loss
+    ratio: float | None  # measured / predicted (None when predicted == 0: no ratio to form)
+    one_sided: float  # L(θ₀ + Δ) − L(θ₀): the step's whole change, curvature included
 
 
 @dataclass
@@ -87,6 +94,16 @@ class Intervention:
             "adam_rows": [r.__dict__.copy() for r in self.adam_rows],
         }
 
+    @classmethod
+    def from_dict(cls, data: dict) -> Intervention:
+        """The inverse of :meth:`to_dict` (e.g. read back from a JSON file)."""
+        fields = {k: v for k, v in data.items() if k not in ("rows", "adam_rows")}
+        return cls(
+            **fields,
+            rows=[InterventionRow(**r) for r in data["rows"]],
+            adam_rows=[InterventionRow(**r) for r in data["adam_rows"]],
+        )
+
     def to_markdown(self) -> str:
         what = "μ_Mᵀg_K" if self.kind == "bias" else "<C_M, C_K>_F"
         lines = [
@@ -94,22 +111,27 @@ class Intervention:
             f"K = {self.K} test samples, base test loss {self.base_loss:.6g}, {what} = "
             f"{self.inner:.4g}",
             "",
-            "| eta | predicted | measured | ratio |",
-            "|---:|---:|---:|---:|",
+            *_table(self.rows),
         ]
-        for r in self.rows:
-            lines.append(f"| {r.eta:.3g} | {r.predicted:.4g} | {r.measured:.4g} | {r.ratio:.4f} |")
         if self.adam_rows:
             lines += [
                 "",
                 f"Zero-state Adam/AdamW first step (eps = {self.adam_eps:g}): <s, g_K> = {self.adam_inner:.4g}",
                 "",
-                "| eta | predicted | measured | ratio |",
-                "|---:|---:|---:|---:|",
+                *_table(self.adam_rows),
             ]
-            for r in self.adam_rows:
-                lines.append(f"| {r.eta:.3g} | {r.predicted:.4g} | {r.measured:.4g} | {r.ratio:.4f} |")
         return "\n".join(lines)
+
+
+TABLE_HEADER = "| eta | predicted | measured (central) | ratio | one-sided step |"
+
+
+def _table(rows: list[InterventionRow]) -> list[str]:
+    lines = [TABLE_HEADER, "|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = "not estimable (predicted 0)" if r.ratio is None else f"{r.ratio:.4f}"
+        lines.append(f"| {r.eta:.3g} | {r.predicted:.4g} | {r.measured:.4g} | {ratio} | {r.one_sided:.4g} |")
+    return lines
 
 
 def _etas(eta) -> list[float]:
@@ -145,6 +167,15 @@ def _mean_loss(model: nn.Module, batches: list, loss_fn) -> tuple[float, int]:
     if count == 0:
         raise FusedStatsError("intervene: the test batches hold no samples")
     return float(total) / count, count
+
+
+def _loss_at(
+    model: nn.Module, param: nn.Parameter, value: torch.Tensor, test_batches: list, loss_fn
+) -> float:
+    """The mean test loss with the inserted parameter set to ``value``."""
+    with torch.no_grad():
+        param.copy_(value.to(dtype=param.dtype, device=param.device))
+    return _mean_loss(model, test_batches, loss_fn)[0]
 
 
 def intervene(
@@ -185,7 +216,9 @@ def intervene(
     Returns
     -------
     Intervention
-        ``rows`` of ``(eta, predicted, measured, ratio)``; ``to_markdown()`` gives a table.
+        ``rows`` of ``(eta, predicted, measured, ratio, one_sided)``: ``measured`` is the central
+        difference ``(L(θ₀ + Δ) − L(θ₀ − Δ))/2``, ``one_sided`` the step's own change
+        ``L(θ₀ + Δ) − L(θ₀)`` (module docstring); ``to_markdown()`` gives a table.
     """
     from ..probe.driver import Probe
 
@@ -239,16 +272,13 @@ def intervene(
         for label, direction, per_unit in (("sgd", step_dir, inner), ("adam", adam_dir, adam_inner)):
             rows = tables[label] = []
             for e in etas:
-                with torch.no_grad():
-                    param.copy_((-e * direction).to(dtype=param.dtype, device=param.device))
-                loss, _ = _mean_loss(model, test_batches, loss_fn)
-                predicted = -e * per_unit
-                measured = loss - base
-                rows.append(
-                    InterventionRow(
-                        e, predicted, measured, measured / predicted if predicted != 0 else math.nan
-                    )
+                after, mirror = (
+                    _loss_at(model, param, sign * -e * direction, test_batches, loss_fn) for sign in (1, -1)
                 )
+                predicted = -e * per_unit
+                measured = (after - mirror) / 2
+                ratio = measured / predicted if predicted != 0 else None
+                rows.append(InterventionRow(e, predicted, measured, ratio, one_sided=after - base))
     finally:
         remove_inserted_block(model, point)
         for m, training in modes:
