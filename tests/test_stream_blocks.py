@@ -595,7 +595,9 @@ def spread_check(devices):
         # host floats, never device tensors; None only where the estimate says why
         reasons = set(fields.get("not_estimable") or {})
         reasons |= {f"plugin.{k}" for k in fields["plugin"].get("not_estimable") or {}}
-        assert all(isinstance(v, (float, bool)) or (v is None and k in reasons) for k, v in scalars.items()), (
+        assert all(
+            isinstance(v, (float, bool)) or (v is None and k in reasons) for k, v in scalars.items()
+        ), (
             scalars,
             reasons,
         )
