@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -376,3 +377,51 @@ def test_a_suite_entry_names_the_real_model(tmp_path):
     spec = read_suite(write_suite(tmp_path, ["smollm2-135m"]))
     assert [r.model for r in spec.runs] == [P.pretrained_folder("smollm2-135m", progress=False).resolve()]
     assert json.loads((spec.runs[0].model / "config.json").read_text())["num_hidden_layers"] == 30
+
+
+def test_a_known_name_resolves_in_any_case(cache, known_tiny):
+    folder = str(P.pretrained_folder("tiny-test", progress=False))
+    assert P.is_pretrained_spec("TINY-Test") and P.resolve_model("TINY-Test") == folder
+    assert P.resolve_model("TINY-Test", base=Path("/elsewhere")) == folder
+    assert P.resolve_model("some/folder") == "some/folder"  # not ours: the caller checks it
+
+
+def test_the_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("FUSED_STATS_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert P.cache_root() == tmp_path / "xdg" / "fused_stats"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert P.cache_root() == tmp_path / "home" / ".cache" / "fused_stats"
+    monkeypatch.setenv("FUSED_STATS_CACHE", str(tmp_path / "mine"))
+    assert P.cache_root() == tmp_path / "mine"
+
+
+def test_a_folder_whose_manifest_names_another_source_is_converted_again(cache, tiny, monkeypatch):
+    path, _ = tiny
+    folder = P.pretrained_folder(path, progress=False)
+    manifest = json.loads((folder / P.MANIFEST).read_text())
+    manifest["source_sha256"] = "0" * 64  # the files still match their own checksums
+    (folder / P.MANIFEST).write_text(json.dumps(manifest))
+    calls = count_conversions(monkeypatch)
+    assert P.pretrained_folder(path, progress=False) == folder
+    assert len(calls) == 1
+    assert json.loads((folder / P.MANIFEST).read_text())["source_sha256"] == P.sha256_file(path)
+
+
+def test_a_conversion_that_another_process_finished_first_is_kept(cache, tiny, monkeypatch, tmp_path):
+    path, _ = tiny
+    folder = P.pretrained_folder(path, progress=False)
+    theirs = tmp_path / "theirs"
+    shutil.copytree(folder, theirs)
+    shutil.rmtree(folder)
+    save = transformers.PreTrainedModel.save_pretrained
+
+    def save_while_another_finishes(self, target, *args, **kwargs):
+        save(self, target, *args, **kwargs)
+        shutil.copytree(theirs, folder)  # the other process renames its folder into place now
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", save_while_another_finishes)
+    assert P.pretrained_folder(path, progress=False) == folder
+    assert cache_entries(cache) == [folder.name]  # its folder, and no staging copy left
+    assert P._verify(folder, P.sha256_file(path)) is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -48,15 +49,32 @@ def test_reader_refuses_a_missing_doubled_or_multiline_block():
     assert ci_command("main", main).endswith("fused-stats demo --quick")
     with pytest.raises(ValueError, match="must end in 'fused-stats demo'"):
         ci_command("main", main.replace("demo\n```", "demo --quick\n```"))
+    # blank lines around the command are not lines of it
+    assert readme_command("tests", good.replace("```bash\n", "```bash\n\n")) == readme_command("tests", good)
+
+
+def test_the_tool_prints_what_ci_runs():
+    """``python tools/readme_commands.py main --ci``: the README's line after the marker and its
+    ``bash`` fence, with ``--quick`` appended (read here line by line)."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    at = lines.index("<!-- readme-command: main -->")
+    fence = next(k for k in range(at + 1, len(lines)) if lines[k].strip() == "```bash")
+    want = lines[fence + 1].strip()
+    tool = [sys.executable, str(ROOT / "tools" / "readme_commands.py")]
+    ci = subprocess.run([*tool, "main", "--ci"], capture_output=True, text=True, check=True).stdout
+    plain = subprocess.run([*tool, "main"], capture_output=True, text=True, check=True).stdout
+    assert (ci, plain) == (want + " --quick\n", want + "\n")
+    assert subprocess.run([*tool, "main", "--fast"], capture_output=True, text=True).returncode == 2
 
 
 def test_ci_runs_the_readme_text_and_installs_nothing_of_its_own():
     run = (ROOT / ".ci" / "run").read_text()
-    assert 'main_job="$(python3 tools/readme_commands.py main --ci)"' in run
-    assert 'tests="$(python3 tools/readme_commands.py tests)"' in run
-    assert 'bash -euo pipefail -c "$main_job"' in run
-    assert 'bash -euo pipefail -c "$tests"' in run
     code = [line for line in run.splitlines() if not line.lstrip().startswith("#")]
+    lines = "\n".join(code)  # a step commented out is a step CI skips
+    assert 'main_job="$(python3 tools/readme_commands.py main --ci)"' in lines
+    assert 'tests="$(python3 tools/readme_commands.py tests)"' in lines
+    assert 'bash -euo pipefail -c "$main_job"' in lines
+    assert 'bash -euo pipefail -c "$tests"' in lines
     assert not [line for line in code if "pip " in line], "CI installs only through the README's commands"
 
 

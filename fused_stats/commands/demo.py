@@ -37,7 +37,7 @@ def register(sub) -> None:
         help="the real model: 'smollm2-135m' or a .gguf file of a LLaMA-architecture model "
         "(default: smollm2-135m)",
     )
-    p.add_argument("--seq-len", type=int_at_least(8), help="tokens per sequence (default: 256; --quick: 64)")
+    p.add_argument("--seq-len", type=int_at_least(8), help="tokens per sequence (default: 128; --quick: 64)")
     p.add_argument(
         "--train-batches", type=positive_int, help="train batches of 4 sequences (default: 6; --quick: 2)"
     )
