@@ -409,6 +409,21 @@ def test_a_folder_whose_manifest_names_another_source_is_converted_again(cache, 
     assert json.loads((folder / P.MANIFEST).read_text())["source_sha256"] == P.sha256_file(path)
 
 
+@pytest.mark.parametrize("files", [None, {}, "model.safetensors"])
+def test_a_manifest_listing_no_model_files_is_converted_again(cache, tiny, monkeypatch, files):
+    """A hand-edited manifest whose file list is null, empty or not a table: not a complete
+    conversion (no crash, and nothing taken on trust)."""
+    path, _ = tiny
+    folder = P.pretrained_folder(path, progress=False)
+    manifest = json.loads((folder / P.MANIFEST).read_text())
+    manifest["files"] = files
+    (folder / P.MANIFEST).write_text(json.dumps(manifest))
+    calls = count_conversions(monkeypatch)
+    assert P.pretrained_folder(path, progress=False) == folder
+    assert len(calls) == 1
+    assert {"config.json", "model.safetensors"} <= set(json.loads((folder / P.MANIFEST).read_text())["files"])
+
+
 def test_a_conversion_that_another_process_finished_first_is_kept(cache, tiny, monkeypatch, tmp_path):
     path, _ = tiny
     folder = P.pretrained_folder(path, progress=False)

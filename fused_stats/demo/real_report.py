@@ -175,7 +175,7 @@ def _plot_profile(result: dict, path: Path) -> None:
         (
             axes[1][0],
             "cross",
-            "|C|_F² (rank-16 zero block, train)",
+            f"|C|_F² (rank-{result['config']['cross_rank']} zero block, train)",
             lambda r: r["saturation"].get("cross_frob2"),
         ),
         (axes[1][1], "ag_max", "AG_max = max_i ‖q_i‖", lambda r: r["ag_max"]),

@@ -32,6 +32,8 @@ from pathlib import Path
 from ..errors import FusedStatsError
 
 MANIFEST = "fused_stats_source.json"
+# what a converted folder must hold whatever else the model's save writes (tokenizer files vary)
+REQUIRED_FILES = frozenset({"config.json", "model.safetensors"})
 FORMAT = "fused_stats.pretrained"
 VERSION = 1
 
@@ -202,6 +204,8 @@ def _verify(folder: Path, source_sha: str) -> str | None:
             return f"manifest format {manifest.get('format')!r} version {manifest.get('version')!r}"
         if manifest.get("source_sha256") != source_sha:
             return "made from another GGUF file"
+        if not isinstance(files, dict) or not set(files) >= REQUIRED_FILES:
+            return f"the manifest lists {sorted(files) if isinstance(files, dict) else files!r}, not {sorted(REQUIRED_FILES)}"
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"unreadable manifest ({exc})"
     for name, digest in files.items():
