@@ -29,7 +29,7 @@ def test_quickstart(tmp_path):
         "Misalignment(",
         "realized alignment",
         "test of C = 0 (SE under H0 = ",  # print(probe.saturation(point)): the labelled line
-        "| eta | predicted | measured | ratio |",
+        "| eta | predicted | measured (central) | ratio | one-sided step |",  # fs.intervene's table
     ):
         assert needle in out, needle
     # at n = 32 the plug-in variance of |C|_F^2 comes out negative at a point: no false "0"
