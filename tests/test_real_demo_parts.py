@@ -84,7 +84,7 @@ def test_the_demo_on_a_tiny_llama_steps_and_predicts_from_the_train_and_test_mea
     source.mkdir()
     (source / "fused_stats_source.json").write_text(json.dumps({"about": "a tiny random LLaMA"}))
     monkeypatch.setattr(fs, "pretrained", lambda spec, **kw: (model, CharTokenizer()))
-    monkeypatch.setattr(fs, "pretrained_folder", lambda spec, **kw: source)
+    model.name_or_path = str(source)  # what from_pretrained sets: the folder the demo reads the manifest of
     targets = (1e-4, 1e-3)
     cfg = RealDemoConfig(
         model="tiny",

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..errors import FusedStatsError
+from ..networks.pretrained import MANIFEST
 
 MODEL = "smollm2-135m"
 
@@ -127,16 +128,13 @@ def batches_of(windows: torch.Tensor, batch_size: int) -> list[dict]:
 
 
 def mean_test_loss(model, batches) -> float:
-    """Mean per-sequence loss over the test batches (fp64 total), in eval mode, no gradient."""
+    """Mean per-sequence loss over the test batches (fp64 total), no gradient: the interventions'
+    own measurement (:func:`fused_stats.api.growth.intervene.mean_loss`)."""
     import fused_stats as fs
 
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for batch in batches:
-            losses = fs.causal_lm_loss(model, batch).double()
-            total += float(losses.sum())
-            count += losses.numel()
-    return total / count
+    from ..api.growth.intervene import mean_loss
+
+    return mean_loss(model, batches, fs.causal_lm_loss)[0]
 
 
 # ---------------------------------------------------------------------------- run
@@ -255,7 +253,8 @@ def run_real_demo(cfg: RealDemoConfig, out, progress=None) -> dict:
     timings["interventions"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - started
 
-    folder = fs.pretrained_folder(cfg.model, progress=False)
+    # the folder the model was loaded from (no second checksum pass over the weights)
+    manifest = Path(model.name_or_path) / MANIFEST
     result = {
         "format": "fused_stats.real_demo",
         "version": 1,
@@ -264,7 +263,7 @@ def run_real_demo(cfg: RealDemoConfig, out, progress=None) -> dict:
             "name": cfg.model,
             "class": type(model).__name__,
             "parameters": sum(p.numel() for p in model.parameters()),
-            "source": json.loads((folder / "fused_stats_source.json").read_text())["about"],
+            "source": json.loads(manifest.read_text(encoding="utf-8"))["about"],
         },
         "data": {
             "text": "this Python's standard-library .py source, split by file",

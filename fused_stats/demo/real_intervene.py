@@ -117,15 +117,16 @@ class TailLoss:
     def loss(self, model, start: int, shift: torch.Tensor | None = None) -> float:
         import fused_stats as fs
 
+        from ..api.growth.intervene import mean_loss
+
         layers = nn.ModuleList(list(model.model.layers)[start:])
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for batch, z in zip(self.batches, self.streams):
-                stream = z if shift is None else z + shift.to(z.dtype)
-                losses = fs.causal_lm_loss(_FromStream(model, layers, stream), batch).double()
-                total += float(losses.sum())
-                count += losses.numel()
-        return total / count
+
+        def from_stream(_, pair):
+            batch, z = pair
+            stream = z if shift is None else z + shift.to(z.dtype)
+            return fs.causal_lm_loss(_FromStream(model, layers, stream), batch)
+
+        return mean_loss(model, list(zip(self.batches, self.streams)), from_stream)[0]
 
 
 def torch_first_step(name: str, grads: dict[str, torch.Tensor], eta: float) -> dict[str, torch.Tensor]:

@@ -150,7 +150,7 @@ def _etas(eta) -> list[float]:
     return out
 
 
-def _mean_loss(model: nn.Module, batches: list, loss_fn) -> tuple[float, int]:
+def mean_loss(model: nn.Module, batches: list, loss_fn) -> tuple[float, int]:
     """``(mean of the per-sample losses over all batches, number of samples)``, in eval mode."""
     total = torch.zeros((), dtype=F64)
     count = 0
@@ -175,7 +175,7 @@ def _loss_at(
     """The mean test loss with the inserted parameter set to ``value``."""
     with torch.no_grad():
         param.copy_(value.to(dtype=param.dtype, device=param.device))
-    return _mean_loss(model, test_batches, loss_fn)[0]
+    return mean_loss(model, test_batches, loss_fn)[0]
 
 
 def intervene(
@@ -267,7 +267,7 @@ def intervene(
             # exactly the features the probe used (same W_in, no re-draw or dtype round trip)
             block.w_in = probe.cross_stats[point].w_in.to(dtype=block.w_in.dtype, device=block.w_in.device)
         model.eval()
-        base, count = _mean_loss(model, test_batches, loss_fn)
+        base, count = mean_loss(model, test_batches, loss_fn)
         tables = {}
         for label, direction, per_unit in (("sgd", step_dir, inner), ("adam", adam_dir, adam_inner)):
             rows = tables[label] = []
